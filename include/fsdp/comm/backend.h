@@ -1,0 +1,25 @@
+#pragma once
+// Creating c10d backends (Gloo for CPU, NCCL for CUDA when this LibTorch has it).
+#include <chrono>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "fsdp/comm/comm.h"
+
+namespace fsdp::comm {
+
+// True when this build of the library can create an NCCL backend.
+bool nccl_available();
+
+// The backend for a device type: "cpu" -> Gloo, "cuda" -> NCCL (errors name what is missing).
+BackendKind backend_for_device(const std::string& device_type);
+
+// Creates the backend for a group whose members rendezvous through `store` (already prefixed so
+// that groups do not collide). Collective among the members only. `hostname_hint` picks Gloo's
+// network interface: the loopback when every rank is on this host.
+std::shared_ptr<Comm> make_comm(BackendKind kind, const compat::StorePtr& store, std::vector<int> global_ranks,
+                                int group_rank, std::chrono::milliseconds timeout, const std::string& name,
+                                const std::string& hostname_hint);
+
+}  // namespace fsdp::comm

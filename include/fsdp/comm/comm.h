@@ -1,0 +1,92 @@
+#pragma once
+// Comm: the collectives FSDP needs, over one c10d process group, with fallbacks where the backend
+// lacks an operation or a dtype (see DESIGN.md, "Gloo in LibTorch 1.13"):
+//   - all_gather_into_tensor without _allgather_base: list all_gather into views of the output;
+//   - reduce_scatter_tensor: all_to_all + local sum, the bytes of a ring reduce-scatter (never
+//     allreduce + slice, which moves twice as much);
+//   - bfloat16 on a backend without it: moved as its 16-bit pattern where only data moves, reduced
+//     locally in float32 otherwise (an all_reduce becomes reduce-scatter + all-gather);
+//   - AVG: sum, then divide.
+// Every operation has a timeout (CommOptions::timeout): a rank that never joins makes the others
+// fail with an error instead of hanging.
+#include <ATen/ATen.h>
+
+#include <chrono>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "fsdp/comm/comm_stats.h"
+#include "fsdp/comm/work.h"
+#include "fsdp/compat/c10d.h"
+
+namespace fsdp::comm {
+
+enum class ReduceOp { Sum, Avg, Max };
+enum class BackendKind { Local, Gloo, Nccl };
+const char* backend_name(BackendKind kind);
+
+// What the backend does natively; everything else goes through a fallback.
+struct Capabilities {
+  bool all_gather_base = false;
+  bool reduce_scatter_base = false;
+  bool bfloat16 = false;
+  bool avg = false;
+  static Capabilities for_backend(BackendKind kind);
+};
+
+// Default timeout of every collective: FSDP_COLLECTIVE_TIMEOUT_S when set, else 5 minutes.
+std::chrono::milliseconds default_collective_timeout();
+
+class Comm {
+ public:
+  // A group of one process: every collective is a local copy (no backend, no network).
+  static std::shared_ptr<Comm> single_process(std::string name = "world");
+
+  // `global_ranks[i]` is the global rank of group rank i; `rank` is this process's group rank.
+  Comm(compat::BackendPtr backend, BackendKind kind, std::vector<int> global_ranks, int rank,
+       std::chrono::milliseconds timeout, std::string name);
+
+  int rank() const { return rank_; }
+  int size() const { return static_cast<int>(global_ranks_.size()); }
+  const std::vector<int>& global_ranks() const { return global_ranks_; }
+  const std::string& name() const { return name_; }
+  BackendKind backend_kind() const { return kind_; }
+  const Capabilities& capabilities() const { return caps_; }
+  std::chrono::milliseconds timeout() const { return timeout_; }
+  const compat::BackendPtr& backend() const { return backend_; }
+  CommStats& stats() { return stats_; }
+
+  // out: size() * in.numel() elements, rank r's input at [r*in.numel(), (r+1)*in.numel()).
+  Work all_gather_into_tensor(const at::Tensor& out, const at::Tensor& in, bool async_op = false);
+  // in: size() * out.numel() elements; out gets the reduction of every rank's chunk [rank()].
+  Work reduce_scatter_tensor(const at::Tensor& out, const at::Tensor& in, ReduceOp op = ReduceOp::Sum,
+                             bool async_op = false);
+  // In place.
+  Work all_reduce(const at::Tensor& tensor, ReduceOp op = ReduceOp::Sum, bool async_op = false);
+  // In place, from group rank `root`.
+  Work broadcast(const at::Tensor& tensor, int root, bool async_op = false);
+  // Equal splits along the flattened tensors: chunk j of `in` goes to rank j, chunk j of `out`
+  // comes from rank j. numel must be divisible by size().
+  Work all_to_all(const at::Tensor& out, const at::Tensor& in, bool async_op = false);
+  Work barrier(bool async_op = false);
+
+ private:
+  Work finish(OpKind kind, uint64_t bytes, compat::WorkPtr work, std::function<void()> after, bool async_op,
+              const char* op_name);
+  compat::WorkPtr backend_all_gather(const at::Tensor& out, const at::Tensor& in);
+  compat::WorkPtr backend_all_to_all(const at::Tensor& out, const at::Tensor& in);
+  bool moves_as_bits(const at::Tensor& t) const;  // bf16 on a backend without bf16
+  std::string describe(const char* op) const;
+
+  compat::BackendPtr backend_;
+  BackendKind kind_;
+  Capabilities caps_;
+  std::vector<int> global_ranks_;
+  int rank_;
+  std::chrono::milliseconds timeout_;
+  std::string name_;
+  CommStats stats_;
+};
+
+}  // namespace fsdp::comm

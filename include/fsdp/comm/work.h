@@ -1,0 +1,43 @@
+#pragma once
+// A waitable handle for an asynchronous collective.
+//
+// A collective may be several steps: the backend's own operation, then local work that only
+// makes sense once it finished (summing an all_to_all into a reduce-scatter, dividing a sum into
+// an average, copying a 16-bit pattern back). wait() runs those steps on the caller's thread, so
+// the result is ready when wait() returns. Errors (including timeouts) surface from wait().
+#include <chrono>
+#include <functional>
+#include <memory>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+#include "fsdp/compat/c10d.h"
+
+namespace fsdp::comm {
+
+// A collective failed or timed out; the message names the operation, the group and the likely fix.
+class CommError : public std::runtime_error {
+ public:
+  using std::runtime_error::runtime_error;
+};
+
+class Work {
+ public:
+  Work() = default;  // an already-completed handle
+  // `backend_work` may be null (nothing outstanding); `finish` runs once after it completes.
+  Work(compat::WorkPtr backend_work, std::function<void()> finish, std::chrono::milliseconds timeout,
+       std::string description);
+
+  // Blocks until the collective and its local steps are done. Idempotent; rethrows failures with
+  // the operation and group named.
+  void wait();
+  // True when wait() would not block on communication (local steps may still be pending).
+  bool is_completed() const;
+
+ private:
+  struct State;
+  std::shared_ptr<State> state_;
+};
+
+}  // namespace fsdp::comm

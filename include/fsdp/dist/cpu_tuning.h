@@ -1,0 +1,35 @@
+#pragma once
+// CPU settings that must be fixed before a process starts computing.
+//
+// Debian 12's OpenBLAS (0.3.21) does not recognise recent Xeons and falls back to its generic
+// "Prescott" kernels, about 5x slower on GEMM. OpenBLAS reads OPENBLAS_CORETYPE only when it is
+// loaded, so whoever starts the process must set it: fsdprun does for its workers, and a program
+// started without the launcher calls `tune_cpu_or_reexec(argc, argv)` first thing in main().
+#include <string>
+#include <string_view>
+
+namespace fsdp::dist {
+
+// The core OpenBLAS chose in this process ("Prescott", "SkylakeX", ...); empty when the BLAS
+// that LibTorch loaded is not OpenBLAS.
+std::string openblas_loaded_corename();
+
+// The CPU feature flags line of /proc/cpuinfo (empty when unreadable).
+std::string cpu_flags();
+
+// Pure decision: the OPENBLAS_CORETYPE to force, or "" when OpenBLAS already uses kernels that
+// fit the CPU (or is not loaded). Generic fallbacks are Prescott/Katmai/Core2-era names.
+std::string openblas_coretype_for(std::string_view loaded_corename, std::string_view cpu_flags);
+
+// openblas_coretype_for() applied to this process; "" when OPENBLAS_CORETYPE is already set.
+std::string recommended_openblas_coretype();
+
+// Intra-op threads per rank: the cores divided among the local workers (at least 1).
+int default_omp_threads(int local_world_size);
+
+// For programs started without fsdprun: when OPENBLAS_CORETYPE is unset and OpenBLAS fell back
+// to generic kernels, set it and re-execute this program once (argv unchanged). Returns normally
+// when nothing needs to change. FSDP_NO_REEXEC=1 disables it.
+void tune_cpu_or_reexec(int argc, char** argv);
+
+}  // namespace fsdp::dist

@@ -1,0 +1,10 @@
+#pragma once
+// FSDP for LibTorch: everything a training program needs, in one include.
+#include "fsdp/comm/backend.h"
+#include "fsdp/comm/comm.h"
+#include "fsdp/comm/comm_stats.h"
+#include "fsdp/comm/work.h"
+#include "fsdp/dist/cpu_tuning.h"
+#include "fsdp/dist/env.h"
+#include "fsdp/dist/runtime.h"
+#include "fsdp/mesh/device_mesh.h"

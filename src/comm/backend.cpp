@@ -1,0 +1,83 @@
+#include "fsdp/comm/backend.h"
+
+#include <cstdlib>
+#include <stdexcept>
+
+#ifdef FSDP_HAS_NCCL
+#include <torch/csrc/distributed/c10d/ProcessGroupNCCL.hpp>
+#endif
+
+namespace fsdp::comm {
+
+bool nccl_available() {
+#ifdef FSDP_HAS_NCCL
+  return true;
+#else
+  return false;
+#endif
+}
+
+BackendKind backend_for_device(const std::string& device_type) {
+  if (device_type == "cpu") return BackendKind::Gloo;
+  if (device_type == "cuda") {
+    if (!nccl_available()) {
+      throw std::invalid_argument(
+          "fsdp: device type 'cuda' needs the NCCL backend, but this build has none (LibTorch " +
+          std::string(TORCH_VERSION) + " without CUDA/NCCL); rebuild against a CUDA LibTorch "
+          "(-DCMAKE_PREFIX_PATH=/path/to/libtorch) or use device type 'cpu'");
+    }
+    return BackendKind::Nccl;
+  }
+  throw std::invalid_argument("fsdp: unknown device type '" + device_type + "'; use \"cpu\" (Gloo) or \"cuda\" (NCCL)");
+}
+
+namespace {
+
+bool is_loopback(const std::string& host) {
+  return host == "localhost" || host == "::1" || host.rfind("127.", 0) == 0;
+}
+
+compat::BackendPtr make_gloo(const compat::StorePtr& store, int rank, int size, std::chrono::milliseconds timeout,
+                             const std::string& hostname_hint) {
+  auto opts = c10d::ProcessGroupGloo::Options::create();
+  opts->timeout = timeout;
+  // GLOO_SOCKET_IFNAME wins, as in PyTorch; a single-host job stays on the loopback interface.
+  if (const char* ifname = std::getenv("GLOO_SOCKET_IFNAME"); ifname && *ifname) {
+    opts->devices.push_back(c10d::ProcessGroupGloo::createDeviceForInterface(ifname));
+  } else if (is_loopback(hostname_hint)) {
+    opts->devices.push_back(c10d::ProcessGroupGloo::createDeviceForHostname("127.0.0.1"));
+  } else {
+    opts->devices.push_back(c10d::ProcessGroupGloo::createDefaultDevice());
+  }
+  // Two threads: the async collectives of FSDP overlap with compute, not with each other.
+  opts->threads = 2;
+  return c10::make_intrusive<c10d::ProcessGroupGloo>(store, rank, size, opts);
+}
+
+}  // namespace
+
+std::shared_ptr<Comm> make_comm(BackendKind kind, const compat::StorePtr& store, std::vector<int> global_ranks,
+                                int group_rank, std::chrono::milliseconds timeout, const std::string& name,
+                                const std::string& hostname_hint) {
+  const int size = static_cast<int>(global_ranks.size());
+  if (size == 1) {
+    return std::make_shared<Comm>(compat::BackendPtr(), BackendKind::Local, std::move(global_ranks), 0, timeout, name);
+  }
+  compat::BackendPtr backend;
+  if (kind == BackendKind::Gloo) {
+    backend = make_gloo(store, group_rank, size, timeout, hostname_hint);
+  } else if (kind == BackendKind::Nccl) {
+#ifdef FSDP_HAS_NCCL
+    auto opts = c10d::ProcessGroupNCCL::Options::create();
+    opts->timeout = timeout;
+    backend = c10::make_intrusive<c10d::ProcessGroupNCCL>(store, group_rank, size, opts);
+#else
+    backend_for_device("cuda");  // throws the explanation
+#endif
+  } else {
+    throw std::invalid_argument("fsdp: a local backend cannot span " + std::to_string(size) + " ranks");
+  }
+  return std::make_shared<Comm>(std::move(backend), kind, std::move(global_ranks), group_rank, timeout, name);
+}
+
+}  // namespace fsdp::comm

@@ -1,0 +1,319 @@
+#include "fsdp/comm/comm.h"
+
+#include <cstdlib>
+#include <sstream>
+#include <stdexcept>
+
+namespace fsdp::comm {
+
+const char* backend_name(BackendKind kind) {
+  switch (kind) {
+    case BackendKind::Local: return "local";
+    case BackendKind::Gloo: return "gloo";
+    case BackendKind::Nccl: return "nccl";
+  }
+  return "?";
+}
+
+Capabilities Capabilities::for_backend(BackendKind kind) {
+  Capabilities c;
+  switch (kind) {
+    case BackendKind::Local:
+      c = {true, true, true, true};
+      break;
+    case BackendKind::Gloo:
+      c.all_gather_base = compat::GlooCapabilities::all_gather_base;
+      c.reduce_scatter_base = compat::GlooCapabilities::reduce_scatter_base;
+      c.bfloat16 = compat::GlooCapabilities::bfloat16;
+      c.avg = compat::GlooCapabilities::avg;
+      break;
+    case BackendKind::Nccl:
+      c = {true, true, true, true};
+      break;
+  }
+  return c;
+}
+
+std::chrono::milliseconds default_collective_timeout() {
+  if (const char* s = std::getenv("FSDP_COLLECTIVE_TIMEOUT_S")) {
+    char* end = nullptr;
+    double seconds = std::strtod(s, &end);
+    if (end != s && *end == '\0' && seconds > 0) {
+      return std::chrono::milliseconds(static_cast<long long>(seconds * 1000.0));
+    }
+    throw std::invalid_argument(std::string("fsdp: FSDP_COLLECTIVE_TIMEOUT_S='") + s +
+                                "' is not a positive number of seconds");
+  }
+  return std::chrono::minutes(5);
+}
+
+namespace {
+
+[[noreturn]] void bad_argument(const std::string& op, const std::string& why) {
+  throw std::invalid_argument("fsdp::Comm::" + op + ": " + why);
+}
+
+void check_tensor(const std::string& op, const char* what, const at::Tensor& t, BackendKind kind) {
+  if (!t.defined()) bad_argument(op, std::string(what) + " is undefined");
+  if (!t.is_contiguous()) bad_argument(op, std::string(what) + " must be contiguous (call .contiguous())");
+  if (kind == BackendKind::Gloo && !t.device().is_cpu()) {
+    bad_argument(op, std::string(what) + " is on " + t.device().str() +
+                         "; the Gloo backend takes CPU tensors (use a 'cuda' mesh for NCCL)");
+  }
+  if (kind == BackendKind::Nccl && !t.device().is_cuda()) {
+    bad_argument(op, std::string(what) + " is on " + t.device().str() + "; the NCCL backend takes CUDA tensors");
+  }
+}
+
+void check_same_dtype(const std::string& op, const at::Tensor& a, const at::Tensor& b) {
+  if (a.scalar_type() != b.scalar_type()) {
+    bad_argument(op, std::string("out is ") + c10::toString(a.scalar_type()) + " but in is " +
+                         c10::toString(b.scalar_type()) + "; both must have the same dtype");
+  }
+}
+
+// Reductions of 16-bit floats done by us (not the backend) accumulate in float32.
+at::Tensor accumulate_dtype(const at::Tensor& t) {
+  return (t.scalar_type() == at::kBFloat16 || t.scalar_type() == at::kHalf) ? t.to(at::kFloat) : t;
+}
+
+// Reduces the (N, S) view of rank chunks into one chunk of S.
+at::Tensor reduce_chunks(const at::Tensor& chunks, ReduceOp op, int n) {
+  at::Tensor acc = accumulate_dtype(chunks);
+  if (op == ReduceOp::Max) return std::get<0>(acc.max(0));
+  at::Tensor sum = acc.sum(0, /*keepdim=*/false, acc.scalar_type());
+  if (op == ReduceOp::Avg) sum.div_(n);
+  return sum;
+}
+
+void check_avg_dtype(const std::string& op, ReduceOp rop, const at::Tensor& t) {
+  if (rop == ReduceOp::Avg && !at::isFloatingType(t.scalar_type())) {
+    bad_argument(op, std::string("ReduceOp::Avg needs a floating-point tensor, got ") +
+                         c10::toString(t.scalar_type()) + "; use Sum and divide yourself");
+  }
+}
+
+c10d::ReduceOp to_c10d(ReduceOp op) {
+  switch (op) {
+    case ReduceOp::Sum: return c10d::ReduceOp::SUM;
+    case ReduceOp::Avg: return c10d::ReduceOp::AVG;
+    case ReduceOp::Max: return c10d::ReduceOp::MAX;
+  }
+  return c10d::ReduceOp::SUM;
+}
+
+// bf16 travels as the bit pattern of another 2-byte type Gloo knows. Gloo has no int16, so Half:
+// the ops that use it only copy memory, never do arithmetic on it.
+constexpr at::ScalarType kBitsCarrier = at::kHalf;
+
+uint64_t ring_share(uint64_t bytes, int n) { return n <= 1 ? 0 : bytes * static_cast<uint64_t>(n - 1) / n; }
+
+}  // namespace
+
+std::shared_ptr<Comm> Comm::single_process(std::string name) {
+  return std::make_shared<Comm>(compat::BackendPtr(), BackendKind::Local, std::vector<int>{0}, 0, default_collective_timeout(),
+                                std::move(name));
+}
+
+Comm::Comm(compat::BackendPtr backend, BackendKind kind, std::vector<int> global_ranks, int rank,
+           std::chrono::milliseconds timeout, std::string name)
+    : backend_(std::move(backend)),
+      kind_(kind),
+      caps_(Capabilities::for_backend(kind)),
+      global_ranks_(std::move(global_ranks)),
+      rank_(rank),
+      timeout_(timeout),
+      name_(std::move(name)) {
+  if (rank_ < 0 || rank_ >= size()) throw std::invalid_argument("fsdp::Comm: rank outside the group");
+  if (kind_ != BackendKind::Local && !backend_) throw std::invalid_argument("fsdp::Comm: missing backend");
+  if (kind_ == BackendKind::Local && size() != 1) throw std::invalid_argument("fsdp::Comm: a local group has one rank");
+}
+
+std::string Comm::describe(const char* op) const {
+  std::ostringstream os;
+  os << "fsdp: " << op << " on group '" << name_ << "' (" << backend_name(kind_) << ", ranks [";
+  for (size_t i = 0; i < global_ranks_.size() && i < 16; ++i) os << (i ? "," : "") << global_ranks_[i];
+  if (global_ranks_.size() > 16) os << ",...";
+  os << "], this is group rank " << rank_ << ")";
+  return os.str();
+}
+
+bool Comm::moves_as_bits(const at::Tensor& t) const {
+  return t.scalar_type() == at::kBFloat16 && !caps_.bfloat16;
+}
+
+Work Comm::finish(OpKind kind, uint64_t bytes, compat::WorkPtr work, std::function<void()> after, bool async_op,
+                  const char* op_name) {
+  stats_.record(kind, bytes);
+  process_comm_stats().record(kind, bytes);
+  Work handle(std::move(work), std::move(after), timeout_, describe(op_name));
+  if (!async_op) handle.wait();
+  return handle;
+}
+
+compat::WorkPtr Comm::backend_all_gather(const at::Tensor& out, const at::Tensor& in) {
+  at::Tensor flat_out = out.view(-1), flat_in = in.view(-1);
+  if (moves_as_bits(in)) {
+    flat_out = flat_out.view(kBitsCarrier);
+    flat_in = flat_in.view(kBitsCarrier);
+  }
+  if (caps_.all_gather_base) {
+    c10d::AllgatherOptions opts;
+    opts.timeout = timeout_;
+    return backend_->_allgather_base(flat_out, flat_in, opts);
+  }
+  // Fallback: the list form, with each rank's output a view into the flat buffer.
+  std::vector<std::vector<at::Tensor>> outputs{flat_out.chunk(size())};
+  std::vector<at::Tensor> inputs{flat_in};
+  c10d::AllgatherOptions opts;
+  opts.timeout = timeout_;
+  return backend_->allgather(outputs, inputs, opts);
+}
+
+compat::WorkPtr Comm::backend_all_to_all(const at::Tensor& out, const at::Tensor& in) {
+  at::Tensor flat_out = out.view(-1), flat_in = in.view(-1);
+  if (moves_as_bits(in)) {
+    flat_out = flat_out.view(kBitsCarrier);
+    flat_in = flat_in.view(kBitsCarrier);
+  }
+  std::vector<int64_t> equal_splits;  // empty = equal splits
+  c10d::AllToAllOptions opts;
+  opts.timeout = timeout_;
+  return backend_->alltoall_base(flat_out, flat_in, equal_splits, equal_splits, opts);
+}
+
+Work Comm::all_gather_into_tensor(const at::Tensor& out, const at::Tensor& in, bool async_op) {
+  const std::string op = "all_gather_into_tensor";
+  check_tensor(op, "out", out, kind_);
+  check_tensor(op, "in", in, kind_);
+  check_same_dtype(op, out, in);
+  if (out.numel() != in.numel() * size()) {
+    bad_argument(op, "out has " + std::to_string(out.numel()) + " elements, expected group size " +
+                         std::to_string(size()) + " x in.numel() " + std::to_string(in.numel()));
+  }
+  // Empty tensors: nothing to move (and Gloo divides by the element count). Sizes agree on every
+  // rank, so every rank skips alike.
+  if (size() == 1 || in.numel() == 0) {
+    out.view(-1).copy_(in.view(-1).repeat({size()}));
+    return finish(OpKind::AllGather, 0, compat::WorkPtr(), nullptr, async_op, op.c_str());
+  }
+  auto work = backend_all_gather(out, in);
+  return finish(OpKind::AllGather, ring_share(out.nbytes(), size()), std::move(work), nullptr, async_op, op.c_str());
+}
+
+Work Comm::reduce_scatter_tensor(const at::Tensor& out, const at::Tensor& in, ReduceOp rop, bool async_op) {
+  const std::string op = "reduce_scatter_tensor";
+  check_tensor(op, "out", out, kind_);
+  check_tensor(op, "in", in, kind_);
+  check_same_dtype(op, out, in);
+  check_avg_dtype(op, rop, in);
+  if (in.numel() != out.numel() * size()) {
+    bad_argument(op, "in has " + std::to_string(in.numel()) + " elements, expected group size " +
+                         std::to_string(size()) + " x out.numel() " + std::to_string(out.numel()));
+  }
+  if (size() == 1 || out.numel() == 0) {
+    out.view(-1).copy_(in.view(-1));
+    return finish(OpKind::ReduceScatter, 0, compat::WorkPtr(), nullptr, async_op, op.c_str());
+  }
+  const uint64_t bytes = ring_share(in.nbytes(), size());
+  const bool native_dtype = !moves_as_bits(in);
+  if (caps_.reduce_scatter_base && native_dtype && (rop != ReduceOp::Avg || caps_.avg)) {
+    c10d::ReduceScatterOptions opts;
+    opts.reduceOp = to_c10d(rop);
+    opts.timeout = timeout_;
+    at::Tensor flat_out = out.view(-1), flat_in = in.view(-1);
+    auto work = backend_->_reduce_scatter_base(flat_out, flat_in, opts);
+    return finish(OpKind::ReduceScatter, bytes, std::move(work), nullptr, async_op, op.c_str());
+  }
+  // all_to_all brings every rank's chunk [rank()] here (ring bytes); then sum locally.
+  at::Tensor received = at::empty_like(in);
+  auto work = backend_all_to_all(received, in);
+  const int n = size();
+  auto after = [received, out, rop, n]() {
+    at::Tensor chunks = received.view({n, -1});
+    out.view(-1).copy_(reduce_chunks(chunks, rop, n));
+  };
+  return finish(OpKind::ReduceScatter, bytes, std::move(work), after, async_op, op.c_str());
+}
+
+Work Comm::all_reduce(const at::Tensor& tensor, ReduceOp rop, bool async_op) {
+  const std::string op = "all_reduce";
+  check_tensor(op, "tensor", tensor, kind_);
+  check_avg_dtype(op, rop, tensor);
+  if (size() == 1 || tensor.numel() == 0) return finish(OpKind::AllReduce, 0, compat::WorkPtr(), nullptr, async_op, op.c_str());
+  const int n = size();
+  if (moves_as_bits(tensor)) {
+    // No bf16 arithmetic in the backend: reduce-scatter (as all_to_all of bit patterns, summed in
+    // float32 here) then all-gather the reduced chunks; the bytes of a ring all-reduce.
+    const int64_t numel = tensor.numel();
+    const int64_t chunk = (numel + n - 1) / n;
+    at::Tensor padded = at::zeros({chunk * n}, tensor.options());
+    padded.narrow(0, 0, numel).copy_(tensor.view(-1));
+    at::Tensor received = at::empty_like(padded);
+    auto work = backend_all_to_all(received, padded);
+    const uint64_t bytes = 2 * ring_share(padded.nbytes(), n);
+    auto after = [this, received, padded, tensor, rop, n, numel, chunk]() {
+      at::Tensor mine = reduce_chunks(received.view({n, chunk}), rop, n).to(at::kBFloat16);
+      auto gather = backend_all_gather(padded, mine);
+      gather->wait(timeout_);
+      tensor.view(-1).copy_(padded.narrow(0, 0, numel));
+    };
+    return finish(OpKind::AllReduce, bytes, std::move(work), after, async_op, op.c_str());
+  }
+  const bool divide_after = rop == ReduceOp::Avg && !caps_.avg;
+  c10d::AllreduceOptions opts;
+  opts.reduceOp = divide_after ? c10d::ReduceOp(c10d::ReduceOp::SUM) : to_c10d(rop);
+  opts.timeout = timeout_;
+  std::vector<at::Tensor> tensors{tensor};
+  auto work = backend_->allreduce(tensors, opts);
+  std::function<void()> after;
+  if (divide_after) after = [tensor, n]() { tensor.div_(n); };
+  return finish(OpKind::AllReduce, 2 * ring_share(tensor.nbytes(), n), std::move(work), after, async_op, op.c_str());
+}
+
+Work Comm::broadcast(const at::Tensor& tensor, int root, bool async_op) {
+  const std::string op = "broadcast";
+  check_tensor(op, "tensor", tensor, kind_);
+  if (root < 0 || root >= size()) {
+    bad_argument(op, "root " + std::to_string(root) + " is not a group rank (0.." + std::to_string(size() - 1) + ")");
+  }
+  if (size() == 1 || tensor.numel() == 0) return finish(OpKind::Broadcast, 0, compat::WorkPtr(), nullptr, async_op, op.c_str());
+  at::Tensor moved = moves_as_bits(tensor) ? tensor.view(kBitsCarrier) : tensor;
+  c10d::BroadcastOptions opts;
+  opts.rootRank = root;
+  opts.rootTensor = 0;
+  opts.timeout = timeout_;
+  std::vector<at::Tensor> tensors{moved};
+  auto work = backend_->broadcast(tensors, opts);
+  // In a chain from the root every rank forwards the data except the last one.
+  const bool last_in_chain = rank_ == (root + size() - 1) % size();
+  return finish(OpKind::Broadcast, last_in_chain ? 0 : tensor.nbytes(), std::move(work), nullptr, async_op, op.c_str());
+}
+
+Work Comm::all_to_all(const at::Tensor& out, const at::Tensor& in, bool async_op) {
+  const std::string op = "all_to_all";
+  check_tensor(op, "out", out, kind_);
+  check_tensor(op, "in", in, kind_);
+  check_same_dtype(op, out, in);
+  if (out.numel() != in.numel() || in.numel() % size() != 0) {
+    bad_argument(op, "in and out must have the same number of elements, divisible by the group size " +
+                         std::to_string(size()) + " (got " + std::to_string(in.numel()) + " and " +
+                         std::to_string(out.numel()) + ")");
+  }
+  if (size() == 1 || in.numel() == 0) {
+    out.view(-1).copy_(in.view(-1));
+    return finish(OpKind::AllToAll, 0, compat::WorkPtr(), nullptr, async_op, op.c_str());
+  }
+  auto work = backend_all_to_all(out, in);
+  return finish(OpKind::AllToAll, ring_share(in.nbytes(), size()), std::move(work), nullptr, async_op, op.c_str());
+}
+
+Work Comm::barrier(bool async_op) {
+  if (size() == 1) return finish(OpKind::Barrier, 0, compat::WorkPtr(), nullptr, async_op, "barrier");
+  c10d::BarrierOptions opts;
+  opts.timeout = timeout_;
+  auto work = backend_->barrier(opts);
+  return finish(OpKind::Barrier, 0, std::move(work), nullptr, async_op, "barrier");
+}
+
+}  // namespace fsdp::comm

@@ -1,0 +1,153 @@
+#include "fsdp/dist/runtime.h"
+
+#include <torch/csrc/distributed/c10d/HashStore.hpp>
+
+#include <algorithm>
+#include <cstdio>
+#include <mutex>
+#include <set>
+
+#include "fsdp/comm/backend.h"
+
+namespace fsdp::dist {
+
+namespace {
+
+struct Runtime {
+  LaunchEnv env;
+  InitOptions options;
+  comm::BackendKind backend = comm::BackendKind::Gloo;
+  compat::StorePtr store;
+  std::shared_ptr<comm::Comm> world;
+};
+
+std::mutex g_mu;
+std::unique_ptr<Runtime> g_runtime;
+
+Runtime& runtime() {
+  if (!g_runtime) {
+    throw DistError("fsdp: the distributed runtime is not initialised; call fsdp::dist::init_distributed() first");
+  }
+  return *g_runtime;
+}
+
+std::string seconds(std::chrono::milliseconds ms) {
+  char buf[32];
+  std::snprintf(buf, sizeof(buf), "%.1f s", static_cast<double>(ms.count()) / 1000.0);
+  return buf;
+}
+
+bool mentions(const std::string& what, std::initializer_list<const char*> needles) {
+  return std::any_of(needles.begin(), needles.end(), [&](const char* n) { return what.find(n) != std::string::npos; });
+}
+
+compat::StorePtr connect_store(const LaunchEnv& env, std::chrono::milliseconds timeout) {
+  const std::string where = env.master_addr + ":" + std::to_string(env.master_port);
+  const bool host = !env.use_agent_store && env.rank == 0;
+  c10d::TCPStoreOptions opts = compat::tcp_store_options();
+  opts.port = static_cast<std::uint16_t>(env.master_port);
+  opts.isServer = host;
+  opts.numWorkers = static_cast<size_t>(env.world_size);
+  opts.waitWorkers = false;  // the process-group rendezvous below waits for everybody, with a timeout
+  opts.timeout = timeout;
+  opts.multiTenant = host;
+  compat::StorePtr store;
+  try {
+    store = c10::make_intrusive<c10d::TCPStore>(env.master_addr, opts);
+  } catch (const std::exception& e) {
+    const std::string what = e.what();
+    if (host && mentions(what, {"Address already in use", "errno: 98", "EADDRINUSE"})) {
+      throw DistError("fsdp: rank 0 cannot host the store: port " + std::to_string(env.master_port) +
+                      " is in use (" + where + "). Pick a free MASTER_PORT, or start with `fsdprun --master-port 0` "
+                      "to get one.\n  cause: " + what);
+    }
+    if (host) throw DistError("fsdp: rank 0 cannot host the store at " + where + ": " + what);
+    throw DistError("fsdp: rank " + std::to_string(env.rank) + " could not reach the store at " + where + " within " +
+                    seconds(timeout) + ". Is rank 0 (or the launcher) running, and do MASTER_ADDR/MASTER_PORT " +
+                    "match on every rank?\n  cause: " + what);
+  }
+  if (env.use_agent_store) {
+    return c10::make_intrusive<c10d::PrefixStore>(env.store_prefix(), store);
+  }
+  return store;
+}
+
+}  // namespace
+
+void init_distributed(const InitOptions& options) {
+  std::lock_guard<std::mutex> lock(g_mu);
+  if (g_runtime) {
+    throw DistError("fsdp: init_distributed() was already called in this process; call it once (or "
+                    "destroy_distributed() first)");
+  }
+  auto rt = std::make_unique<Runtime>();
+  rt->env = read_launch_env();
+  rt->options = options;
+  rt->backend = comm::backend_for_device(options.device_type);
+  const LaunchEnv& env = rt->env;
+  if (env.world_size == 1) {
+    rt->store = c10::make_intrusive<c10d::HashStore>();
+    rt->world = comm::Comm::single_process("world");
+    g_runtime = std::move(rt);
+    return;
+  }
+  rt->store = connect_store(env, options.timeout);
+  std::vector<int> all(static_cast<size_t>(env.world_size));
+  for (int r = 0; r < env.world_size; ++r) all[static_cast<size_t>(r)] = r;
+  try {
+    auto group_store = c10::make_intrusive<c10d::PrefixStore>("fsdp/world", rt->store);
+    rt->world = comm::make_comm(rt->backend, group_store, all, env.rank, options.timeout, "world", env.master_addr);
+  } catch (const std::exception& e) {
+    throw DistError("fsdp: rank " + std::to_string(env.rank) + " could not form the world group of " +
+                    std::to_string(env.world_size) + " ranks (timeout " + seconds(options.timeout) +
+                    "): did every rank start, with the same WORLD_SIZE, and is none of them failing?\n  cause: " + e.what());
+  }
+  g_runtime = std::move(rt);
+}
+
+bool is_initialized() {
+  std::lock_guard<std::mutex> lock(g_mu);
+  return g_runtime != nullptr;
+}
+
+void destroy_distributed() {
+  std::lock_guard<std::mutex> lock(g_mu);
+  g_runtime.reset();
+}
+
+const LaunchEnv& launch_env() { return runtime().env; }
+const InitOptions& init_options() { return runtime().options; }
+int rank() { return runtime().env.rank; }
+int world_size() { return runtime().env.world_size; }
+int local_rank() { return runtime().env.local_rank; }
+int local_world_size() { return runtime().env.local_world_size; }
+std::shared_ptr<comm::Comm> world_comm() { return runtime().world; }
+compat::StorePtr store() { return runtime().store; }
+
+std::shared_ptr<comm::Comm> new_group(std::vector<int> global_ranks, const std::string& tag) {
+  Runtime& rt = runtime();
+  std::set<int> unique(global_ranks.begin(), global_ranks.end());
+  if (global_ranks.empty() || unique.size() != global_ranks.size() ||
+      !std::is_sorted(global_ranks.begin(), global_ranks.end()) || global_ranks.front() < 0 ||
+      global_ranks.back() >= rt.env.world_size) {
+    throw DistError("fsdp: new_group('" + tag + "') needs ascending, unique ranks in 0.." +
+                    std::to_string(rt.env.world_size - 1));
+  }
+  auto me = std::find(global_ranks.begin(), global_ranks.end(), rt.env.rank);
+  if (me == global_ranks.end()) {
+    throw DistError("fsdp: new_group('" + tag + "') called on rank " + std::to_string(rt.env.rank) +
+                    ", which is not a member; only members create a group");
+  }
+  const int group_rank = static_cast<int>(me - global_ranks.begin());
+  if (global_ranks.size() == static_cast<size_t>(rt.env.world_size)) return rt.world;
+  auto group_store = c10::make_intrusive<c10d::PrefixStore>("fsdp/group/" + tag, rt.store);
+  try {
+    return comm::make_comm(rt.backend, group_store, std::move(global_ranks), group_rank, rt.options.timeout, tag,
+                           rt.env.master_addr);
+  } catch (const std::exception& e) {
+    throw DistError("fsdp: could not form group '" + tag + "' (timeout " + seconds(rt.options.timeout) +
+                    "): every member must create it with the same ranks.\n  cause: " + e.what());
+  }
+}
+
+}  // namespace fsdp::dist

@@ -1,0 +1,42 @@
+#!/usr/bin/env bash
+# Installs what the project needs (Debian packages only) and builds it into ./build.
+# Idempotent: installs only what is missing, then an incremental build (seconds when nothing
+# changed). Fine as root; uses sudo otherwise.
+#
+#   scripts/setup.sh                 # deps + configure + build
+#   BUILD_DIR=out scripts/setup.sh   # another build folder
+#   CMAKE_ARGS="-DCMAKE_PREFIX_PATH=/opt/libtorch" scripts/setup.sh   # another LibTorch
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+PACKAGES=(
+  libtorch-dev          # LibTorch (1.13 on Debian 12) with c10d headers
+  libgloo-dev           # c10d's Gloo headers include gloo's
+  libopenblas0-pthread  # otherwise Debian's libtorch runs on the reference BLAS (~12x slower)
+  cmake ninja-build g++ ccache
+  libgtest-dev          # GoogleTest
+  libcli11-dev          # command-line parsing (fsdprun)
+)
+
+missing=()
+for p in "${PACKAGES[@]}"; do
+  dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
+done
+if ((${#missing[@]})); then
+  echo "setup: installing ${missing[*]}"
+  SUDO=""
+  if [ "$(id -u)" -ne 0 ]; then
+    command -v sudo >/dev/null || { echo "setup: need root or sudo to install: ${missing[*]}" >&2; exit 1; }
+    SUDO="sudo"
+  fi
+  $SUDO apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
+fi
+
+BUILD_DIR="${BUILD_DIR:-build}"
+if [ ! -f "$BUILD_DIR/build.ninja" ]; then
+  # shellcheck disable=SC2086
+  cmake -S . -B "$BUILD_DIR" -G Ninja -DCMAKE_BUILD_TYPE=Release ${CMAKE_ARGS:-} >/dev/null
+fi
+# Two cores, heavy headers: more parallel jobs only thrash memory.
+cmake --build "$BUILD_DIR" -- -j"$(nproc)"

@@ -11,6 +11,10 @@
 namespace fsdp::dist {
 
 std::string openblas_loaded_corename() {
+  // Test hook: pretend OpenBLAS picked this core, to exercise the re-exec path on any CPU.
+  if (const char* fake = std::getenv("FSDP_TEST_OPENBLAS_CORENAME"); fake && std::getenv("FSDP_CPU_TUNED") == nullptr) {
+    return fake;
+  }
   // LibTorch links the BLAS through the system alternative; if it is OpenBLAS the symbol exists.
   using CoreNameFn = char* (*)();
   auto fn = reinterpret_cast<CoreNameFn>(dlsym(RTLD_DEFAULT, "openblas_get_corename"));

@@ -2,8 +2,10 @@
 #include <gtest/gtest.h>
 
 #include <cstdlib>
+#include <iostream>
 
 #include "fsdp/dist/cpu_tuning.h"
+#include "multiprocess.h"
 
 using fsdp::dist::openblas_coretype_for;
 
@@ -40,4 +42,34 @@ TEST(CpuTuning, OmpThreadsSplitTheCores) {
   EXPECT_GE(fsdp::dist::default_omp_threads(1), 1);
   EXPECT_EQ(fsdp::dist::default_omp_threads(100000), 1);
   EXPECT_GE(fsdp::dist::default_omp_threads(1), fsdp::dist::default_omp_threads(2));
+}
+
+FSDP_RANK_WORKER(print_blas) {
+  const char* core = std::getenv("OPENBLAS_CORETYPE");
+  const char* tuned = std::getenv("FSDP_CPU_TUNED");
+  std::cout << "OPENBLAS_CORETYPE=" << (core ? core : "unset") << " FSDP_CPU_TUNED=" << (tuned ? tuned : "unset")
+            << " loaded=" << fsdp::dist::openblas_loaded_corename() << std::endl;
+}
+
+TEST(CpuTuning, GenericFallbackReexecutesOnceWithTheCore) {
+  // The hook makes the program believe OpenBLAS fell back to Prescott: it must set the variable,
+  // re-execute itself once, and then run with OpenBLAS on that core.
+  fsdp::testing::ProcessSpec spec;
+  spec.argv = {fsdp::testing::self_exe()};
+  spec.env_set = {{"FSDP_TEST_WORKER", "print_blas"}, {"FSDP_TEST_INIT", "0"}, {"FSDP_TEST_OPENBLAS_CORENAME", "Prescott"}};
+  spec.env_unset = {"OPENBLAS_CORETYPE", "FSDP_CPU_TUNED", "FSDP_NO_REEXEC"};
+  auto r = fsdp::testing::run_process(spec);
+  ASSERT_TRUE(r.ok()) << r.output;
+  const std::string want = fsdp::dist::openblas_coretype_for("Prescott", fsdp::dist::cpu_flags());
+  // (On a CPU without AVX the generic kernels are the right ones: then nothing may change.)
+  const std::string expected = want.empty() ? "OPENBLAS_CORETYPE=unset FSDP_CPU_TUNED=unset"
+                                            : "OPENBLAS_CORETYPE=" + want + " FSDP_CPU_TUNED=1 loaded=" + want;
+  EXPECT_NE(r.output.find(expected), std::string::npos) << r.output;
+
+  // Without the fallback nothing changes and nothing re-executes.
+  spec.env_unset.push_back("FSDP_TEST_OPENBLAS_CORENAME");
+  spec.env_set.erase("FSDP_TEST_OPENBLAS_CORENAME");
+  r = fsdp::testing::run_process(spec);
+  ASSERT_TRUE(r.ok()) << r.output;
+  EXPECT_NE(r.output.find("OPENBLAS_CORETYPE=unset FSDP_CPU_TUNED=unset"), std::string::npos) << r.output;
 }

@@ -37,6 +37,18 @@ FSDP_RANK_WORKER(expect_init_error) {
   TORCH_CHECK(false, "init_distributed succeeded; expected an error containing '", needle, "'");
 }
 
+namespace {
+// A store server in the test process, as a launcher agent hosts one.
+c10::intrusive_ptr<c10d::TCPStore> host_store(int port) {
+  c10d::TCPStoreOptions opts;
+  opts.port = static_cast<uint16_t>(port);
+  opts.isServer = true;
+  opts.waitWorkers = false;
+  opts.timeout = std::chrono::seconds(30);
+  return c10::make_intrusive<c10d::TCPStore>("127.0.0.1", opts);
+}
+}  // namespace
+
 TEST(Runtime, RankZeroHostsTheStore) {
   EXPECT_RANKS_PASS(2, "world_all_reduce");
   EXPECT_RANKS_PASS(3, "world_all_reduce");
@@ -45,12 +57,7 @@ TEST(Runtime, RankZeroHostsTheStore) {
 TEST(Runtime, AgentStoreWithAttemptPrefix) {
   // Like torchrun's agent: the launcher hosts the store and every rank is a client.
   const int port = fsdp::testing::pick_free_port();
-  c10d::TCPStoreOptions opts;
-  opts.port = static_cast<uint16_t>(port);
-  opts.isServer = true;
-  opts.waitWorkers = false;
-  opts.timeout = std::chrono::seconds(30);
-  auto agent_store = c10::make_intrusive<c10d::TCPStore>("127.0.0.1", opts);
+  auto agent_store = host_store(port);
   RanksOptions ranks;
   ranks.env = {{"MASTER_PORT", std::to_string(port)},
                {"TORCHELASTIC_USE_AGENT_STORE", "True"},
@@ -107,11 +114,7 @@ TEST(Runtime, UnreachableStoreFailsWithinTheTimeout) {
 
 TEST(Runtime, PortInUseIsNamed) {
   const int port = fsdp::testing::pick_free_port();
-  c10d::TCPStoreOptions opts;
-  opts.port = static_cast<uint16_t>(port);
-  opts.isServer = true;
-  opts.waitWorkers = false;
-  auto squatter = c10::make_intrusive<c10d::TCPStore>("127.0.0.1", opts);
+  auto squatter = host_store(port);
   auto r = run_one_rank(0, 2, port, "is in use");
   EXPECT_TRUE(r.ok()) << r.output;
   EXPECT_NE(r.output.find("--master-port 0"), std::string::npos) << r.output;

@@ -15,7 +15,6 @@ PACKAGES=(
   libopenblas0-pthread  # otherwise Debian's libtorch runs on the reference BLAS (~12x slower)
   cmake ninja-build g++ ccache
   libgtest-dev          # GoogleTest
-  libcli11-dev          # command-line parsing (fsdprun)
 )
 
 missing=()

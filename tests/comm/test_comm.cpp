@@ -220,8 +220,11 @@ FSDP_RANK_WORKER(collective_timeout) {
     TORCH_CHECK(message.find("all_reduce on group 'world'") != std::string::npos, "message: ", message);
     TORCH_CHECK(waited < 20.0, "the timeout took ", waited, " s");
     std::cout << "rank 0 failed after " << waited << " s: " << message << std::endl;
+    // Rank 0 hosts the store: stay until rank 1 has read the key.
+    store->wait({"test/rank1_done"}, std::chrono::seconds(60));
   } else {
     store->wait({"test/rank0_done"}, std::chrono::seconds(60));
+    store->set("test/rank1_done", std::vector<uint8_t>{1});
   }
   std::_Exit(0);  // the world group is poisoned: skip its orderly teardown
 }

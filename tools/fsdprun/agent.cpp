@@ -1,0 +1,418 @@
+#include "agent.h"
+
+#include <poll.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cerrno>
+
+#include "fsdp/dist/cpu_tuning.h"
+#include "signals.h"
+#include "store_client.h"
+#include "worker_group.h"
+
+extern char** environ;
+
+namespace fsdprun {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+using ms = std::chrono::milliseconds;
+
+const std::string kConfigKey = "/fsdprun/config";
+const std::string kAbortKey = "/fsdprun/abort";
+
+void log(const std::string& msg) {
+  const std::string line = "fsdprun: " + msg + "\n";
+  size_t done = 0;
+  while (done < line.size()) {
+    ssize_t n = write(STDERR_FILENO, line.data() + done, line.size() - done);
+    if (n < 0 && errno == EINTR) continue;
+    if (n <= 0) return;
+    done += static_cast<size_t>(n);
+  }
+}
+
+ms to_ms(double seconds) { return ms(static_cast<long long>(seconds * 1000.0)); }
+
+std::string seconds_text(double s) {
+  std::string t = std::to_string(s);
+  t.erase(t.find_last_not_of('0') + 1);
+  if (!t.empty() && t.back() == '.') t.pop_back();
+  return t + " s";
+}
+
+std::string attempt_key(int attempt, const char* name) {
+  return "/fsdprun/attempt_" + std::to_string(attempt) + "/" + name;
+}
+
+// Sleeps up to `timeout`, waking early for a termination signal. True when one has arrived.
+bool wait_for_signal(Signals& signals, ms timeout) {
+  pollfd p{signals.fd(), POLLIN, 0};
+  ::poll(&p, 1, static_cast<int>(std::max<long long>(0, timeout.count())));
+  signals.drain();
+  return signals.termination() != 0;
+}
+
+}  // namespace
+
+Agent::Agent(Options opts, std::string exe) : opts_(std::move(opts)), exe_(std::move(exe)), signals_(Signals::get()) {
+  for (char** e = environ; *e != nullptr; ++e) {
+    std::string kv(*e);
+    auto eq = kv.find('=');
+    if (eq != std::string::npos) base_env_[kv.substr(0, eq)] = kv.substr(eq + 1);
+  }
+  // Defaults that only apply when the user has not chosen: threads split among the local workers,
+  // OpenBLAS kernels that fit the CPU (read only when the worker loads OpenBLAS), and torchrun's
+  // NCCL error handling default.
+  auto unset = [this](const std::string& name) {
+    auto it = base_env_.find(name);
+    return it == base_env_.end() || it->second.empty();
+  };
+  if (unset("OMP_NUM_THREADS")) {
+    base_env_["OMP_NUM_THREADS"] = std::to_string(fsdp::dist::default_omp_threads(opts_.nproc_per_node));
+  }
+  if (unset("OPENBLAS_CORETYPE")) {
+    if (auto core = fsdp::dist::recommended_openblas_coretype(); !core.empty()) base_env_["OPENBLAS_CORETYPE"] = core;
+  }
+  if (unset("TORCH_NCCL_ASYNC_ERROR_HANDLING")) base_env_["TORCH_NCCL_ASYNC_ERROR_HANDLING"] = "1";
+}
+
+Agent::~Agent() = default;
+
+bool Agent::store_hung() const { return store_ && store_->hung(); }
+
+std::string Agent::endpoint() const {
+  return opts_.master_addr + ":" + std::to_string(port_ != 0 ? port_ : opts_.master_port);
+}
+
+std::string Agent::failure_text(const WorkerExit& e) const {
+  std::string who = "worker rank " + std::to_string(e.global_rank) + " (pid " + std::to_string(e.pid);
+  if (opts_.nnodes > 1) who += " on node " + std::to_string(opts_.node_rank);
+  return who + ") failed first: " + e.describe();
+}
+
+std::vector<WorkerSpec> Agent::worker_specs(int attempt) const {
+  const int world = opts_.nnodes * opts_.nproc_per_node;
+  std::vector<WorkerSpec> specs;
+  for (int local = 0; local < opts_.nproc_per_node; ++local) {
+    const int rank = opts_.node_rank * opts_.nproc_per_node + local;
+    std::map<std::string, std::string> env = base_env_;
+    // torchrun's names and meanings (torch/distributed/elastic/agent/server/local_elastic_agent.py).
+    env["RANK"] = std::to_string(rank);
+    env["LOCAL_RANK"] = std::to_string(local);
+    env["GROUP_RANK"] = std::to_string(opts_.node_rank);
+    env["ROLE_RANK"] = std::to_string(rank);
+    env["ROLE_NAME"] = opts_.role;
+    env["LOCAL_WORLD_SIZE"] = std::to_string(opts_.nproc_per_node);
+    env["WORLD_SIZE"] = std::to_string(world);
+    env["GROUP_WORLD_SIZE"] = std::to_string(opts_.nnodes);
+    env["ROLE_WORLD_SIZE"] = std::to_string(world);
+    env["MASTER_ADDR"] = opts_.master_addr;
+    env["MASTER_PORT"] = std::to_string(port_);
+    env["TORCHELASTIC_RESTART_COUNT"] = std::to_string(attempt);
+    env["TORCHELASTIC_MAX_RESTARTS"] = std::to_string(opts_.max_restarts);
+    env["TORCHELASTIC_RUN_ID"] = opts_.run_id;
+    env["TORCHELASTIC_USE_AGENT_STORE"] = "True";  // the agent hosts the store: workers only connect
+    WorkerSpec spec;
+    spec.global_rank = rank;
+    spec.local_rank = local;
+    spec.exe = exe_;
+    spec.argv = opts_.program;
+    for (const auto& [k, v] : env) spec.env.push_back(k + "=" + v);
+    specs.push_back(std::move(spec));
+  }
+  return specs;
+}
+
+int Agent::setup_store() {
+  // Store calls answer in microseconds; the bound only matters when node 0 goes silent.
+  const ms op_timeout = std::min(to_ms(opts_.rdzv_timeout_s), ms(60000));
+  const std::string config = "nnodes=" + std::to_string(opts_.nnodes) + " nproc_per_node=" + std::to_string(opts_.nproc_per_node) +
+                             " max_restarts=" + std::to_string(opts_.max_restarts) + " rdzv_id=" + opts_.run_id;
+  if (opts_.node_rank == 0) {
+    // The agent hosts the store before any worker starts, as torchrun does: workers only connect.
+    // A single-node job would ideally listen on loopback only, but c10d 1.13's TCPStore always
+    // listens on every interface (see StoreClient::host).
+    try {
+      store_ = StoreClient::host(opts_.master_addr, opts_.master_port, op_timeout);
+      port_ = store_->port();
+      store_->set(kConfigKey, config);
+      store_->add("/fsdprun/node_0/claimed", 1);
+    } catch (const std::exception& e) {
+      log("cannot host the store at " + endpoint() + ": " + e.what() +
+          "; pick a free --master-port (or --master-port 0 / --standalone on a single node), and a --master-addr "
+          "that reaches this machine");
+      return 1;
+    }
+    return 0;
+  }
+
+  port_ = opts_.master_port;
+  const auto deadline = Clock::now() + to_ms(opts_.rdzv_timeout_s);
+  // Wait for node 0's port with short probes, so that a signal is noticed meanwhile; then connect.
+  while (!StoreClient::reachable(opts_.master_addr, opts_.master_port, ms(1000))) {
+    if (Clock::now() >= deadline) {
+      log("cannot reach node 0's store at " + endpoint() + " within " + seconds_text(opts_.rdzv_timeout_s) +
+          "; start node 0 (--node-rank 0) with the same --master-addr/--master-port, or raise --rdzv-timeout-s");
+      return 1;
+    }
+    if (wait_for_signal(signals_, ms(250))) return 128 + signals_.termination();
+  }
+  try {
+    auto left = std::chrono::duration_cast<ms>(deadline - Clock::now());
+    store_ = StoreClient::connect(opts_.master_addr, opts_.master_port, std::max(left, ms(5000)), op_timeout);
+  } catch (const std::exception& e) {
+    log("cannot connect to node 0's store at " + endpoint() + ": " + e.what());
+    return 1;
+  }
+  try {
+    while (!store_->check(kConfigKey)) {  // node 0 writes it right after starting the store
+      if (Clock::now() >= deadline) {
+        log("node 0's store at " + endpoint() + " never published its configuration; is another program using that port?");
+        return 1;
+      }
+      if (wait_for_signal(signals_, ms(50))) return 128 + signals_.termination();
+    }
+    const std::string node0 = store_->get(kConfigKey);
+    if (node0 != config) {
+      const std::string msg = "node " + std::to_string(opts_.node_rank) + " was started with " + config + " but node 0 with " +
+                              node0 + "; start every node with the same --nnodes, --nproc-per-node, --max-restarts and --rdzv-id";
+      store_->set(kAbortKey, msg);  // node 0 must not wait for this node until it times out
+      log(msg);
+      return 2;
+    }
+    const std::string claim = "/fsdprun/node_" + std::to_string(opts_.node_rank) + "/claimed";
+    if (store_->add(claim, 1) > 1) {
+      log("another fsdprun already joined as --node-rank " + std::to_string(opts_.node_rank) +
+          "; give every node its own --node-rank 0.." + std::to_string(opts_.nnodes - 1));
+      return 2;
+    }
+  } catch (const StoreLost& e) {
+    log("lost node 0's store at " + endpoint() + ": " + e.what());
+    return 1;
+  }
+  return 0;
+}
+
+void Agent::publish_failure(int attempt, const std::string& reason, bool abort) {
+  // Best effort: when the store is gone there is nobody left to tell.
+  try {
+    if (abort) store_->set(kAbortKey, reason);  // before .../failed, so whoever sees that can see this
+    if (store_->add(attempt_key(attempt, "fail_count"), 1) == 1) store_->set(attempt_key(attempt, "failed"), reason);
+  } catch (const StoreLost&) {
+  }
+}
+
+void Agent::wait_counter(const std::string& key, int64_t target, ms limit) {
+  const auto deadline = Clock::now() + limit;
+  try {
+    while (store_->counter(key) < target && Clock::now() < deadline) {
+      if (wait_for_signal(signals_, ms(50)) && signals_.termination_count() > 1) return;  // asked twice: leave
+    }
+  } catch (const StoreLost&) {
+  }
+}
+
+int Agent::rendezvous(int attempt) {
+  const std::string key = attempt_key(attempt, "joined");
+  const auto deadline = Clock::now() + to_ms(opts_.rdzv_timeout_s);
+  try {
+    int64_t joined = store_->add(key, 1);
+    while (joined < opts_.nnodes) {
+      if (store_->check(kAbortKey)) {
+        log("not starting workers: " + store_->get(kAbortKey));
+        return 1;
+      }
+      if (Clock::now() >= deadline) {
+        const std::string msg = "timed out after " + seconds_text(opts_.rdzv_timeout_s) + " waiting for the other nodes (" +
+                                std::to_string(joined) + " of " + std::to_string(opts_.nnodes) + " joined attempt " +
+                                std::to_string(attempt) + "); start every node with the same --nnodes, --master-addr and "
+                                "--master-port and its own --node-rank, or raise --rdzv-timeout-s";
+        publish_failure(attempt, "node " + std::to_string(opts_.node_rank) + " " + msg, true);
+        log(msg);
+        return 1;
+      }
+      if (wait_for_signal(signals_, to_ms(opts_.monitor_interval_s))) {
+        const std::string sig = signal_name(signals_.termination());
+        publish_failure(attempt, "node " + std::to_string(opts_.node_rank) + "'s fsdprun got " + sig, true);
+        log("got " + sig + " while waiting for the other nodes; exiting");
+        return 128 + signals_.termination();
+      }
+      joined = store_->counter(key);
+    }
+  } catch (const StoreLost& e) {
+    log("lost the store at " + endpoint() + " while waiting for the other nodes: " + e.what());
+    return 1;
+  }
+  return -1;
+}
+
+Agent::Outcome Agent::monitor(WorkerGroup& group, int attempt, std::string& reason) {
+  const ms interval = to_ms(opts_.monitor_interval_s);
+  const std::string failed_key = attempt_key(attempt, "failed");
+  auto next_check = Clock::now() + interval;
+  while (true) {
+    // Worker exits and signals wake the poll at once; the store (other nodes) is polled.
+    ms wait = ms(1000);
+    if (opts_.nnodes > 1) wait = std::clamp(std::chrono::duration_cast<ms>(next_check - Clock::now()), ms(0), interval);
+    group.poll(wait, signals_);
+    if (signals_.termination() != 0) {
+      reason = "node " + std::to_string(opts_.node_rank) + "'s fsdprun got " + signal_name(signals_.termination());
+      return Outcome::Signaled;
+    }
+    if (const auto& failure = group.first_failure()) {
+      reason = failure_text(*failure);
+      return Outcome::LocalFailure;
+    }
+    if (group.all_exited()) return Outcome::Succeeded;
+    if (opts_.nnodes > 1 && Clock::now() >= next_check) {
+      try {
+        if (store_->check(failed_key)) {
+          reason = store_->get(failed_key);
+          return Outcome::RemoteFailure;
+        }
+      } catch (const StoreLost& e) {
+        reason = "lost the store at " + endpoint() + " (" + e.what() + "); did node 0's fsdprun exit?";
+        return Outcome::StoreLost;
+      }
+      next_check = Clock::now() + interval;
+    }
+  }
+}
+
+int Agent::exit_barrier(int attempt, std::string& failure) {
+  if (opts_.nnodes == 1) return 0;
+  // torchrun's exit barrier: node 0 keeps the store up until every node's workers are done.
+  const std::string done_key = attempt_key(attempt, "done");
+  const std::string failed_key = attempt_key(attempt, "failed");
+  const std::string ack_key = attempt_key(attempt, "exit_ack");
+  const auto deadline = Clock::now() + to_ms(opts_.rdzv_timeout_s);
+  try {
+    int64_t done = store_->add(done_key, 1);
+    while (done < opts_.nnodes) {
+      if (store_->check(failed_key)) {
+        failure = store_->get(failed_key);
+        return -1;
+      }
+      if (Clock::now() >= deadline) {
+        log("this node's workers all exited 0, but after " + seconds_text(opts_.rdzv_timeout_s) + " only " +
+            std::to_string(done) + " of " + std::to_string(opts_.nnodes) + " nodes had finished; exiting anyway" +
+            (opts_.node_rank == 0 ? " (this takes the store down)" : ""));
+        return 0;
+      }
+      if (wait_for_signal(signals_, to_ms(opts_.monitor_interval_s))) {
+        const std::string sig = signal_name(signals_.termination());
+        publish_failure(attempt, "node " + std::to_string(opts_.node_rank) + "'s fsdprun got " + sig, true);
+        log("got " + sig + " while waiting for the other nodes to finish; exiting");
+        return 128 + signals_.termination();
+      }
+      done = store_->counter(done_key);
+    }
+    if (opts_.node_rank != 0) {
+      store_->add(ack_key, 1);  // this node's last store call: node 0 may now take the store down
+    } else {
+      wait_counter(ack_key, opts_.nnodes - 1, ms(30000));
+    }
+  } catch (const StoreLost& e) {
+    log("lost the store at " + endpoint() + " after this node's workers succeeded: " + e.what());
+    return 1;
+  }
+  return 0;
+}
+
+int Agent::finish_failed_attempt(int attempt, const std::string& reason, bool& restart) {
+  restart = false;
+  std::string final_reason = reason;
+  bool aborted = signals_.termination() != 0;
+  try {
+    if (!aborted && opts_.nnodes > 1 && store_->check(kAbortKey)) {
+      aborted = true;
+      final_reason = store_->get(kAbortKey);
+    }
+    if (opts_.nnodes > 1 && store_->check(attempt_key(attempt, "failed"))) {
+      final_reason = store_->get(attempt_key(attempt, "failed"));  // the first failure of the whole job
+    }
+    store_->add(attempt_key(attempt, "stopped"), 1);
+    if (!aborted && attempt < opts_.max_restarts) {
+      log(final_reason + "; restarting all workers (restart " + std::to_string(attempt + 1) + " of " +
+          std::to_string(opts_.max_restarts) + ")");
+      restart = true;
+      return 0;
+    }
+    // Node 0's exit takes the store down: first let the other nodes see the failure and stop.
+    if (opts_.node_rank == 0 && opts_.nnodes > 1) {
+      wait_counter(attempt_key(attempt, "stopped"), opts_.nnodes, to_ms(opts_.grace_period_s) + ms(30000));
+    }
+  } catch (const StoreLost& e) {
+    log("lost the store at " + endpoint() + ": " + e.what());
+  }
+  if (signals_.termination() != 0) {
+    log("stopped by " + signal_name(signals_.termination()));
+    return 128 + signals_.termination();
+  }
+  log(final_reason);
+  return 1;
+}
+
+int Agent::run() {
+  if (int rc = setup_store(); rc != 0) return rc;
+  const ms grace = to_ms(opts_.grace_period_s);
+  for (int attempt = 0;; ++attempt) {
+    if (int rc = rendezvous(attempt); rc >= 0) return rc;
+    std::string reason;
+    Outcome outcome;
+    {
+      WorkerGroup group;
+      try {
+        group.start(worker_specs(attempt));
+      } catch (const std::exception& e) {
+        reason = "node " + std::to_string(opts_.node_rank) + " could not start its workers: " + e.what();
+        publish_failure(attempt, reason, true);
+        group.stop(SIGKILL, ms(0), signals_);
+        log(reason);
+        return 1;
+      }
+      outcome = monitor(group, attempt, reason);
+      switch (outcome) {
+        case Outcome::Signaled: {
+          const int sig = signals_.termination();
+          log("got " + signal_name(sig) + "; forwarding it to the workers (SIGKILL after " + seconds_text(opts_.grace_period_s) + ")");
+          publish_failure(attempt, reason, /*abort=*/true);
+          group.stop(sig, grace, signals_);
+          break;
+        }
+        case Outcome::LocalFailure: {
+          const auto& f = *group.first_failure();
+          log("worker rank " + std::to_string(f.global_rank) + " (pid " + std::to_string(f.pid) + ") failed: " + f.describe() +
+              "; stopping all workers (SIGTERM, SIGKILL after " + seconds_text(opts_.grace_period_s) + ")");
+          publish_failure(attempt, reason, false);
+          group.stop(SIGTERM, grace, signals_);
+          break;
+        }
+        case Outcome::RemoteFailure:
+          log("another node failed (" + reason + "); stopping this node's workers");
+          group.stop(SIGTERM, grace, signals_);
+          break;
+        case Outcome::StoreLost:
+          log(reason + "; stopping this node's workers");
+          group.stop(SIGTERM, grace, signals_);
+          return 1;
+        case Outcome::Succeeded:
+          group.stop(SIGTERM, ms(0), signals_);  // clears anything the workers left running
+          break;
+      }
+    }
+    if (outcome == Outcome::Succeeded) {
+      std::string failure;
+      if (int rc = exit_barrier(attempt, failure); rc >= 0) return rc;
+      log("this node's workers succeeded, but another node failed (" + failure + ")");
+      reason = failure;
+    }
+    bool restart = false;
+    int rc = finish_failed_attempt(attempt, reason, restart);
+    if (!restart) return rc;
+  }
+}
+
+}  // namespace fsdprun

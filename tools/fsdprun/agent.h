@@ -1,0 +1,65 @@
+#pragma once
+// The per-node agent: hosts (node 0) or joins the c10d TCPStore, agrees with the other nodes on
+// each attempt, runs the local workers, and stops or restarts them all together.
+//
+// Cross-node protocol, all keys in the agent's TCPStore (workers use "/worker/attempt_<k>/..."):
+//   /fsdprun/config                  node 0's nnodes/nproc/max_restarts/run id; others must match
+//   /fsdprun/node_<n>/claimed        counter; >1 means two agents were given the same --node-rank
+//   /fsdprun/abort                   reason; the job ends without further restarts (signal, timeout)
+//   /fsdprun/attempt_<k>/joined      counter; workers of attempt k start once it reaches nnodes
+//   /fsdprun/attempt_<k>/fail_count  counter; the agent that makes it 1 writes .../failed
+//   /fsdprun/attempt_<k>/failed      reason of the first failure; every agent polls it
+//   /fsdprun/attempt_<k>/stopped     counter of agents that stopped their workers after a failure
+//   /fsdprun/attempt_<k>/done        counter of agents whose workers all exited 0
+//   /fsdprun/attempt_<k>/exit_ack    counter of non-zero nodes that saw done == nnodes
+// Node 0 waits for stopped / exit_ack before it exits, because its exit takes the store down.
+#include <chrono>
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "options.h"
+
+namespace fsdprun {
+
+class Signals;
+class StoreClient;
+class WorkerGroup;
+struct WorkerExit;
+struct WorkerSpec;
+
+class Agent {
+ public:
+  Agent(Options opts, std::string exe);
+  ~Agent();
+  // Runs the job to the end; returns fsdprun's exit status.
+  int run();
+  // True when a store call never returned (a silent node 0): the process must then leave with
+  // _exit(), since a thread is still blocked inside c10d.
+  bool store_hung() const;
+
+ private:
+  enum class Outcome { Succeeded, LocalFailure, RemoteFailure, Signaled, StoreLost };
+
+  int setup_store();                    // 0 or an exit status
+  int rendezvous(int attempt);          // -1 when every node joined, else an exit status
+  Outcome monitor(WorkerGroup& group, int attempt, std::string& reason);
+  int exit_barrier(int attempt, std::string& failure);  // -1: another node failed (in `failure`)
+  int finish_failed_attempt(int attempt, const std::string& reason, bool& restart);
+  void publish_failure(int attempt, const std::string& reason, bool abort);
+  void wait_counter(const std::string& key, int64_t target, std::chrono::milliseconds limit);
+  std::vector<WorkerSpec> worker_specs(int attempt) const;
+  std::string failure_text(const WorkerExit& e) const;
+  std::string endpoint() const;
+
+  Options opts_;
+  std::string exe_;
+  Signals& signals_;
+  std::unique_ptr<StoreClient> store_;
+  int port_ = 0;  // the store's real port (differs from opts_.master_port when that is 0)
+  std::map<std::string, std::string> base_env_;  // fsdprun's environment plus the defaults
+};
+
+}  // namespace fsdprun

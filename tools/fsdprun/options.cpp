@@ -1,0 +1,285 @@
+#include "options.h"
+
+#include <cerrno>
+#include <climits>
+#include <cmath>
+#include <cstdlib>
+#include <functional>
+#include <set>
+#include <thread>
+
+#include <unistd.h>
+
+namespace fsdprun {
+namespace {
+
+// A small table-driven parser rather than CLI11: torchrun's grammar is argparse's (options first,
+// then the program and everything after it untouched), and CLI11's prefix_command() would take a
+// misspelled flag for the program instead of reporting it.
+struct Spec {
+  const char* name;  // canonical spelling, with hyphens
+  bool takes_value;
+  std::function<void(Options&, const std::string&)> apply;
+};
+
+long parse_long(const std::string& flag, const std::string& value, long min_value, long max_value,
+                const std::string& what) {
+  errno = 0;
+  char* end = nullptr;
+  long v = std::strtol(value.c_str(), &end, 10);
+  if (value.empty() || errno != 0 || *end != '\0' || v < min_value || v > max_value) {
+    throw UsageError(flag + " '" + value + "' is not valid; give " + what);
+  }
+  return v;
+}
+
+double parse_seconds(const std::string& flag, const std::string& value, bool allow_zero) {
+  errno = 0;
+  char* end = nullptr;
+  double v = std::strtod(value.c_str(), &end);
+  if (value.empty() || errno != 0 || *end != '\0' || !std::isfinite(v) || v < 0 || (!allow_zero && v == 0)) {
+    throw UsageError(flag + " '" + value + "' is not valid; give a number of seconds" +
+                     (allow_zero ? " (0 or more), e.g. " + flag + " 30" : " above 0, e.g. " + flag + " 300"));
+  }
+  return v;
+}
+
+int parse_nproc(const std::string& value) {
+  // torchrun also accepts "cpu"/"auto"; on a CPU-only build both mean one worker per core.
+  if (value == "cpu" || value == "auto") {
+    long cores = sysconf(_SC_NPROCESSORS_ONLN);
+    return cores > 0 ? static_cast<int>(cores) : static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
+  }
+  if (value == "gpu") {
+    throw UsageError("--nproc-per-node gpu is not supported by fsdprun; give the number of workers, e.g. "
+                     "--nproc-per-node 8");
+  }
+  return static_cast<int>(parse_long("--nproc-per-node", value, 1, 4096,
+                                     "a positive number of workers per node, e.g. --nproc-per-node 2"));
+}
+
+int parse_nnodes(const std::string& value) {
+  // torchrun's MIN:MAX form; only a fixed size (N or N:N) is supported.
+  auto colon = value.find(':');
+  if (colon == std::string::npos) {
+    return static_cast<int>(parse_long("--nnodes", value, 1, 65536, "a positive number of nodes, e.g. --nnodes 2"));
+  }
+  const std::string lo = value.substr(0, colon), hi = value.substr(colon + 1);
+  long min_nodes = parse_long("--nnodes", lo, 1, 65536, "a positive number of nodes, e.g. --nnodes 2");
+  long max_nodes = parse_long("--nnodes", hi, 1, 65536, "a positive number of nodes, e.g. --nnodes 2");
+  if (min_nodes != max_nodes) {
+    throw UsageError("--nnodes " + value + " asks for an elastic job, which fsdprun does not support; give a fixed "
+                     "number of nodes, e.g. --nnodes " + hi);
+  }
+  return static_cast<int>(min_nodes);
+}
+
+const std::vector<Spec>& specs() {
+  static const std::vector<Spec> table = {
+      {"--nproc-per-node", true, [](Options& o, const std::string& v) { o.nproc_per_node = parse_nproc(v); }},
+      {"--nnodes", true, [](Options& o, const std::string& v) { o.nnodes = parse_nnodes(v); }},
+      {"--node-rank", true,
+       [](Options& o, const std::string& v) {
+         o.node_rank = static_cast<int>(parse_long("--node-rank", v, 0, 65535, "a node rank of 0 or more, e.g. --node-rank 0"));
+       }},
+      {"--master-addr", true,
+       [](Options& o, const std::string& v) {
+         if (v.empty()) throw UsageError("--master-addr is empty; give node 0's host name or address, e.g. --master-addr 127.0.0.1");
+         o.master_addr = v;
+       }},
+      {"--master-port", true,
+       [](Options& o, const std::string& v) {
+         o.master_port = static_cast<int>(parse_long("--master-port", v, 0, 65535,
+                                                     "a TCP port 1..65535 (or 0 for a free one), e.g. --master-port 29500"));
+       }},
+      {"--max-restarts", true,
+       [](Options& o, const std::string& v) {
+         o.max_restarts = static_cast<int>(parse_long("--max-restarts", v, 0, INT_MAX, "a count of 0 or more, e.g. --max-restarts 3"));
+       }},
+      {"--standalone", false, [](Options& o, const std::string&) { o.standalone = true; }},
+      {"--no-python", false, [](Options& o, const std::string&) { o.no_python = true; }},
+      {"--grace-period-s", true, [](Options& o, const std::string& v) { o.grace_period_s = parse_seconds("--grace-period-s", v, true); }},
+      {"--rdzv-timeout-s", true, [](Options& o, const std::string& v) { o.rdzv_timeout_s = parse_seconds("--rdzv-timeout-s", v, false); }},
+      {"--monitor-interval", true,
+       [](Options& o, const std::string& v) { o.monitor_interval_s = parse_seconds("--monitor-interval", v, false); }},
+      {"--rdzv-id", true,
+       [](Options& o, const std::string& v) {
+         if (v.empty()) throw UsageError("--rdzv-id is empty; give the job's id, e.g. --rdzv-id job42");
+         o.run_id = v;
+       }},
+      {"--rdzv-backend", true,
+       [](Options&, const std::string& v) {
+         if (v != "static") {
+           throw UsageError("--rdzv-backend " + v + " is not supported; fsdprun uses static rendezvous: start every node "
+                            "with the same --nnodes/--master-addr/--master-port and its own --node-rank");
+         }
+       }},
+      {"--role", true,
+       [](Options& o, const std::string& v) {
+         if (v.empty()) throw UsageError("--role is empty; give a role name, e.g. --role trainer");
+         o.role = v;
+       }},
+      {"--help", false, [](Options& o, const std::string&) { o.help = true; }},
+  };
+  return table;
+}
+
+// torchrun flags that fsdprun does not implement, with what to do instead.
+std::string unsupported_hint(const std::string& name) {
+  if (name == "-m" || name == "--module") {
+    return "fsdprun runs programs directly (like torchrun --no-python); drop " + name + " and give the program path";
+  }
+  if (name == "--rdzv-endpoint" || name == "--rdzv-conf" || name == "--local-addr") {
+    return name + " is not supported; fsdprun uses static rendezvous: give every node --nnodes, its own --node-rank, "
+                  "and node 0's --master-addr/--master-port";
+  }
+  if (name == "--log-dir" || name == "-r" || name == "--redirects" || name == "-t" || name == "--tee" ||
+      name == "--local-ranks-filter") {
+    return name + " is not supported; worker output is always forwarded with [rank<R>]: prefixes (stdout to stdout, "
+                  "stderr to stderr): redirect fsdprun's own output instead";
+  }
+  return {};
+}
+
+// "--nproc_per_node" -> "--nproc-per-node"; torchrun accepts both spellings of every flag.
+std::string normalize(std::string name) {
+  for (size_t i = 2; i < name.size(); ++i) {
+    if (name[i] == '_') name[i] = '-';
+  }
+  return name;
+}
+
+const Spec* find_spec(const std::string& name) {
+  const auto& table = specs();
+  for (const auto& s : table) {
+    if (name == s.name) return &s;
+  }
+  if (name == "-h") return &table.back();
+  // argparse (and so torchrun) accepts unambiguous prefixes such as --nproc.
+  const Spec* match = nullptr;
+  std::vector<std::string> candidates;
+  for (const auto& s : table) {
+    if (name.size() > 2 && std::string(s.name).rfind(name, 0) == 0) {
+      match = &s;
+      candidates.push_back(s.name);
+    }
+  }
+  if (candidates.size() > 1) {
+    std::string list;
+    for (const auto& c : candidates) list += (list.empty() ? "" : ", ") + c;
+    throw UsageError("option '" + name + "' is ambiguous (" + list + "); spell it out");
+  }
+  return match;
+}
+
+}  // namespace
+
+Options parse_options(const std::vector<std::string>& args) {
+  Options o;
+  std::set<std::string> given;
+  size_t i = 0;
+  for (; i < args.size(); ++i) {
+    const std::string& arg = args[i];
+    if (arg == "--") {
+      ++i;
+      break;
+    }
+    if (arg.size() < 2 || arg[0] != '-') break;  // the program: everything from here on is its own
+    std::string name = arg, value;
+    bool inline_value = false;
+    if (auto eq = arg.find('='); eq != std::string::npos && arg.rfind("--", 0) == 0) {
+      name = arg.substr(0, eq);
+      value = arg.substr(eq + 1);
+      inline_value = true;
+    }
+    name = normalize(name);
+    if (auto hint = unsupported_hint(name); !hint.empty()) throw UsageError(hint);
+    const Spec* spec = find_spec(name);
+    if (spec == nullptr) {
+      throw UsageError("unknown option '" + arg + "'; see fsdprun --help (options go before the program; put the "
+                       "program's own options after it)");
+    }
+    if (spec->takes_value) {
+      if (!inline_value) {
+        if (i + 1 >= args.size()) throw UsageError(std::string(spec->name) + " needs a value, e.g. " + spec->name + "=VALUE");
+        value = args[++i];
+      }
+    } else if (inline_value) {
+      throw UsageError(std::string(spec->name) + " takes no value; write just " + spec->name);
+    }
+    spec->apply(o, value);
+    given.insert(spec->name);
+  }
+  o.program.assign(args.begin() + static_cast<long>(std::min(i, args.size())), args.end());
+  if (o.help) return o;
+
+  if (o.standalone) {
+    // torchrun's --standalone: one node, a free port on the local host.
+    if (o.nnodes != 1) throw UsageError("--standalone runs a single node; drop --nnodes " + std::to_string(o.nnodes) + " or --standalone");
+    for (const char* f : {"--node-rank", "--master-addr", "--master-port"}) {
+      if (given.count(f)) throw UsageError(std::string("--standalone picks the address and a free port itself; drop ") + f);
+    }
+    o.master_addr = "127.0.0.1";
+    o.master_port = 0;
+    if (!given.count("--rdzv-id")) o.run_id = "standalone-" + std::to_string(getpid());
+  }
+  if (o.node_rank >= o.nnodes) {
+    throw UsageError("--node-rank " + std::to_string(o.node_rank) + " must be below --nnodes " + std::to_string(o.nnodes) +
+                     "; number the nodes 0.." + std::to_string(o.nnodes - 1));
+  }
+  if (o.master_port == 0 && o.nnodes > 1) {
+    throw UsageError("--master-port 0 only works with one node (the other nodes could not know the port); give a "
+                     "fixed port, e.g. --master-port 29500");
+  }
+  if (o.program.empty()) {
+    throw UsageError("no program given; usage: fsdprun [options] [--] program [args...] (see fsdprun --help)");
+  }
+  return o;
+}
+
+std::string usage_text() {
+  return R"(usage: fsdprun [options] [--] program [args...]
+
+Starts --nproc-per-node copies of `program` on this node with torchrun's environment
+(RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT, TORCHELASTIC_*, ...), hosts the
+c10d TCPStore the workers connect to (TORCHELASTIC_USE_AGENT_STORE=True), forwards their
+output with "[rank<R>]: " prefixes, and stops or restarts the whole group when one fails.
+Options go before the program; everything after the program (or after `--`) is passed to it.
+Every flag also accepts underscores (--nproc_per_node) and the --flag=value form.
+
+options:
+  --nproc-per-node N     workers on this node (default 1; "cpu"/"auto": one per core)
+  --nnodes N             number of nodes, each running its own fsdprun (default 1; N:N accepted,
+                         elastic MIN:MAX is not supported)
+  --node-rank K          this node's rank, 0..nnodes-1 (default 0); node 0 hosts the store
+  --master-addr A        node 0's address, where the store listens (default 127.0.0.1)
+  --master-port P        the store's port (default 29500); 0 picks a free port (single node
+                         only); workers get the real port in MASTER_PORT
+  --standalone           single node on 127.0.0.1 with a free port (like --master-port 0)
+  --max-restarts R       restart the whole group up to R times after a failure (default 0);
+                         workers see TORCHELASTIC_RESTART_COUNT 0, 1, ...
+  --grace-period-s S     when stopping workers, SIGTERM then SIGKILL after S seconds (default 30)
+  --rdzv-timeout-s S     bound on waits for other nodes: store connect, rendezvous before each
+                         attempt, the final exit barrier (default 300)
+  --monitor-interval S   how often the store is polled for failures on other nodes (default 0.1)
+  --rdzv-id ID           job id, passed as TORCHELASTIC_RUN_ID (default "none")
+  --rdzv-backend static  accepted for compatibility; rendezvous is always static
+  --role NAME            ROLE_NAME of the workers (default "default")
+  --no-python            accepted for torchrun compatibility (programs always run directly)
+  -h, --help             show this help
+
+worker environment: RANK (= node_rank * nproc + LOCAL_RANK), LOCAL_RANK, GROUP_RANK (node rank),
+ROLE_RANK, ROLE_NAME, LOCAL_WORLD_SIZE, WORLD_SIZE (= nnodes * nproc), GROUP_WORLD_SIZE,
+ROLE_WORLD_SIZE, MASTER_ADDR, MASTER_PORT, TORCHELASTIC_RESTART_COUNT, TORCHELASTIC_MAX_RESTARTS,
+TORCHELASTIC_RUN_ID, TORCHELASTIC_USE_AGENT_STORE=True; if unset: OMP_NUM_THREADS (cores /
+nproc), OPENBLAS_CORETYPE (when OpenBLAS would use generic kernels on this CPU),
+TORCH_NCCL_ASYNC_ERROR_HANDLING=1. Workers connect to the store as clients under
+PrefixStore("/worker/attempt_<TORCHELASTIC_RESTART_COUNT>").
+
+exit status: 0 when every worker on every node exited 0; 1 when workers failed (the first failure
+is named) or the job could not start; 2 for a wrong command line; 128+N after signal N
+(SIGINT/SIGTERM/SIGHUP/SIGQUIT are forwarded to the workers).
+)";
+}
+
+}  // namespace fsdprun

@@ -1,0 +1,41 @@
+#pragma once
+// fsdprun's command line: torchrun's flags and spellings, for a static (fixed-size) job.
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+namespace fsdprun {
+
+// A wrong command line. The message is one line that names the problem and the fix;
+// main() prints it and exits with code 2 (like argparse).
+class UsageError : public std::runtime_error {
+ public:
+  using std::runtime_error::runtime_error;
+};
+
+struct Options {
+  int nproc_per_node = 1;
+  int nnodes = 1;
+  int node_rank = 0;
+  std::string master_addr = "127.0.0.1";
+  int master_port = 29500;  // 0: node 0 picks a free port (single node only)
+  int max_restarts = 0;
+  bool standalone = false;
+  bool no_python = false;     // accepted for torchrun compatibility; programs always run directly
+  double grace_period_s = 30;  // SIGTERM -> SIGKILL delay when stopping workers (torchrun: 30 s)
+  double rdzv_timeout_s = 300;  // bound on every cross-node wait (connect, rendezvous, exit barrier)
+  double monitor_interval_s = 0.1;  // how often the store is polled for other nodes' failures
+  std::string run_id = "none";      // TORCHELASTIC_RUN_ID (torchrun's --rdzv-id)
+  std::string role = "default";     // ROLE_NAME
+  bool help = false;
+  std::vector<std::string> program;  // program and its arguments
+};
+
+// Parses argv (argv[0] excluded). Options come first; the first non-option argument, or
+// everything after `--`, is the program and its arguments (argparse REMAINDER, as torchrun).
+// Throws UsageError.
+Options parse_options(const std::vector<std::string>& args);
+
+std::string usage_text();
+
+}  // namespace fsdprun

@@ -1,0 +1,120 @@
+#pragma once
+// fully_shard: FSDP2 for LibTorch modules.
+//
+//   GPT model(config);
+//   for (auto& block : model->blocks) fsdp::fully_shard(block);   // bottom-up: blocks first,
+//   fsdp::fully_shard(model);                                      // then the root
+//   torch::optim::AdamW opt(model->parameters(), 1e-3);            // the local shards
+//   auto logits = fsdp::call(model, tokens);                       // not model(tokens)
+//
+// C++ modules have no forward hooks, so a sharded unit is entered through fsdp::call(unit, args...)
+// (see call.h): inside the model, `x = fsdp::call(block, x)` instead of `x = block(x)`. Unsharded
+// models run the same code (call() then just calls forward), so one model source serves both.
+//
+// After fully_shard, module->parameters() / named_parameters() return this rank's shards (same
+// names); the module's own fields (e.g. LinearImpl::weight) are the unsharded parameters that
+// forward uses. Between forwards they are freed (zero elements): calling forward directly, around
+// fsdp::call, fails with a shape error instead of reading freed memory.
+#include <torch/nn/module.h>
+
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "fsdp/mesh/device_mesh.h"
+#include "fsdp/sharding/policies.h"
+
+namespace torch::optim {
+class Optimizer;
+}
+
+namespace fsdp {
+
+namespace detail {
+class FSDPState;
+}
+
+struct FullyShardOptions {
+  // 1-D mesh of the data-parallel ranks (default: all ranks of the runtime).
+  std::optional<DeviceMesh> mesh;
+  // Free the unsharded parameters after forward and re-gather them for backward.
+  // Unset: true for every unit but the root, false for the root (decided at the first forward).
+  std::optional<bool> reshard_after_forward;
+  MixedPrecisionPolicy mp_policy;
+  std::optional<CPUOffloadPolicy> offload_policy;
+  // Left unsharded and unreduced (e.g. parameters another mechanism handles).
+  std::vector<at::Tensor> ignored_params;
+};
+
+// Waits for an asynchronous unshard().
+class UnshardHandle {
+ public:
+  UnshardHandle() = default;
+  explicit UnshardHandle(detail::FSDPState* state) : state_(state) {}
+  void wait();
+
+ private:
+  detail::FSDPState* state_ = nullptr;
+};
+
+// The handle fully_shard returns: FSDP2's FSDPModule methods. Copyable; the state lives as long as
+// the module (fully_shard keeps it in a registry keyed by the module).
+class FSDPModule {
+ public:
+  explicit FSDPModule(std::shared_ptr<detail::FSDPState> state) : state_(std::move(state)) {}
+
+  // All-gather this unit's parameters (not its children's). pre-forward waits for it.
+  UnshardHandle unshard(bool async_op = false);
+  // Free the unsharded parameters (not the children's).
+  void reshard();
+  // false: skip the gradient reduce-scatter and accumulate unsharded gradients locally; the next
+  // synced backward reduces the sum (FSDP1's no_sync).
+  void set_requires_gradient_sync(bool requires_sync, bool recurse = true);
+  void set_reshard_after_forward(bool reshard, bool recurse = true);
+  // false: keep the parameters unsharded after backward (e.g. across micro-batches).
+  void set_reshard_after_backward(bool reshard, bool recurse = true);
+  // false: the end of backward does not wait for the gradient reductions (micro-batching).
+  void set_is_last_backward(bool is_last);
+  // Explicit prefetch targets, replacing the implicit order recorded at the first forward.
+  void set_modules_to_forward_prefetch(const std::vector<FSDPModule>& modules);
+  void set_modules_to_backward_prefetch(const std::vector<FSDPModule>& modules);
+  // Gradients are divided by this instead of the data-parallel size (1.0: plain sum).
+  void set_gradient_divide_factor(double factor);
+
+  std::vector<torch::nn::Module*> modules() const;
+  detail::FSDPState* state() const { return state_.get(); }
+
+ private:
+  std::shared_ptr<detail::FSDPState> state_;
+};
+
+// Shards `module`'s parameters that no inner fully_shard call already manages.
+FSDPModule fully_shard(const std::shared_ptr<torch::nn::Module>& module, FullyShardOptions options = {});
+// Several modules, one group (one all-gather, one reduce-scatter), e.g. {norm, head}.
+FSDPModule fully_shard(const std::vector<std::shared_ptr<torch::nn::Module>>& modules, FullyShardOptions options = {});
+// ModuleHolder form: fully_shard(block) for `Block block` (a TORCH_MODULE holder).
+template <typename Holder, typename = decltype(std::declval<Holder&>().ptr())>
+FSDPModule fully_shard(Holder& module, FullyShardOptions options = {}) {
+  return fully_shard(std::static_pointer_cast<torch::nn::Module>(module.ptr()), std::move(options));
+}
+
+// The FSDPModule of a module sharded by fully_shard, if any.
+std::optional<FSDPModule> fsdp_module(const torch::nn::Module& module);
+
+// Where a sharded parameter (an element of module->parameters()) sits in the full one.
+struct ShardInfo {
+  std::vector<int64_t> global_shape;  // the unsharded parameter's shape
+  int64_t dim0_offset = 0;            // first row of the full parameter held here
+  int64_t local_rows = 0;             // rows held here (0 for an empty shard)
+  int64_t padded_rows = 0;            // rows per rank, ceil(dim0 / N)
+  std::string fqn;                    // name relative to the root module it was sharded under
+  DeviceMesh mesh;
+};
+std::optional<ShardInfo> shard_info(const at::Tensor& sharded_param);
+
+// FSDP2's debug checklist: throws when the optimizer holds parameters that are not the sharded
+// ones (built before fully_shard), naming the first such parameter and the fix.
+void check_optimizer_params(const torch::optim::Optimizer& optimizer);
+
+}  // namespace fsdp

@@ -1,0 +1,74 @@
+#pragma once
+// A small GPT (token + position embeddings, pre-LN blocks with causal self-attention and a GELU
+// MLP, final LayerNorm, linear head) in plain LibTorch, used by the tests, the benchmark and the
+// trainer. The only FSDP-specific line is `fsdp::call(block, x)` in GPTImpl::forward, which is
+// exactly block->forward(x) when the block is not sharded.
+#include <torch/torch.h>
+
+#include <vector>
+
+namespace fsdp::models {
+
+struct GPTConfig {
+  int64_t vocab_size = 256;  // byte-level
+  int64_t block_size = 128;  // longest sequence
+  int64_t n_layer = 4;
+  int64_t n_head = 4;
+  int64_t n_embd = 256;
+  bool tie_weights = false;  // head shares the token embedding (GPT-2 style)
+  void validate() const;     // throws std::invalid_argument naming the bad field
+};
+
+struct CausalSelfAttentionImpl : torch::nn::Module {
+  explicit CausalSelfAttentionImpl(const GPTConfig& c);
+  torch::Tensor forward(const torch::Tensor& x);
+  torch::nn::Linear c_attn{nullptr}, c_proj{nullptr};
+  int64_t n_head;
+};
+TORCH_MODULE(CausalSelfAttention);
+
+struct MLPImpl : torch::nn::Module {
+  explicit MLPImpl(const GPTConfig& c);
+  torch::Tensor forward(const torch::Tensor& x);
+  torch::nn::Linear c_fc{nullptr}, c_proj{nullptr};
+};
+TORCH_MODULE(MLP);
+
+struct BlockImpl : torch::nn::Module {
+  explicit BlockImpl(const GPTConfig& c);
+  torch::Tensor forward(const torch::Tensor& x);
+  torch::nn::LayerNorm ln_1{nullptr}, ln_2{nullptr};
+  CausalSelfAttention attn{nullptr};
+  MLP mlp{nullptr};
+};
+TORCH_MODULE(Block);
+
+// The output projection. With tied weights it registers the token embedding's tensor as its own
+// parameter (one tensor, two registry entries), as GPT-2 does.
+struct HeadImpl : torch::nn::Module {
+  HeadImpl(int64_t n_embd, int64_t vocab_size, const torch::Tensor& tied_weight = {});
+  torch::Tensor forward(const torch::Tensor& x);
+  torch::Tensor weight;
+};
+TORCH_MODULE(Head);
+
+struct GPTImpl : torch::nn::Module {
+  explicit GPTImpl(const GPTConfig& c);
+  // idx: [B, T] int64 token ids -> logits [B, T, vocab]
+  torch::Tensor forward(const torch::Tensor& idx);
+  // Weights as GPT-2 initialises them: N(0, 0.02), zero biases, unit LayerNorm.
+  void reset_parameters();
+
+  GPTConfig config;
+  torch::nn::Embedding wte{nullptr}, wpe{nullptr};
+  torch::nn::ModuleList h{nullptr};
+  std::vector<Block> blocks;  // the same modules as h, typed
+  torch::nn::LayerNorm ln_f{nullptr};
+  Head lm_head{nullptr};
+};
+TORCH_MODULE(GPT);
+
+// Mean cross-entropy of next-token prediction.
+torch::Tensor gpt_loss(const torch::Tensor& logits, const torch::Tensor& targets);
+
+}  // namespace fsdp::models

@@ -1,0 +1,23 @@
+#pragma once
+// The autograd pieces FSDP needs, which LibTorch offers without module hooks:
+//  - post-backward: an identity autograd Function applied to a unit's inputs; its backward runs
+//    once the unit's own backward has produced the parameter gradients (FSDP2's
+//    RegisterPostBackwardFunction);
+//  - pre-backward: tensor hooks on a unit's outputs, run before that part of backward;
+//  - the final callback: queued on the autograd engine, runs when the whole backward ends.
+#include <ATen/ATen.h>
+
+#include <functional>
+#include <vector>
+
+namespace fsdp::detail {
+
+class FSDPState;
+
+// Returns `args` with every floating-point tensor that requires grad routed through the hook.
+std::vector<at::Tensor> register_post_backward_hook(FSDPState* state, std::vector<at::Tensor> args);
+void register_pre_backward_hooks(FSDPState* state, const std::vector<at::Tensor>& outputs);
+// Must be called from inside a backward pass (e.g. from a hook).
+void queue_final_callback(std::function<void()> callback);
+
+}  // namespace fsdp::detail

@@ -1,0 +1,139 @@
+#include "fsdp_param.h"
+
+#include <torch/torch.h>
+
+#include <stdexcept>
+
+#include "module_access.h"
+
+namespace fsdp::detail {
+
+namespace {
+
+// Frees or re-allocates a storage in place: the StorageImpl object (which autograd's saved views
+// hold) stays the same. Works for any device through the storage's own allocator.
+void set_storage_bytes(c10::StorageImpl* storage, size_t nbytes) {
+  if (nbytes == 0) {
+    storage->set_data_ptr_noswap(at::DataPtr(nullptr, storage->device()));
+  } else {
+    storage->set_data_ptr_noswap(storage->allocator()->allocate(nbytes));
+  }
+  storage->set_nbytes(nbytes);
+}
+
+std::string shape_str(at::IntArrayRef s) {
+  std::string out = "[";
+  for (size_t i = 0; i < s.size(); ++i) out += (i ? ", " : "") + std::to_string(s[i]);
+  return out + "]";
+}
+
+}  // namespace
+
+FSDPParam::FSDPParam(const at::Tensor& original, std::vector<ParamSlot> slots, std::string fqn, int shard_rank,
+                     int shard_size)
+    : slots_(std::move(slots)), fqn_(std::move(fqn)), shard_size_(shard_size), unsharded_param_(original) {
+  if (!original.is_contiguous() || original.storage_offset() != 0 ||
+      original.storage().nbytes() != static_cast<size_t>(original.numel()) * original.element_size()) {
+    throw std::invalid_argument("fsdp::fully_shard: parameter '" + fqn_ +
+                                "' does not own its storage (a view, non-contiguous, or sharing a buffer); "
+                                "register parameters as separate contiguous tensors");
+  }
+  global_shape_ = original.sizes().vec();
+  rows_ = original.dim() == 0 ? 1 : original.size(0);
+  row_numel_ = 1;
+  for (int64_t d = 1; d < original.dim(); ++d) row_numel_ *= original.size(d);
+  padded_rows_ = (rows_ + shard_size - 1) / shard_size;
+  dim0_offset_ = std::min<int64_t>(static_cast<int64_t>(shard_rank) * padded_rows_, rows_);
+  local_rows_ = std::max<int64_t>(0, std::min<int64_t>(padded_rows_, rows_ - dim0_offset_));
+  local_shape_ = original.dim() == 0 ? std::vector<int64_t>{local_rows_} : global_shape_;
+  if (original.dim() > 0) local_shape_[0] = local_rows_;
+
+  torch::NoGradGuard no_grad;
+  padded_shard_ = at::zeros({shard_numel()}, original.options().requires_grad(false));
+  padded_shard_.narrow(0, 0, local_rows_ * row_numel_)
+      .copy_(original.detach().reshape(-1).narrow(0, dim0_offset_ * row_numel_, local_rows_ * row_numel_));
+  sharded_param_ = padded_shard_.narrow(0, 0, local_rows_ * row_numel_).view(local_shape_).detach();
+  sharded_param_.set_requires_grad(original.requires_grad());
+  // The shard replaces the original in every registry entry: parameters() now returns shards.
+  for (auto& slot : slots_) parameter_registry(*slot.module.lock())[slot.name] = sharded_param_;
+  free_unsharded();
+}
+
+at::Tensor FSDPParam::unsharded_alias() const {
+  at::Tensor alias = at::empty({0}, padded_shard_.options());
+  alias.set_(unsharded_param_.storage(), 0, global_shape_, c10::contiguous_strides(global_shape_));
+  return alias;
+}
+
+void FSDPParam::alloc_unsharded() {
+  if (unsharded_) return;
+  auto* impl = unsharded_param_.unsafeGetTensorImpl();
+  const size_t nbytes = static_cast<size_t>(rows_ * row_numel_) * padded_shard_.element_size();
+  set_storage_bytes(impl->storage().unsafeGetStorageImpl(), nbytes);
+  impl->set_sizes_contiguous(global_shape_);
+  unsharded_ = true;
+}
+
+void FSDPParam::free_unsharded() {
+  if (!unsharded_) return;
+  auto* impl = unsharded_param_.unsafeGetTensorImpl();
+  set_storage_bytes(impl->storage().unsafeGetStorageImpl(), 0);
+  impl->set_sizes_contiguous({0});
+  unsharded_ = false;
+}
+
+void FSDPParam::copy_out(const at::Tensor& gathered, int64_t offset) {
+  at::Tensor dst = unsharded_alias().view({rows_, row_numel_});
+  for (int r = 0; r < shard_size_; ++r) {
+    const int64_t first = static_cast<int64_t>(r) * padded_rows_;
+    const int64_t n = std::max<int64_t>(0, std::min<int64_t>(padded_rows_, rows_ - first));
+    if (n == 0) continue;
+    dst.narrow(0, first, n).copy_(gathered[r].narrow(0, offset, n * row_numel_).view({n, row_numel_}));
+  }
+}
+
+void FSDPParam::copy_in_grad(const at::Tensor& grad, const at::Tensor& rs_input, int64_t offset) const {
+  at::Tensor flat = grad.contiguous().view(-1);
+  for (int r = 0; r < shard_size_; ++r) {
+    const int64_t first = static_cast<int64_t>(r) * padded_rows_;
+    const int64_t n = std::max<int64_t>(0, std::min<int64_t>(padded_rows_, rows_ - first));
+    if (n == 0) continue;
+    rs_input[r].narrow(0, offset, n * row_numel_).copy_(flat.narrow(0, first * row_numel_, n * row_numel_));
+  }
+}
+
+void FSDPParam::accumulate_sharded_grad(const at::Tensor& reduced, int64_t offset) {
+  at::Tensor g = reduced.narrow(0, offset, local_rows_ * row_numel_).view(local_shape_);
+  if (g.scalar_type() != sharded_param_.scalar_type()) g = g.to(sharded_param_.scalar_type());
+  at::Tensor& grad = sharded_param_.mutable_grad();
+  torch::NoGradGuard no_grad;
+  if (grad.defined()) {
+    grad.add_(g);
+  } else {
+    // Own storage (not a view of the reduce buffer): optimizers may detach_()/zero_() grads.
+    grad = g.clone();
+  }
+}
+
+void FSDPParam::check_unchanged() const {
+  for (const auto& slot : slots_) {
+    auto module = slot.module.lock();
+    const at::Tensor* now = module ? parameter_registry(*module).find(slot.name) : nullptr;
+    if (now == nullptr || !now->is_same(sharded_param_)) {
+      throw std::logic_error("fsdp: parameter '" + fqn_ +
+                             "' was replaced after fully_shard (register_parameter or assignment); change "
+                             "parameters before sharding, or load values into the shard in place");
+    }
+  }
+  if (sharded_param_.sizes() != at::IntArrayRef(local_shape_)) {
+    throw std::logic_error("fsdp: the shard of parameter '" + fqn_ + "' changed shape from " + shape_str(local_shape_) +
+                           " to " + shape_str(sharded_param_.sizes()) +
+                           " after fully_shard; shapes are fixed once a module is sharded");
+  }
+  if (!unsharded_ && unsharded_param_.numel() != 0) {
+    throw std::logic_error("fsdp: the unsharded parameter '" + fqn_ + "' was resized to " +
+                           shape_str(unsharded_param_.sizes()) + " while sharded; shapes are fixed after fully_shard");
+  }
+}
+
+}  // namespace fsdp::detail

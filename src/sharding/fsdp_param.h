@@ -1,0 +1,83 @@
+#pragma once
+// FSDPParam: one parameter's life under fully_shard (FSDP2's FSDPParam).
+//
+// Three tensors per parameter:
+//   padded_shard    flat [padded_rows * row_numel]: this rank's rows of the full parameter, padded
+//                   to ceil(dim0 / N) rows (torch.chunk's layout); the all-gather input, and the
+//                   storage the optimizer updates.
+//   sharded_param   a leaf view of the unpadded part, shaped [local_rows, ...]: what
+//                   module->parameters() returns, what the optimizer holds, where .grad lands.
+//   unsharded_param the original tensor object. The module's fields (LinearImpl::weight, ...)
+//                   point to it, so forward uses it and autograd saves it.
+//
+// Note on freeing without breaking autograd: resharding keeps the unsharded tensor object and its
+// StorageImpl, and only resizes that storage to zero bytes (and the tensor to zero elements, so a
+// forward that bypasses fsdp::call fails on shapes instead of reading freed memory). Unsharding
+// re-allocates the same StorageImpl and copies the gathered rows in through a separate alias, so
+// the views forward saved for backward (e.g. weight.t()) see the new data, and the parameter's own
+// version counter never moves ("modified by an inplace operation" would otherwise fire).
+#include <ATen/ATen.h>
+#include <torch/nn/module.h>
+
+#include <memory>
+#include <string>
+#include <vector>
+
+namespace fsdp::detail {
+
+// A registry entry that holds this parameter (tied weights have several).
+struct ParamSlot {
+  std::weak_ptr<torch::nn::Module> module;  // weak: a replaced submodule may be gone
+  std::string name;
+};
+
+class FSDPParam {
+ public:
+  FSDPParam(const at::Tensor& original, std::vector<ParamSlot> slots, std::string fqn, int shard_rank,
+            int shard_size);
+
+  const std::string& fqn() const { return fqn_; }
+  void set_fqn(std::string fqn) { fqn_ = std::move(fqn); }
+  const std::vector<int64_t>& global_shape() const { return global_shape_; }
+  int64_t rows() const { return rows_; }
+  int64_t row_numel() const { return row_numel_; }
+  int64_t padded_rows() const { return padded_rows_; }
+  int64_t shard_numel() const { return padded_rows_ * row_numel_; }  // the same on every rank
+  int64_t local_rows() const { return local_rows_; }
+  int64_t dim0_offset() const { return dim0_offset_; }
+  at::ScalarType dtype() const { return padded_shard_.scalar_type(); }
+  c10::Device device() const { return padded_shard_.device(); }
+
+  const at::Tensor& padded_shard() const { return padded_shard_; }
+  const at::Tensor& sharded_param() const { return sharded_param_; }
+  const at::Tensor& unsharded_param() const { return unsharded_param_; }
+  const std::vector<ParamSlot>& slots() const { return slots_; }
+
+  bool is_unsharded() const { return unsharded_; }
+  void alloc_unsharded();
+  void free_unsharded();
+  // gathered: the all-gather output viewed as [N, group_shard_numel]; this parameter's chunk of
+  // every rank starts at column `offset`. The unsharded parameter must be allocated.
+  void copy_out(const at::Tensor& gathered, int64_t offset);
+  // Writes the unsharded gradient, split by rank (padding rows stay zero), into the reduce-scatter
+  // input viewed as [N, S], at column `offset`.
+  void copy_in_grad(const at::Tensor& grad, const at::Tensor& rs_input, int64_t offset) const;
+  // reduced: this rank's flat reduce-scatter output; adds to (or sets) sharded_param.grad.
+  void accumulate_sharded_grad(const at::Tensor& reduced, int64_t offset);
+  // Throws when a registry entry was replaced or the shard was reshaped since fully_shard.
+  void check_unchanged() const;
+
+ private:
+  at::Tensor unsharded_alias() const;  // same storage, own version counter, full shape
+
+  std::vector<ParamSlot> slots_;
+  std::string fqn_;
+  std::vector<int64_t> global_shape_;
+  std::vector<int64_t> local_shape_;
+  int64_t rows_ = 0, row_numel_ = 0, padded_rows_ = 0, local_rows_ = 0, dim0_offset_ = 0;
+  int shard_size_ = 1;
+  at::Tensor padded_shard_, sharded_param_, unsharded_param_;
+  bool unsharded_ = true;
+};
+
+}  // namespace fsdp::detail

@@ -1,0 +1,124 @@
+#include "fsdp_param_group.h"
+
+#include <torch/torch.h>
+
+#include <stdexcept>
+
+namespace fsdp::detail {
+
+FSDPParamGroup::FSDPParamGroup(std::vector<std::unique_ptr<FSDPParam>> params, DeviceMesh mesh)
+    : params_(std::move(params)), mesh_(std::move(mesh)), comm_(mesh_.comm(0)) {
+  for (const auto& p : params_) {
+    if (p->dtype() != params_.front()->dtype()) {
+      throw std::invalid_argument("fsdp::fully_shard: parameters '" + params_.front()->fqn() + "' (" +
+                                  c10::toString(params_.front()->dtype()) + ") and '" + p->fqn() + "' (" +
+                                  c10::toString(p->dtype()) +
+                                  ") differ in dtype; one fully_shard group moves one dtype: shard them in separate "
+                                  "calls or convert the module first");
+    }
+    if (p->device() != params_.front()->device()) {
+      throw std::invalid_argument("fsdp::fully_shard: parameters '" + params_.front()->fqn() + "' (" +
+                                  params_.front()->device().str() + ") and '" + p->fqn() + "' (" + p->device().str() +
+                                  ") are on different devices; move the module to one device first");
+    }
+    offsets_.push_back(total_shard_numel_);
+    total_shard_numel_ += p->shard_numel();
+  }
+  state_ = State::Sharded;
+}
+
+void FSDPParamGroup::unshard(bool async_op) {
+  if (state_ != State::Sharded || params_.empty()) {
+    if (params_.empty()) state_ = State::Unsharded;
+    return;
+  }
+  const int n = comm_->size();
+  const auto& first = params_.front()->padded_shard();
+  // Copy-in: every padded shard side by side in one flat input (Gloo needs input and output apart).
+  at::Tensor input = at::empty({total_shard_numel_}, first.options());
+  {
+    torch::NoGradGuard no_grad;
+    for (size_t i = 0; i < params_.size(); ++i) {
+      input.narrow(0, offsets_[i], params_[i]->shard_numel()).copy_(params_[i]->padded_shard());
+    }
+  }
+  all_gather_output_ = at::empty({n, total_shard_numel_}, first.options());
+  all_gather_work_ = comm_->all_gather_into_tensor(all_gather_output_.view(-1), input, /*async_op=*/true);
+  state_ = State::Unsharding;
+  if (!async_op) wait_for_unshard();
+}
+
+void FSDPParamGroup::wait_for_unshard() {
+  if (state_ == State::Sharded) unshard(/*async_op=*/false);
+  if (state_ != State::Unsharding) return;
+  all_gather_work_.wait();
+  torch::NoGradGuard no_grad;
+  for (size_t i = 0; i < params_.size(); ++i) {
+    params_[i]->alloc_unsharded();
+    params_[i]->copy_out(all_gather_output_, offsets_[i]);
+  }
+  all_gather_output_ = at::Tensor();  // freed: only the unsharded parameters hold the data now
+  all_gather_work_ = comm::Work();
+  state_ = State::Unsharded;
+}
+
+void FSDPParamGroup::reshard() {
+  if (state_ == State::Unsharding) wait_for_unshard();  // a gather in flight cannot be cancelled
+  if (state_ != State::Unsharded) return;
+  for (auto& p : params_) p->free_unsharded();
+  state_ = State::Sharded;
+}
+
+void FSDPParamGroup::post_backward() {
+  if (!requires_gradient_sync) {
+    // No sync: the unsharded gradients stay on the unsharded parameters and keep accumulating.
+    if (reshard_after_backward) reshard();
+    return;
+  }
+  if (has_pending_reduce()) finish_reduce();
+  // Only parameters that received a gradient take part (the same ones on every rank).
+  std::vector<std::pair<FSDPParam*, at::Tensor>> with_grad;
+  int64_t total = 0;
+  for (auto& p : params_) {
+    at::Tensor g = p->unsharded_param().grad();
+    if (!g.defined()) continue;
+    with_grad.emplace_back(p.get(), g);
+    total += p->shard_numel();
+  }
+  if (with_grad.empty()) {
+    if (reshard_after_backward) reshard();
+    return;
+  }
+  const int n = comm_->size();
+  at::Tensor input = at::zeros({n, total}, with_grad.front().second.options().requires_grad(false));
+  reduced_params_.clear();
+  int64_t offset = 0;
+  {
+    torch::NoGradGuard no_grad;
+    for (auto& [p, g] : with_grad) {
+      p->copy_in_grad(g, input, offset);
+      reduced_params_.emplace_back(p, offset);
+      offset += p->shard_numel();
+      // The unsharded gradient is consumed: free it now, as FSDP2 does.
+      p->unsharded_param().mutable_grad().reset();
+    }
+  }
+  if (reshard_after_backward) reshard();
+  reduce_output_ = at::empty({total}, input.options());
+  // Default: average over the data-parallel ranks. A custom factor: sum, then divide by it.
+  pending_divide_ = gradient_divide_factor;
+  const auto op = gradient_divide_factor ? comm::ReduceOp::Sum : comm::ReduceOp::Avg;
+  reduce_work_ = comm_->reduce_scatter_tensor(reduce_output_, input.view(-1), op, /*async_op=*/true);
+}
+
+void FSDPParamGroup::finish_reduce() {
+  if (!has_pending_reduce()) return;
+  reduce_work_.wait();
+  reduce_work_ = comm::Work();
+  if (pending_divide_) reduce_output_.div_(*pending_divide_);
+  for (auto& [p, offset] : reduced_params_) p->accumulate_sharded_grad(reduce_output_, offset);
+  reduced_params_.clear();
+  reduce_output_ = at::Tensor();
+}
+
+}  // namespace fsdp::detail

@@ -1,0 +1,176 @@
+#include "fsdp_state.h"
+
+#include <torch/torch.h>
+
+#include <algorithm>
+#include <stdexcept>
+
+#include "autograd_hooks.h"
+#include "registry.h"
+
+namespace fsdp::detail {
+
+FSDPState::FSDPState(std::vector<std::shared_ptr<torch::nn::Module>> modules, std::unique_ptr<FSDPParamGroup> group,
+                     std::optional<bool> reshard_after_forward)
+    : group_(std::move(group)), reshard_after_forward_option_(reshard_after_forward) {
+  for (auto& m : modules) {
+    modules_.push_back(m.get());
+    module_refs_.push_back(m);
+  }
+  if (group_) {
+    for (auto& p : group_->params()) register_param(p.get(), this);
+  }
+}
+
+FSDPState::~FSDPState() { unregister_params_of(this); }
+
+std::vector<FSDPState*> FSDPState::subtree_states() const {
+  std::vector<FSDPState*> out{const_cast<FSDPState*>(this)};
+  for (auto* root : modules_) {
+    for (const auto& m : root->modules(/*include_self=*/false)) {
+      auto s = lookup_state(m.get());
+      if (s && std::find(out.begin(), out.end(), s.get()) == out.end()) out.push_back(s.get());
+    }
+  }
+  return out;
+}
+
+void FSDPState::set_reshard_after_forward(bool reshard) {
+  reshard_after_forward_option_ = reshard;
+  if (group_) group_->reshard_after_forward = reshard;
+}
+
+void FSDPState::lazy_init_as_root() {
+  ctx_ = std::make_shared<RootContext>();
+  is_root_ = true;
+  ctx_->states = subtree_states();
+  for (FSDPState* s : ctx_->states) {
+    if (s != this) {
+      if (s->is_root_.value_or(false)) {
+        throw std::logic_error(
+            "fsdp: a sharded submodule ran forward on its own before its root; apply fully_shard bottom-up "
+            "(children, then the root) and run the first forward through the root");
+      }
+      s->is_root_ = false;
+      s->ctx_ = ctx_;
+    }
+    // Unset reshard_after_forward: the root keeps its parameters for backward (they would be
+    // gathered again right away), every other unit frees them.
+    if (s->group_) s->group_->reshard_after_forward = s->reshard_after_forward_option_.value_or(s != this);
+  }
+  // Names relative to the root, as FSDP2 sets them at lazy init.
+  for (auto* m : modules_) {
+    for (const auto& item : m->named_parameters(/*recurse=*/true)) {
+      if (FSDPParam* p = param_of_shard(item.value())) p->set_fqn(item.key());
+    }
+  }
+}
+
+void FSDPState::root_pre_forward() {
+  // Reductions left pending by a backward that was not the last one must land before parameters
+  // are read again (an optimizer step may sit between).
+  for (FSDPParamGroup* g : ctx_->pending_reduces) g->finish_reduce();
+  ctx_->pending_reduces.clear();
+  if (!ctx_->forward_order.empty()) ctx_->previous_forward_order = std::move(ctx_->forward_order);
+  ctx_->forward_order.clear();
+}
+
+FSDPState* FSDPState::neighbour(const std::vector<FSDPState*>& order, int step) const {
+  auto it = std::find(order.begin(), order.end(), this);
+  if (it == order.end()) return nullptr;
+  const auto idx = (it - order.begin()) + step;
+  if (idx < 0 || idx >= static_cast<long>(order.size())) return nullptr;
+  return order[static_cast<size_t>(idx)];
+}
+
+std::vector<at::Tensor> FSDPState::pre_forward(std::vector<at::Tensor> args) {
+  if (!is_root_.has_value()) lazy_init_as_root();
+  if (is_root() && training_ == Training::Idle && forward_calls_ == 0) root_pre_forward();
+  const bool first_call = forward_calls_ == 0;
+  training_ = Training::Forward;
+  if (group_) {
+    for (auto& p : group_->params()) p->check_unchanged();
+    group_->wait_for_unshard();  // issues the all-gather first unless a prefetch did
+  }
+  if (first_call) {
+    ctx_->forward_order.push_back(this);
+    // Overlap: start the next unit's all-gather now, so it runs while this unit computes.
+    std::vector<FSDPState*> targets = explicit_forward_prefetch;
+    if (!has_explicit_forward_prefetch) {
+      if (FSDPState* next = neighbour(ctx_->previous_forward_order, +1)) targets = {next};
+    }
+    for (FSDPState* t : targets) {
+      if (t->group_) t->group_->unshard(/*async_op=*/true);
+    }
+  }
+  return register_post_backward_hook(this, std::move(args));
+}
+
+void FSDPState::post_forward(std::vector<at::Tensor>& outputs) {
+  if (++forward_calls_ < modules_.size()) return;  // list form: after the last module of the group
+  forward_calls_ = 0;
+  if (group_ && group_->reshard_after_forward) group_->reshard();
+  register_pre_backward_hooks(this, outputs);
+  training_ = Training::Idle;
+}
+
+void FSDPState::abort_forward() noexcept {
+  forward_calls_ = 0;
+  training_ = Training::Idle;
+}
+
+void FSDPState::pre_backward() {
+  if (training_ == Training::PreBackward || training_ == Training::PostBackward) return;
+  if (!ctx_->final_callback_queued) {
+    ctx_->final_callback_queued = true;
+    FSDPState* root = ctx_->states.front();
+    queue_final_callback([root] { root->final_callback(); });
+  }
+  training_ = Training::PreBackward;
+  if (group_) group_->wait_for_unshard();
+  // Overlap: the unit that ran before this one in forward runs next in backward.
+  std::vector<FSDPState*> targets = explicit_backward_prefetch;
+  if (!has_explicit_backward_prefetch) {
+    if (FSDPState* prev = neighbour(ctx_->forward_order, -1)) targets = {prev};
+  }
+  for (FSDPState* t : targets) {
+    if (t->group_ && t->training_ != Training::PostBackward) t->group_->unshard(/*async_op=*/true);
+  }
+}
+
+void FSDPState::queue_reduce(FSDPParamGroup* group) {
+  // Keep at most one reduce-scatter in flight besides the new one: bounded memory, and the
+  // older result is ready by the time the next unit's backward is done.
+  for (FSDPParamGroup* g : ctx_->pending_reduces) g->finish_reduce();
+  ctx_->pending_reduces.clear();
+  if (group->has_pending_reduce()) ctx_->pending_reduces.push_back(group);
+}
+
+void FSDPState::post_backward() {
+  if (training_ == Training::PostBackward) return;
+  training_ = Training::PostBackward;
+  if (!group_) return;
+  group_->post_backward();
+  queue_reduce(group_.get());
+}
+
+void FSDPState::final_callback() {
+  // Units whose post-backward hook never ran (inputs without grad, like the root's token ids):
+  // same order on every rank, so their collectives match.
+  for (FSDPState* s : ctx_->states) {
+    if (s->training_ == Training::PreBackward) s->post_backward();
+  }
+  if (ctx_->is_last_backward) {
+    for (FSDPParamGroup* g : ctx_->pending_reduces) g->finish_reduce();
+    ctx_->pending_reduces.clear();
+  }
+  for (FSDPState* s : ctx_->states) {
+    s->training_ = Training::Idle;
+    s->forward_calls_ = 0;
+    // Prefetched but unused, or kept for backward: free what reshard_after_backward asks to.
+    if (s->group_ && s->group_->reshard_after_backward) s->group_->reshard();
+  }
+  ctx_->final_callback_queued = false;
+}
+
+}  // namespace fsdp::detail

@@ -1,0 +1,83 @@
+#pragma once
+// FSDPState: one per fully_shard call (FSDP2's FSDPState): the hooks around forward and backward,
+// root lazy initialisation and the prefetch order.
+//
+// Timeline of one training step for a unit U (not the root):
+//   fsdp::call(U, x)  pre_forward   unshard U (wait), prefetch the next unit's all-gather, wrap
+//                                   x in PostBackwardHook so a node runs after U's backward
+//                     forward       the module's own code
+//                     post_forward  reshard U (reshard_after_forward), hook U's outputs
+//   backward          pre_backward  (hook on U's output) unshard U, prefetch the previous unit
+//                     U's backward  autograd, gradients land on the unsharded parameters
+//                     post_backward (PostBackwardHook) reduce-scatter U's gradients, reshard
+//   end of backward   final callback (root, queued by the first pre_backward): post_backward
+//                     for units whose hook never ran (e.g. the root, whose input is token ids),
+//                     wait for the reductions, reshard what is left, reset for the next step.
+#include <torch/nn/module.h>
+
+#include <memory>
+#include <optional>
+#include <vector>
+
+#include "fsdp_param_group.h"
+
+namespace fsdp::detail {
+
+class FSDPState;
+
+// Shared by the root and every state below it, set at the root's lazy init.
+struct RootContext {
+  std::vector<FSDPState*> states;  // the root first, then its descendants in module order
+  std::vector<FSDPState*> forward_order;           // this step, in pre-forward order
+  std::vector<FSDPState*> previous_forward_order;  // last step's: drives forward prefetch
+  std::vector<FSDPParamGroup*> pending_reduces;    // reduce-scatters in flight, oldest first
+  bool final_callback_queued = false;
+  bool is_last_backward = true;
+};
+
+class FSDPState {
+ public:
+  enum class Training { Idle, Forward, PreBackward, PostBackward };
+
+  FSDPState(std::vector<std::shared_ptr<torch::nn::Module>> modules, std::unique_ptr<FSDPParamGroup> group,
+            std::optional<bool> reshard_after_forward);
+  ~FSDPState();
+
+  const std::vector<torch::nn::Module*>& modules() const { return modules_; }
+  FSDPParamGroup* group() const { return group_.get(); }
+  bool is_root() const { return is_root_.value_or(false); }
+  const std::shared_ptr<RootContext>& context() const { return ctx_; }
+
+  std::vector<at::Tensor> pre_forward(std::vector<at::Tensor> args);
+  void post_forward(std::vector<at::Tensor>& outputs);
+  void abort_forward() noexcept;
+  void pre_backward();
+  void post_backward();
+
+  // FSDPModule settings
+  void set_reshard_after_forward(bool reshard);
+  std::vector<FSDPState*> explicit_forward_prefetch;
+  std::vector<FSDPState*> explicit_backward_prefetch;
+  bool has_explicit_forward_prefetch = false;
+  bool has_explicit_backward_prefetch = false;
+  // Every state in this one's module subtree (itself first), found through the module registry.
+  std::vector<FSDPState*> subtree_states() const;
+
+ private:
+  void lazy_init_as_root();
+  void root_pre_forward();
+  void final_callback();
+  void queue_reduce(FSDPParamGroup* group);
+  FSDPState* neighbour(const std::vector<FSDPState*>& order, int step) const;
+
+  std::vector<torch::nn::Module*> modules_;
+  std::vector<std::weak_ptr<torch::nn::Module>> module_refs_;
+  std::unique_ptr<FSDPParamGroup> group_;
+  std::optional<bool> reshard_after_forward_option_;
+  std::optional<bool> is_root_;
+  std::shared_ptr<RootContext> ctx_;
+  Training training_ = Training::Idle;
+  size_t forward_calls_ = 0;  // list form: post-forward once every module of the list ran
+};
+
+}  // namespace fsdp::detail

@@ -1,0 +1,252 @@
+#include "fsdp/sharding/fully_shard.h"
+
+#include <torch/optim/optimizer.h>
+#include <torch/torch.h>
+
+#include <set>
+#include <stdexcept>
+#include <unordered_set>
+
+#include "fsdp/dist/runtime.h"
+#include "fsdp/sharding/call.h"
+#include "fsdp_state.h"
+#include "registry.h"
+
+namespace fsdp {
+
+namespace detail {
+
+FSDPState* find_state(const torch::nn::Module* module) { return lookup_state(module).get(); }
+
+std::vector<at::Tensor> pre_forward(FSDPState* state, std::vector<at::Tensor> tensor_args) {
+  return state->pre_forward(std::move(tensor_args));
+}
+
+void post_forward(FSDPState* state, std::vector<at::Tensor>& outputs) { state->post_forward(outputs); }
+
+void abort_forward(FSDPState* state) noexcept { state->abort_forward(); }
+
+namespace {
+
+// The 1-D mesh over all ranks, made once per runtime (each mesh creates process groups).
+DeviceMesh default_mesh() {
+  static std::mutex mu;
+  static std::shared_ptr<comm::Comm> for_world;
+  static std::optional<DeviceMesh> mesh;
+  std::lock_guard<std::mutex> lock(mu);
+  if (!dist::is_initialized()) dist::init_distributed();
+  if (!mesh || for_world != dist::world_comm()) {
+    mesh = init_device_mesh({dist::world_size()}, {"shard"});
+    for_world = dist::world_comm();
+  }
+  return *mesh;
+}
+
+std::string module_name(const torch::nn::Module& m) { return m.name(); }
+
+}  // namespace
+
+}  // namespace detail
+
+FSDPModule fully_shard(const std::shared_ptr<torch::nn::Module>& module, FullyShardOptions options) {
+  return fully_shard(std::vector<std::shared_ptr<torch::nn::Module>>{module}, std::move(options));
+}
+
+FSDPModule fully_shard(const std::vector<std::shared_ptr<torch::nn::Module>>& modules, FullyShardOptions options) {
+  using namespace detail;
+  purge_dead_states();
+  if (modules.empty()) throw std::invalid_argument("fsdp::fully_shard: no module given");
+  for (const auto& m : modules) {
+    if (!m) throw std::invalid_argument("fsdp::fully_shard: a module is null");
+    if (lookup_state(m.get())) {
+      throw std::invalid_argument("fsdp::fully_shard: module " + module_name(*m) +
+                                  " is already sharded; call fully_shard once per module (bottom-up: children, "
+                                  "then parents)");
+    }
+  }
+  if (!options.mp_policy.is_default()) {
+    throw std::invalid_argument("fsdp::fully_shard: MixedPrecisionPolicy is not implemented yet; leave mp_policy "
+                                "at its default");
+  }
+  if (options.offload_policy) {
+    throw std::invalid_argument("fsdp::fully_shard: CPUOffloadPolicy is not implemented yet; leave offload_policy "
+                                "unset");
+  }
+  DeviceMesh mesh = options.mesh ? *options.mesh : default_mesh();
+  if (mesh.ndim() != 1) {
+    throw std::invalid_argument("fsdp::fully_shard: a " + std::to_string(mesh.ndim()) +
+                                "-D mesh means HSDP, which is not implemented yet; pass a 1-D mesh (e.g. mesh[\"shard\"])");
+  }
+  {
+    // The mesh's group must be the ranks the mesh lists, in order.
+    const auto& ranks = mesh.comm()->global_ranks();
+    auto listed = mesh.mesh().reshape(-1);
+    bool same = static_cast<int64_t>(ranks.size()) == listed.numel();
+    for (size_t i = 0; same && i < ranks.size(); ++i) same = listed[static_cast<int64_t>(i)].item<int64_t>() == ranks[i];
+    if (!same) {
+      throw std::invalid_argument("fsdp::fully_shard: the mesh's ranks do not match its process group; build the "
+                                  "mesh with fsdp::init_device_mesh");
+    }
+  }
+  const int shard_rank = mesh.get_local_rank(0);
+  const int shard_size = static_cast<int>(mesh.size(0));
+
+  std::unordered_set<const c10::TensorImpl*> ignored;
+  for (const auto& t : options.ignored_params) ignored.insert(t.unsafeGetTensorImpl());
+
+  // Collect every registry slot of every parameter not already managed, grouped by tensor (tied
+  // weights share one tensor and become one FSDPParam with several slots).
+  std::vector<at::Tensor> order;
+  std::map<const c10::TensorImpl*, std::pair<std::vector<ParamSlot>, std::string>> slots;
+  for (const auto& root : modules) {
+    for (const auto& item : root->named_modules()) {
+      const std::shared_ptr<torch::nn::Module>& owner = item.value();
+      for (const auto& p : owner->named_parameters(/*recurse=*/false)) {
+        const at::Tensor& t = p.value();
+        const std::string fqn = item.key().empty() ? p.key() : item.key() + "." + p.key();
+        if (param_of_shard(t) != nullptr || ignored.count(t.unsafeGetTensorImpl())) continue;
+        if (owner_of_unsharded(t) != nullptr) {
+          throw std::invalid_argument("fsdp::fully_shard: parameter '" + fqn +
+                                      "' is tied to a parameter of a module sharded by an earlier fully_shard call; "
+                                      "tied parameters must be in one group: shard the modules that share it "
+                                      "together (one fully_shard call, e.g. on their common parent)");
+        }
+        auto [it, inserted] = slots.try_emplace(t.unsafeGetTensorImpl());
+        if (inserted) {
+          order.push_back(t);
+          it->second.second = fqn;
+        }
+        it->second.first.push_back(ParamSlot{owner, p.key()});
+      }
+    }
+  }
+  // Validate everything before the first parameter is replaced: a refused call changes nothing.
+  for (const auto& t : order) {
+    const std::string& fqn = slots[t.unsafeGetTensorImpl()].second;
+    const std::string& first = slots[order.front().unsafeGetTensorImpl()].second;
+    if (t.device() != order.front().device()) {
+      throw std::invalid_argument("fsdp::fully_shard: parameters '" + first + "' (" + order.front().device().str() +
+                                  ") and '" + fqn + "' (" + t.device().str() +
+                                  ") are on different devices; move the module to one device first");
+    }
+    if (t.scalar_type() != order.front().scalar_type()) {
+      throw std::invalid_argument("fsdp::fully_shard: parameters '" + first + "' (" +
+                                  c10::toString(order.front().scalar_type()) + ") and '" + fqn + "' (" +
+                                  c10::toString(t.scalar_type()) +
+                                  ") differ in dtype; one group moves one dtype: shard them in separate calls or "
+                                  "convert the module first");
+    }
+    if (t.device().type() != c10::DeviceType::CPU) {
+      throw std::invalid_argument("fsdp::fully_shard: parameter '" + fqn + "' is on " + t.device().str() +
+                                  "; this version shards CPU parameters (materialise meta parameters first)");
+    }
+  }
+  std::unique_ptr<FSDPParamGroup> group;
+  if (!order.empty()) {
+    std::vector<std::unique_ptr<FSDPParam>> params;
+    for (const auto& t : order) {
+      auto& [param_slots, fqn] = slots[t.unsafeGetTensorImpl()];
+      params.push_back(std::make_unique<FSDPParam>(t, param_slots, fqn, shard_rank, shard_size));
+    }
+    group = std::make_unique<FSDPParamGroup>(std::move(params), mesh);
+  }
+  auto state = std::make_shared<FSDPState>(modules, std::move(group), options.reshard_after_forward);
+  register_state(modules, state);
+  return FSDPModule(state);
+}
+
+std::optional<FSDPModule> fsdp_module(const torch::nn::Module& module) {
+  auto s = detail::lookup_state(&module);
+  if (!s) return std::nullopt;
+  return FSDPModule(s);
+}
+
+void UnshardHandle::wait() {
+  if (state_ && state_->group()) state_->group()->wait_for_unshard();
+}
+
+UnshardHandle FSDPModule::unshard(bool async_op) {
+  if (state_->group()) state_->group()->unshard(async_op);
+  UnshardHandle h(state_.get());
+  if (!async_op) h.wait();
+  return h;
+}
+
+void FSDPModule::reshard() {
+  if (state_->group()) state_->group()->reshard();
+}
+
+namespace {
+template <typename F>
+void for_states(detail::FSDPState* state, bool recurse, F&& f) {
+  if (!recurse) {
+    f(state);
+    return;
+  }
+  for (auto* s : state->subtree_states()) f(s);
+}
+}  // namespace
+
+void FSDPModule::set_requires_gradient_sync(bool requires_sync, bool recurse) {
+  for_states(state_.get(), recurse, [&](detail::FSDPState* s) {
+    if (s->group()) s->group()->requires_gradient_sync = requires_sync;
+  });
+}
+
+void FSDPModule::set_reshard_after_forward(bool reshard, bool recurse) {
+  for_states(state_.get(), recurse, [&](detail::FSDPState* s) { s->set_reshard_after_forward(reshard); });
+}
+
+void FSDPModule::set_reshard_after_backward(bool reshard, bool recurse) {
+  for_states(state_.get(), recurse, [&](detail::FSDPState* s) {
+    if (s->group()) s->group()->reshard_after_backward = reshard;
+  });
+}
+
+void FSDPModule::set_is_last_backward(bool is_last) {
+  if (!state_->context()) {
+    throw std::logic_error("fsdp: set_is_last_backward needs the root to have run forward once");
+  }
+  state_->context()->is_last_backward = is_last;
+}
+
+void FSDPModule::set_modules_to_forward_prefetch(const std::vector<FSDPModule>& modules) {
+  state_->explicit_forward_prefetch.clear();
+  for (const auto& m : modules) state_->explicit_forward_prefetch.push_back(m.state());
+  state_->has_explicit_forward_prefetch = true;
+}
+
+void FSDPModule::set_modules_to_backward_prefetch(const std::vector<FSDPModule>& modules) {
+  state_->explicit_backward_prefetch.clear();
+  for (const auto& m : modules) state_->explicit_backward_prefetch.push_back(m.state());
+  state_->has_explicit_backward_prefetch = true;
+}
+
+void FSDPModule::set_gradient_divide_factor(double factor) {
+  if (!(factor > 0)) throw std::invalid_argument("fsdp: the gradient divide factor must be positive");
+  if (state_->group()) state_->group()->gradient_divide_factor = factor;
+}
+
+std::vector<torch::nn::Module*> FSDPModule::modules() const { return state_->modules(); }
+
+std::optional<ShardInfo> shard_info(const at::Tensor& sharded_param) {
+  detail::FSDPParam* p = detail::param_of_shard(sharded_param);
+  if (p == nullptr) return std::nullopt;
+  auto state = detail::owner_of_unsharded(p->unsharded_param());
+  return ShardInfo{p->global_shape(), p->dim0_offset(), p->local_rows(), p->padded_rows(), p->fqn(),
+                   state->group()->mesh()};
+}
+
+void check_optimizer_params(const torch::optim::Optimizer& optimizer) {
+  for (const auto& group : optimizer.param_groups()) {
+    for (const auto& p : group.params()) {
+      if (detail::FSDPParam* param = detail::param_of_unsharded(p)) {
+        throw std::logic_error("fsdp: the optimizer holds the unsharded parameter '" + param->fqn() +
+                               "' (it was built before fully_shard); build it after sharding, from "
+                               "module->parameters(), which returns the shards");
+      }
+    }
+  }
+}
+
+}  // namespace fsdp

@@ -1,0 +1,29 @@
+#pragma once
+// Process-wide lookups: which FSDPState a module belongs to, and which FSDPParam a tensor is.
+// Keyed by raw pointers, validated through weak references, so a destroyed model's entries can
+// never be mistaken for a new model that reuses its addresses.
+#include <torch/nn/module.h>
+
+#include <memory>
+#include <vector>
+
+namespace fsdp::detail {
+
+class FSDPState;
+class FSDPParam;
+
+void register_state(const std::vector<std::shared_ptr<torch::nn::Module>>& modules,
+                    const std::shared_ptr<FSDPState>& state);
+std::shared_ptr<FSDPState> lookup_state(const torch::nn::Module* module);
+// Drops the states of destroyed modules (their parameters' memory with them).
+void purge_dead_states();
+
+void register_param(FSDPParam* param, FSDPState* owner);
+void unregister_params_of(const FSDPState* owner);
+// The parameter whose shard (what parameters() returns) this tensor is, if any.
+FSDPParam* param_of_shard(const at::Tensor& tensor);
+// The state owning the parameter whose unsharded tensor this is, if any.
+FSDPState* owner_of_unsharded(const at::Tensor& tensor);
+FSDPParam* param_of_unsharded(const at::Tensor& tensor);
+
+}  // namespace fsdp::detail

@@ -1,0 +1,154 @@
+// Bad use of fully_shard gets a clear error that names the problem and the fix, never a crash.
+// In-process (a world of one): sharding logic and checks do not need several ranks.
+#include <gtest/gtest.h>
+
+#include "fsdp/fsdp.h"
+#include "models/gpt.h"
+#include "multiprocess.h"
+
+using fsdp::models::GPT;
+
+namespace {
+
+fsdp::models::GPTConfig tiny() {
+  fsdp::models::GPTConfig c;
+  c.vocab_size = 13;
+  c.block_size = 5;
+  c.n_layer = 2;
+  c.n_head = 2;
+  c.n_embd = 8;
+  return c;
+}
+
+template <typename E = std::exception, typename F>
+std::string error_of(F&& f) {
+  try {
+    f();
+  } catch (const E& e) {
+    return e.what();
+  }
+  return "";
+}
+
+#define EXPECT_ERROR_MENTIONS(expr, needle)                              \
+  do {                                                                   \
+    const std::string msg_ = error_of([&] { expr; });                    \
+    EXPECT_NE(msg_.find(needle), std::string::npos) << "message: " << msg_; \
+  } while (0)
+
+at::Tensor tokens() { return torch::randint(13, {2, 5}, at::kLong); }
+
+void train_step(GPT& model) {
+  auto logits = fsdp::call(model, tokens());
+  logits.sum().backward();
+}
+
+}  // namespace
+
+TEST(FullyShardErrors, ShardingTwice) {
+  GPT model(tiny());
+  fsdp::fully_shard(model->blocks[0]);
+  EXPECT_ERROR_MENTIONS(fsdp::fully_shard(model->blocks[0]), "already sharded");
+}
+
+TEST(FullyShardErrors, TiedAcrossGroups) {
+  auto c = tiny();
+  c.tie_weights = true;
+  GPT model(c);
+  fsdp::fully_shard(model->lm_head);  // holds the tied weight
+  EXPECT_ERROR_MENTIONS(fsdp::fully_shard(model), "tied");
+}
+
+TEST(FullyShardErrors, TiedWithinOneGroupWorks) {
+  auto c = tiny();
+  c.tie_weights = true;
+  GPT model(c);
+  fsdp::fully_shard(model);
+  train_step(model);
+  EXPECT_TRUE(model->lm_head->weight.is_same(model->wte->weight));
+  int shards_with_grad = 0;
+  for (const auto& p : model->parameters()) shards_with_grad += p.grad().defined();
+  EXPECT_EQ(shards_with_grad, static_cast<int>(model->parameters().size()));
+}
+
+TEST(FullyShardErrors, ShapeChangedAfterSharding) {
+  GPT model(tiny());
+  fsdp::fully_shard(model);
+  model->ln_f->weight.set_data(torch::ones({9}));
+  EXPECT_ERROR_MENTIONS(train_step(model), "shapes are fixed after fully_shard");
+  GPT other(tiny());
+  fsdp::fully_shard(other);
+  other->wpe->parameters()[0].set_data(torch::zeros({3}));  // the shard itself
+  EXPECT_ERROR_MENTIONS(train_step(other), "changed shape");
+}
+
+TEST(FullyShardErrors, ForwardThatBypassesShardingThrows) {
+  GPT model(tiny());
+  for (auto& b : model->blocks) fsdp::fully_shard(b);
+  fsdp::fully_shard(model);
+  train_step(model);
+  // Resharded parameters have zero elements: direct forward fails on shapes, never reads freed memory.
+  auto x = torch::randn({2, 5, 8});
+  EXPECT_THROW(model->blocks[0]->forward(x), std::exception);
+  EXPECT_THROW(model->forward(tokens()), std::exception);
+  // Through fsdp::call it still works afterwards.
+  train_step(model);
+}
+
+TEST(FullyShardErrors, OptimizerBuiltBeforeSharding) {
+  GPT model(tiny());
+  torch::optim::AdamW early(model->parameters());
+  fsdp::fully_shard(model);
+  EXPECT_ERROR_MENTIONS(fsdp::check_optimizer_params(early), "build it after sharding");
+  torch::optim::AdamW late(model->parameters());
+  EXPECT_NO_THROW(fsdp::check_optimizer_params(late));
+}
+
+struct TwoDevicesImpl : torch::nn::Module {
+  TwoDevicesImpl() {
+    a = register_parameter("a", torch::ones({4}));
+    b = register_parameter("b", torch::ones({4}, torch::kMeta));
+  }
+  torch::Tensor a, b;
+};
+TORCH_MODULE(TwoDevices);
+
+TEST(FullyShardErrors, ParametersOnDifferentDevices) {
+  TwoDevices m;
+  EXPECT_ERROR_MENTIONS(fsdp::fully_shard(m), "different devices");
+  // Nothing was changed by the refused call.
+  EXPECT_FALSE(fsdp::fsdp_module(*m).has_value());
+  EXPECT_EQ(m->a.numel(), 4);
+  EXPECT_TRUE(m->parameters()[0].is_same(m->a));
+}
+
+TEST(FullyShardErrors, PoliciesNotYetImplementedAreRefused) {
+  GPT model(tiny());
+  fsdp::FullyShardOptions o;
+  o.mp_policy.param_dtype = at::kBFloat16;
+  EXPECT_ERROR_MENTIONS(fsdp::fully_shard(model, o), "MixedPrecisionPolicy is not implemented yet");
+  fsdp::FullyShardOptions offload;
+  offload.offload_policy = fsdp::CPUOffloadPolicy{};
+  EXPECT_ERROR_MENTIONS(fsdp::fully_shard(model, offload), "CPUOffloadPolicy is not implemented yet");
+  fsdp::FullyShardOptions hsdp;
+  hsdp.mesh = fsdp::init_device_mesh({1, 1}, {"replicate", "shard"});
+  EXPECT_ERROR_MENTIONS(fsdp::fully_shard(model, hsdp), "HSDP");
+}
+
+TEST(FullyShard, ParametersAreShardsWithTheirNames) {
+  GPT model(tiny());
+  std::vector<std::string> before;
+  for (const auto& p : model->named_parameters()) before.push_back(p.key());
+  for (auto& b : model->blocks) fsdp::fully_shard(b);
+  fsdp::fully_shard(model);
+  std::vector<std::string> after;
+  for (const auto& p : model->named_parameters()) {
+    after.push_back(p.key());
+    auto info = fsdp::shard_info(p.value());
+    ASSERT_TRUE(info) << p.key();
+    EXPECT_EQ(info->dim0_offset, 0);  // a world of one holds everything
+  }
+  EXPECT_EQ(before, after);
+  // The unsharded parameters the modules use are freed between steps.
+  EXPECT_EQ(model->blocks[0]->attn->c_attn->weight.numel(), 0);
+}

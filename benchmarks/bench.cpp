@@ -1,0 +1,243 @@
+// bench: FSDP against the physical limit, measured in one run.
+//
+//   build/bin/bench [--nproc 2] [--steps 20] [--warmup 3] [--rounds 2]
+//                   [--layers 4] [--dim 256] [--heads 4] [--seq 128] [--batch 8]
+//
+// The limit on a CPU is one process doing one rank's share of the work (the global batch / N,
+// with the cores / N threads a rank gets), with no communication. bench runs that and the N-rank
+// FSDP run alternately (--rounds times each: the machines are noisy), then prints both median
+// step times and their ratio, per-rank memory and the bytes each rank sent per step.
+#include <spawn.h>
+#include <sys/resource.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <fstream>
+#include <map>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include "fsdp/fsdp.h"
+#include "models/gpt.h"
+
+extern char** environ;
+
+namespace {
+
+struct Options {
+  int nproc = 2, steps = 20, warmup = 3, rounds = 2;
+  int64_t layers = 4, dim = 256, heads = 4, seq = 128, batch = 8;
+  std::string role = "driver";  // driver | single | fsdp
+  std::string result;           // where a worker writes its result line
+};
+
+[[noreturn]] void usage(const char* why) {
+  std::fprintf(stderr,
+               "bench: %s\nusage: bench [--nproc N] [--steps N] [--warmup N] [--rounds N] [--layers N] [--dim N] "
+               "[--heads N] [--seq N] [--batch N]\n",
+               why);
+  std::exit(2);
+}
+
+Options parse(int argc, char** argv) {
+  Options o;
+  std::map<std::string, int64_t*> ints = {{"--layers", &o.layers}, {"--dim", &o.dim}, {"--heads", &o.heads},
+                                          {"--seq", &o.seq},       {"--batch", &o.batch}};
+  std::map<std::string, int*> small = {
+      {"--nproc", &o.nproc}, {"--steps", &o.steps}, {"--warmup", &o.warmup}, {"--rounds", &o.rounds}};
+  for (int i = 1; i < argc; ++i) {
+    std::string a = argv[i];
+    if (i + 1 >= argc) usage(("missing value for " + a).c_str());
+    std::string v = argv[++i];
+    if (a == "--role") o.role = v;
+    else if (a == "--result") o.result = v;
+    else if (ints.count(a)) *ints[a] = std::stoll(v);
+    else if (small.count(a)) *small[a] = std::stoi(v);
+    else usage(("unknown option " + a).c_str());
+  }
+  if (o.nproc < 1 || o.batch % o.nproc != 0) usage("--batch must be a positive multiple of --nproc");
+  if (o.steps < 1) usage("--steps must be positive");
+  return o;
+}
+
+fsdp::models::GPTConfig config_of(const Options& o) {
+  fsdp::models::GPTConfig c;
+  c.vocab_size = 256;
+  c.block_size = o.seq;
+  c.n_layer = o.layers;
+  c.n_head = o.heads;
+  c.n_embd = o.dim;
+  return c;
+}
+
+double median(std::vector<double> v) {
+  std::sort(v.begin(), v.end());
+  return v.empty() ? 0 : v[v.size() / 2];
+}
+
+double state_bytes(torch::nn::Module& model, torch::optim::AdamW& opt) {
+  double bytes = 0;
+  for (const auto& p : model.parameters()) bytes += p.nbytes() + (p.grad().defined() ? p.grad().nbytes() : 0);
+  for (const auto& item : opt.state()) {
+    auto& st = static_cast<torch::optim::AdamWParamState&>(*item.second);
+    bytes += st.exp_avg().nbytes() + st.exp_avg_sq().nbytes();
+  }
+  return bytes;
+}
+
+double max_rss_bytes() {
+  rusage u{};
+  getrusage(RUSAGE_SELF, &u);
+  return static_cast<double>(u.ru_maxrss) * 1024.0;
+}
+
+// One worker: trains `local_batch` sequences per step, sharded or not; writes one result line.
+int run_worker(const Options& o, bool sharded) {
+  int rank = 0, world = 1;
+  if (sharded) {
+    fsdp::dist::init_distributed();
+    rank = fsdp::dist::rank();
+    world = fsdp::dist::world_size();
+  }
+  const int64_t local_batch = o.batch / o.nproc;
+  const auto c = config_of(o);
+  torch::manual_seed(0);
+  fsdp::models::GPT model(c);
+  double param_bytes = 0;
+  for (const auto& p : model->parameters()) param_bytes += p.nbytes();
+  if (sharded) {
+    for (auto& b : model->blocks) fsdp::fully_shard(b);
+    fsdp::fully_shard(model);
+  }
+  torch::optim::AdamW opt(model->parameters(), torch::optim::AdamWOptions(1e-3));
+  auto gen = at::detail::createCPUGenerator(1234 + rank);
+  std::vector<double> times;
+  auto stats0 = fsdp::comm::process_comm_stats().snapshot();
+  for (int s = 0; s < o.warmup + o.steps; ++s) {
+    if (s == o.warmup) stats0 = fsdp::comm::process_comm_stats().snapshot();
+    auto data = at::randint(c.vocab_size, {local_batch, c.block_size + 1}, gen, at::kLong);
+    auto t0 = std::chrono::steady_clock::now();
+    opt.zero_grad();
+    auto input = data.narrow(1, 0, c.block_size);
+    auto logits = sharded ? fsdp::call(model, input) : model->forward(input);
+    auto loss = fsdp::models::gpt_loss(logits, data.narrow(1, 1, c.block_size));
+    loss.backward();
+    opt.step();
+    loss.item<float>();
+    if (s >= o.warmup) times.push_back(std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
+  }
+  auto comm = fsdp::comm::process_comm_stats().snapshot() - stats0;
+  if (rank == 0 && !o.result.empty()) {
+    std::ofstream out(o.result, std::ios::app);
+    out << "median_step_s " << median(times) << " state_bytes " << state_bytes(*model, opt) << " max_rss "
+        << max_rss_bytes() << " comm_bytes_per_step " << comm.total_bytes() / static_cast<double>(o.steps)
+        << " param_bytes " << param_bytes << " world " << world << "\n";
+  }
+  if (sharded) fsdp::dist::destroy_distributed();
+  return 0;
+}
+
+int spawn_and_wait(const std::vector<std::string>& args, const std::vector<std::string>& extra_env) {
+  std::vector<char*> argv;
+  for (const auto& a : args) argv.push_back(const_cast<char*>(a.c_str()));
+  argv.push_back(nullptr);
+  std::vector<std::string> env_strings;
+  for (char** e = environ; *e; ++e) env_strings.emplace_back(*e);
+  for (const auto& kv : extra_env) env_strings.push_back(kv);
+  std::vector<char*> envp;
+  for (auto& s : env_strings) envp.push_back(s.data());
+  envp.push_back(nullptr);
+  pid_t pid;
+  if (posix_spawn(&pid, argv[0], nullptr, nullptr, argv.data(), envp.data()) != 0) return 127;
+  int status = 0;
+  waitpid(pid, &status, 0);
+  return WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
+}
+
+std::map<std::string, double> read_results(const std::string& path, std::vector<double>& medians) {
+  std::ifstream in(path);
+  std::string line;
+  std::map<std::string, double> last;
+  while (std::getline(in, line)) {
+    std::istringstream ls(line);
+    std::string k;
+    double v;
+    while (ls >> k >> v) last[k] = v;
+    medians.push_back(last["median_step_s"]);
+  }
+  return last;
+}
+
+int run_driver(const Options& o, const char* argv0) {
+  char self[4096];
+  ssize_t n = readlink("/proc/self/exe", self, sizeof(self) - 1);
+  if (n <= 0) usage("cannot find this program's path");
+  self[n] = '\0';
+  std::string dir = std::string(self).substr(0, std::string(self).rfind('/'));
+  const std::string fsdprun = dir + "/fsdprun";
+  if (access(fsdprun.c_str(), X_OK) != 0) usage(("fsdprun not found next to bench: " + fsdprun).c_str());
+  char tmpl[] = "/tmp/fsdp-bench-XXXXXX";
+  if (!mkdtemp(tmpl)) usage("cannot create a temporary folder");
+  const std::string single_out = std::string(tmpl) + "/single", fsdp_out = std::string(tmpl) + "/fsdp";
+  std::vector<std::string> common = {"--steps",  std::to_string(o.steps), "--warmup", std::to_string(o.warmup),
+                                     "--layers", std::to_string(o.layers), "--dim",   std::to_string(o.dim),
+                                     "--heads",  std::to_string(o.heads), "--seq",    std::to_string(o.seq),
+                                     "--batch",  std::to_string(o.batch), "--nproc",  std::to_string(o.nproc)};
+  const int threads = fsdp::dist::default_omp_threads(o.nproc);
+  std::printf("bench: GPT %lld layers, d=%lld, %lld heads, seq %lld, global batch %lld, float32; %d ranks x %d "
+              "thread(s); %d steps after %d warm-up, %d rounds\n",
+              static_cast<long long>(o.layers), static_cast<long long>(o.dim), static_cast<long long>(o.heads),
+              static_cast<long long>(o.seq), static_cast<long long>(o.batch), o.nproc, threads, o.steps, o.warmup,
+              o.rounds);
+  std::fflush(stdout);
+  for (int r = 0; r < o.rounds; ++r) {
+    std::vector<std::string> single = {self, "--role", "single", "--result", single_out};
+    single.insert(single.end(), common.begin(), common.end());
+    if (spawn_and_wait(single, {"OMP_NUM_THREADS=" + std::to_string(threads)}) != 0) usage("the single-process run failed");
+    std::vector<std::string> sharded = {fsdprun, "--nproc-per-node", std::to_string(o.nproc), "--master-port", "0",
+                                        "--", self, "--role", "fsdp", "--result", fsdp_out};
+    sharded.insert(sharded.end(), common.begin(), common.end());
+    if (spawn_and_wait(sharded, {}) != 0) usage("the FSDP run failed");
+  }
+  std::vector<double> single_medians, fsdp_medians;
+  auto single = read_results(single_out, single_medians);
+  auto fsdp = read_results(fsdp_out, fsdp_medians);
+  const double single_step = median(single_medians), fsdp_step = median(fsdp_medians);
+  const double expected = 3 * fsdp["param_bytes"] * (o.nproc - 1) / o.nproc;
+  std::printf("\n| run | ranks | step time (median) | vs limit | train state / rank | max RSS / rank | sent / rank / step |\n");
+  std::printf("|---|---|---|---|---|---|---|\n");
+  std::printf("| one process, per-rank work (batch %lld) | 1 | %.1f ms | 1.00x (the limit) | %.2f MB | %.0f MB | 0 |\n",
+              static_cast<long long>(o.batch / o.nproc), 1e3 * single_step, single["state_bytes"] / 1e6,
+              single["max_rss"] / 1e6);
+  std::printf("| FSDP fp32 (batch %lld) | %d | %.1f ms | %.2fx | %.2f MB | %.0f MB | %.2f MB (3 x params x (N-1)/N = %.2f MB) |\n",
+              static_cast<long long>(o.batch), o.nproc, 1e3 * fsdp_step, fsdp_step / single_step,
+              fsdp["state_bytes"] / 1e6, fsdp["max_rss"] / 1e6, fsdp["comm_bytes_per_step"] / 1e6, expected / 1e6);
+  std::printf("\nratio FSDP / limit = %.3f (target <= 1.10); per-round medians: single", fsdp_step / single_step);
+  for (double m : single_medians) std::printf(" %.1f", 1e3 * m);
+  std::printf(" ms, fsdp");
+  for (double m : fsdp_medians) std::printf(" %.1f", 1e3 * m);
+  std::printf(" ms\n");
+  (void)argv0;
+  return 0;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  fsdp::dist::tune_cpu_or_reexec(argc, argv);
+  Options o = parse(argc, argv);
+  try {
+    if (o.role == "single") return run_worker(o, false);
+    if (o.role == "fsdp") return run_worker(o, true);
+    if (o.role == "driver") return run_driver(o, argv[0]);
+    usage(("unknown --role " + o.role).c_str());
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "bench: %s\n", e.what());
+    return 1;
+  }
+}

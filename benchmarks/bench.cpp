@@ -183,7 +183,8 @@ int run_driver(const Options& o, const char* argv0) {
   if (access(fsdprun.c_str(), X_OK) != 0) usage(("fsdprun not found next to bench: " + fsdprun).c_str());
   char tmpl[] = "/tmp/fsdp-bench-XXXXXX";
   if (!mkdtemp(tmpl)) usage("cannot create a temporary folder");
-  const std::string single_out = std::string(tmpl) + "/single", fsdp_out = std::string(tmpl) + "/fsdp";
+  const std::string single_out = std::string(tmpl) + "/single", fsdp_out = std::string(tmpl) + "/fsdp",
+                    local_out = std::string(tmpl) + "/local";
   std::vector<std::string> common = {"--steps",  std::to_string(o.steps), "--warmup", std::to_string(o.warmup),
                                      "--layers", std::to_string(o.layers), "--dim",   std::to_string(o.dim),
                                      "--heads",  std::to_string(o.heads), "--seq",    std::to_string(o.seq),
@@ -199,6 +200,11 @@ int run_driver(const Options& o, const char* argv0) {
     std::vector<std::string> single = {self, "--role", "single", "--result", single_out};
     single.insert(single.end(), common.begin(), common.end());
     if (spawn_and_wait(single, {"OMP_NUM_THREADS=" + std::to_string(threads)}) != 0) usage("the single-process run failed");
+    // fully_shard in a world of one: every copy FSDP makes, no network. Splits the overhead into
+    // bookkeeping (this row) and communication (the rest).
+    std::vector<std::string> local = {self, "--role", "fsdp", "--result", local_out};
+    local.insert(local.end(), common.begin(), common.end());
+    if (spawn_and_wait(local, {"OMP_NUM_THREADS=" + std::to_string(threads)}) != 0) usage("the world-of-one run failed");
     std::vector<std::string> sharded = {fsdprun, "--nproc-per-node", std::to_string(o.nproc), "--master-port", "0",
                                         "--", self, "--role", "fsdp", "--result", fsdp_out};
     sharded.insert(sharded.end(), common.begin(), common.end());
@@ -207,6 +213,9 @@ int run_driver(const Options& o, const char* argv0) {
   std::vector<double> single_medians, fsdp_medians;
   auto single = read_results(single_out, single_medians);
   auto fsdp = read_results(fsdp_out, fsdp_medians);
+  std::vector<double> local_medians;
+  auto local = read_results(local_out, local_medians);
+  const double local_step = median(local_medians);
   const double single_step = median(single_medians), fsdp_step = median(fsdp_medians);
   const double expected = 3 * fsdp["param_bytes"] * (o.nproc - 1) / o.nproc;
   std::printf("\n| run | ranks | step time (median) | vs limit | train state / rank | max RSS / rank | sent / rank / step |\n");
@@ -214,6 +223,9 @@ int run_driver(const Options& o, const char* argv0) {
   std::printf("| one process, per-rank work (batch %lld) | 1 | %.1f ms | 1.00x (the limit) | %.2f MB | %.0f MB | 0 |\n",
               static_cast<long long>(o.batch / o.nproc), 1e3 * single_step, single["state_bytes"] / 1e6,
               single["max_rss"] / 1e6);
+  std::printf("| fully_shard, world of one (batch %lld): copies, no network | 1 | %.1f ms | %.2fx | %.2f MB | %.0f MB | 0 |\n",
+              static_cast<long long>(o.batch / o.nproc), 1e3 * local_step, local_step / single_step,
+              local["state_bytes"] / 1e6, local["max_rss"] / 1e6);
   std::printf("| FSDP fp32 (batch %lld) | %d | %.1f ms | %.2fx | %.2f MB | %.0f MB | %.2f MB (3 x params x (N-1)/N = %.2f MB) |\n",
               static_cast<long long>(o.batch), o.nproc, 1e3 * fsdp_step, fsdp_step / single_step,
               fsdp["state_bytes"] / 1e6, fsdp["max_rss"] / 1e6, fsdp["comm_bytes_per_step"] / 1e6, expected / 1e6);

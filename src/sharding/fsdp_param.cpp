@@ -97,8 +97,8 @@ void FSDPParam::copy_in_grad(const at::Tensor& grad, const at::Tensor& rs_input,
   for (int r = 0; r < shard_size_; ++r) {
     const int64_t first = static_cast<int64_t>(r) * padded_rows_;
     const int64_t n = std::max<int64_t>(0, std::min<int64_t>(padded_rows_, rows_ - first));
-    if (n == 0) continue;
-    rs_input[r].narrow(0, offset, n * row_numel_).copy_(flat.narrow(0, first * row_numel_, n * row_numel_));
+    if (n > 0) rs_input[r].narrow(0, offset, n * row_numel_).copy_(flat.narrow(0, first * row_numel_, n * row_numel_));
+    if (n < padded_rows_) rs_input[r].narrow(0, offset + n * row_numel_, (padded_rows_ - n) * row_numel_).zero_();
   }
 }
 

@@ -59,7 +59,7 @@ class FSDPParam {
   // gathered: the all-gather output viewed as [N, group_shard_numel]; this parameter's chunk of
   // every rank starts at column `offset`. The unsharded parameter must be allocated.
   void copy_out(const at::Tensor& gathered, int64_t offset);
-  // Writes the unsharded gradient, split by rank (padding rows stay zero), into the reduce-scatter
+  // Writes the unsharded gradient, split by rank (padding rows zeroed), into the reduce-scatter
   // input viewed as [N, S], at column `offset`.
   void copy_in_grad(const at::Tensor& grad, const at::Tensor& rs_input, int64_t offset) const;
   // reduced: this rank's flat reduce-scatter output; adds to (or sets) sharded_param.grad.

@@ -90,7 +90,7 @@ void FSDPParamGroup::post_backward() {
     return;
   }
   const int n = comm_->size();
-  at::Tensor input = at::zeros({n, total}, with_grad.front().second.options().requires_grad(false));
+  at::Tensor input = at::empty({n, total}, with_grad.front().second.options().requires_grad(false));
   reduced_params_.clear();
   int64_t offset = 0;
   {

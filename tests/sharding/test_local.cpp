@@ -1,5 +1,5 @@
-// Bad use of fully_shard gets a clear error that names the problem and the fix, never a crash.
-// In-process (a world of one): sharding logic and checks do not need several ranks.
+// fully_shard in one process (a world of one): bad use gets a clear error that names the problem
+// and the fix, never a crash; parameters are named shards; freed means freed.
 #include <gtest/gtest.h>
 
 #include "fsdp/fsdp.h"
@@ -151,4 +151,54 @@ TEST(FullyShard, ParametersAreShardsWithTheirNames) {
   EXPECT_EQ(before, after);
   // The unsharded parameters the modules use are freed between steps.
   EXPECT_EQ(model->blocks[0]->attn->c_attn->weight.numel(), 0);
+}
+
+// Freed means freed: while block i computes, only block i (and the next one's prefetch) hold
+// unsharded parameters; the others are back to zero elements.
+namespace {
+struct ProbeBlockImpl;
+std::vector<ProbeBlockImpl*> g_probe_blocks;
+int64_t g_max_unsharded = 0;
+
+struct ProbeBlockImpl : torch::nn::Module {
+  ProbeBlockImpl() { fc = register_module("fc", torch::nn::Linear(16, 16)); }
+  torch::Tensor forward(const torch::Tensor& x) {
+    int64_t unsharded = 0;
+    for (auto* b : g_probe_blocks) unsharded += b->fc->weight.numel() > 0;
+    g_max_unsharded = std::max(g_max_unsharded, unsharded);
+    return torch::relu(fc(x)) + x;
+  }
+  torch::nn::Linear fc{nullptr};
+};
+TORCH_MODULE(ProbeBlock);
+
+struct ProbeNetImpl : torch::nn::Module {
+  ProbeNetImpl() {
+    for (int i = 0; i < 6; ++i) blocks.push_back(register_module("b" + std::to_string(i), ProbeBlock()));
+  }
+  torch::Tensor forward(torch::Tensor x) {
+    for (auto& b : blocks) x = fsdp::call(b, x);
+    return x;
+  }
+  std::vector<ProbeBlock> blocks;
+};
+TORCH_MODULE(ProbeNet);
+}  // namespace
+
+TEST(FullyShardMemory, OnlyTheRunningUnitIsUnsharded) {
+  ProbeNet net;
+  g_probe_blocks.clear();
+  for (auto& b : net->blocks) {
+    g_probe_blocks.push_back(b.get());
+    fsdp::fully_shard(b);
+  }
+  fsdp::fully_shard(net);
+  for (int step = 0; step < 3; ++step) {  // step 0 records the order, later steps prefetch
+    g_max_unsharded = 0;
+    fsdp::call(net, torch::randn({4, 16}, torch::requires_grad())).sum().backward();
+    EXPECT_GE(g_max_unsharded, 1);
+    EXPECT_LE(g_max_unsharded, 2) << "step " << step;
+    for (auto* b : g_probe_blocks) EXPECT_EQ(b->fc->weight.numel(), 0) << "a block stayed unsharded after backward";
+  }
+  g_probe_blocks.clear();
 }

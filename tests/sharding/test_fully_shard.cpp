@@ -62,6 +62,14 @@ FSDP_RANK_WORKER(gpt_parity) {
     run.before_micro_batch = [](int micro, int total, GPT& model) {
       fsdp::fsdp_module(*model)->set_requires_gradient_sync(micro == total - 1);
     };
+  } else if (m == "sync_every_micro_batch") {
+    // Every micro-batch reduce-scatters, but only the last backward waits for the reductions
+    // (set_is_last_backward(false) before): the pending ones land at the next forward.
+    micro_batches = 3;
+    run.shard = [](GPT& model) { shard_blocks_then_root(model); };
+    run.before_micro_batch = [](int micro, int total, GPT& model) {
+      if (micro > 0) fsdp::fsdp_module(*model)->set_is_last_backward(micro == total - 1);
+    };
   } else if (m == "explicit_unshard") {
     // The root unshards ahead of forward by hand (async), and reshards by hand after backward.
     run.shard = [](GPT& model) { shard_blocks_then_root(model); };
@@ -70,6 +78,10 @@ FSDP_RANK_WORKER(gpt_parity) {
       auto handle = root.unshard(/*async_op=*/true);
       handle.wait();
       auto out = fsdp::call(model, x);
+      // Explicit reshard/unshard of a block between uses is harmless.
+      auto block = *fsdp::fsdp_module(*model->blocks[0]);
+      block.unshard();
+      block.reshard();
       return out;
     };
   } else if (m == "explicit_prefetch") {
@@ -117,6 +129,7 @@ INSTANTIATE_TEST_SUITE_P(
     ::testing::Values(ParityCase{"default", 1}, ParityCase{"default", 2}, ParityCase{"default", 3},
                       ParityCase{"reshard_true", 2}, ParityCase{"reshard_false", 3}, ParityCase{"root_only", 2},
                       ParityCase{"grad_accumulation", 2}, ParityCase{"grad_accumulation", 3},
+                      ParityCase{"sync_every_micro_batch", 2},
                       ParityCase{"explicit_unshard", 2}, ParityCase{"explicit_prefetch", 3}, ParityCase{"tied", 2}),
     [](const auto& info) { return info.param.mode + "_" + std::to_string(info.param.world) + "ranks"; });
 
@@ -144,4 +157,34 @@ TEST(FullyShardMemory, TwoRanksHoldAboutHalf) {
   auto r = run_ranks(2, "memory_halves");
   EXPECT_TRUE(r.all_ok()) << r.report();
   if (r.all_ok()) std::cout << r.ranks[0].output;
+}
+
+// set_gradient_divide_factor(1.0): gradients are summed over the ranks instead of averaged.
+FSDP_RANK_WORKER(gradient_divide_factor) {
+  const auto c = uneven_config();
+  auto grads_with = [&](std::optional<double> factor) {
+    torch::manual_seed(42);
+    GPT model(c);
+    shard_blocks_then_root(model);
+    if (factor) {
+      for (auto& b : model->blocks) fsdp::fsdp_module(*b)->set_gradient_divide_factor(*factor);
+      fsdp::fsdp_module(*model)->set_gradient_divide_factor(*factor);
+    }
+    auto data = global_batch(c, 6, 0, 0).narrow(0, 3 * fsdp::dist::rank(), 3);
+    fsdp::models::gpt_loss(fsdp::call(model, data.narrow(1, 0, c.block_size)), data.narrow(1, 1, c.block_size)).backward();
+    std::vector<at::Tensor> grads;
+    for (const auto& p : model->parameters()) grads.push_back(p.grad().clone());
+    return grads;
+  };
+  auto averaged = grads_with(std::nullopt);
+  auto summed = grads_with(1.0);
+  const int n = fsdp::dist::world_size();
+  for (size_t i = 0; i < averaged.size(); ++i) {
+    TORCH_CHECK(summed[i].allclose(averaged[i] * n, 1e-5, 1e-7), "gradient ", i, " is not the sum over ranks");
+  }
+}
+
+TEST(FullyShardSettings, GradientDivideFactorOneSums) {
+  auto r = run_ranks(2, "gradient_divide_factor");
+  EXPECT_TRUE(r.all_ok()) << r.report();
 }

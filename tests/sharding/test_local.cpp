@@ -202,3 +202,26 @@ TEST(FullyShardMemory, OnlyTheRunningUnitIsUnsharded) {
   }
   g_probe_blocks.clear();
 }
+
+// set_reshard_after_backward(false): parameters stay gathered after backward, so the next forward
+// needs no all-gather.
+TEST(FullyShardSettings, ReshardAfterBackwardFalseKeepsParameters) {
+  GPT model(tiny());
+  for (auto& b : model->blocks) fsdp::fully_shard(b);
+  auto root = fsdp::fully_shard(model);
+  root.set_reshard_after_backward(false);  // recurse: every unit
+  train_step(model);
+  EXPECT_GT(model->blocks[0]->attn->c_attn->weight.numel(), 0);
+  EXPECT_GT(model->wte->weight.numel(), 0);
+  auto before = fsdp::comm::process_comm_stats().snapshot();
+  train_step(model);
+  auto delta = fsdp::comm::process_comm_stats().snapshot() - before;
+  // Forward gathered nothing; only the blocks' backward re-gathers remain (they still reshard after
+  // forward), against 1 + 2 + 2 all-gathers in a default step.
+  EXPECT_EQ(delta[fsdp::comm::OpKind::AllGather].calls, 2u);
+  root.set_reshard_after_backward(true);
+  train_step(model);
+  EXPECT_EQ(model->blocks[0]->attn->c_attn->weight.numel(), 0);
+  root.reshard();
+  EXPECT_EQ(model->wte->weight.numel(), 0);
+}

@@ -30,8 +30,11 @@ std::string shape_str(at::IntArrayRef s) {
 }  // namespace
 
 FSDPParam::FSDPParam(const at::Tensor& original, std::vector<ParamSlot> slots, std::string fqn, int shard_rank,
-                     int shard_size)
+                     int shard_size, const ParamDtypes& dtypes)
     : slots_(std::move(slots)), fqn_(std::move(fqn)), shard_size_(shard_size), unsharded_param_(original) {
+  const bool floating = at::isFloatingType(original.scalar_type());
+  compute_dtype_ = floating && dtypes.param_dtype ? *dtypes.param_dtype : original.scalar_type();
+  reduce_dtype_ = floating && dtypes.reduce_dtype ? *dtypes.reduce_dtype : compute_dtype_;
   if (!original.is_contiguous() || original.storage_offset() != 0 ||
       original.storage().nbytes() != static_cast<size_t>(original.numel()) * original.element_size()) {
     throw std::invalid_argument("fsdp::fully_shard: parameter '" + fqn_ +
@@ -57,10 +60,16 @@ FSDPParam::FSDPParam(const at::Tensor& original, std::vector<ParamSlot> slots, s
   // The shard replaces the original in every registry entry: parameters() now returns shards.
   for (auto& slot : slots_) parameter_registry(*slot.module.lock())[slot.name] = sharded_param_;
   free_unsharded();
+  if (compute_dtype_ != original.scalar_type()) {
+    // Mixed precision: the unsharded parameter (what forward computes with) takes param_dtype; the
+    // shard keeps the original dtype as the optimizer's master copy.
+    auto* impl = unsharded_param_.unsafeGetTensorImpl();
+    impl->set_storage_and_dtype(impl->storage(), caffe2::TypeMeta::fromScalarType(compute_dtype_));
+  }
 }
 
 at::Tensor FSDPParam::unsharded_alias() const {
-  at::Tensor alias = at::empty({0}, padded_shard_.options());
+  at::Tensor alias = at::empty({0}, padded_shard_.options().dtype(compute_dtype_));
   alias.set_(unsharded_param_.storage(), 0, global_shape_, c10::contiguous_strides(global_shape_));
   return alias;
 }
@@ -68,7 +77,7 @@ at::Tensor FSDPParam::unsharded_alias() const {
 void FSDPParam::alloc_unsharded() {
   if (unsharded_) return;
   auto* impl = unsharded_param_.unsafeGetTensorImpl();
-  const size_t nbytes = static_cast<size_t>(rows_ * row_numel_) * padded_shard_.element_size();
+  const size_t nbytes = static_cast<size_t>(rows_ * row_numel_) * c10::elementSize(compute_dtype_);
   set_storage_bytes(impl->storage().unsafeGetStorageImpl(), nbytes);
   impl->set_sizes_contiguous(global_shape_);
   unsharded_ = true;
@@ -100,6 +109,25 @@ void FSDPParam::copy_in_grad(const at::Tensor& grad, const at::Tensor& rs_input,
     if (n > 0) rs_input[r].narrow(0, offset, n * row_numel_).copy_(flat.narrow(0, first * row_numel_, n * row_numel_));
     if (n < padded_rows_) rs_input[r].narrow(0, offset + n * row_numel_, (padded_rows_ - n) * row_numel_).zero_();
   }
+}
+
+at::Tensor FSDPParam::take_unsharded_grad() {
+  at::Tensor g = unsharded_param_.grad();
+  unsharded_param_.mutable_grad().reset();
+  if (!accumulated_grad_.defined()) return g;
+  at::Tensor total = std::move(accumulated_grad_);
+  if (g.defined()) total.add_(g.to(total.scalar_type()));
+  return total;
+}
+
+void FSDPParam::accumulate_unsharded_grad() {
+  if (reduce_dtype_ == compute_dtype_) return;  // autograd already accumulates on the parameter
+  at::Tensor g = unsharded_param_.grad();
+  if (!g.defined()) return;
+  torch::NoGradGuard no_grad;
+  if (accumulated_grad_.defined()) accumulated_grad_.add_(g.to(reduce_dtype_));
+  else accumulated_grad_ = g.to(reduce_dtype_);
+  unsharded_param_.mutable_grad().reset();
 }
 
 void FSDPParam::accumulate_sharded_grad(const at::Tensor& reduced, int64_t offset) {

@@ -20,6 +20,7 @@
 #include <torch/nn/module.h>
 
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -31,10 +32,18 @@ struct ParamSlot {
   std::string name;
 };
 
+// Mixed precision as FSDP2 resolves it per parameter: param_dtype is dropped when it equals the
+// original dtype or the parameter is not floating point; reduce_dtype when it equals the
+// (resulting) compute dtype.
+struct ParamDtypes {
+  std::optional<at::ScalarType> param_dtype;
+  std::optional<at::ScalarType> reduce_dtype;
+};
+
 class FSDPParam {
  public:
   FSDPParam(const at::Tensor& original, std::vector<ParamSlot> slots, std::string fqn, int shard_rank,
-            int shard_size);
+            int shard_size, const ParamDtypes& dtypes = {});
 
   const std::string& fqn() const { return fqn_; }
   void set_fqn(std::string fqn) { fqn_ = std::move(fqn); }
@@ -45,7 +54,9 @@ class FSDPParam {
   int64_t shard_numel() const { return padded_rows_ * row_numel_; }  // the same on every rank
   int64_t local_rows() const { return local_rows_; }
   int64_t dim0_offset() const { return dim0_offset_; }
-  at::ScalarType dtype() const { return padded_shard_.scalar_type(); }
+  at::ScalarType dtype() const { return padded_shard_.scalar_type(); }  // original = sharded dtype
+  at::ScalarType compute_dtype() const { return compute_dtype_; }       // unsharded / all-gather
+  at::ScalarType reduce_dtype() const { return reduce_dtype_; }         // reduce-scatter
   c10::Device device() const { return padded_shard_.device(); }
 
   const at::Tensor& padded_shard() const { return padded_shard_; }
@@ -62,6 +73,12 @@ class FSDPParam {
   // Writes the unsharded gradient, split by rank (padding rows zeroed), into the reduce-scatter
   // input viewed as [N, S], at column `offset`.
   void copy_in_grad(const at::Tensor& grad, const at::Tensor& rs_input, int64_t offset) const;
+  // The gradient to reduce: the unsharded parameter's, plus what no-sync steps accumulated; both
+  // are released. Undefined when there is none.
+  at::Tensor take_unsharded_grad();
+  // No-sync step: keeps the gradient for the next synced one (in reduce_dtype when that differs
+  // from the compute dtype, as FSDP2 does, so bf16 gradients do not lose the small increments).
+  void accumulate_unsharded_grad();
   // reduced: this rank's flat reduce-scatter output; adds to (or sets) sharded_param.grad.
   void accumulate_sharded_grad(const at::Tensor& reduced, int64_t offset);
   // Throws when a registry entry was replaced or the shard was reshaped since fully_shard.
@@ -77,6 +94,8 @@ class FSDPParam {
   int64_t rows_ = 0, row_numel_ = 0, padded_rows_ = 0, local_rows_ = 0, dim0_offset_ = 0;
   int shard_size_ = 1;
   at::Tensor padded_shard_, sharded_param_, unsharded_param_;
+  at::Tensor accumulated_grad_;  // no-sync accumulation in reduce_dtype
+  at::ScalarType compute_dtype_, reduce_dtype_;
   bool unsharded_ = true;
 };
 

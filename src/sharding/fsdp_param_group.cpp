@@ -35,14 +35,16 @@ void FSDPParamGroup::unshard(bool async_op) {
   const int n = comm_->size();
   const auto& first = params_.front()->padded_shard();
   // Copy-in: every padded shard side by side in one flat input (Gloo needs input and output apart).
-  at::Tensor input = at::empty({total_shard_numel_}, first.options());
+  // Copy-in casts to the compute dtype: with bf16 params the all-gather moves half the bytes.
+  const auto options = first.options().dtype(params_.front()->compute_dtype());
+  at::Tensor input = at::empty({total_shard_numel_}, options);
   {
     torch::NoGradGuard no_grad;
     for (size_t i = 0; i < params_.size(); ++i) {
       input.narrow(0, offsets_[i], params_[i]->shard_numel()).copy_(params_[i]->padded_shard());
     }
   }
-  all_gather_output_ = at::empty({n, total_shard_numel_}, first.options());
+  all_gather_output_ = at::empty({n, total_shard_numel_}, options);
   all_gather_work_ = comm_->all_gather_into_tensor(all_gather_output_.view(-1), input, /*async_op=*/true);
   state_ = State::Unsharding;
   if (!async_op) wait_for_unshard();
@@ -71,7 +73,8 @@ void FSDPParamGroup::reshard() {
 
 void FSDPParamGroup::post_backward() {
   if (!requires_gradient_sync) {
-    // No sync: the unsharded gradients stay on the unsharded parameters and keep accumulating.
+    // No sync: the unsharded gradients are kept (in reduce_dtype) and keep accumulating.
+    for (auto& p : params_) p->accumulate_unsharded_grad();
     if (reshard_after_backward) reshard();
     return;
   }
@@ -80,7 +83,7 @@ void FSDPParamGroup::post_backward() {
   std::vector<std::pair<FSDPParam*, at::Tensor>> with_grad;
   int64_t total = 0;
   for (auto& p : params_) {
-    at::Tensor g = p->unsharded_param().grad();
+    at::Tensor g = p->take_unsharded_grad();
     if (!g.defined()) continue;
     with_grad.emplace_back(p.get(), g);
     total += p->shard_numel();
@@ -90,7 +93,9 @@ void FSDPParamGroup::post_backward() {
     return;
   }
   const int n = comm_->size();
-  at::Tensor input = at::empty({n, total}, with_grad.front().second.options().requires_grad(false));
+  // The reduce-scatter runs in reduce_dtype (copy_in_grad casts each gradient into it).
+  const auto reduce_dtype = with_grad.front().first->reduce_dtype();
+  at::Tensor input = at::empty({n, total}, with_grad.front().second.options().dtype(reduce_dtype).requires_grad(false));
   reduced_params_.clear();
   int64_t offset = 0;
   {
@@ -99,9 +104,8 @@ void FSDPParamGroup::post_backward() {
       p->copy_in_grad(g, input, offset);
       reduced_params_.emplace_back(p, offset);
       offset += p->shard_numel();
-      // The unsharded gradient is consumed: free it now, as FSDP2 does.
-      p->unsharded_param().mutable_grad().reset();
     }
+    with_grad.clear();  // the unsharded gradients are consumed: free them now, as FSDP2 does
   }
   if (reshard_after_backward) reshard();
   reduce_output_ = at::empty({total}, input.options());

@@ -11,8 +11,8 @@
 namespace fsdp::detail {
 
 FSDPState::FSDPState(std::vector<std::shared_ptr<torch::nn::Module>> modules, std::unique_ptr<FSDPParamGroup> group,
-                     std::optional<bool> reshard_after_forward)
-    : group_(std::move(group)), reshard_after_forward_option_(reshard_after_forward) {
+                     std::optional<bool> reshard_after_forward, MixedPrecisionPolicy mp_policy)
+    : group_(std::move(group)), reshard_after_forward_option_(reshard_after_forward), mp_policy_(mp_policy) {
   for (auto& m : modules) {
     modules_.push_back(m.get());
     module_refs_.push_back(m);
@@ -103,6 +103,13 @@ std::vector<at::Tensor> FSDPState::pre_forward(std::vector<at::Tensor> args) {
       if (t->group_) t->group_->unshard(/*async_op=*/true);
     }
   }
+  if (mp_policy_.cast_forward_inputs && mp_policy_.param_dtype) {
+    for (auto& a : args) {
+      if (a.defined() && at::isFloatingType(a.scalar_type()) && a.scalar_type() != *mp_policy_.param_dtype) {
+        a = a.to(*mp_policy_.param_dtype);
+      }
+    }
+  }
   return register_post_backward_hook(this, std::move(args));
 }
 
@@ -110,6 +117,11 @@ void FSDPState::post_forward(std::vector<at::Tensor>& outputs) {
   if (++forward_calls_ < modules_.size()) return;  // list form: after the last module of the group
   forward_calls_ = 0;
   if (group_ && group_->reshard_after_forward) group_->reshard();
+  if (mp_policy_.output_dtype) {
+    for (auto& o : outputs) {
+      if (o.defined() && at::isFloatingType(o.scalar_type())) o = o.to(*mp_policy_.output_dtype);
+    }
+  }
   register_pre_backward_hooks(this, outputs);
   training_ = Training::Idle;
 }

@@ -19,6 +19,7 @@
 #include <optional>
 #include <vector>
 
+#include "fsdp/sharding/policies.h"
 #include "fsdp_param_group.h"
 
 namespace fsdp::detail {
@@ -40,7 +41,7 @@ class FSDPState {
   enum class Training { Idle, Forward, PreBackward, PostBackward };
 
   FSDPState(std::vector<std::shared_ptr<torch::nn::Module>> modules, std::unique_ptr<FSDPParamGroup> group,
-            std::optional<bool> reshard_after_forward);
+            std::optional<bool> reshard_after_forward, MixedPrecisionPolicy mp_policy = {});
   ~FSDPState();
 
   const std::vector<torch::nn::Module*>& modules() const { return modules_; }
@@ -76,6 +77,7 @@ class FSDPState {
   std::optional<bool> reshard_after_forward_option_;
   std::optional<bool> is_root_;
   std::shared_ptr<RootContext> ctx_;
+  MixedPrecisionPolicy mp_policy_;
   Training training_ = Training::Idle;
   size_t forward_calls_ = 0;  // list form: post-forward once every module of the list ran
 };

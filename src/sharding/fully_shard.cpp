@@ -64,9 +64,14 @@ FSDPModule fully_shard(const std::vector<std::shared_ptr<torch::nn::Module>>& mo
                                   "then parents)");
     }
   }
-  if (!options.mp_policy.is_default()) {
-    throw std::invalid_argument("fsdp::fully_shard: MixedPrecisionPolicy is not implemented yet; leave mp_policy "
-                                "at its default");
+  for (auto [name, dtype] : {std::pair{"param_dtype", options.mp_policy.param_dtype},
+                              std::pair{"reduce_dtype", options.mp_policy.reduce_dtype},
+                              std::pair{"output_dtype", options.mp_policy.output_dtype}}) {
+    if (dtype && !at::isFloatingType(*dtype)) {
+      throw std::invalid_argument(std::string("fsdp::fully_shard: MixedPrecisionPolicy::") + name + " is " +
+                                  c10::toString(*dtype) + "; mixed precision dtypes must be floating point "
+                                  "(e.g. at::kBFloat16, at::kHalf, at::kFloat)");
+    }
   }
   if (options.offload_policy) {
     throw std::invalid_argument("fsdp::fully_shard: CPUOffloadPolicy is not implemented yet; leave offload_policy "
@@ -146,11 +151,13 @@ FSDPModule fully_shard(const std::vector<std::shared_ptr<torch::nn::Module>>& mo
     std::vector<std::unique_ptr<FSDPParam>> params;
     for (const auto& t : order) {
       auto& [param_slots, fqn] = slots[t.unsafeGetTensorImpl()];
-      params.push_back(std::make_unique<FSDPParam>(t, param_slots, fqn, shard_rank, shard_size));
+      params.push_back(std::make_unique<FSDPParam>(
+          t, param_slots, fqn, shard_rank, shard_size,
+          ParamDtypes{options.mp_policy.param_dtype, options.mp_policy.reduce_dtype}));
     }
     group = std::make_unique<FSDPParamGroup>(std::move(params), mesh);
   }
-  auto state = std::make_shared<FSDPState>(modules, std::move(group), options.reshard_after_forward);
+  auto state = std::make_shared<FSDPState>(modules, std::move(group), options.reshard_after_forward, options.mp_policy);
   register_state(modules, state);
   return FSDPModule(state);
 }

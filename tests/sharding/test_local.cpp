@@ -122,11 +122,11 @@ TEST(FullyShardErrors, ParametersOnDifferentDevices) {
   EXPECT_TRUE(m->parameters()[0].is_same(m->a));
 }
 
-TEST(FullyShardErrors, PoliciesNotYetImplementedAreRefused) {
+TEST(FullyShardErrors, PoliciesThatCannotApplyAreRefused) {
   GPT model(tiny());
   fsdp::FullyShardOptions o;
-  o.mp_policy.param_dtype = at::kBFloat16;
-  EXPECT_ERROR_MENTIONS(fsdp::fully_shard(model, o), "MixedPrecisionPolicy is not implemented yet");
+  o.mp_policy.param_dtype = at::kLong;
+  EXPECT_ERROR_MENTIONS(fsdp::fully_shard(model, o), "param_dtype is Long; mixed precision dtypes must be floating point");
   fsdp::FullyShardOptions offload;
   offload.offload_policy = fsdp::CPUOffloadPolicy{};
   EXPECT_ERROR_MENTIONS(fsdp::fully_shard(model, offload), "CPUOffloadPolicy is not implemented yet");

@@ -1,0 +1,132 @@
+// Mixed precision: bf16 parameters and all-gathers, fp32 gradient reduction and master weights,
+// against a single process that applies the same casts by hand.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <iostream>
+
+#include "fsdp/fsdp.h"
+#include "multiprocess.h"
+#include "parity.h"
+
+using namespace fsdp::testing;
+using fsdp::models::GPT;
+
+namespace {
+
+constexpr int kSteps = 8;
+constexpr int64_t kBatch = 6;
+
+fsdp::FullyShardOptions bf16_options() {
+  fsdp::FullyShardOptions o;
+  o.mp_policy.param_dtype = at::kBFloat16;
+  o.mp_policy.reduce_dtype = at::kFloat;
+  return o;
+}
+
+// One process: fp32 master weights stepped by AdamW; each step copies them into a bf16 model,
+// runs forward/backward there, and hands the bf16 gradients back as fp32.
+std::vector<double> reference_losses(const fsdp::models::GPTConfig& c, std::map<std::string, at::Tensor>& final_params) {
+  torch::manual_seed(42);
+  GPT master(c);
+  torch::manual_seed(42);
+  GPT compute(c);
+  compute->to(at::kBFloat16);
+  torch::optim::AdamW opt(master->parameters(), torch::optim::AdamWOptions(3e-3).weight_decay(0.1).eps(1e-3));
+  auto masters = master->parameters();
+  auto computes = compute->parameters();
+  std::vector<double> losses;
+  for (int s = 0; s < kSteps; ++s) {
+    {
+      torch::NoGradGuard g;
+      for (size_t i = 0; i < masters.size(); ++i) computes[i].copy_(masters[i]);
+    }
+    for (auto& p : computes) p.mutable_grad().reset();
+    auto data = global_batch(c, kBatch, s, 0);
+    auto loss = fsdp::models::gpt_loss(compute->forward(data.narrow(1, 0, c.block_size)), data.narrow(1, 1, c.block_size));
+    loss.backward();
+    for (size_t i = 0; i < masters.size(); ++i) masters[i].mutable_grad() = computes[i].grad().to(at::kFloat);
+    opt.step();
+    losses.push_back(loss.item<double>());
+  }
+  for (const auto& p : master->named_parameters()) final_params[p.key()] = p.value().detach().clone();
+  return losses;
+}
+
+}  // namespace
+
+FSDP_RANK_WORKER(bf16_params_fp32_reduce) {
+  const auto c = uneven_config();
+  std::map<std::string, at::Tensor> want_params;
+  auto want = reference_losses(c, want_params);
+
+  torch::manual_seed(42);
+  GPT model(c);
+  for (auto& b : model->blocks) fsdp::fully_shard(b, bf16_options());
+  fsdp::fully_shard(model, bf16_options());
+  torch::optim::AdamW opt(model->parameters(), torch::optim::AdamWOptions(3e-3).weight_decay(0.1).eps(1e-3));
+  auto world = fsdp::dist::world_comm();
+  const int64_t local = kBatch / world->size();
+  std::vector<double> got;
+  for (int s = 0; s < kSteps; ++s) {
+    opt.zero_grad();
+    auto data = global_batch(c, kBatch, s, 0).narrow(0, world->rank() * local, local);
+    auto logits = fsdp::call(model, data.narrow(1, 0, c.block_size));
+    TORCH_CHECK(logits.scalar_type() == at::kBFloat16, "forward must compute in bf16, got ", logits.scalar_type());
+    auto loss = fsdp::models::gpt_loss(logits, data.narrow(1, 1, c.block_size));
+    loss.backward();
+    opt.step();
+    auto l = at::tensor({loss.item<double>()}, at::kDouble);
+    world->all_reduce(l, fsdp::comm::ReduceOp::Avg);
+    got.push_back(l.item<double>());
+  }
+  // The master weights and their gradients stay float32.
+  for (const auto& p : model->parameters()) {
+    TORCH_CHECK(p.scalar_type() == at::kFloat && p.grad().scalar_type() == at::kFloat, "master copy must stay fp32");
+  }
+  // bf16 has 8 bits of mantissa: the two runs round differently, so compare at bf16 precision.
+  check_losses_match(got, want, 5e-3);
+  const double worst = check_shards_match(model, want_params, 5e-3);
+  if (world->rank() == 0) {
+    std::cout << "bf16/fp32: last loss " << got.back() << " vs reference " << want.back() << ", worst shard difference "
+              << worst << std::endl;
+  }
+}
+
+// With bf16 parameters the all-gathers move half the bytes; gradients reduce in fp32 either way.
+FSDP_RANK_WORKER(bf16_halves_all_gather) {
+  const auto c = uneven_config();
+  auto bytes_of_one_step = [&](const fsdp::FullyShardOptions& o) {
+    torch::manual_seed(42);
+    GPT model(c);
+    for (auto& b : model->blocks) fsdp::fully_shard(b, o);
+    fsdp::fully_shard(model, o);
+    auto before = fsdp::comm::process_comm_stats().snapshot();
+    auto data = global_batch(c, kBatch, 0, 0).narrow(0, 0, 2);
+    fsdp::models::gpt_loss(fsdp::call(model, data.narrow(1, 0, c.block_size)), data.narrow(1, 1, c.block_size)).backward();
+    return fsdp::comm::process_comm_stats().snapshot() - before;
+  };
+  auto fp32 = bytes_of_one_step({});
+  auto bf16 = bytes_of_one_step(bf16_options());
+  using fsdp::comm::OpKind;
+  TORCH_CHECK(bf16[OpKind::AllGather].bytes_sent * 2 == fp32[OpKind::AllGather].bytes_sent, "all-gather bytes: bf16 ",
+              bf16[OpKind::AllGather].bytes_sent, " vs fp32 ", fp32[OpKind::AllGather].bytes_sent);
+  TORCH_CHECK(bf16[OpKind::ReduceScatter].bytes_sent == fp32[OpKind::ReduceScatter].bytes_sent,
+              "reduce_dtype fp32: reduce-scatter bytes must not change");
+  if (fsdp::dist::rank() == 0) {
+    std::cout << "all-gather bytes per step: fp32 " << fp32[OpKind::AllGather].bytes_sent << ", bf16 "
+              << bf16[OpKind::AllGather].bytes_sent << std::endl;
+  }
+}
+
+TEST(MixedPrecision, Bf16ParamsFp32ReduceMatchesReference) {
+  auto r = run_ranks(2, "bf16_params_fp32_reduce");
+  EXPECT_TRUE(r.all_ok()) << r.report();
+  if (r.all_ok()) std::cout << r.ranks[0].output;
+}
+
+TEST(MixedPrecision, Bf16HalvesAllGatherBytes) {
+  auto r = run_ranks(2, "bf16_halves_all_gather");
+  EXPECT_TRUE(r.all_ok()) << r.report();
+  if (r.all_ok()) std::cout << r.ranks[0].output;
+}

@@ -30,7 +30,7 @@ std::string shape_str(at::IntArrayRef s) {
 }  // namespace
 
 FSDPParam::FSDPParam(const at::Tensor& original, std::vector<ParamSlot> slots, std::string fqn, int shard_rank,
-                     int shard_size, const ParamDtypes& dtypes)
+                     int shard_size, const ParamDtypes& dtypes, const ParamPlacement& placement)
     : slots_(std::move(slots)), fqn_(std::move(fqn)), shard_size_(shard_size), unsharded_param_(original) {
   const bool floating = at::isFloatingType(original.scalar_type());
   compute_dtype_ = floating && dtypes.param_dtype ? *dtypes.param_dtype : original.scalar_type();
@@ -52,7 +52,11 @@ FSDPParam::FSDPParam(const at::Tensor& original, std::vector<ParamSlot> slots, s
   if (original.dim() > 0) local_shape_[0] = local_rows_;
 
   torch::NoGradGuard no_grad;
-  padded_shard_ = at::zeros({shard_numel()}, original.options().requires_grad(false));
+  auto shard_options = original.options().requires_grad(false);
+  if (placement.offload_to_cpu) {
+    shard_options = shard_options.device(at::kCPU).pinned_memory(placement.pin_memory && !original.device().is_cpu());
+  }
+  padded_shard_ = at::zeros({shard_numel()}, shard_options);
   padded_shard_.narrow(0, 0, local_rows_ * row_numel_)
       .copy_(original.detach().reshape(-1).narrow(0, dim0_offset_ * row_numel_, local_rows_ * row_numel_));
   sharded_param_ = padded_shard_.narrow(0, 0, local_rows_ * row_numel_).view(local_shape_).detach();
@@ -69,7 +73,7 @@ FSDPParam::FSDPParam(const at::Tensor& original, std::vector<ParamSlot> slots, s
 }
 
 at::Tensor FSDPParam::unsharded_alias() const {
-  at::Tensor alias = at::empty({0}, padded_shard_.options().dtype(compute_dtype_));
+  at::Tensor alias = at::empty({0}, unsharded_param_.options().dtype(compute_dtype_).requires_grad(false));
   alias.set_(unsharded_param_.storage(), 0, global_shape_, c10::contiguous_strides(global_shape_));
   return alias;
 }
@@ -132,7 +136,8 @@ void FSDPParam::accumulate_unsharded_grad() {
 
 void FSDPParam::accumulate_sharded_grad(const at::Tensor& reduced, int64_t offset) {
   at::Tensor g = reduced.narrow(0, offset, local_rows_ * row_numel_).view(local_shape_);
-  if (g.scalar_type() != sharded_param_.scalar_type()) g = g.to(sharded_param_.scalar_type());
+  // Back to the shard's dtype and device (the CPU when offloaded).
+  g = g.to(sharded_param_.device(), sharded_param_.scalar_type());
   at::Tensor& grad = sharded_param_.mutable_grad();
   torch::NoGradGuard no_grad;
   if (grad.defined()) {

@@ -40,10 +40,17 @@ struct ParamDtypes {
   std::optional<at::ScalarType> reduce_dtype;
 };
 
+// CPUOffloadPolicy as it applies to one parameter: the shard (and its gradient) live on the CPU,
+// pinned when the compute device is a GPU so the copies to it can be asynchronous.
+struct ParamPlacement {
+  bool offload_to_cpu = false;
+  bool pin_memory = false;
+};
+
 class FSDPParam {
  public:
   FSDPParam(const at::Tensor& original, std::vector<ParamSlot> slots, std::string fqn, int shard_rank,
-            int shard_size, const ParamDtypes& dtypes = {});
+            int shard_size, const ParamDtypes& dtypes = {}, const ParamPlacement& placement = {});
 
   const std::string& fqn() const { return fqn_; }
   void set_fqn(std::string fqn) { fqn_ = std::move(fqn); }
@@ -57,7 +64,8 @@ class FSDPParam {
   at::ScalarType dtype() const { return padded_shard_.scalar_type(); }  // original = sharded dtype
   at::ScalarType compute_dtype() const { return compute_dtype_; }       // unsharded / all-gather
   at::ScalarType reduce_dtype() const { return reduce_dtype_; }         // reduce-scatter
-  c10::Device device() const { return padded_shard_.device(); }
+  c10::Device device() const { return unsharded_param_.device(); }  // where forward computes
+  c10::Device shard_device() const { return padded_shard_.device(); }  // CPU when offloaded
 
   const at::Tensor& padded_shard() const { return padded_shard_; }
   const at::Tensor& sharded_param() const { return sharded_param_; }

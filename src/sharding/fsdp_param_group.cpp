@@ -36,12 +36,13 @@ void FSDPParamGroup::unshard(bool async_op) {
   const auto& first = params_.front()->padded_shard();
   // Copy-in: every padded shard side by side in one flat input (Gloo needs input and output apart).
   // Copy-in casts to the compute dtype: with bf16 params the all-gather moves half the bytes.
-  const auto options = first.options().dtype(params_.front()->compute_dtype());
+  // On the compute device (a CPU-offloaded shard is copied there here).
+  const auto options = first.options().device(params_.front()->device()).dtype(params_.front()->compute_dtype());
   at::Tensor input = at::empty({total_shard_numel_}, options);
   {
     torch::NoGradGuard no_grad;
     for (size_t i = 0; i < params_.size(); ++i) {
-      input.narrow(0, offsets_[i], params_[i]->shard_numel()).copy_(params_[i]->padded_shard());
+      input.narrow(0, offsets_[i], params_[i]->shard_numel()).copy_(params_[i]->padded_shard(), /*non_blocking=*/true);
     }
   }
   all_gather_output_ = at::empty({n, total_shard_numel_}, options);

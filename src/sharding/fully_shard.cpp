@@ -73,10 +73,6 @@ FSDPModule fully_shard(const std::vector<std::shared_ptr<torch::nn::Module>>& mo
                                   "(e.g. at::kBFloat16, at::kHalf, at::kFloat)");
     }
   }
-  if (options.offload_policy) {
-    throw std::invalid_argument("fsdp::fully_shard: CPUOffloadPolicy is not implemented yet; leave offload_policy "
-                                "unset");
-  }
   DeviceMesh mesh = options.mesh ? *options.mesh : default_mesh();
   if (mesh.ndim() != 1) {
     throw std::invalid_argument("fsdp::fully_shard: a " + std::to_string(mesh.ndim()) +
@@ -141,9 +137,10 @@ FSDPModule fully_shard(const std::vector<std::shared_ptr<torch::nn::Module>>& mo
                                   ") differ in dtype; one group moves one dtype: shard them in separate calls or "
                                   "convert the module first");
     }
-    if (t.device().type() != c10::DeviceType::CPU) {
+    if (t.device().type() != c10::Device(mesh.device_type()).type()) {
       throw std::invalid_argument("fsdp::fully_shard: parameter '" + fqn + "' is on " + t.device().str() +
-                                  "; this version shards CPU parameters (materialise meta parameters first)");
+                                  " but the mesh computes on '" + mesh.device_type() +
+                                  "'; move the module there first (meta parameters: materialise them first)");
     }
   }
   std::unique_ptr<FSDPParamGroup> group;
@@ -153,7 +150,8 @@ FSDPModule fully_shard(const std::vector<std::shared_ptr<torch::nn::Module>>& mo
       auto& [param_slots, fqn] = slots[t.unsafeGetTensorImpl()];
       params.push_back(std::make_unique<FSDPParam>(
           t, param_slots, fqn, shard_rank, shard_size,
-          ParamDtypes{options.mp_policy.param_dtype, options.mp_policy.reduce_dtype}));
+          ParamDtypes{options.mp_policy.param_dtype, options.mp_policy.reduce_dtype},
+          ParamPlacement{options.offload_policy.has_value(), options.offload_policy && options.offload_policy->pin_memory}));
     }
     group = std::make_unique<FSDPParamGroup>(std::move(params), mesh);
   }

@@ -70,6 +70,14 @@ FSDP_RANK_WORKER(gpt_parity) {
     run.before_micro_batch = [](int micro, int total, GPT& model) {
       if (micro > 0) fsdp::fsdp_module(*model)->set_is_last_backward(micro == total - 1);
     };
+  } else if (m == "cpu_offload") {
+    // On a CPU-only machine offloading changes no placement, but the policy must be accepted and
+    // the run must still match (the CUDA path copies shards to the GPU for the all-gather).
+    run.shard = [](GPT& model) {
+      fsdp::FullyShardOptions o;
+      o.offload_policy = fsdp::CPUOffloadPolicy{/*pin_memory=*/true};
+      shard_blocks_then_root(model, o);
+    };
   } else if (m == "explicit_unshard") {
     // The root unshards ahead of forward by hand (async), and reshards by hand after backward.
     run.shard = [](GPT& model) { shard_blocks_then_root(model); };
@@ -106,6 +114,9 @@ FSDP_RANK_WORKER(gpt_parity) {
   auto got = train_sharded(cfg, kSteps, kBatch, micro_batches, run);
   check_losses_match(got.losses, want.losses, kTolerance);
   const double worst = check_shards_match(got.model, want.parameters, kTolerance);
+  for (const auto& p : got.model->parameters()) {
+    TORCH_CHECK(p.device().is_cpu() && p.grad().device().is_cpu(), "shards and their gradients live on the CPU");
+  }
   report(m, got, want, worst);
 }
 
@@ -129,7 +140,7 @@ INSTANTIATE_TEST_SUITE_P(
     ::testing::Values(ParityCase{"default", 1}, ParityCase{"default", 2}, ParityCase{"default", 3},
                       ParityCase{"reshard_true", 2}, ParityCase{"reshard_false", 3}, ParityCase{"root_only", 2},
                       ParityCase{"grad_accumulation", 2}, ParityCase{"grad_accumulation", 3},
-                      ParityCase{"sync_every_micro_batch", 2},
+                      ParityCase{"sync_every_micro_batch", 2}, ParityCase{"cpu_offload", 2},
                       ParityCase{"explicit_unshard", 2}, ParityCase{"explicit_prefetch", 3}, ParityCase{"tied", 2}),
     [](const auto& info) { return info.param.mode + "_" + std::to_string(info.param.world) + "ranks"; });
 

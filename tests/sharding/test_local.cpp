@@ -127,9 +127,8 @@ TEST(FullyShardErrors, PoliciesThatCannotApplyAreRefused) {
   fsdp::FullyShardOptions o;
   o.mp_policy.param_dtype = at::kLong;
   EXPECT_ERROR_MENTIONS(fsdp::fully_shard(model, o), "param_dtype is Long; mixed precision dtypes must be floating point");
-  fsdp::FullyShardOptions offload;
-  offload.offload_policy = fsdp::CPUOffloadPolicy{};
-  EXPECT_ERROR_MENTIONS(fsdp::fully_shard(model, offload), "CPUOffloadPolicy is not implemented yet");
+  // Offloading to the CPU from a GPU mesh needs a CUDA build: the mesh itself is refused.
+  EXPECT_ERROR_MENTIONS(fsdp::init_device_mesh({1}, {"shard"}, "cuda"), fsdp::comm::nccl_available() ? "" : "NCCL");
   fsdp::FullyShardOptions hsdp;
   hsdp.mesh = fsdp::init_device_mesh({1, 1}, {"replicate", "shard"});
   EXPECT_ERROR_MENTIONS(fsdp::fully_shard(model, hsdp), "HSDP");

@@ -9,5 +9,6 @@
 #include "fsdp/dist/runtime.h"
 #include "fsdp/mesh/device_mesh.h"
 #include "fsdp/sharding/call.h"
+#include "fsdp/sharding/clip_grad.h"
 #include "fsdp/sharding/fully_shard.h"
 #include "fsdp/sharding/policies.h"

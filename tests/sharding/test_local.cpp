@@ -224,3 +224,15 @@ TEST(FullyShardSettings, ReshardAfterBackwardFalseKeepsParameters) {
   root.reshard();
   EXPECT_EQ(model->wte->weight.numel(), 0);
 }
+
+TEST(FullyShard, IgnoredParamsStayWhole) {
+  GPT model(tiny());
+  fsdp::FullyShardOptions o;
+  o.ignored_params = {model->ln_f->weight};
+  fsdp::fully_shard(model, o);
+  train_step(model);
+  EXPECT_FALSE(fsdp::shard_info(model->ln_f->weight).has_value());
+  EXPECT_EQ(model->ln_f->weight.numel(), 8);  // never freed
+  EXPECT_TRUE(model->ln_f->weight.grad().defined());
+  EXPECT_TRUE(fsdp::shard_info(model->ln_f->bias).has_value());
+}

@@ -234,5 +234,6 @@ TEST(FullyShard, IgnoredParamsStayWhole) {
   EXPECT_FALSE(fsdp::shard_info(model->ln_f->weight).has_value());
   EXPECT_EQ(model->ln_f->weight.numel(), 8);  // never freed
   EXPECT_TRUE(model->ln_f->weight.grad().defined());
-  EXPECT_TRUE(fsdp::shard_info(model->ln_f->bias).has_value());
+  EXPECT_TRUE(fsdp::shard_info(model->named_parameters()["ln_f.bias"]).has_value());  // the shard
+  EXPECT_TRUE(model->named_parameters()["ln_f.weight"].is_same(model->ln_f->weight));
 }

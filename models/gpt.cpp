@@ -4,6 +4,7 @@
 #include <stdexcept>
 
 #include "fsdp/sharding/call.h"
+#include "fsdp/sharding/materialize.h"
 
 namespace fsdp::models {
 
@@ -20,9 +21,31 @@ void GPTConfig::validate() const {
   need(n_embd % n_head == 0, "n_head (" + std::to_string(n_head) + ") must divide n_embd (" + std::to_string(n_embd) + ")");
 }
 
+LinearImpl::LinearImpl(int64_t in, int64_t out, bool with_bias, torch::Device device) {
+  weight = register_parameter("weight", torch::empty({out, in}, torch::TensorOptions().device(device)));
+  if (with_bias) bias = register_parameter("bias", torch::empty({out}, torch::TensorOptions().device(device)));
+}
+
+torch::Tensor LinearImpl::forward(const torch::Tensor& x) { return F::linear(x, weight, bias); }
+
+EmbeddingImpl::EmbeddingImpl(int64_t num, int64_t dim, torch::Device device) {
+  weight = register_parameter("weight", torch::empty({num, dim}, torch::TensorOptions().device(device)));
+}
+
+torch::Tensor EmbeddingImpl::forward(const torch::Tensor& idx) { return F::embedding(idx, weight); }
+
+LayerNormImpl::LayerNormImpl(int64_t dim, torch::Device device) {
+  weight = register_parameter("weight", torch::empty({dim}, torch::TensorOptions().device(device)));
+  bias = register_parameter("bias", torch::empty({dim}, torch::TensorOptions().device(device)));
+}
+
+torch::Tensor LayerNormImpl::forward(const torch::Tensor& x) {
+  return torch::layer_norm(x, {weight.size(0)}, weight, bias, 1e-5);
+}
+
 CausalSelfAttentionImpl::CausalSelfAttentionImpl(const GPTConfig& c) : n_head(c.n_head) {
-  c_attn = register_module("c_attn", torch::nn::Linear(c.n_embd, 3 * c.n_embd));
-  c_proj = register_module("c_proj", torch::nn::Linear(c.n_embd, c.n_embd));
+  c_attn = register_module("c_attn", Linear(c.n_embd, 3 * c.n_embd, true, c.device));
+  c_proj = register_module("c_proj", Linear(c.n_embd, c.n_embd, true, c.device));
 }
 
 torch::Tensor CausalSelfAttentionImpl::forward(const torch::Tensor& x) {
@@ -38,16 +61,16 @@ torch::Tensor CausalSelfAttentionImpl::forward(const torch::Tensor& x) {
 }
 
 MLPImpl::MLPImpl(const GPTConfig& c) {
-  c_fc = register_module("c_fc", torch::nn::Linear(c.n_embd, 4 * c.n_embd));
-  c_proj = register_module("c_proj", torch::nn::Linear(4 * c.n_embd, c.n_embd));
+  c_fc = register_module("c_fc", Linear(c.n_embd, 4 * c.n_embd, true, c.device));
+  c_proj = register_module("c_proj", Linear(4 * c.n_embd, c.n_embd, true, c.device));
 }
 
 torch::Tensor MLPImpl::forward(const torch::Tensor& x) { return c_proj(torch::gelu(c_fc(x), "tanh")); }
 
 BlockImpl::BlockImpl(const GPTConfig& c) {
-  ln_1 = register_module("ln_1", torch::nn::LayerNorm(torch::nn::LayerNormOptions({c.n_embd})));
+  ln_1 = register_module("ln_1", LayerNorm(c.n_embd, c.device));
   attn = register_module("attn", CausalSelfAttention(c));
-  ln_2 = register_module("ln_2", torch::nn::LayerNorm(torch::nn::LayerNormOptions({c.n_embd})));
+  ln_2 = register_module("ln_2", LayerNorm(c.n_embd, c.device));
   mlp = register_module("mlp", MLP(c));
 }
 
@@ -56,40 +79,39 @@ torch::Tensor BlockImpl::forward(const torch::Tensor& x) {
   return y + mlp(ln_2(y));
 }
 
-HeadImpl::HeadImpl(int64_t n_embd, int64_t vocab_size, const torch::Tensor& tied_weight) {
-  weight = register_parameter("weight", tied_weight.defined() ? tied_weight : torch::empty({vocab_size, n_embd}));
+HeadImpl::HeadImpl(int64_t n_embd, int64_t vocab_size, torch::Device device, const torch::Tensor& tied_weight) {
+  weight = register_parameter("weight", tied_weight.defined()
+                                            ? tied_weight
+                                            : torch::empty({vocab_size, n_embd}, torch::TensorOptions().device(device)));
 }
 
 torch::Tensor HeadImpl::forward(const torch::Tensor& x) { return F::linear(x, weight); }
 
 GPTImpl::GPTImpl(const GPTConfig& c) : config(c) {
   c.validate();
-  wte = register_module("wte", torch::nn::Embedding(c.vocab_size, c.n_embd));
-  wpe = register_module("wpe", torch::nn::Embedding(c.block_size, c.n_embd));
+  wte = register_module("wte", Embedding(c.vocab_size, c.n_embd, c.device));
+  wpe = register_module("wpe", Embedding(c.block_size, c.n_embd, c.device));
   h = register_module("h", torch::nn::ModuleList());
   for (int64_t i = 0; i < c.n_layer; ++i) {
     blocks.emplace_back(c);
     h->push_back(blocks.back());
   }
-  ln_f = register_module("ln_f", torch::nn::LayerNorm(torch::nn::LayerNormOptions({c.n_embd})));
-  lm_head = register_module("lm_head", Head(c.n_embd, c.vocab_size, c.tie_weights ? wte->weight : torch::Tensor()));
-  reset_parameters();
+  ln_f = register_module("ln_f", LayerNorm(c.n_embd, c.device));
+  lm_head = register_module("lm_head", Head(c.n_embd, c.vocab_size, c.device, c.tie_weights ? wte->weight : torch::Tensor()));
+  if (c.device.type() != torch::kMeta) reset_parameters();
 }
 
 void GPTImpl::reset_parameters() {
-  torch::NoGradGuard no_grad;
-  for (auto& m : modules(/*include_self=*/false)) {
-    if (auto* linear = m->as<torch::nn::Linear>()) {
-      linear->weight.normal_(0.0, 0.02);
-      if (linear->bias.defined()) linear->bias.zero_();
-    } else if (auto* emb = m->as<torch::nn::Embedding>()) {
-      emb->weight.normal_(0.0, 0.02);
-    } else if (auto* head = m->as<Head>()) {
-      if (!config.tie_weights) head->weight.normal_(0.0, 0.02);
-    } else if (auto* ln = m->as<torch::nn::LayerNorm>()) {
-      ln->weight.fill_(1.0);
-      ln->bias.zero_();
-    }
+  // By name, on whatever parameters() holds now: full tensors, or this rank's shards.
+  for (const auto& item : named_parameters()) {
+    const std::string& name = item.key();
+    const at::Tensor& p = item.value();
+    const uint64_t seed = fsdp::init::param_seed(config.init_seed, name);
+    const bool is_bias = name.size() >= 4 && name.compare(name.size() - 4, 4, "bias") == 0;
+    const bool is_norm = name.find("ln_") != std::string::npos;
+    if (is_bias) fsdp::init::constant_(p, 0.0);
+    else if (is_norm) fsdp::init::constant_(p, 1.0);
+    else fsdp::init::normal_(p, 0.0, 0.02, seed);
   }
 }
 

@@ -11,4 +11,5 @@
 #include "fsdp/sharding/call.h"
 #include "fsdp/sharding/clip_grad.h"
 #include "fsdp/sharding/fully_shard.h"
+#include "fsdp/sharding/materialize.h"
 #include "fsdp/sharding/policies.h"

@@ -5,6 +5,7 @@
 #include <stdexcept>
 
 #include "module_access.h"
+#include "registry.h"
 
 namespace fsdp::detail {
 
@@ -35,8 +36,10 @@ FSDPParam::FSDPParam(const at::Tensor& original, std::vector<ParamSlot> slots, s
   const bool floating = at::isFloatingType(original.scalar_type());
   compute_dtype_ = floating && dtypes.param_dtype ? *dtypes.param_dtype : original.scalar_type();
   reduce_dtype_ = floating && dtypes.reduce_dtype ? *dtypes.reduce_dtype : compute_dtype_;
+  placement_ = placement;
   if (!original.is_contiguous() || original.storage_offset() != 0 ||
-      original.storage().nbytes() != static_cast<size_t>(original.numel()) * original.element_size()) {
+      (!original.is_meta() &&
+       original.storage().nbytes() != static_cast<size_t>(original.numel()) * original.element_size())) {
     throw std::invalid_argument("fsdp::fully_shard: parameter '" + fqn_ +
                                 "' does not own its storage (a view, non-contiguous, or sharing a buffer); "
                                 "register parameters as separate contiguous tensors");
@@ -148,7 +151,29 @@ void FSDPParam::accumulate_sharded_grad(const at::Tensor& reduced, int64_t offse
   }
 }
 
+void FSDPParam::materialize(c10::Device device) {
+  const c10::Device shard_device = placement_.offload_to_cpu ? c10::Device(at::kCPU) : device;
+  const bool requires_grad = sharded_param_.requires_grad();
+  const c10::TensorImpl* old_shard = sharded_param_.unsafeGetTensorImpl();
+  auto options = padded_shard_.options().device(shard_device).pinned_memory(placement_.pin_memory && !device.is_cpu());
+  padded_shard_ = at::zeros({shard_numel()}, options);  // zero padding rows
+  sharded_param_ = padded_shard_.narrow(0, 0, local_rows_ * row_numel_).view(local_shape_).detach();
+  sharded_param_.set_requires_grad(requires_grad);
+  for (auto& slot : slots_) parameter_registry(*slot.module.lock())[slot.name] = sharded_param_;
+  rekey_shard(old_shard, this);
+  // The unsharded tensor keeps its identity (module fields and autograd hold it); only its device
+  // changes, to an empty tensor there: the resharded state.
+  at::Tensor empty = at::empty({0}, unsharded_param_.options().device(device).dtype(compute_dtype_).requires_grad(false));
+  unsharded_param_.unsafeGetTensorImpl()->shallow_copy_from(empty.getIntrusivePtr());
+  unsharded_ = false;
+}
+
 void FSDPParam::check_unchanged() const {
+  if (sharded_param_.is_meta()) {
+    throw std::logic_error("fsdp: parameter '" + fqn_ +
+                           "' is still on the meta device; call fsdp::to_empty(module, device) and initialise the "
+                           "parameters before the first forward");
+  }
   for (const auto& slot : slots_) {
     auto module = slot.module.lock();
     const at::Tensor* now = module ? parameter_registry(*module).find(slot.name) : nullptr;

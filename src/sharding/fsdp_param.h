@@ -89,6 +89,9 @@ class FSDPParam {
   void accumulate_unsharded_grad();
   // reduced: this rank's flat reduce-scatter output; adds to (or sets) sharded_param.grad.
   void accumulate_sharded_grad(const at::Tensor& reduced, int64_t offset);
+  // Meta-device initialisation: gives the shard memory on `device` (the CPU when offloaded) as a new
+  // leaf registered in place of the meta one, and the unsharded parameter zero elements there.
+  void materialize(c10::Device device);
   // Throws when a registry entry was replaced or the shard was reshaped since fully_shard.
   void check_unchanged() const;
 
@@ -104,6 +107,7 @@ class FSDPParam {
   at::Tensor padded_shard_, sharded_param_, unsharded_param_;
   at::Tensor accumulated_grad_;  // no-sync accumulation in reduce_dtype
   at::ScalarType compute_dtype_, reduce_dtype_;
+  ParamPlacement placement_;
   bool unsharded_ = true;
 };
 

@@ -137,7 +137,8 @@ FSDPModule fully_shard(const std::vector<std::shared_ptr<torch::nn::Module>>& mo
                                   ") differ in dtype; one group moves one dtype: shard them in separate calls or "
                                   "convert the module first");
     }
-    if (t.device().type() != c10::Device(mesh.device_type()).type()) {
+    // Meta parameters (every one of them, checked above) wait for fsdp::to_empty.
+    if (!t.is_meta() && t.device().type() != c10::Device(mesh.device_type()).type()) {
       throw std::invalid_argument("fsdp::fully_shard: parameter '" + fqn + "' is on " + t.device().str() +
                                   " but the mesh computes on '" + mesh.device_type() +
                                   "'; move the module there first (meta parameters: materialise them first)");

@@ -72,6 +72,15 @@ void unregister_params_of(const FSDPState* owner) {
   }
 }
 
+void rekey_shard(const c10::TensorImpl* old_shard, FSDPParam* param) {
+  std::lock_guard<std::mutex> lock(g_mu);
+  auto it = g_shards.find(old_shard);
+  if (it == g_shards.end()) return;
+  ParamEntry entry = it->second;
+  g_shards.erase(it);
+  g_shards[param->sharded_param().unsafeGetTensorImpl()] = entry;
+}
+
 FSDPParam* param_of_shard(const at::Tensor& tensor) {
   std::lock_guard<std::mutex> lock(g_mu);
   auto it = g_shards.find(tensor.unsafeGetTensorImpl());

@@ -20,6 +20,8 @@ void purge_dead_states();
 
 void register_param(FSDPParam* param, FSDPState* owner);
 void unregister_params_of(const FSDPState* owner);
+// The shard tensor of `param` was replaced (meta-device materialisation): move its entry.
+void rekey_shard(const c10::TensorImpl* old_shard, FSDPParam* param);
 // The parameter whose shard (what parameters() returns) this tensor is, if any.
 FSDPParam* param_of_shard(const at::Tensor& tensor);
 // The state owning the parameter whose unsharded tensor this is, if any.

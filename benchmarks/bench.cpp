@@ -33,6 +33,7 @@ struct Options {
   int nproc = 2, steps = 20, warmup = 3, rounds = 2;
   int64_t layers = 4, dim = 256, heads = 4, seq = 128, batch = 8;
   std::string role = "driver";  // driver | single | fsdp
+  std::string mp = "fp32";      // fp32 | bf16 (MixedPrecisionPolicy: bf16 params, fp32 reduce)
   std::string result;           // where a worker writes its result line
 };
 
@@ -56,6 +57,7 @@ Options parse(int argc, char** argv) {
     std::string v = argv[++i];
     if (a == "--role") o.role = v;
     else if (a == "--result") o.result = v;
+    else if (a == "--mp") o.mp = v;
     else if (ints.count(a)) *ints[a] = std::stoll(v);
     else if (small.count(a)) *small[a] = std::stoi(v);
     else usage(("unknown option " + a).c_str());
@@ -111,8 +113,13 @@ int run_worker(const Options& o, bool sharded) {
   double param_bytes = 0;
   for (const auto& p : model->parameters()) param_bytes += p.nbytes();
   if (sharded) {
-    for (auto& b : model->blocks) fsdp::fully_shard(b);
-    fsdp::fully_shard(model);
+    fsdp::FullyShardOptions opts;
+    if (o.mp == "bf16") {
+      opts.mp_policy.param_dtype = at::kBFloat16;
+      opts.mp_policy.reduce_dtype = at::kFloat;
+    }
+    for (auto& b : model->blocks) fsdp::fully_shard(b, opts);
+    fsdp::fully_shard(model, opts);
   }
   torch::optim::AdamW opt(model->parameters(), torch::optim::AdamWOptions(1e-3));
   auto gen = at::detail::createCPUGenerator(1234 + rank);
@@ -184,7 +191,7 @@ int run_driver(const Options& o, const char* argv0) {
   char tmpl[] = "/tmp/fsdp-bench-XXXXXX";
   if (!mkdtemp(tmpl)) usage("cannot create a temporary folder");
   const std::string single_out = std::string(tmpl) + "/single", fsdp_out = std::string(tmpl) + "/fsdp",
-                    local_out = std::string(tmpl) + "/local";
+                    local_out = std::string(tmpl) + "/local", bf16_out = std::string(tmpl) + "/bf16";
   std::vector<std::string> common = {"--steps",  std::to_string(o.steps), "--warmup", std::to_string(o.warmup),
                                      "--layers", std::to_string(o.layers), "--dim",   std::to_string(o.dim),
                                      "--heads",  std::to_string(o.heads), "--seq",    std::to_string(o.seq),
@@ -209,11 +216,17 @@ int run_driver(const Options& o, const char* argv0) {
                                         "--", self, "--role", "fsdp", "--result", fsdp_out};
     sharded.insert(sharded.end(), common.begin(), common.end());
     if (spawn_and_wait(sharded, {}) != 0) usage("the FSDP run failed");
+    std::vector<std::string> bf16 = {fsdprun, "--nproc-per-node", std::to_string(o.nproc), "--master-port", "0",
+                                     "--", self, "--role", "fsdp", "--mp", "bf16", "--result", bf16_out};
+    bf16.insert(bf16.end(), common.begin(), common.end());
+    if (spawn_and_wait(bf16, {}) != 0) usage("the FSDP bf16 run failed");
   }
   std::vector<double> single_medians, fsdp_medians;
   auto single = read_results(single_out, single_medians);
   auto fsdp = read_results(fsdp_out, fsdp_medians);
-  std::vector<double> local_medians;
+  std::vector<double> local_medians, bf16_medians;
+  auto bf16 = read_results(bf16_out, bf16_medians);
+  const double bf16_step = median(bf16_medians);
   auto local = read_results(local_out, local_medians);
   const double local_step = median(local_medians);
   const double single_step = median(single_medians), fsdp_step = median(fsdp_medians);
@@ -229,6 +242,9 @@ int run_driver(const Options& o, const char* argv0) {
   std::printf("| FSDP fp32 (batch %lld) | %d | %.1f ms | %.2fx | %.2f MB | %.0f MB | %.2f MB (3 x params x (N-1)/N = %.2f MB) |\n",
               static_cast<long long>(o.batch), o.nproc, 1e3 * fsdp_step, fsdp_step / single_step,
               fsdp["state_bytes"] / 1e6, fsdp["max_rss"] / 1e6, fsdp["comm_bytes_per_step"] / 1e6, expected / 1e6);
+  std::printf("| FSDP bf16 params, fp32 reduce (batch %lld) | %d | %.1f ms | %.2fx | %.2f MB | %.0f MB | %.2f MB |\n",
+              static_cast<long long>(o.batch), o.nproc, 1e3 * bf16_step, bf16_step / single_step,
+              bf16["state_bytes"] / 1e6, bf16["max_rss"] / 1e6, bf16["comm_bytes_per_step"] / 1e6);
   std::printf("\nratio FSDP / limit = %.3f (target <= 1.10); per-round medians: single", fsdp_step / single_step);
   for (double m : single_medians) std::printf(" %.1f", 1e3 * m);
   std::printf(" ms, fsdp");

@@ -124,7 +124,8 @@ torch::Tensor GPTImpl::forward(const torch::Tensor& idx) {
   auto pos = torch::arange(T, idx.options().dtype(torch::kLong));
   auto x = wte(idx) + wpe(pos);
   for (auto& block : blocks) x = fsdp::call(block, x);
-  return lm_head(ln_f(x));
+  // Through fsdp::call too, so ln_f and lm_head may be sharded as a group of their own.
+  return fsdp::call(lm_head, fsdp::call(ln_f, x));
 }
 
 torch::Tensor gpt_loss(const torch::Tensor& logits, const torch::Tensor& targets) {

@@ -110,6 +110,9 @@ std::vector<at::Tensor> FSDPState::pre_forward(std::vector<at::Tensor> args) {
       }
     }
   }
+  // List form: one post-backward node, on the inputs of the group's first module, so it runs
+  // after the whole group's backward (FSDP2 registers the group's hooks the same way).
+  if (!first_call) return args;
   return register_post_backward_hook(this, std::move(args));
 }
 

@@ -53,6 +53,13 @@ FSDP_RANK_WORKER(gpt_parity) {
       o.reshard_after_forward = (m == "reshard_true");
       shard_blocks_then_root(model, o);
     };
+  } else if (m == "list_group") {
+    // The list form: final norm and head as one group (one all-gather, one reduce-scatter).
+    run.shard = [](GPT& model) {
+      for (auto& block : model->blocks) fsdp::fully_shard(block);
+      fsdp::fully_shard(std::vector<std::shared_ptr<torch::nn::Module>>{model->ln_f.ptr(), model->lm_head.ptr()});
+      fsdp::fully_shard(model);
+    };
   } else if (m == "root_only") {
     run.shard = [](GPT& model) { fsdp::fully_shard(model); };
   } else if (m == "grad_accumulation") {
@@ -138,7 +145,7 @@ TEST_P(GptParity, MatchesSingleProcess) {
 INSTANTIATE_TEST_SUITE_P(
     Sharded, GptParity,
     ::testing::Values(ParityCase{"default", 1}, ParityCase{"default", 2}, ParityCase{"default", 3},
-                      ParityCase{"reshard_true", 2}, ParityCase{"reshard_false", 3}, ParityCase{"root_only", 2},
+                      ParityCase{"reshard_true", 2}, ParityCase{"reshard_false", 3}, ParityCase{"root_only", 2}, ParityCase{"list_group", 3},
                       ParityCase{"grad_accumulation", 2}, ParityCase{"grad_accumulation", 3},
                       ParityCase{"sync_every_micro_batch", 2}, ParityCase{"cpu_offload", 2},
                       ParityCase{"explicit_unshard", 2}, ParityCase{"explicit_prefetch", 3}, ParityCase{"tied", 2}),

@@ -216,7 +216,7 @@ void WorkerGroup::reap() {
   }
 }
 
-void WorkerGroup::poll(std::chrono::milliseconds timeout, Signals& signals) {
+int WorkerGroup::poll_streams(std::chrono::milliseconds timeout, int extra_fd) {
   std::vector<pollfd> fds;
   std::vector<std::pair<Worker*, Stream*>> owners;
   for (auto& w : workers_) {
@@ -226,13 +226,19 @@ void WorkerGroup::poll(std::chrono::milliseconds timeout, Signals& signals) {
       owners.emplace_back(&w, s);
     }
   }
-  fds.push_back(pollfd{signals.fd(), POLLIN, 0});
+  if (owners.empty() && extra_fd < 0) return 0;
+  if (extra_fd >= 0) fds.push_back(pollfd{extra_fd, POLLIN, 0});
   int rc = ::poll(fds.data(), fds.size(), static_cast<int>(std::max<long>(0, timeout.count())));
   if (rc > 0) {
     for (size_t i = 0; i < owners.size(); ++i) {
       if (fds[i].revents != 0) read_stream(*owners[i].first, *owners[i].second);
     }
   }
+  return static_cast<int>(owners.size());
+}
+
+void WorkerGroup::poll(std::chrono::milliseconds timeout, Signals& signals) {
+  poll_streams(timeout, signals.fd());
   signals.drain();  // SIGCHLD only wakes us; termination signals are recorded for the caller
   reap();
 }
@@ -263,20 +269,7 @@ void WorkerGroup::drain_output(std::chrono::milliseconds limit) {
   // A process that escaped the group could hold a pipe open forever: bounded.
   const auto deadline = Clock::now() + limit;
   while (Clock::now() < deadline) {
-    std::vector<pollfd> fds;
-    std::vector<std::pair<Worker*, Stream*>> owners;
-    for (auto& w : workers_) {
-      for (Stream* s : {&w.out, &w.err}) {
-        if (s->fd < 0) continue;
-        fds.push_back(pollfd{s->fd, POLLIN, 0});
-        owners.emplace_back(&w, s);
-      }
-    }
-    if (fds.empty()) return;
-    if (::poll(fds.data(), fds.size(), 20) <= 0) continue;
-    for (size_t i = 0; i < owners.size(); ++i) {
-      if (fds[i].revents != 0) read_stream(*owners[i].first, *owners[i].second);
-    }
+    if (poll_streams(std::chrono::milliseconds(20), /*extra_fd=*/-1) == 0) return;
   }
   for (auto& w : workers_) {
     for (Stream* s : {&w.out, &w.err}) {

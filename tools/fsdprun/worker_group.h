@@ -80,6 +80,9 @@ class WorkerGroup {
   bool read_stream(Worker& w, Stream& s);  // false once the stream is closed
   void reap();
   void drain_output(std::chrono::milliseconds limit);
+  // One poll over the open output pipes (and `extra_fd` if >= 0); reads what is ready. Returns
+  // how many pipes were still open.
+  int poll_streams(std::chrono::milliseconds timeout, int extra_fd);
   void kill_groups(int sig);
 
   std::vector<Worker> workers_;

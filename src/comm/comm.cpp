@@ -19,16 +19,17 @@ Capabilities Capabilities::for_backend(BackendKind kind) {
   Capabilities c;
   switch (kind) {
     case BackendKind::Local:
-      c = {true, true, true, true};
+      c = {true, true, true, true, true};
       break;
     case BackendKind::Gloo:
       c.all_gather_base = compat::GlooCapabilities::all_gather_base;
       c.reduce_scatter_base = compat::GlooCapabilities::reduce_scatter_base;
       c.bfloat16 = compat::GlooCapabilities::bfloat16;
+      c.float16 = compat::GlooCapabilities::float16;
       c.avg = compat::GlooCapabilities::avg;
       break;
     case BackendKind::Nccl:
-      c = {true, true, true, true};
+      c = {true, true, true, true, true};
       break;
   }
   return c;
@@ -102,9 +103,11 @@ c10d::ReduceOp to_c10d(ReduceOp op) {
   return c10d::ReduceOp::SUM;
 }
 
-// bf16 travels as the bit pattern of another 2-byte type Gloo knows. Gloo has no int16, so Half:
-// the ops that use it only copy memory, never do arithmetic on it.
-constexpr at::ScalarType kBitsCarrier = at::kHalf;
+// A 16-bit float the backend does not take travels as its bytes: every Gloo build takes uint8
+// (Gloo has no int16, and Debian sid's 2.14 rejects Half too). The ops that use it only copy
+// memory, never do arithmetic on it; a flat view of n elements is 2n bytes, so chunks still split
+// evenly.
+constexpr at::ScalarType kBitsCarrier = at::kByte;
 
 uint64_t ring_share(uint64_t bytes, int n) { return n <= 1 ? 0 : bytes * static_cast<uint64_t>(n - 1) / n; }
 
@@ -139,7 +142,7 @@ std::string Comm::describe(const char* op) const {
 }
 
 bool Comm::moves_as_bits(const at::Tensor& t) const {
-  return t.scalar_type() == at::kBFloat16 && !caps_.bfloat16;
+  return (t.scalar_type() == at::kBFloat16 && !caps_.bfloat16) || (t.scalar_type() == at::kHalf && !caps_.float16);
 }
 
 Work Comm::finish(OpKind kind, uint64_t bytes, compat::WorkPtr work, std::function<void()> after, bool async_op,
@@ -160,7 +163,7 @@ compat::WorkPtr Comm::backend_all_gather(const at::Tensor& out, const at::Tensor
   if (caps_.all_gather_base) {
     c10d::AllgatherOptions opts;
     opts.timeout = timeout_;
-    return backend_->_allgather_base(flat_out, flat_in, opts);
+    return compat::all_gather_single(*backend_, flat_out, flat_in, opts);
   }
   // Fallback: the list form, with each rank's output a view into the flat buffer.
   std::vector<std::vector<at::Tensor>> outputs{flat_out.chunk(size())};
@@ -179,7 +182,7 @@ compat::WorkPtr Comm::backend_all_to_all(const at::Tensor& out, const at::Tensor
   std::vector<int64_t> equal_splits;  // empty = equal splits
   c10d::AllToAllOptions opts;
   opts.timeout = timeout_;
-  return backend_->alltoall_base(flat_out, flat_in, equal_splits, equal_splits, opts);
+  return compat::all_to_all_single(*backend_, flat_out, flat_in, equal_splits, equal_splits, opts);
 }
 
 Work Comm::all_gather_into_tensor(const at::Tensor& out, const at::Tensor& in, bool async_op) {
@@ -222,7 +225,7 @@ Work Comm::reduce_scatter_tensor(const at::Tensor& out, const at::Tensor& in, Re
     opts.reduceOp = to_c10d(rop);
     opts.timeout = timeout_;
     at::Tensor flat_out = out.view(-1), flat_in = in.view(-1);
-    auto work = backend_->_reduce_scatter_base(flat_out, flat_in, opts);
+    auto work = compat::reduce_scatter_single(*backend_, flat_out, flat_in, opts);
     return finish(OpKind::ReduceScatter, bytes, std::move(work), nullptr, async_op, op.c_str());
   }
   // all_to_all brings every rank's chunk [rank()] here (ring bytes); then sum locally.
@@ -243,8 +246,8 @@ Work Comm::all_reduce(const at::Tensor& tensor, ReduceOp rop, bool async_op) {
   if (size() == 1 || tensor.numel() == 0) return finish(OpKind::AllReduce, 0, compat::WorkPtr(), nullptr, async_op, op.c_str());
   const int n = size();
   if (moves_as_bits(tensor)) {
-    // No bf16 arithmetic in the backend: reduce-scatter (as all_to_all of bit patterns, summed in
-    // float32 here) then all-gather the reduced chunks; the bytes of a ring all-reduce.
+    // No 16-bit float arithmetic in the backend: reduce-scatter (as all_to_all of bit patterns,
+    // summed in float32 here) then all-gather the reduced chunks; the bytes of a ring all-reduce.
     const int64_t numel = tensor.numel();
     const int64_t chunk = (numel + n - 1) / n;
     at::Tensor padded = at::zeros({chunk * n}, tensor.options());
@@ -253,7 +256,7 @@ Work Comm::all_reduce(const at::Tensor& tensor, ReduceOp rop, bool async_op) {
     auto work = backend_all_to_all(received, padded);
     const uint64_t bytes = 2 * ring_share(padded.nbytes(), n);
     auto after = [this, received, padded, tensor, rop, n, numel, chunk]() {
-      at::Tensor mine = reduce_chunks(received.view({n, chunk}), rop, n).to(at::kBFloat16);
+      at::Tensor mine = reduce_chunks(received.view({n, chunk}), rop, n).to(tensor.scalar_type());
       auto gather = backend_all_gather(padded, mine);
       gather->wait(timeout_);
       tensor.view(-1).copy_(padded.narrow(0, 0, numel));

@@ -21,9 +21,10 @@ struct ParamEntry {
 };
 
 std::mutex g_mu;
-std::unordered_map<const torch::nn::Module*, StateEntry> g_states;
+// Destroyed in reverse order at exit: g_states first, whose FSDPStates unregister from the others.
 std::unordered_map<const c10::TensorImpl*, ParamEntry> g_shards;
 std::unordered_map<const c10::TensorImpl*, ParamEntry> g_unsharded;
+std::unordered_map<const torch::nn::Module*, StateEntry> g_states;
 
 }  // namespace
 

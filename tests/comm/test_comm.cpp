@@ -229,6 +229,56 @@ FSDP_RANK_WORKER(collective_timeout) {
   std::_Exit(0);  // the world group is poisoned: skip its orderly teardown
 }
 
+// Every operation that compat::GlooCapabilities claims is native, run straight on this LibTorch's
+// Gloo backend (no fallback in between): a flag that overstates what the build can do fails here
+// naming the flag, not deep inside FSDP. (Flags left false are safe either way: the fallbacks move
+// the same bytes.)
+FSDP_RANK_WORKER(gloo_capabilities_are_real) {
+  auto comm = fsdp::dist::world_comm();
+  TORCH_CHECK(comm->backend_kind() == fsdp::comm::BackendKind::Gloo);
+  const auto& caps = comm->capabilities();
+  auto& backend = *comm->backend();
+  const int n = comm->size(), r = comm->rank();
+  std::cout << "LibTorch " << TORCH_VERSION << " Gloo, native: all_gather_base=" << caps.all_gather_base
+            << " reduce_scatter_base=" << caps.reduce_scatter_base << " bfloat16=" << caps.bfloat16
+            << " float16=" << caps.float16 << " avg=" << caps.avg << std::endl;
+  auto check_native = [&](const char* flag, auto&& op) {
+    try {
+      op();
+    } catch (const std::exception& e) {
+      TORCH_CHECK(false, "compat::GlooCapabilities::", flag, " claims a native operation that this LibTorch's Gloo ",
+                  "rejects: ", e.what());
+    }
+  };
+  if (caps.all_gather_base) {
+    check_native("all_gather_base", [&] {
+      at::Tensor in = rank_values(4, r, at::kFloat), out = at::empty({n * 4}, at::kFloat);
+      c10d::AllgatherOptions opts;
+      fsdp::compat::all_gather_single(backend, out, in, opts)->wait();
+      for (int k = 0; k < n; ++k) expect_equal(out.narrow(0, 4 * k, 4), rank_values(4, k, at::kFloat), "all_gather_base");
+    });
+  }
+  if (caps.reduce_scatter_base) {
+    check_native("reduce_scatter_base", [&] {
+      at::Tensor in = at::ones({n * 4}, at::kFloat), out = at::empty({4}, at::kFloat);
+      c10d::ReduceScatterOptions opts;
+      fsdp::compat::reduce_scatter_single(backend, out, in, opts)->wait();
+      expect_equal(out, at::full({4}, n, at::kFloat), "reduce_scatter_base");
+    });
+  }
+  auto native_sum = [&](at::ScalarType dtype, c10d::ReduceOp op, double want) {
+    std::vector<at::Tensor> t{at::ones({4}, dtype)};
+    c10d::AllreduceOptions opts;
+    opts.reduceOp = op;
+    backend.allreduce(t, opts)->wait();
+    expect_equal(t[0], at::full({4}, want, dtype), std::string("native all_reduce ") + c10::toString(dtype));
+  };
+  if (caps.bfloat16) check_native("bfloat16", [&] { native_sum(at::kBFloat16, c10d::ReduceOp::SUM, n); });
+  if (caps.float16) check_native("float16", [&] { native_sum(at::kHalf, c10d::ReduceOp::SUM, n); });
+  if (caps.avg) check_native("avg", [&] { native_sum(at::kFloat, c10d::ReduceOp::AVG, 1); });
+  comm->barrier();
+}
+
 class CommTest : public ::testing::TestWithParam<int> {};
 
 TEST_P(CommTest, AllGatherIntoTensor) { EXPECT_RANKS_PASS(GetParam(), "all_gather_into_tensor"); }
@@ -237,6 +287,7 @@ TEST_P(CommTest, AllReduce) { EXPECT_RANKS_PASS(GetParam(), "all_reduce"); }
 TEST_P(CommTest, BroadcastAllToAllBarrier) { EXPECT_RANKS_PASS(GetParam(), "broadcast_all_to_all_barrier"); }
 TEST_P(CommTest, Bf16AllGatherHalvesBytes) { EXPECT_RANKS_PASS(GetParam(), "bf16_all_gather_halves_bytes"); }
 TEST_P(CommTest, BadArgumentsNameTheProblem) { EXPECT_RANKS_PASS(GetParam(), "bad_arguments"); }
+TEST_P(CommTest, GlooCapabilitiesAreReal) { EXPECT_RANKS_PASS(GetParam(), "gloo_capabilities_are_real"); }
 
 INSTANTIATE_TEST_SUITE_P(Ranks, CommTest, ::testing::Values(2, 3), [](const auto& info) {
   return std::to_string(info.param) + "ranks";

@@ -40,7 +40,7 @@ FSDP_RANK_WORKER(expect_init_error) {
 namespace {
 // A store server in the test process, as a launcher agent hosts one.
 c10::intrusive_ptr<c10d::TCPStore> host_store(int port) {
-  c10d::TCPStoreOptions opts;
+  c10d::TCPStoreOptions opts = fsdp::compat::tcp_store_options();  // 2.x: libuv off unless USE_LIBUV=1
   opts.port = static_cast<uint16_t>(port);
   opts.isServer = true;
   opts.waitWorkers = false;

@@ -19,6 +19,8 @@
 #include <torch/csrc/distributed/c10d/PrefixStore.hpp>
 #include <torch/csrc/distributed/c10d/TCPStore.hpp>
 
+#include "fsdp/compat/c10d.h"
+
 #include <signal.h>
 #include <unistd.h>
 
@@ -66,7 +68,7 @@ int store_sync() {
     say("FAIL TORCHELASTIC_USE_AGENT_STORE=" + env_or("TORCHELASTIC_USE_AGENT_STORE"));
     return 1;
   }
-  c10d::TCPStoreOptions opts;
+  c10d::TCPStoreOptions opts = fsdp::compat::tcp_store_options();  // 2.x: libuv off unless USE_LIBUV=1
   opts.port = static_cast<std::uint16_t>(env_int("MASTER_PORT"));
   opts.isServer = false;  // the agent hosts the store: every rank is a client
   opts.waitWorkers = false;

@@ -29,7 +29,7 @@ c10d::TCPStoreOptions options(int port, bool server, std::chrono::milliseconds t
   c10d::TCPStoreOptions o = fsdp::compat::tcp_store_options();  // version differences (libuv) live there
   o.port = static_cast<std::uint16_t>(port);
   o.isServer = server;
-  o.numWorkers = c10::nullopt;  // workers come and go across restarts; nobody waits for a count
+  o.numWorkers.reset();  // workers come and go across restarts; nobody waits for a count
   o.waitWorkers = false;
   o.timeout = timeout;
   o.multiTenant = false;

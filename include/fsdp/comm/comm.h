@@ -4,8 +4,8 @@
 //   - all_gather_into_tensor without _allgather_base: list all_gather into views of the output;
 //   - reduce_scatter_tensor: all_to_all + local sum, the bytes of a ring reduce-scatter (never
 //     allreduce + slice, which moves twice as much);
-//   - bfloat16 on a backend without it: moved as its 16-bit pattern where only data moves, reduced
-//     locally in float32 otherwise (an all_reduce becomes reduce-scatter + all-gather);
+//   - bfloat16 or float16 on a backend without it: moved as its bytes where only data moves,
+//     reduced locally in float32 otherwise (an all_reduce becomes reduce-scatter + all-gather);
 //   - AVG: sum, then divide.
 // Every operation has a timeout (CommOptions::timeout): a rank that never joins makes the others
 // fail with an error instead of hanging.
@@ -31,6 +31,7 @@ struct Capabilities {
   bool all_gather_base = false;
   bool reduce_scatter_base = false;
   bool bfloat16 = false;
+  bool float16 = false;
   bool avg = false;
   static Capabilities for_backend(BackendKind kind);
 };
@@ -76,7 +77,7 @@ class Comm {
               const char* op_name);
   compat::WorkPtr backend_all_gather(const at::Tensor& out, const at::Tensor& in);
   compat::WorkPtr backend_all_to_all(const at::Tensor& out, const at::Tensor& in);
-  bool moves_as_bits(const at::Tensor& t) const;  // bf16 on a backend without bf16
+  bool moves_as_bits(const at::Tensor& t) const;  // a 16-bit float the backend does not take
   std::string describe(const char* op) const;
 
   compat::BackendPtr backend_;

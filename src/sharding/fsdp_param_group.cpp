@@ -2,29 +2,16 @@
 
 #include <torch/torch.h>
 
-#include <stdexcept>
-
 namespace fsdp::detail {
 
 FSDPParamGroup::FSDPParamGroup(std::vector<std::unique_ptr<FSDPParam>> params, DeviceMesh mesh)
     : params_(std::move(params)), mesh_(std::move(mesh)), comm_(mesh_.comm(0)) {
+  // fully_shard has checked that every parameter has one dtype and one device (before changing
+  // anything), so the flat buffers below can hold them all.
   for (const auto& p : params_) {
-    if (p->dtype() != params_.front()->dtype()) {
-      throw std::invalid_argument("fsdp::fully_shard: parameters '" + params_.front()->fqn() + "' (" +
-                                  c10::toString(params_.front()->dtype()) + ") and '" + p->fqn() + "' (" +
-                                  c10::toString(p->dtype()) +
-                                  ") differ in dtype; one fully_shard group moves one dtype: shard them in separate "
-                                  "calls or convert the module first");
-    }
-    if (p->device() != params_.front()->device()) {
-      throw std::invalid_argument("fsdp::fully_shard: parameters '" + params_.front()->fqn() + "' (" +
-                                  params_.front()->device().str() + ") and '" + p->fqn() + "' (" + p->device().str() +
-                                  ") are on different devices; move the module to one device first");
-    }
     offsets_.push_back(total_shard_numel_);
     total_shard_numel_ += p->shard_numel();
   }
-  state_ = State::Sharded;
 }
 
 void FSDPParamGroup::unshard(bool async_op) {

@@ -1,0 +1,115 @@
+#pragma once
+// Sharded checkpoints (torch.distributed.checkpoint for LibTorch, on safetensors).
+//
+//   fsdp::checkpoint::State state{model, &optimizer, {{"trainer", &trainer_values}}};
+//   fsdp::checkpoint::save("ckpt/step_000100", state);          // every rank, in parallel
+//   ...
+//   fsdp::checkpoint::load("ckpt/step_000100", state);          // any world size (N -> M)
+//
+// A checkpoint is a directory: one safetensors file per writing rank, holding that rank's rows of
+// each sharded tensor (global shape and row offset in the index), and `index.json`, written last by
+// rank 0 through a temporary name + rename. The index is the commit: until it is renamed in, the
+// save does not exist, and a directory's previous checkpoint (its own index and files, which the
+// new save never overwrites) stays loadable. Each chunk carries CRC-32s of 1 MiB blocks, so a
+// rank that reads only the rows it needs still verifies every byte it reads.
+//
+// Keys: "model.<fqn>" for parameters and buffers, "optim.<fqn>.<state>" for optimizer state
+// (exp_avg, exp_avg_sq, max_exp_avg_sq, step, momentum_buffer) — by parameter name, never by
+// position — and "extra.<name>.<key>" for Stateful values.
+#include <torch/nn/module.h>
+
+#include <functional>
+#include <future>
+#include <map>
+#include <memory>
+#include <optional>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+namespace torch::optim {
+class Optimizer;
+}
+
+namespace fsdp::checkpoint {
+
+// Corrupt, truncated, uncommitted or mismatched checkpoints: the message names the directory or
+// file, the key, what is wrong and what to do.
+class CheckpointError : public std::runtime_error {
+ public:
+  using std::runtime_error::runtime_error;
+};
+
+// User values (step counter, RNG state, data position): tensors by key. Saved from rank 0 and
+// given to every rank on load.
+class Stateful {
+ public:
+  virtual ~Stateful() = default;
+  virtual std::map<std::string, at::Tensor> state_dict() const = 0;
+  virtual void load_state_dict(const std::map<std::string, at::Tensor>& state) = 0;
+};
+
+// A Stateful of named int64 / double scalars, enough for most training loops.
+class ScalarState : public Stateful {
+ public:
+  std::map<std::string, int64_t> ints;
+  std::map<std::string, double> doubles;
+  std::map<std::string, at::Tensor> state_dict() const override;
+  void load_state_dict(const std::map<std::string, at::Tensor>& state) override;
+};
+
+struct State {
+  std::shared_ptr<torch::nn::Module> model;       // sharded by fully_shard or not
+  torch::optim::Optimizer* optimizer = nullptr;    // optional: Adam, AdamW, SGD
+  std::map<std::string, Stateful*> extras;         // optional
+};
+
+struct SaveOptions {
+  // Test hook: the process aborts (std::abort) after writing this many of its data files
+  // (-1: never). Used to check that a killed save leaves the previous checkpoint loadable.
+  int abort_after_files = -1;
+};
+
+struct LoadOptions {
+  // Keys in the checkpoint absent from the state, or the reverse, are errors.
+  bool strict = true;
+  // Load the optimizer state too when the checkpoint has it.
+  bool load_optimizer = true;
+};
+
+// Collective: every rank of the model's mesh calls it with the same directory (created if
+// needed; must be on a filesystem every rank sees).
+void save(const std::string& dir, const State& state, const SaveOptions& options = {});
+// Collective. Reads into the current sharding, whatever world size wrote the checkpoint.
+void load(const std::string& dir, const State& state, const LoadOptions& options = {});
+
+// Async save: the state is copied to CPU memory before this returns (training may then change
+// the parameters); files are written by a background thread. At most one save is in flight:
+// starting another waits for the previous one. Errors surface on wait().
+class AsyncSave {
+ public:
+  AsyncSave() = default;
+  explicit AsyncSave(std::shared_future<void> done) : done_(std::move(done)) {}
+  void wait();          // rethrows the background error, if any
+  bool ready() const;   // finished (successfully or not)
+  bool valid() const { return done_.valid(); }
+
+ private:
+  std::shared_future<void> done_;
+};
+AsyncSave async_save(const std::string& dir, const State& state, const SaveOptions& options = {});
+
+// True when `dir` holds a committed checkpoint (an index.json that parses).
+bool is_committed(const std::string& dir);
+// The committed checkpoint directory directly under `root` whose name sorts last (e.g.
+// step_000300 after step_000200), if any. For `--resume`.
+std::optional<std::string> latest_checkpoint(const std::string& root);
+
+// What a committed checkpoint holds, without loading it.
+struct TensorMeta {
+  std::string dtype;                  // safetensors dtype name
+  std::vector<int64_t> global_shape;
+};
+std::map<std::string, TensorMeta> describe(const std::string& dir);
+
+}  // namespace fsdp::checkpoint

@@ -47,11 +47,10 @@ void write_raw(const std::string& path, const std::vector<uint8_t>& bytes) {
 
 // A file image: u64 length prefix (optionally lying), the header text, then `buffer` zero bytes.
 std::vector<uint8_t> image(const std::string& header, uint64_t buffer, int64_t prefix = -1) {
-  std::vector<uint8_t> out(8);
+  // Sized once, then filled: growing a vector here trips a GCC 12 false -Wstringop-overread.
+  std::vector<uint8_t> out(8 + header.size() + buffer, 0);
   const uint64_t n = prefix < 0 ? header.size() : static_cast<uint64_t>(prefix);
   for (int i = 0; i < 8; ++i) out[i] = static_cast<uint8_t>(n >> (8 * i));
-  // resize + memcpy rather than insert: GCC 12 gives a false -Wstringop-overread on the latter.
-  out.resize(8 + header.size() + buffer, 0);
   if (!header.empty()) std::memcpy(out.data() + 8, header.data(), header.size());
   return out;
 }

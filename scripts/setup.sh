@@ -15,6 +15,8 @@ PACKAGES=(
   libopenblas0-pthread  # otherwise Debian's libtorch runs on the reference BLAS (~12x slower)
   cmake ninja-build g++ ccache
   libgtest-dev          # GoogleTest
+  nlohmann-json3-dev    # safetensors header JSON (header-only, private to the library)
+  zlib1g-dev            # crc32 of checkpoint files
 )
 
 missing=()

@@ -25,6 +25,7 @@
 
 #include "checkpoint_index.h"
 #include "fsdp/checkpoint/safetensors.h"
+#include "fsdp/comm/backend.h"
 #include "fsdp/comm/comm.h"
 #include "fsdp/dist/runtime.h"
 #include "state_items.h"
@@ -42,7 +43,10 @@ namespace {
 int global_rank() { return dist::is_initialized() ? dist::rank() : 0; }
 
 // One group for all checkpoint traffic, created collectively at the first save after each
-// init_distributed (the world group's identity tells when the runtime was re-initialised).
+// init_distributed (the world group's identity tells when the runtime was re-initialised). It is
+// a Gloo group of its own (not the world group, which dist::new_group would return for all ranks):
+// an async save's collectives run on its own connections, concurrently with training's, and every
+// tensor it moves is on the CPU whatever the training device.
 std::shared_ptr<comm::Comm> checkpoint_comm() {
   static std::mutex mutex;
   static std::weak_ptr<comm::Comm> for_world;
@@ -58,7 +62,10 @@ std::shared_ptr<comm::Comm> checkpoint_comm() {
   if (!group || for_world.lock() != world) {
     std::vector<int> ranks(world->size());
     for (int r = 0; r < world->size(); ++r) ranks[r] = r;
-    group = dist::new_group(ranks, "checkpoint-" + std::to_string(generation++));
+    const std::string tag = "checkpoint-" + std::to_string(generation++);
+    auto store = c10::make_intrusive<c10d::PrefixStore>("fsdp/group/" + tag, dist::store());
+    group = comm::make_comm(comm::BackendKind::Gloo, store, ranks, world->rank(), dist::init_options().timeout, tag,
+                            dist::launch_env().master_addr);
     for_world = world;
   }
   return group;

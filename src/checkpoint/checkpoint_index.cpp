@@ -49,7 +49,8 @@ std::string encode_file_chunks(const std::vector<FileChunk>& chunks) {
 std::vector<FileChunk> decode_file_chunks(const std::string& text, const std::string& source) {
   return parse_or_throw(source, [&] {
     std::vector<FileChunk> chunks;
-    for (const auto& [key, entry] : json::parse(text).items()) {
+    const json parsed = json::parse(text);  // named: items() of a temporary would dangle
+    for (const auto& [key, entry] : parsed.items()) {
       FileChunk c;
       c.key = key;
       c.dtype = entry.at("dtype").get<std::string>();

@@ -59,9 +59,12 @@ FSDP_RANK_WORKER(full_state_dict_on_rank0) {
   } else {
     TORCH_CHECK(sd.empty(), "cpu_offload: only rank 0 keeps the full tensors");
   }
-  // Sharded (default): this rank's shards, the same tensors as parameters().
+  // Sharded (default): this rank's shards, sharing storage with parameters() (no copy).
   auto local = ckpt::get_model_state_dict(*model);
-  for (const auto& p : model->named_parameters()) TORCH_CHECK(local.at(p.key()).is_same(p.value()));
+  for (const auto& p : model->named_parameters()) {
+    const at::Tensor& t = local.at(p.key());
+    TORCH_CHECK(t.sizes() == p.value().sizes() && (t.numel() == 0 || t.data_ptr() == p.value().data_ptr()), p.key());
+  }
 }
 
 FSDP_RANK_WORKER(broadcast_from_rank0) {

@@ -110,6 +110,7 @@ std::vector<uint32_t> block_crcs(const uint8_t* data, uint64_t bytes) {
 struct SavePlan {
   std::string dir;
   SaveOptions options;
+  std::vector<std::string> extras;  // Stateful entry names, recorded in the index
   std::vector<LocalItem> items;  // only what this rank writes; `local` contiguous on CPU
 };
 
@@ -124,7 +125,9 @@ SavePlan make_plan(const std::string& dir, const State& state, const SaveOptions
   auto extras = detail::extra_save_items(state.extras, rank);
   all.insert(all.end(), std::make_move_iterator(extras.begin()), std::make_move_iterator(extras.end()));
 
-  SavePlan plan{dir, options, {}};
+  SavePlan plan{dir, options, {}, {}};
+  for (const auto& [name, stateful] : state.extras)
+    if (stateful) plan.extras.push_back(name);
   std::set<std::string> seen;
   for (auto& item : all) {
     if (!seen.insert(item.key).second)
@@ -262,7 +265,9 @@ void write_and_commit(const SavePlan& plan, comm::Comm& group) {
   std::string commit_error;
   if (rank == 0) {
     try {
-      commit_index(plan.dir, build_index(plan.dir, save_id, world));
+      Index index = build_index(plan.dir, save_id, world);
+      index.extras = plan.extras;
+      commit_index(plan.dir, index);
       committed[0] = 1;
     } catch (const std::exception& e) {
       commit_error = e.what();
@@ -482,10 +487,11 @@ void load(const std::string& dir, const State& state, const LoadOptions& options
       load_item(reader, dir, index, item);
       values.emplace(key.substr(prefix.size()), item.local);
     }
-    if (values.empty() && options.strict)
+    const bool saved = std::find(index.extras.begin(), index.extras.end(), name) != index.extras.end();
+    if (!saved && options.strict)
       throw CheckpointError("checkpoint: '" + dir + "' has no values for extras entry '" + name +
                             "'; it was saved without it (LoadOptions::strict = false skips it)");
-    if (!values.empty()) stateful->load_state_dict(values);
+    if (saved) stateful->load_state_dict(values);
   }
 }
 
@@ -532,6 +538,18 @@ void ScalarState::load_state_dict(const std::map<std::string, at::Tensor>& state
     else
       doubles[name] = value.item<double>();
   }
+}
+
+std::map<std::string, at::Tensor> CpuRngState::state_dict() const {
+  return {{"cpu", at::detail::getDefaultCPUGenerator().get_state()}};
+}
+
+void CpuRngState::load_state_dict(const std::map<std::string, at::Tensor>& state) {
+  auto found = state.find("cpu");
+  if (found == state.end()) throw CheckpointError("checkpoint: CpuRngState: the checkpoint holds no 'cpu' generator state");
+  auto generator = at::detail::getDefaultCPUGenerator();
+  std::lock_guard<std::mutex> lock(generator.mutex());
+  generator.set_state(found->second);
 }
 
 }  // namespace fsdp::checkpoint

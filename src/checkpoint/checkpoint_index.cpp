@@ -77,6 +77,7 @@ std::string encode_index(const Index& index) {
          {"world_size", index.world_size},
          {"checksum_block_bytes", kChecksumBlockBytes},
          {"files", index.files},
+         {"extras", index.extras},
          {"tensors", std::move(tensors)}};
   return j.dump(1);
 }
@@ -97,6 +98,7 @@ Index decode_index(const std::string& text, const std::string& source) {
     index.save_id = j.at("save_id").get<std::string>();
     index.world_size = j.at("world_size").get<int>();
     index.files = j.at("files").get<std::vector<std::string>>();
+    index.extras = j.at("extras").get<std::vector<std::string>>();
     for (const auto& [key, entry] : j.at("tensors").items()) {
       TensorRecord record;
       record.dtype = entry.at("dtype").get<std::string>();

@@ -33,6 +33,7 @@ struct Index {
   int world_size = 0;
   std::vector<std::string> files;
   std::map<std::string, TensorRecord> tensors;
+  std::vector<std::string> extras;  // names of the Stateful entries saved (even when empty)
 };
 
 // The chunk list a rank stores in its data file's metadata (key kChunksMetadataKey), from which

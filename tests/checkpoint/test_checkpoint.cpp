@@ -389,3 +389,35 @@ TEST_F(CheckpointErrors, NonStrictLoadsTheCommonKeys) {
   for (const auto& p : shallower->named_parameters())
     EXPECT_TRUE(at::equal(p.value(), full.model->named_parameters()[p.key()])) << p.key();
 }
+
+TEST_F(CheckpointErrors, FailedSaveLeavesTheLastGoodCheckpoint) {
+  // Rank 0 cannot write the new index (a directory sits where its temporary file goes).
+  fs::create_directories(good_ / "index.json.tmp");
+  auto t = local_trainer();
+  t.progress.ints["step"] = 99;
+  const std::string message = error_of([&] { ckpt::save(good_.string(), t.state()); });
+  EXPECT_NE(message.find("index.json.tmp"), std::string::npos) << message;
+  fs::remove_all(good_ / "index.json.tmp");
+  auto loaded = local_trainer();
+  ckpt::load(good_.string(), loaded.state());
+  EXPECT_EQ(loaded.progress.ints.at("step"), 1);
+
+  // An async save's failure surfaces on wait(): the target is a regular file, not a directory.
+  std::ofstream(root_ / "not_a_directory") << "x";
+  auto pending = ckpt::async_save((root_ / "not_a_directory").string(), t.state());
+  EXPECT_NE(error_of([&] { pending.wait(); }).find("failed"), std::string::npos);
+}
+
+TEST_F(CheckpointErrors, CpuRngStateContinuesTheStream) {
+  torch::manual_seed(123);
+  at::randn({5});
+  ckpt::CpuRngState rng;
+  auto t = local_trainer();
+  ckpt::State state = t.state();
+  state.extras["rng"] = &rng;
+  ckpt::save((root_ / "rng").string(), state);
+  const at::Tensor expected = at::randn({7});
+  torch::manual_seed(999);
+  ckpt::load((root_ / "rng").string(), state);
+  EXPECT_TRUE(at::equal(at::randn({7}), expected));
+}

@@ -58,6 +58,15 @@ class ScalarState : public Stateful {
   void load_state_dict(const std::map<std::string, at::Tensor>& state) override;
 };
 
+// The default CPU generator's state (what torch::manual_seed sets), so that dropout masks or data
+// shuffles continue exactly after a resume. Saved from rank 0 like every Stateful: ranks that seed
+// their generators differently should each keep their own seed in a ScalarState instead.
+class CpuRngState : public Stateful {
+ public:
+  std::map<std::string, at::Tensor> state_dict() const override;
+  void load_state_dict(const std::map<std::string, at::Tensor>& state) override;
+};
+
 struct State {
   std::shared_ptr<torch::nn::Module> model;       // sharded by fully_shard or not
   torch::optim::Optimizer* optimizer = nullptr;    // optional: Adam, AdamW, SGD

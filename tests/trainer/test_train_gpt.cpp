@@ -16,6 +16,9 @@
 #include <nlohmann/json.hpp>
 
 #include "subprocess.h"
+#if FSDP_TRAINER_HAS_CHECKPOINT
+#include "fsdp/checkpoint/safetensors.h"
+#endif
 
 namespace {
 
@@ -47,14 +50,39 @@ struct TempDir {
   std::string operator/(const std::string& name) const { return (fs::path(path) / name).string(); }
 };
 
+// `name value` replaced or appended (options may be given once only); "--resume" appended.
+std::vector<std::string> apply(std::vector<std::string> args, const std::vector<std::string>& extra);
+std::vector<std::string> set_arg(std::vector<std::string> args, const std::string& name, const std::string& value) {
+  for (size_t i = 0; i + 1 < args.size(); ++i) {
+    if (args[i] == name) {
+      args[i + 1] = value;
+      return args;
+    }
+  }
+  args.push_back(name);
+  args.push_back(value);
+  return args;
+}
+
+std::vector<std::string> apply(std::vector<std::string> args, const std::vector<std::string>& extra) {
+  for (size_t i = 0; i < extra.size(); ++i) {
+    if (extra[i] == "--resume") {
+      args.push_back("--resume");
+    } else {
+      args = set_arg(args, extra[i], extra.at(i + 1));
+      ++i;
+    }
+  }
+  return args;
+}
+
 // A tiny model on synthetic data: a run of a few steps takes about a second.
 std::vector<std::string> tiny(const std::string& metrics, const std::vector<std::string>& extra = {}) {
   std::vector<std::string> a = {"--data",      "synthetic", "--layers",   "2",  "--dim",           "32",
                                 "--heads",     "2",         "--seq-len",  "16", "--batch-size",    "8",
                                 "--steps",     "6",         "--warmup",   "2",  "--eval-every",    "0",
                                 "--sample-tokens", "0",     "--checkpoint-dir", "", "--metrics",   metrics};
-  a.insert(a.end(), extra.begin(), extra.end());
-  return a;
+  return apply(a, extra);
 }
 
 ProcessSpec spec_of(std::vector<std::string> argv, std::chrono::milliseconds timeout) {
@@ -62,7 +90,6 @@ ProcessSpec spec_of(std::vector<std::string> argv, std::chrono::milliseconds tim
   spec.argv = std::move(argv);
   spec.env_unset = kScrub;
   spec.env_set["OMP_NUM_THREADS"] = "1";  // same threads in every mode: same float results
-  spec.env_set["FSDP_NO_REEXEC"] = "1";
   spec.timeout = timeout;
   return spec;
 }
@@ -207,6 +234,134 @@ TEST(TrainGpt, Bf16MixedPrecisionTrains) {
   auto l = losses(dir / "m.jsonl");
   ASSERT_EQ(l.size(), 10u);
   EXPECT_LT(l.back(), l.front() * 0.95);
+}
+
+#if FSDP_TRAINER_HAS_CHECKPOINT
+#define REQUIRE_CHECKPOINTS()
+#else
+#define REQUIRE_CHECKPOINTS() GTEST_SKIP() << "fsdp::checkpoint is not in this build"
+#endif
+
+#if FSDP_TRAINER_HAS_CHECKPOINT
+// Every tensor of every data file of two checkpoints, bit for bit.
+void expect_same_checkpoint_tensors(const std::string& a, const std::string& b) {
+  size_t files = 0;
+  for (const auto& e : fs::directory_iterator(a)) {
+    if (e.path().extension() != ".safetensors") continue;
+    ++files;
+    fsdp::safetensors::Reader ra(e.path().string());
+    fsdp::safetensors::Reader rb((fs::path(b) / e.path().filename()).string());
+    ASSERT_EQ(ra.header().tensors.size(), rb.header().tensors.size()) << e.path();
+    for (const auto& t : ra.header().tensors) {
+      auto x = ra.read(t.name), y = rb.read(t.name);
+      EXPECT_TRUE(x.sizes() == y.sizes() && x.scalar_type() == y.scalar_type() && x.equal(y))
+          << t.name << " differs in " << e.path().filename();
+    }
+  }
+  EXPECT_GT(files, 0u) << "no data files in " << a;
+}
+#else
+void expect_same_checkpoint_tensors(const std::string&, const std::string&) {}
+#endif
+
+std::vector<std::string> with_checkpoints(const std::string& metrics, const std::string& ckpt,
+                                          const std::vector<std::string>& extra = {}) {
+  return apply(tiny(metrics, {"--checkpoint-dir", ckpt, "--checkpoint-every", "2"}), extra);
+}
+
+// A run resumed from its step-4 checkpoint continues the same data stream and optimizer state:
+// same world size, bitwise the same losses; another world size (--parallel none), 1e-5.
+TEST(TrainGpt, ResumeContinuesTheUninterruptedRun) {
+  REQUIRE_CHECKPOINTS();
+  TempDir dir;
+  auto a = ranks(2, with_checkpoints(dir / "a.jsonl", dir / "a"));
+  ASSERT_TRUE(a.ok()) << a.output;
+  const auto reference = losses(dir / "a.jsonl");
+  ASSERT_EQ(reference.size(), 6u);
+  for (const char* step : {"step_000002", "step_000004", "step_000006"}) {
+    EXPECT_TRUE(fs::exists(fs::path(dir / "a") / step / "index.json")) << step;
+  }
+  // Two copies of the checkpoints up to step 4; resume each.
+  for (const char* name : {"b", "c"}) {
+    fs::create_directories(dir / name);
+    for (const char* step : {"step_000002", "step_000004"}) {
+      fs::copy(fs::path(dir / "a") / step, fs::path(dir / name) / step, fs::copy_options::recursive);
+    }
+    std::ofstream(dir / (std::string(name) + ".jsonl")) << "{\"step\":1,\"loss\":9}\n";  // replaced up to step 4
+  }
+  auto b = ranks(2, with_checkpoints(dir / "b.jsonl", dir / "b", {"--resume"}));
+  ASSERT_TRUE(b.ok()) << b.output;
+  EXPECT_NE(b.output.find("resumed " + (dir / "b") + "/step_000004 at step 4"), std::string::npos) << b.output;
+  auto resumed = losses(dir / "b.jsonl");
+  ASSERT_EQ(resumed.size(), 3u);  // the kept line of step 1, then steps 5 and 6
+  EXPECT_EQ(resumed[1], reference[4]);
+  EXPECT_EQ(resumed[2], reference[5]);
+  expect_same_checkpoint_tensors(fs::path(dir / "a") / "step_000006", fs::path(dir / "b") / "step_000006");
+
+  auto c = alone(with_checkpoints(dir / "c.jsonl", dir / "c", {"--resume"}));
+  ASSERT_TRUE(c.ok()) << c.output;
+  auto other_world = losses(dir / "c.jsonl");
+  ASSERT_EQ(other_world.size(), 3u);
+  expect_close({other_world[1], other_world[2]}, {reference[4], reference[5]}, 1e-5);
+}
+
+TEST(TrainGpt, ResumingAnotherModelShapeFailsWithOneLine) {
+  REQUIRE_CHECKPOINTS();
+  TempDir dir;
+  auto a = alone(with_checkpoints(dir / "a.jsonl", dir / "ckpt", {"--steps", "2"}));
+  ASSERT_TRUE(a.ok()) << a.output;
+  auto args = with_checkpoints(dir / "b.jsonl", dir / "ckpt", {"--resume", "--dim", "48"});
+  std::vector<std::string> argv = {kTrainGpt, "--parallel", "none"};
+  argv.insert(argv.end(), args.begin(), args.end());
+  auto r = run_process(spec_of(argv, 60s));
+  EXPECT_EQ(r.exit_code, 2) << r.output;
+  EXPECT_EQ(r.output.rfind("train_gpt: error: checkpoint " + (dir / "ckpt") + "/step_000002 is of another model shape: ", 0), 0u)
+      << r.output;
+  EXPECT_EQ(count(r.output, "\n"), 1u) << r.output;
+}
+
+// The fault-tolerance check: under fsdprun --max-restarts 1, rank 1 SIGKILLs itself
+// before step 4 (FSDP_TEST_KILL_AT_STEP=3); the launcher stops rank 0 and restarts the group,
+// which resumes from step_000002; the final parameters and optimizer state equal an
+// uninterrupted run's bit for bit.
+TEST(TrainGpt, KilledRankRestartsFromTheLastCheckpoint) {
+  REQUIRE_CHECKPOINTS();
+  TempDir dir;
+  auto a = ranks(2, with_checkpoints(dir / "a.jsonl", dir / "a"));
+  ASSERT_TRUE(a.ok()) << a.output;
+  auto spec = spec_of(fsdprun_argv(2, with_checkpoints(dir / "b.jsonl", dir / "b", {"--resume"}),
+                                   {"--max-restarts", "1", "--grace-period-s", "5"}),
+                      180s);
+  spec.env_set["FSDP_TEST_KILL_AT_STEP"] = "3";
+  auto b = run_process(spec);
+  ASSERT_TRUE(b.ok()) << b.output;
+  EXPECT_NE(b.output.find("rank 1 kills itself"), std::string::npos) << b.output;
+  EXPECT_NE(b.output.find("resumed " + (dir / "b") + "/step_000002 at step 2"), std::string::npos) << b.output;
+  EXPECT_EQ(losses(dir / "b.jsonl"), losses(dir / "a.jsonl"));
+  expect_same_checkpoint_tensors(fs::path(dir / "a") / "step_000006", fs::path(dir / "b") / "step_000006");
+}
+
+// SIGINT to fsdprun reaches the ranks; they agree at the next step boundary, save and exit 0.
+TEST(TrainGpt, SigintSavesACheckpointAndExitsCleanly) {
+  REQUIRE_CHECKPOINTS();
+  TempDir dir;
+  auto args = with_checkpoints(dir / "m.jsonl", dir / "ckpt", {"--steps", "100000", "--checkpoint-every", "0"});
+  Child child(spec_of(fsdprun_argv(2, args), 120s));
+  const auto deadline = std::chrono::steady_clock::now() + 60s;
+  while (losses(dir / "m.jsonl").size() < 3 && std::chrono::steady_clock::now() < deadline) {
+    child.try_wait();
+    std::this_thread::sleep_for(100ms);
+  }
+  ASSERT_GE(losses(dir / "m.jsonl").size(), 3u) << "no training progress";
+  child.send_signal(SIGINT);
+  auto r = child.wait();
+  EXPECT_FALSE(r.timed_out) << r.output;
+  EXPECT_NE(r.output.find("stopped by a signal after step"), std::string::npos) << r.output;
+  EXPECT_EQ(r.output.find("fsdprun: worker rank"), std::string::npos) << "a rank failed:\n" << r.output;
+  ASSERT_TRUE(fs::exists(dir / "ckpt"));
+  bool committed = false;
+  for (const auto& e : fs::directory_iterator(dir / "ckpt")) committed |= fs::exists(e.path() / "index.json");
+  EXPECT_TRUE(committed) << r.output;
 }
 
 }  // namespace

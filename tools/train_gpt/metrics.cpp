@@ -66,6 +66,9 @@ void MetricsWriter::summary(nlohmann::json extra) {
                                   step_times_.end());
   extra["summary"] = true;
   extra["median_step_time_s"] = median(after_first);
+  if (extra.contains("tokens_per_step") && median(after_first) > 0) {
+    extra["median_tokens_per_s"] = extra["tokens_per_step"].get<double>() / median(after_first);
+  }
   write(extra);
 }
 

@@ -479,6 +479,7 @@ int run_training(const Options& options) {
   if (r0) {
     metrics.summary({{"steps", step},
                      {"world_size", run.world},
+                     {"tokens_per_step", tokens_per_step},
                      {"parallel", o.parallel},
                      {"first_loss", first_loss},
                      {"final_loss", last_loss},

@@ -9,6 +9,29 @@
 
 namespace train_gpt {
 
+namespace {
+
+// ">= min" with a readable message ("--steps: must be at least 1, not 0").
+CLI::Validator at_least(double min) {
+  char desc[32];
+  std::snprintf(desc, sizeof desc, ">=%g", min);
+  return CLI::Validator(
+      [min](std::string& value) -> std::string {
+        try {
+          size_t used = 0;
+          const double v = std::stod(value, &used);
+          if (used == value.size() && v >= min) return {};
+        } catch (const std::exception&) {
+        }
+        char msg[96];
+        std::snprintf(msg, sizeof msg, "must be a number >= %g, not '%s'", min, value.c_str());
+        return msg;
+      },
+      desc);
+}
+
+}  // namespace
+
 std::optional<Options> parse_options(int argc, char** argv, int& exit_code) {
   Options o;
   CLI::App app{
@@ -24,25 +47,25 @@ std::optional<Options> parse_options(int argc, char** argv, int& exit_code) {
 
   app.add_option("--data", o.data, "Training text read as bytes (90% train, 10% validation), or 'synthetic' "
                                    "(tokens drawn from the seed, for benchmarks)");
-  app.add_option("--layers", o.layers, "Transformer blocks")->check(CLI::PositiveNumber);
-  app.add_option("--dim", o.dim, "Embedding width")->check(CLI::PositiveNumber);
-  app.add_option("--heads", o.heads, "Attention heads (must divide --dim)")->check(CLI::PositiveNumber);
-  app.add_option("--seq-len", o.seq_len, "Tokens per sequence (the model's context)")->check(CLI::PositiveNumber);
+  app.add_option("--layers", o.layers, "Transformer blocks")->check(at_least(1));
+  app.add_option("--dim", o.dim, "Embedding width")->check(at_least(1));
+  app.add_option("--heads", o.heads, "Attention heads (must divide --dim)")->check(at_least(1));
+  app.add_option("--seq-len", o.seq_len, "Tokens per sequence (the model's context)")->check(at_least(1));
   app.add_option("--batch-size", o.batch_size,
                  "Global sequences per optimizer step (world size x grad-accum must divide it)")
-      ->check(CLI::PositiveNumber);
-  app.add_option("--grad-accum", o.grad_accum, "Micro-batches per optimizer step")->check(CLI::PositiveNumber);
-  app.add_option("--steps", o.steps, "Optimizer steps in total")->check(CLI::PositiveNumber);
+      ->check(at_least(1));
+  app.add_option("--grad-accum", o.grad_accum, "Micro-batches per optimizer step")->check(at_least(1));
+  app.add_option("--steps", o.steps, "Optimizer steps in total")->check(at_least(1));
   app.add_option("--lr", o.lr, "Peak learning rate (linear warmup, then cosine decay to lr/10)")
       ->check(CLI::PositiveNumber);
-  app.add_option("--warmup", o.warmup, "Warmup steps")->check(CLI::NonNegativeNumber);
-  app.add_option("--weight-decay", o.weight_decay, "AdamW weight decay")->check(CLI::NonNegativeNumber);
-  app.add_option("--clip", o.clip, "Clip the global gradient norm to this (0: off)")->check(CLI::NonNegativeNumber);
+  app.add_option("--warmup", o.warmup, "Warmup steps")->check(at_least(0));
+  app.add_option("--weight-decay", o.weight_decay, "AdamW weight decay")->check(at_least(0));
+  app.add_option("--clip", o.clip, "Clip the global gradient norm to this (0: off)")->check(at_least(0));
   app.add_option("--seed", o.seed, "Seed of the initialisation, the data order and the sample");
   app.add_option("--parallel", o.parallel, "fsdp | hsdp | replicate | none (one process, no process group)")
       ->check(CLI::IsMember({"fsdp", "hsdp", "replicate", "none"}));
   app.add_option("--shard-size", o.shard_size, "HSDP: ranks per shard group (0: the ranks per node)")
-      ->check(CLI::NonNegativeNumber);
+      ->check(at_least(0));
   app.add_option("--mixed-precision", o.mixed_precision,
                  "fp32, or bf16 (bf16 parameters and compute, fp32 gradient reduction and optimizer)")
       ->check(CLI::IsMember({"fp32", "bf16"}));
@@ -53,15 +76,15 @@ std::optional<Options> parse_options(int argc, char** argv, int& exit_code) {
                  "Checkpoints go to DIR/step_NNNNNN ('' : none); needs a filesystem every rank sees");
   app.add_option("--checkpoint-every", o.checkpoint_every,
                  "Save every N steps (0: only at the end and on SIGINT/SIGTERM)")
-      ->check(CLI::NonNegativeNumber);
+      ->check(at_least(0));
   app.add_flag("--resume", o.resume,
                "Continue from the latest committed checkpoint in --checkpoint-dir (any world size); "
                "starts from scratch when there is none");
   app.add_option("--eval-every", o.eval_every, "Validation loss every N steps and at the end (0: never)")
-      ->check(CLI::NonNegativeNumber);
-  app.add_option("--eval-batches", o.eval_batches, "Global batches per validation")->check(CLI::PositiveNumber);
+      ->check(at_least(0));
+  app.add_option("--eval-batches", o.eval_batches, "Global batches per validation")->check(at_least(1));
   app.add_option("--sample-tokens", o.sample_tokens, "Bytes of text sampled at the end (0: none)")
-      ->check(CLI::NonNegativeNumber);
+      ->check(at_least(0));
   app.add_option("--metrics", o.metrics, "Metrics file, JSON lines written by rank 0 ('' : none)");
 
   try {

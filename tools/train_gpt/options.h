@@ -20,9 +20,9 @@ struct Options {
   // optimisation
   int64_t batch_size = 16;  // global sequences per optimizer step
   int64_t grad_accum = 1;
-  int64_t steps = 600;
+  int64_t steps = 300;
   double lr = 3e-3;
-  int64_t warmup = 30;
+  int64_t warmup = 20;
   double weight_decay = 0.1;
   double clip = 1.0;  // 0: no clipping
   uint64_t seed = 0;
@@ -33,9 +33,9 @@ struct Options {
   std::string reshard_after_forward = "default";  // default | true | false
   // checkpoints, evaluation, output
   std::string checkpoint_dir = "runs/train_gpt/checkpoints";  // "": no checkpoints
-  int64_t checkpoint_every = 200;  // 0: only at the end and on SIGINT/SIGTERM
+  int64_t checkpoint_every = 100;  // 0: only at the end and on SIGINT/SIGTERM
   bool resume = false;
-  int64_t eval_every = 100;  // 0: never
+  int64_t eval_every = 50;  // 0: never
   int64_t eval_batches = 4;
   int64_t sample_tokens = 300;
   std::string metrics = "runs/train_gpt/metrics.jsonl";  // "": none

@@ -439,7 +439,8 @@ int run_training(const Options& options) {
         const double eta = elapsed / static_cast<double>(step - start_step) * static_cast<double>(o.steps - step);
         std::string memstr;
         for (int i = 0; i < run.world; ++i) {
-          memstr += (i ? "/" : "") + std::to_string(static_cast<long long>(mem[i][0].item<double>() / 1e6));
+          if (i) memstr.push_back('/');
+          memstr.append(std::to_string(static_cast<long long>(mem[i][0].item<double>() / 1e6)));
         }
         std::printf("step %5lld/%lld  loss %.4f%s  lr %.2e  %6.0f tok/s  %.3f s/step  ETA %s  mem %s MB\n",
                     static_cast<long long>(step), static_cast<long long>(o.steps), loss,

@@ -1,5 +1,8 @@
 #pragma once
 // FSDP for LibTorch: everything a training program needs, in one include.
+#include "fsdp/checkpoint/checkpoint.h"
+#include "fsdp/checkpoint/safetensors.h"
+#include "fsdp/checkpoint/state_dict.h"
 #include "fsdp/comm/backend.h"
 #include "fsdp/comm/comm.h"
 #include "fsdp/comm/comm_stats.h"

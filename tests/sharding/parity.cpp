@@ -135,4 +135,7 @@ double training_state_bytes(torch::nn::Module& model, torch::optim::AdamW& optim
   return bytes;
 }
 
+models::GPT parity_model(const models::GPTConfig& c) { return fresh_model(c); }
+torch::optim::AdamW parity_optimizer(torch::nn::Module& model) { return make_optimizer(model); }
+
 }  // namespace fsdp::testing

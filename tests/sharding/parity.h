@@ -44,6 +44,10 @@ TrainResult train_sharded(const models::GPTConfig& c, int steps, int64_t batch, 
 double check_shards_match(models::GPT& model, const std::map<std::string, at::Tensor>& reference, double tolerance);
 void check_losses_match(const std::vector<double>& got, const std::vector<double>& want, double tolerance);
 
+// The model and optimizer both parity runs start from (seed 42; AdamW, see parity.cpp on eps).
+models::GPT parity_model(const models::GPTConfig& c);
+torch::optim::AdamW parity_optimizer(torch::nn::Module& model);
+
 // Parameters + gradients + optimizer state bytes of a model and its AdamW.
 double training_state_bytes(torch::nn::Module& model, torch::optim::AdamW& optimizer);
 

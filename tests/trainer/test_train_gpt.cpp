@@ -16,9 +16,7 @@
 #include <nlohmann/json.hpp>
 
 #include "subprocess.h"
-#if FSDP_TRAINER_HAS_CHECKPOINT
 #include "fsdp/checkpoint/safetensors.h"
-#endif
 
 namespace {
 
@@ -247,13 +245,6 @@ TEST(TrainGpt, Bf16MixedPrecisionTrains) {
   EXPECT_NEAR(l.back(), ref.back(), 0.05 * ref.back()) << "bf16 drifts from fp32";
 }
 
-#if FSDP_TRAINER_HAS_CHECKPOINT
-#define REQUIRE_CHECKPOINTS()
-#else
-#define REQUIRE_CHECKPOINTS() GTEST_SKIP() << "fsdp::checkpoint is not in this build"
-#endif
-
-#if FSDP_TRAINER_HAS_CHECKPOINT
 // Every tensor of every data file of two checkpoints, bit for bit.
 void expect_same_checkpoint_tensors(const std::string& a, const std::string& b) {
   size_t files = 0;
@@ -271,9 +262,6 @@ void expect_same_checkpoint_tensors(const std::string& a, const std::string& b) 
   }
   EXPECT_GT(files, 0u) << "no data files in " << a;
 }
-#else
-void expect_same_checkpoint_tensors(const std::string&, const std::string&) {}
-#endif
 
 std::vector<std::string> with_checkpoints(const std::string& metrics, const std::string& ckpt,
                                           const std::vector<std::string>& extra = {}) {
@@ -283,7 +271,6 @@ std::vector<std::string> with_checkpoints(const std::string& metrics, const std:
 // A run resumed from its step-4 checkpoint continues the same data stream and optimizer state:
 // same world size, bitwise the same losses; another world size (--parallel none), 1e-5.
 TEST(TrainGpt, ResumeContinuesTheUninterruptedRun) {
-  REQUIRE_CHECKPOINTS();
   TempDir dir;
   auto a = ranks(2, with_checkpoints(dir / "a.jsonl", dir / "a"));
   ASSERT_TRUE(a.ok()) << a.output;
@@ -317,7 +304,6 @@ TEST(TrainGpt, ResumeContinuesTheUninterruptedRun) {
 }
 
 TEST(TrainGpt, ResumingAnotherModelShapeFailsWithOneLine) {
-  REQUIRE_CHECKPOINTS();
   TempDir dir;
   auto a = alone(with_checkpoints(dir / "a.jsonl", dir / "ckpt", {"--steps", "2"}));
   ASSERT_TRUE(a.ok()) << a.output;
@@ -336,7 +322,6 @@ TEST(TrainGpt, ResumingAnotherModelShapeFailsWithOneLine) {
 // which resumes from step_000002; the final parameters and optimizer state equal an
 // uninterrupted run's bit for bit.
 TEST(TrainGpt, KilledRankRestartsFromTheLastCheckpoint) {
-  REQUIRE_CHECKPOINTS();
   TempDir dir;
   auto a = ranks(2, with_checkpoints(dir / "a.jsonl", dir / "a"));
   ASSERT_TRUE(a.ok()) << a.output;
@@ -354,7 +339,6 @@ TEST(TrainGpt, KilledRankRestartsFromTheLastCheckpoint) {
 
 // SIGINT to fsdprun reaches the ranks; they agree at the next step boundary, save and exit 0.
 TEST(TrainGpt, SigintSavesACheckpointAndExitsCleanly) {
-  REQUIRE_CHECKPOINTS();
   TempDir dir;
   auto args = with_checkpoints(dir / "m.jsonl", dir / "ckpt", {"--steps", "100000", "--checkpoint-every", "0"});
   Child child(spec_of(fsdprun_argv(2, args), 120s));

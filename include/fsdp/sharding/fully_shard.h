@@ -110,6 +110,8 @@ struct ShardInfo {
   int64_t padded_rows = 0;            // rows per rank, ceil(dim0 / N)
   std::string fqn;                    // name relative to the root module it was sharded under
   DeviceMesh mesh;
+  int64_t replica_rank = 0;           // HSDP: this rank's index in the replicate dimension
+  int64_t num_replicas = 1;           // HSDP: copies of each shard (1 for plain FSDP)
 };
 std::optional<ShardInfo> shard_info(const at::Tensor& sharded_param);
 

@@ -1,0 +1,530 @@
+// Sharded save and load. See include/fsdp/checkpoint/checkpoint.h for the format and the commit
+// protocol; the steps of a save are:
+//   1. every rank stages the tensors it writes (async: copies on CPU, then a background thread),
+//   2. rank 0 picks a save id (broadcast), every rank writes data-<id>-rank<r>.safetensors through
+//      a temporary name + rename; the file's metadata lists its chunks and their block CRCs,
+//   3. all ranks agree that every file was written (all-gather of failure flags),
+//   4. rank 0 reads the files' headers, writes index.json.tmp, renames it over index.json (the
+//      commit), then deletes data files of earlier saves in the directory; the outcome is broadcast.
+// Collectives run on a dedicated process group, so a background save never interleaves with the
+// training's collectives on the world group (what DCP's async_save does with its own Gloo group).
+#include "fsdp/checkpoint/checkpoint.h"
+
+#include <fcntl.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <mutex>
+#include <random>
+#include <set>
+#include <thread>
+
+#include "checkpoint_index.h"
+#include "fsdp/checkpoint/safetensors.h"
+#include "fsdp/comm/comm.h"
+#include "fsdp/dist/runtime.h"
+#include "state_items.h"
+
+namespace fsdp::checkpoint {
+
+namespace fs = std::filesystem;
+using detail::Chunk;
+using detail::FileChunk;
+using detail::Index;
+using detail::LocalItem;
+
+namespace {
+
+int global_rank() { return dist::is_initialized() ? dist::rank() : 0; }
+
+// One group for all checkpoint traffic, created collectively at the first save after each
+// init_distributed (the world group's identity tells when the runtime was re-initialised).
+std::shared_ptr<comm::Comm> checkpoint_comm() {
+  static std::mutex mutex;
+  static std::weak_ptr<comm::Comm> for_world;
+  static std::shared_ptr<comm::Comm> group;
+  static int generation = 0;
+  std::lock_guard<std::mutex> lock(mutex);
+  if (!dist::is_initialized()) {
+    if (!group || !for_world.expired() || group->size() != 1) group = comm::Comm::single_process("checkpoint");
+    for_world.reset();
+    return group;
+  }
+  auto world = dist::world_comm();
+  if (!group || for_world.lock() != world) {
+    std::vector<int> ranks(world->size());
+    for (int r = 0; r < world->size(); ++r) ranks[r] = r;
+    group = dist::new_group(ranks, "checkpoint-" + std::to_string(generation++));
+    for_world = world;
+  }
+  return group;
+}
+
+std::string error_text(int err) { return std::strerror(err); }
+
+void fsync_path(const fs::path& path, bool directory) {
+  const int fd = ::open(path.c_str(), directory ? (O_RDONLY | O_DIRECTORY) : O_RDONLY);
+  if (fd < 0) throw CheckpointError("checkpoint: cannot open '" + path.string() + "' to sync it: " + error_text(errno));
+  const int rc = ::fsync(fd);
+  const int err = errno;
+  ::close(fd);
+  if (rc != 0) throw CheckpointError("checkpoint: fsync of '" + path.string() + "' failed: " + error_text(err));
+}
+
+void rename_or_throw(const fs::path& from, const fs::path& to) {
+  std::error_code ec;
+  fs::rename(from, to, ec);
+  if (ec) throw CheckpointError("checkpoint: cannot rename '" + from.string() + "' to '" + to.string() + "': " + ec.message());
+}
+
+std::string data_file_name(const std::string& save_id, int rank) {
+  char buf[64];
+  std::snprintf(buf, sizeof(buf), "data-%s-rank%05d.safetensors", save_id.c_str(), rank);
+  return buf;
+}
+
+int64_t row_bytes(const std::vector<int64_t>& shape, at::ScalarType dtype) {
+  return detail::row_numel(shape) * static_cast<int64_t>(c10::elementSize(dtype));
+}
+
+std::vector<uint32_t> block_crcs(const uint8_t* data, uint64_t bytes) {
+  std::vector<uint32_t> crcs;
+  for (uint64_t at = 0; at < bytes; at += detail::kChecksumBlockBytes)
+    crcs.push_back(safetensors::crc32(data + at, std::min<uint64_t>(detail::kChecksumBlockBytes, bytes - at)));
+  return crcs;
+}
+
+// ---- save ----------------------------------------------------------------------------------
+
+struct SavePlan {
+  std::string dir;
+  SaveOptions options;
+  std::vector<LocalItem> items;  // only what this rank writes; `local` contiguous on CPU
+};
+
+SavePlan make_plan(const std::string& dir, const State& state, const SaveOptions& options, bool copy) {
+  if (!state.model) throw CheckpointError("checkpoint::save: State::model is null; pass the (sharded) model");
+  const int rank = global_rank();
+  std::vector<LocalItem> all = detail::model_items(*state.model, rank);
+  if (state.optimizer) {
+    auto optim = detail::optimizer_save_items(*state.optimizer, *state.model, rank);
+    all.insert(all.end(), std::make_move_iterator(optim.begin()), std::make_move_iterator(optim.end()));
+  }
+  auto extras = detail::extra_save_items(state.extras, rank);
+  all.insert(all.end(), std::make_move_iterator(extras.begin()), std::make_move_iterator(extras.end()));
+
+  SavePlan plan{dir, options, {}};
+  std::set<std::string> seen;
+  for (auto& item : all) {
+    if (!seen.insert(item.key).second)
+      throw CheckpointError("checkpoint::save: two tensors share the key '" + item.key +
+                            "' (tied weights are saved once under their first name; extras names must differ)");
+    if (!item.writer) continue;
+    // Async saves copy now: training may change the tensors while the files are written.
+    at::Tensor cpu = item.local.to(at::kCPU, /*non_blocking=*/false, /*copy=*/copy).contiguous();
+    item.local = cpu;
+    plan.items.push_back(std::move(item));
+  }
+  return plan;
+}
+
+std::string make_save_id(comm::Comm& group) {
+  at::Tensor id = at::zeros({1}, at::kLong);
+  if (group.rank() == 0) {
+    std::random_device rd;
+    const uint64_t bits = (uint64_t(rd()) << 32) ^ rd() ^ uint64_t(std::chrono::steady_clock::now().time_since_epoch().count());
+    id[0] = static_cast<int64_t>(bits & 0x7fffffffffffffffULL);
+  }
+  group.broadcast(id, 0);
+  char buf[32];
+  std::snprintf(buf, sizeof(buf), "%016llx", static_cast<unsigned long long>(id[0].item<int64_t>()));
+  return buf;
+}
+
+void write_rank_file(const SavePlan& plan, const std::string& save_id, int rank) {
+  if (plan.options.abort_after_files == 0) std::abort();
+  std::vector<safetensors::NamedTensor> tensors;
+  std::vector<FileChunk> chunks;
+  for (const auto& item : plan.items) {
+    const auto bytes = static_cast<uint64_t>(item.local.nbytes());
+    FileChunk c;
+    c.key = item.key;
+    c.dtype = safetensors::dtype_name(item.local.scalar_type());
+    c.global_shape = item.global_shape;
+    c.row_offset = item.row_offset;
+    c.rows = item.local.dim() == 0 ? 1 : item.local.size(0);
+    c.block_crc32 = block_crcs(static_cast<const uint8_t*>(item.local.data_ptr()), bytes);
+    chunks.push_back(std::move(c));
+    tensors.push_back({item.key, item.local});
+  }
+  const fs::path final_path = fs::path(plan.dir) / data_file_name(save_id, rank);
+  const fs::path tmp_path = final_path.string() + ".tmp";
+  safetensors::write_file(tmp_path.string(), tensors, {{detail::kChunksMetadataKey, detail::encode_file_chunks(chunks)}});
+  rename_or_throw(tmp_path, final_path);
+  if (plan.options.abort_after_files == 1) std::abort();
+}
+
+// Rank 0: assemble the index from the files' own metadata and commit it.
+Index build_index(const std::string& dir, const std::string& save_id, int world) {
+  Index index;
+  index.save_id = save_id;
+  index.world_size = world;
+  for (int r = 0; r < world; ++r) {
+    const std::string name = data_file_name(save_id, r);
+    safetensors::Reader reader((fs::path(dir) / name).string());
+    index.files.push_back(name);
+    auto found = reader.header().metadata.find(detail::kChunksMetadataKey);
+    if (found == reader.header().metadata.end())
+      throw CheckpointError("checkpoint: " + reader.path() + " lacks its chunk list");
+    for (auto& c : detail::decode_file_chunks(found->second, reader.path())) {
+      auto& record = index.tensors[c.key];
+      if (record.chunks.empty()) {
+        record.dtype = c.dtype;
+        record.global_shape = c.global_shape;
+      } else if (record.dtype != c.dtype || record.global_shape != c.global_shape) {
+        throw CheckpointError("checkpoint: ranks disagree on the dtype or shape of '" + c.key + "'");
+      }
+      record.chunks.push_back(Chunk{name, c.row_offset, c.rows, std::move(c.block_crc32)});
+    }
+  }
+  for (auto& [key, record] : index.tensors) {
+    std::sort(record.chunks.begin(), record.chunks.end(),
+              [](const Chunk& a, const Chunk& b) { return a.row_offset < b.row_offset; });
+    int64_t next = 0;
+    for (const auto& c : record.chunks) {
+      if (c.row_offset != next)
+        throw CheckpointError("checkpoint: the ranks' shards of '" + key + "' do not tile it (rows from " +
+                              std::to_string(next) + " missing or written twice); was the model sharded the same way on every rank?");
+      next += c.rows;
+    }
+    if (next != detail::global_rows(record.global_shape))
+      throw CheckpointError("checkpoint: rows " + std::to_string(next) + ".. of '" + key + "' were written by no rank");
+  }
+  return index;
+}
+
+void commit_index(const std::string& dir, const Index& index) {
+  const fs::path final_path = fs::path(dir) / detail::kIndexFile;
+  const fs::path tmp_path = final_path.string() + ".tmp";
+  {
+    std::ofstream out(tmp_path, std::ios::binary | std::ios::trunc);
+    out << detail::encode_index(index);
+    out.flush();
+    if (!out) throw CheckpointError("checkpoint: cannot write '" + tmp_path.string() + "'");
+  }
+  fsync_path(tmp_path, false);
+  rename_or_throw(tmp_path, final_path);
+  fsync_path(dir, true);
+  // Files of earlier saves (and leftovers of interrupted ones) are no longer referenced.
+  const std::set<std::string> keep(index.files.begin(), index.files.end());
+  for (const auto& entry : fs::directory_iterator(dir)) {
+    const std::string name = entry.path().filename().string();
+    if (name.rfind("data-", 0) == 0 && !keep.count(name)) {
+      std::error_code ignored;
+      fs::remove(entry.path(), ignored);
+    }
+  }
+}
+
+void write_and_commit(const SavePlan& plan, comm::Comm& group) {
+  const std::string save_id = make_save_id(group);
+  const int rank = group.rank(), world = group.size();
+
+  std::string local_error;
+  try {
+    fs::create_directories(plan.dir);
+    write_rank_file(plan, save_id, rank);
+  } catch (const std::exception& e) {
+    local_error = e.what();
+  }
+  at::Tensor failed = at::zeros({world}, at::kLong);
+  group.all_gather_into_tensor(failed, at::full({1}, local_error.empty() ? 0 : 1, at::kLong));
+  std::string failed_ranks;
+  for (int r = 0; r < world; ++r)
+    if (failed[r].item<int64_t>()) failed_ranks += (failed_ranks.empty() ? "" : ", ") + std::to_string(r);
+  if (!failed_ranks.empty())
+    throw CheckpointError("checkpoint: save to '" + plan.dir + "' failed on rank(s) " + failed_ranks +
+                          (local_error.empty() ? "" : " (here: " + local_error + ")") +
+                          "; nothing was committed and the directory's previous checkpoint is untouched");
+
+  at::Tensor committed = at::zeros({1}, at::kLong);
+  std::string commit_error;
+  if (rank == 0) {
+    try {
+      commit_index(plan.dir, build_index(plan.dir, save_id, world));
+      committed[0] = 1;
+    } catch (const std::exception& e) {
+      commit_error = e.what();
+    }
+  }
+  group.broadcast(committed, 0);
+  if (!committed[0].item<int64_t>())
+    throw CheckpointError(rank == 0 ? commit_error
+                                    : "checkpoint: rank 0 could not commit the save to '" + plan.dir +
+                                          "' (see rank 0's error); the previous checkpoint is untouched");
+}
+
+// At most one save in flight; a new save (sync or async) first waits for the previous one.
+struct InFlight {
+  std::mutex mutex;
+  std::thread thread;
+  ~InFlight() {
+    if (thread.joinable()) thread.join();
+  }
+};
+InFlight& in_flight() {
+  static InFlight slot;
+  return slot;
+}
+void wait_for_previous_save() {
+  auto& slot = in_flight();
+  std::lock_guard<std::mutex> lock(slot.mutex);
+  if (slot.thread.joinable()) slot.thread.join();
+}
+
+// ---- load ----------------------------------------------------------------------------------
+
+class ChunkReader {
+ public:
+  explicit ChunkReader(std::string dir) : dir_(std::move(dir)) {}
+
+  // Copies global rows [first, first + count) of `key` into `dst` (row-major bytes).
+  void read_rows(const std::string& key, const detail::TensorRecord& record, at::ScalarType dtype, int64_t first,
+                 int64_t count, uint8_t* dst) {
+    const int64_t rb = row_bytes(record.global_shape, dtype);
+    const int64_t end = first + count;
+    int64_t covered = 0;
+    for (const auto& chunk : record.chunks) {
+      const int64_t lo = std::max(first, chunk.row_offset), hi = std::min(end, chunk.row_offset + chunk.rows);
+      if (lo >= hi) continue;
+      read_chunk_part(key, chunk, rb, lo - chunk.row_offset, hi - lo, dst + (lo - first) * rb);
+      covered += hi - lo;
+    }
+    if (covered != count)
+      throw CheckpointError("checkpoint: '" + dir_ + "' does not hold all rows of '" + key +
+                            "' (chunks overlap or leave gaps); the index is damaged, load an earlier checkpoint");
+  }
+
+ private:
+  void read_chunk_part(const std::string& key, const Chunk& chunk, int64_t rb, int64_t first_row, int64_t rows,
+                       uint8_t* dst) {
+    safetensors::Reader& reader = open(chunk.file);
+    const auto& entry = reader.entry(key);
+    const uint64_t chunk_bytes = static_cast<uint64_t>(chunk.rows * rb);
+    const uint64_t B = detail::kChecksumBlockBytes;
+    if (entry.nbytes() != chunk_bytes || chunk.block_crc32.size() != (chunk_bytes + B - 1) / B)
+      throw CheckpointError("checkpoint: " + reader.path() + ": '" + key + "' holds " + std::to_string(entry.nbytes()) +
+                            " bytes but the index describes " + std::to_string(chunk_bytes) +
+                            "; the file does not belong to this index, load an earlier checkpoint");
+    // Read whole checksum blocks around the wanted bytes so every byte used is verified.
+    const uint64_t want_begin = first_row * rb, want_end = (first_row + rows) * rb;
+    const uint64_t block0 = want_begin / B, block1 = (want_end + B - 1) / B;
+    const uint64_t read_begin = block0 * B, read_end = std::min(block1 * B, chunk_bytes);
+    buffer_.resize(read_end - read_begin);
+    reader.read_bytes(key, read_begin, buffer_.size(), buffer_.data());
+    for (uint64_t b = block0; b < block1; ++b) {
+      const uint64_t off = b * B - read_begin, len = std::min(B, chunk_bytes - b * B);
+      if (safetensors::crc32(buffer_.data() + off, len) != chunk.block_crc32[b])
+        throw CheckpointError("checkpoint: " + reader.path() + ": checksum mismatch in '" + key + "' (bytes " +
+                              std::to_string(b * B) + ".." + std::to_string(b * B + len) +
+                              " of the chunk): the file is corrupt; load an earlier checkpoint");
+    }
+    std::memcpy(dst, buffer_.data() + (want_begin - read_begin), want_end - want_begin);
+  }
+
+  safetensors::Reader& open(const std::string& file) {
+    auto& slot = readers_[file];
+    if (!slot) {
+      if (file.find('/') != std::string::npos || file.find("..") != std::string::npos)
+        throw CheckpointError("checkpoint: the index names a file outside the directory: '" + file + "'");
+      try {
+        slot = std::make_unique<safetensors::Reader>((fs::path(dir_) / file).string());
+      } catch (const safetensors::SafetensorsError& e) {
+        throw CheckpointError(std::string("checkpoint: ") + e.what() + "; load an earlier checkpoint");
+      }
+    }
+    return *slot;
+  }
+
+  std::string dir_;
+  std::map<std::string, std::unique_ptr<safetensors::Reader>> readers_;
+  std::vector<uint8_t> buffer_;
+};
+
+std::string shape_text(const std::vector<int64_t>& shape) {
+  std::string s = "[";
+  for (size_t i = 0; i < shape.size(); ++i) s += (i ? ", " : "") + std::to_string(shape[i]);
+  return s + "]";
+}
+
+std::string key_list(const std::vector<std::string>& keys) {
+  std::string s;
+  for (size_t i = 0; i < keys.size() && i < 4; ++i) s += (i ? ", " : "") + keys[i];
+  if (keys.size() > 4) s += ", ... (" + std::to_string(keys.size()) + " in all)";
+  return s;
+}
+
+void check_model_keys(const std::string& dir, const Index& index, const std::vector<LocalItem>& items,
+                      bool strict) {
+  std::set<std::string> state_keys;
+  for (const auto& item : items) state_keys.insert(item.key);
+  std::vector<std::string> missing, unexpected;
+  for (const auto& key : state_keys)
+    if (!index.tensors.count(key)) missing.push_back(key);
+  for (const auto& [key, record] : index.tensors)
+    if (key.rfind("model.", 0) == 0 && !state_keys.count(key)) unexpected.push_back(key);
+  if (strict && (!missing.empty() || !unexpected.empty()))
+    throw CheckpointError("checkpoint: '" + dir + "' does not match the model: " +
+                          (missing.empty() ? "" : "missing from the checkpoint: " + key_list(missing)) +
+                          (!missing.empty() && !unexpected.empty() ? "; " : "") +
+                          (unexpected.empty() ? "" : "not in the model: " + key_list(unexpected)) +
+                          ". Was it saved from another model? (LoadOptions::strict = false loads the keys both have)");
+}
+
+void load_item(ChunkReader& reader, const std::string& dir, const Index& index, LocalItem& item) {
+  const auto& record = index.tensors.at(item.key);
+  const std::string dtype = safetensors::dtype_name(item.local.scalar_type());
+  if (record.dtype != dtype)
+    throw CheckpointError("checkpoint: '" + item.key + "' is " + record.dtype + " in '" + dir + "' but " + dtype +
+                          " in the model; build the model with the dtype it was saved with");
+  if (record.global_shape != item.global_shape)
+    throw CheckpointError("checkpoint: '" + item.key + "' has shape " + shape_text(record.global_shape) + " in '" +
+                          dir + "' but " + shape_text(item.global_shape) +
+                          " in the model; the checkpoint is from another model configuration");
+  const int64_t rows = item.local.dim() == 0 ? 1 : item.local.size(0);
+  if (rows == 0) return;
+  const bool direct = item.local.device().is_cpu() && item.local.is_contiguous();
+  at::Tensor staging = direct ? item.local : at::empty(item.local.sizes(), item.local.options().device(at::kCPU));
+  reader.read_rows(item.key, record, item.local.scalar_type(), item.row_offset, rows,
+                   static_cast<uint8_t*>(staging.data_ptr()));
+  if (!direct) {
+    at::NoGradGuard no_grad;
+    item.local.copy_(staging);
+  }
+}
+
+}  // namespace
+
+// ---- public API ----------------------------------------------------------------------------
+
+void save(const std::string& dir, const State& state, const SaveOptions& options) {
+  wait_for_previous_save();
+  auto group = checkpoint_comm();
+  write_and_commit(make_plan(dir, state, options, /*copy=*/false), *group);
+}
+
+AsyncSave async_save(const std::string& dir, const State& state, const SaveOptions& options) {
+  wait_for_previous_save();
+  auto group = checkpoint_comm();
+  auto plan = std::make_shared<SavePlan>(make_plan(dir, state, options, /*copy=*/true));
+  auto promise = std::make_shared<std::promise<void>>();
+  std::shared_future<void> done = promise->get_future().share();
+  auto& slot = in_flight();
+  std::lock_guard<std::mutex> lock(slot.mutex);
+  slot.thread = std::thread([plan, group, promise] {
+    try {
+      write_and_commit(*plan, *group);
+      promise->set_value();
+    } catch (...) {
+      promise->set_exception(std::current_exception());
+    }
+  });
+  return AsyncSave(std::move(done));
+}
+
+void AsyncSave::wait() {
+  if (!done_.valid()) return;
+  done_.get();
+}
+
+bool AsyncSave::ready() const {
+  return done_.valid() && done_.wait_for(std::chrono::seconds(0)) == std::future_status::ready;
+}
+
+void load(const std::string& dir, const State& state, const LoadOptions& options) {
+  if (!state.model) throw CheckpointError("checkpoint::load: State::model is null; pass the (sharded) model");
+  wait_for_previous_save();  // loading what an in-flight save is writing would race
+  const Index index = detail::read_index(dir);
+  std::vector<LocalItem> items = detail::model_items(*state.model, global_rank());
+  check_model_keys(dir, index, items, options.strict);
+  if (state.optimizer && options.load_optimizer) {
+    auto optim = detail::optimizer_load_items(*state.optimizer, *state.model,
+                                              [&](const std::string& key) { return index.tensors.count(key) > 0; });
+    items.insert(items.end(), std::make_move_iterator(optim.begin()), std::make_move_iterator(optim.end()));
+  }
+  ChunkReader reader(dir);
+  for (auto& item : items) {
+    if (!index.tensors.count(item.key)) continue;  // missing keys were refused above when strict
+    load_item(reader, dir, index, item);
+    if (item.on_loaded) item.on_loaded();
+  }
+  for (const auto& [name, stateful] : state.extras) {
+    if (!stateful) continue;
+    const std::string prefix = "extra." + name + ".";
+    std::map<std::string, at::Tensor> values;
+    for (const auto& [key, record] : index.tensors) {
+      if (key.rfind(prefix, 0) != 0) continue;
+      LocalItem item;
+      item.key = key;
+      item.global_shape = record.global_shape;
+      item.local = at::empty(record.global_shape, at::TensorOptions().dtype(safetensors::dtype_from_name(record.dtype)));
+      load_item(reader, dir, index, item);
+      values.emplace(key.substr(prefix.size()), item.local);
+    }
+    if (values.empty() && options.strict)
+      throw CheckpointError("checkpoint: '" + dir + "' has no values for extras entry '" + name +
+                            "'; it was saved without it (LoadOptions::strict = false skips it)");
+    if (!values.empty()) stateful->load_state_dict(values);
+  }
+}
+
+bool is_committed(const std::string& dir) {
+  try {
+    detail::read_index(dir);
+    return true;
+  } catch (const CheckpointError&) {
+    return false;
+  }
+}
+
+std::optional<std::string> latest_checkpoint(const std::string& root) {
+  std::error_code ec;
+  if (!fs::is_directory(root, ec)) return std::nullopt;
+  std::optional<std::string> best;
+  for (const auto& entry : fs::directory_iterator(root, ec)) {
+    if (!entry.is_directory()) continue;
+    const std::string path = entry.path().string();
+    if ((!best || entry.path().filename().string() > fs::path(*best).filename().string()) && is_committed(path))
+      best = path;
+  }
+  return best;
+}
+
+std::map<std::string, TensorMeta> describe(const std::string& dir) {
+  std::map<std::string, TensorMeta> out;
+  for (const auto& [key, record] : detail::read_index(dir).tensors) out[key] = TensorMeta{record.dtype, record.global_shape};
+  return out;
+}
+
+std::map<std::string, at::Tensor> ScalarState::state_dict() const {
+  std::map<std::string, at::Tensor> out;
+  for (const auto& [name, value] : ints) out[name] = at::scalar_tensor(value, at::kLong);
+  for (const auto& [name, value] : doubles) out[name] = at::scalar_tensor(value, at::kDouble);
+  return out;
+}
+
+void ScalarState::load_state_dict(const std::map<std::string, at::Tensor>& state) {
+  for (const auto& [name, value] : state) {
+    if (value.numel() != 1) throw CheckpointError("checkpoint: ScalarState value '" + name + "' is not a scalar");
+    if (value.scalar_type() == at::kLong)
+      ints[name] = value.item<int64_t>();
+    else
+      doubles[name] = value.item<double>();
+  }
+}
+
+}  // namespace fsdp::checkpoint

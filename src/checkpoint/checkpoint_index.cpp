@@ -1,0 +1,132 @@
+#include "checkpoint_index.h"
+
+#include <nlohmann/json.hpp>
+
+#include <filesystem>
+#include <fstream>
+#include <sstream>
+
+#include "fsdp/checkpoint/checkpoint.h"
+
+namespace fsdp::checkpoint::detail {
+
+using nlohmann::json;
+
+namespace {
+
+// Every structural problem of an index becomes one CheckpointError naming the file.
+template <typename Fn>
+auto parse_or_throw(const std::string& source, Fn&& fn) {
+  try {
+    return fn();
+  } catch (const CheckpointError&) {
+    throw;
+  } catch (const std::exception& e) {
+    throw CheckpointError("checkpoint: " + source + " is damaged or not a checkpoint index (" + e.what() +
+                          "); load an earlier checkpoint");
+  }
+}
+
+json chunk_json(const std::string& file, int64_t row_offset, int64_t rows, const std::vector<uint32_t>& crcs) {
+  json j{{"row_offset", row_offset}, {"rows", rows}, {"crc32", crcs}};
+  if (!file.empty()) j["file"] = file;
+  return j;
+}
+
+}  // namespace
+
+std::string encode_file_chunks(const std::vector<FileChunk>& chunks) {
+  json j = json::object();
+  for (const auto& c : chunks) {
+    json entry = chunk_json("", c.row_offset, c.rows, c.block_crc32);
+    entry["dtype"] = c.dtype;
+    entry["shape"] = c.global_shape;
+    j[c.key] = std::move(entry);
+  }
+  return j.dump();
+}
+
+std::vector<FileChunk> decode_file_chunks(const std::string& text, const std::string& source) {
+  return parse_or_throw(source, [&] {
+    std::vector<FileChunk> chunks;
+    for (const auto& [key, entry] : json::parse(text).items()) {
+      FileChunk c;
+      c.key = key;
+      c.dtype = entry.at("dtype").get<std::string>();
+      c.global_shape = entry.at("shape").get<std::vector<int64_t>>();
+      c.row_offset = entry.at("row_offset").get<int64_t>();
+      c.rows = entry.at("rows").get<int64_t>();
+      c.block_crc32 = entry.at("crc32").get<std::vector<uint32_t>>();
+      chunks.push_back(std::move(c));
+    }
+    return chunks;
+  });
+}
+
+std::string encode_index(const Index& index) {
+  json tensors = json::object();
+  for (const auto& [key, record] : index.tensors) {
+    json chunks = json::array();
+    for (const auto& c : record.chunks) chunks.push_back(chunk_json(c.file, c.row_offset, c.rows, c.block_crc32));
+    tensors[key] = {{"dtype", record.dtype}, {"shape", record.global_shape}, {"chunks", std::move(chunks)}};
+  }
+  json j{{"format", kFormat},
+         {"version", kFormatVersion},
+         {"save_id", index.save_id},
+         {"world_size", index.world_size},
+         {"checksum_block_bytes", kChecksumBlockBytes},
+         {"files", index.files},
+         {"tensors", std::move(tensors)}};
+  return j.dump(1);
+}
+
+Index decode_index(const std::string& text, const std::string& source) {
+  return parse_or_throw(source, [&] {
+    const json j = json::parse(text);
+    if (j.at("format").get<std::string>() != kFormat)
+      throw CheckpointError("checkpoint: " + source + " is not an fsdp checkpoint index (format '" +
+                            j.at("format").get<std::string>() + "')");
+    const int version = j.at("version").get<int>();
+    if (version != kFormatVersion)
+      throw CheckpointError("checkpoint: " + source + " has format version " + std::to_string(version) +
+                            " but this library reads version " + std::to_string(kFormatVersion));
+    if (j.at("checksum_block_bytes").get<uint64_t>() != kChecksumBlockBytes)
+      throw CheckpointError("checkpoint: " + source + " uses another checksum block size");
+    Index index;
+    index.save_id = j.at("save_id").get<std::string>();
+    index.world_size = j.at("world_size").get<int>();
+    index.files = j.at("files").get<std::vector<std::string>>();
+    for (const auto& [key, entry] : j.at("tensors").items()) {
+      TensorRecord record;
+      record.dtype = entry.at("dtype").get<std::string>();
+      record.global_shape = entry.at("shape").get<std::vector<int64_t>>();
+      for (const auto& c : entry.at("chunks")) {
+        Chunk chunk;
+        chunk.file = c.at("file").get<std::string>();
+        chunk.row_offset = c.at("row_offset").get<int64_t>();
+        chunk.rows = c.at("rows").get<int64_t>();
+        chunk.block_crc32 = c.at("crc32").get<std::vector<uint32_t>>();
+        record.chunks.push_back(std::move(chunk));
+      }
+      index.tensors.emplace(key, std::move(record));
+    }
+    return index;
+  });
+}
+
+Index read_index(const std::string& dir) {
+  const auto path = std::filesystem::path(dir) / kIndexFile;
+  std::ifstream in(path, std::ios::binary);
+  if (!in) {
+    const bool exists = std::filesystem::is_directory(dir);
+    throw CheckpointError("checkpoint: no committed checkpoint in '" + dir + "' (" +
+                          (exists ? "no index.json: the directory holds no save, or only an interrupted one"
+                                  : "the directory does not exist") +
+                          "); pass a directory written by fsdp::checkpoint::save, or use latest_checkpoint(root)");
+  }
+  std::stringstream text;
+  text << in.rdbuf();
+  return decode_index(text.str(), path.string());
+}
+
+}  // namespace fsdp::checkpoint::detail

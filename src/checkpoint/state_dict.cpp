@@ -1,0 +1,312 @@
+// Full / sharded state dicts and safetensors export / import. Full tensors are gathered one at a
+// time over the parameter's shard group, so no rank ever holds more than the largest parameter
+// beyond its own shards (rank 0 also holds what it is about to write or return).
+#include "fsdp/checkpoint/state_dict.h"
+
+#include <nlohmann/json.hpp>
+
+#include <filesystem>
+#include <fstream>
+#include <set>
+
+#include "fsdp/checkpoint/safetensors.h"
+#include "fsdp/dist/runtime.h"
+#include "state_items.h"
+
+namespace fsdp::checkpoint {
+
+namespace fs = std::filesystem;
+using detail::LocalItem;
+
+namespace {
+
+int global_rank() { return dist::is_initialized() ? dist::rank() : 0; }
+
+std::string strip(const std::string& key, const std::string& prefix) {
+  return key.rfind(prefix, 0) == 0 ? key.substr(prefix.size()) : key;
+}
+
+int64_t local_rows(const LocalItem& item) { return item.local.dim() == 0 ? 1 : item.local.size(0); }
+
+std::string shape_text(at::IntArrayRef shape) {
+  std::string s = "[";
+  for (size_t i = 0; i < shape.size(); ++i) s += (i ? ", " : "") + std::to_string(shape[i]);
+  return s + "]";
+}
+
+std::string key_list(const std::vector<std::string>& keys) {
+  std::string s;
+  for (size_t i = 0; i < keys.size() && i < 4; ++i) s += (i ? ", " : "") + keys[i];
+  if (keys.size() > 4) s += ", ... (" + std::to_string(keys.size()) + " in all)";
+  return s;
+}
+
+void throw_if_strict(const LoadResult& result, bool strict, const std::string& what) {
+  if (!strict || (result.missing_keys.empty() && result.unexpected_keys.empty())) return;
+  std::string message = what + " does not match the model: ";
+  if (!result.missing_keys.empty()) message += "missing " + key_list(result.missing_keys);
+  if (!result.missing_keys.empty() && !result.unexpected_keys.empty()) message += "; ";
+  if (!result.unexpected_keys.empty()) message += "unexpected " + key_list(result.unexpected_keys);
+  throw CheckpointError(message + " (strict = false loads the keys both have)");
+}
+
+// The whole tensor of `item` on every rank of its shard group (collective for sharded items).
+at::Tensor gather_full(const LocalItem& item) {
+  if (!item.shard_comm) return item.local;
+  auto& group = *item.shard_comm;
+  std::vector<int64_t> padded_shape = item.global_shape;
+  padded_shape[0] = item.padded_rows;
+  at::Tensor padded = at::zeros(padded_shape, item.local.options());
+  padded.narrow(0, 0, item.local.size(0)).copy_(item.local);
+  padded_shape[0] = item.padded_rows * group.size();
+  at::Tensor gathered = at::empty(padded_shape, item.local.options());
+  group.all_gather_into_tensor(gathered, padded);
+  return gathered.narrow(0, 0, item.global_shape[0]);
+}
+
+// Copies the rows this rank holds from `full` (global shape) or the whole `local_source`.
+void fill(LocalItem& item, const at::Tensor& source, bool source_is_full) {
+  at::NoGradGuard no_grad;
+  if (!source_is_full || item.local.dim() == 0)
+    item.local.copy_(source);
+  else if (item.local.size(0) > 0)
+    item.local.copy_(source.narrow(0, item.row_offset, item.local.size(0)));
+  if (item.on_loaded) item.on_loaded();
+}
+
+StateDict get_items(std::vector<LocalItem> items, const std::string& prefix, const StateDictOptions& options) {
+  StateDict out;
+  const bool keep = !options.cpu_offload || global_rank() == 0;
+  for (auto& item : items) {
+    const std::string name = strip(item.key, prefix);
+    if (!options.full_state_dict) {
+      out[name] = item.local;
+      continue;
+    }
+    at::Tensor full = gather_full(item);
+    if (keep) out[name] = options.cpu_offload ? full.to(at::kCPU, false, /*copy=*/true) : full.clone();
+  }
+  return out;
+}
+
+// Sets `items` from `dict` (keys without `prefix`), locally or broadcast from rank 0.
+LoadResult set_items(std::vector<LocalItem> items, const StateDict& dict, const std::string& prefix,
+                     const StateDictOptions& options, const std::string& what) {
+  LoadResult result;
+  std::set<std::string> used;
+  const bool broadcast = options.broadcast_from_rank0 && dist::is_initialized() && dist::world_size() > 1;
+  const bool full = options.full_state_dict || options.broadcast_from_rank0;
+  auto world = broadcast ? dist::world_comm() : nullptr;
+  const bool root = global_rank() == 0;
+  for (auto& item : items) {
+    const std::string name = strip(item.key, prefix);
+    auto found = dict.find(name);
+    const at::IntArrayRef want = full ? at::IntArrayRef(item.global_shape) : item.local.sizes();
+    // 0: absent, 1: present, 2: wrong shape. With broadcast, rank 0's dict decides for everyone.
+    int64_t status = found == dict.end() ? 0 : (found->second.sizes() == want ? 1 : 2);
+    if (broadcast) {
+      at::Tensor code = at::full({1}, root ? status : 0, at::kLong);
+      world->broadcast(code, 0);
+      status = code[0].item<int64_t>();
+    }
+    if (found != dict.end()) used.insert(name);
+    if (status == 0) {
+      result.missing_keys.push_back(name);
+      continue;
+    }
+    if (status == 2)
+      throw CheckpointError(what + ": '" + name + "' has shape " +
+                            (found != dict.end() ? shape_text(found->second.sizes()) : "(rank 0's)") + " but the model needs " +
+                            shape_text(want) + (full ? " (full tensor)" : " (this rank's shard)"));
+    if (!broadcast) {
+      fill(item, found->second, full);
+      continue;
+    }
+    at::Tensor value = root ? found->second.to(item.local.options()).contiguous()
+                            : at::empty(item.global_shape, item.local.options());
+    world->broadcast(value, 0);
+    fill(item, value, /*source_is_full=*/true);
+  }
+  for (const auto& [name, value] : dict)
+    if (!used.count(name)) result.unexpected_keys.push_back(name);
+  if (broadcast) {  // only rank 0's dict counts: everyone agrees on whether to fail
+    at::Tensor unexpected = at::full({1}, root ? static_cast<int64_t>(result.unexpected_keys.size()) : 0, at::kLong);
+    world->broadcast(unexpected, 0);
+    if (!root && unexpected[0].item<int64_t>() > 0)
+      result.unexpected_keys.push_back("(" + std::to_string(unexpected[0].item<int64_t>()) + " keys of rank 0's dict)");
+  }
+  throw_if_strict(result, options.strict, what);
+  return result;
+}
+
+}  // namespace
+
+StateDict get_model_state_dict(torch::nn::Module& model, const StateDictOptions& options) {
+  return get_items(detail::model_items(model, global_rank()), "model.", options);
+}
+
+LoadResult set_model_state_dict(torch::nn::Module& model, const StateDict& state_dict, const StateDictOptions& options) {
+  return set_items(detail::model_items(model, global_rank()), state_dict, "model.", options, "set_model_state_dict");
+}
+
+StateDict get_optimizer_state_dict(torch::nn::Module& model, torch::optim::Optimizer& optimizer,
+                                   const StateDictOptions& options) {
+  return get_items(detail::optimizer_save_items(optimizer, model, global_rank()), "optim.", options);
+}
+
+LoadResult set_optimizer_state_dict(torch::nn::Module& model, torch::optim::Optimizer& optimizer,
+                                    const StateDict& state_dict, const StateDictOptions& options) {
+  // Which per-parameter fields exist: rank 0's dict decides when it is the only one read.
+  std::function<bool(const std::string&)> has_key = [&](const std::string& key) {
+    return state_dict.count(strip(key, "optim.")) > 0;
+  };
+  std::set<std::string> present;
+  if (options.broadcast_from_rank0 && dist::is_initialized() && dist::world_size() > 1) {
+    std::vector<std::string> candidates;
+    for (const auto& entry : model.named_parameters())
+      for (const char* field : {"exp_avg", "exp_avg_sq", "max_exp_avg_sq", "step", "momentum_buffer"})
+        candidates.push_back("optim." + entry.key() + "." + field);
+    at::Tensor mask = at::zeros({static_cast<int64_t>(candidates.size())}, at::kLong);
+    if (global_rank() == 0)
+      for (size_t i = 0; i < candidates.size(); ++i) mask[i] = has_key(candidates[i]) ? 1 : 0;
+    dist::world_comm()->broadcast(mask, 0);
+    for (size_t i = 0; i < candidates.size(); ++i)
+      if (mask[i].item<int64_t>()) present.insert(candidates[i]);
+    has_key = [&present](const std::string& key) { return present.count(key) > 0; };
+  }
+  auto items = detail::optimizer_load_items(optimizer, model, has_key);
+  LoadResult result = set_items(std::move(items), state_dict, "optim.", options, "set_optimizer_state_dict");
+  // Fields the optimizer does not have for a parameter are not "missing" from the dict's view.
+  return result;
+}
+
+// ---- safetensors export / import ------------------------------------------------------------
+
+std::vector<std::string> export_safetensors(torch::nn::Module& model, const std::string& path,
+                                            const ExportOptions& options) {
+  auto items = detail::model_items(model, global_rank());
+  const bool root = global_rank() == 0;
+  // Files planned from the global shapes, so every rank knows the grouping without talking.
+  std::vector<std::vector<size_t>> files(1);
+  uint64_t in_file = 0;
+  for (size_t i = 0; i < items.size(); ++i) {
+    uint64_t bytes = c10::elementSize(items[i].local.scalar_type());
+    for (int64_t d : items[i].global_shape) bytes *= static_cast<uint64_t>(d);
+    if (options.max_file_bytes && in_file > 0 && in_file + bytes > options.max_file_bytes) {
+      files.emplace_back();
+      in_file = 0;
+    }
+    files.back().push_back(i);
+    in_file += bytes;
+  }
+  const fs::path target(path);
+  const std::string stem = target.stem().string();
+  auto file_name = [&](size_t f) {
+    if (files.size() == 1) return target.filename().string();
+    char buf[64];
+    std::snprintf(buf, sizeof(buf), "-%05zu-of-%05zu.safetensors", f + 1, files.size());
+    return stem + buf;
+  };
+  std::vector<std::string> written;
+  nlohmann::json weight_map = nlohmann::json::object();
+  uint64_t total = 0;
+  std::string error;
+  for (size_t f = 0; f < files.size(); ++f) {
+    std::vector<safetensors::NamedTensor> tensors;
+    for (size_t i : files[f]) {
+      at::Tensor full = gather_full(items[i]);  // every rank of the shard group takes part
+      if (!root) continue;
+      const std::string name = strip(items[i].key, "model.");
+      tensors.push_back({name, full.to(at::kCPU).contiguous()});
+      weight_map[name] = file_name(f);
+      total += static_cast<uint64_t>(full.nbytes());
+    }
+    if (!root || !error.empty()) continue;
+    try {
+      const fs::path out = target.parent_path() / file_name(f);
+      if (!target.parent_path().empty()) fs::create_directories(target.parent_path());
+      const std::string tmp = out.string() + ".tmp";
+      safetensors::write_file(tmp, tensors, {{"format", "pt"}});
+      fs::rename(tmp, out);
+      written.push_back(out.string());
+    } catch (const std::exception& e) {
+      error = e.what();
+    }
+  }
+  if (root && error.empty() && files.size() > 1) {
+    const fs::path index_path = target.parent_path() / (target.filename().string() + ".index.json");
+    nlohmann::json index{{"metadata", {{"total_size", total}}}, {"weight_map", weight_map}};
+    std::ofstream(index_path.string() + ".tmp", std::ios::trunc) << index.dump(2);
+    fs::rename(index_path.string() + ".tmp", index_path);
+    written.push_back(index_path.string());
+  }
+  if (!error.empty()) throw CheckpointError("export_safetensors: writing '" + path + "' failed: " + error);
+  return written;
+}
+
+LoadResult load_safetensors(torch::nn::Module& model, const std::string& path, bool strict) {
+  // name -> file, from a Hugging Face index or from the single file's own header.
+  std::map<std::string, std::string> weight_map;
+  std::map<std::string, std::unique_ptr<safetensors::Reader>> readers;
+  auto reader_for = [&](const std::string& file) -> safetensors::Reader& {
+    auto& slot = readers[file];
+    if (!slot) slot = std::make_unique<safetensors::Reader>(file);
+    return *slot;
+  };
+  try {
+    if (fs::path(path).extension() == ".json") {
+      std::ifstream in(path);
+      if (!in) throw CheckpointError("load_safetensors: cannot open '" + path + "'");
+      const auto index = nlohmann::json::parse(in);
+      for (const auto& [name, file] : index.at("weight_map").items()) {
+        const std::string f = file.get<std::string>();
+        if (f.find('/') != std::string::npos || f.find("..") != std::string::npos)
+          throw CheckpointError("load_safetensors: '" + path + "' names a file outside its directory: '" + f + "'");
+        weight_map[name] = (fs::path(path).parent_path() / f).string();
+      }
+    } else {
+      for (const auto& entry : reader_for(path).header().tensors) weight_map[entry.name] = path;
+    }
+  } catch (const CheckpointError&) {
+    throw;
+  } catch (const std::exception& e) {
+    throw CheckpointError("load_safetensors: '" + path + "': " + e.what());
+  }
+
+  LoadResult result;
+  std::set<std::string> used;
+  for (auto& item : detail::model_items(model, global_rank())) {
+    const std::string name = strip(item.key, "model.");
+    auto found = weight_map.find(name);
+    if (found == weight_map.end()) {
+      result.missing_keys.push_back(name);
+      continue;
+    }
+    used.insert(name);
+    try {
+      auto& reader = reader_for(found->second);
+      const auto& entry = reader.entry(name);
+      if (entry.shape != item.global_shape)
+        throw CheckpointError("'" + name + "' has shape " + shape_text(entry.shape) + " in the file but " +
+                              shape_text(item.global_shape) + " in the model");
+      const int64_t rows = local_rows(item);
+      if (rows == 0) continue;
+      const uint64_t row_bytes = static_cast<uint64_t>(detail::row_numel(item.global_shape)) * c10::elementSize(entry.dtype);
+      at::Tensor staging = at::empty(item.local.sizes(), at::TensorOptions().dtype(entry.dtype));
+      reader.read_bytes(name, static_cast<uint64_t>(item.row_offset) * row_bytes, static_cast<uint64_t>(rows) * row_bytes,
+                        staging.data_ptr());
+      at::NoGradGuard no_grad;
+      item.local.copy_(staging);
+    } catch (const CheckpointError& e) {
+      throw CheckpointError("load_safetensors: " + found->second + ": " + e.what());
+    } catch (const safetensors::SafetensorsError& e) {
+      throw CheckpointError(std::string("load_safetensors: ") + e.what());
+    }
+  }
+  for (const auto& [name, file] : weight_map)
+    if (!used.count(name)) result.unexpected_keys.push_back(name);
+  throw_if_strict(result, strict, "load_safetensors: '" + path + "'");
+  return result;
+}
+
+}  // namespace fsdp::checkpoint

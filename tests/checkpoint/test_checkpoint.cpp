@@ -1,0 +1,391 @@
+// Sharded checkpoints with real processes: save at N=2, load at N=1 and N=3 (exact bytes, and
+// continued training equal to an uninterrupted single-process run), a save killed between its
+// files leaves the previous checkpoint loadable, async save captures the state at the call, and
+// damaged or mismatched checkpoints give clear errors.
+#include <gtest/gtest.h>
+
+#include <cstdlib>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <iostream>
+
+#include "fsdp/checkpoint/checkpoint.h"
+#include "fsdp/compat/optim.h"
+#include "fsdp/fsdp.h"
+#include "multiprocess.h"
+#include "parity.h"
+
+using namespace fsdp::testing;
+namespace ckpt = fsdp::checkpoint;
+namespace fs = std::filesystem;
+using fsdp::models::GPT;
+
+namespace {
+
+constexpr int kSaveStep = 5;   // the checkpoint holds the state after this many steps
+constexpr int kSteps = 10;     // an uninterrupted run's length
+constexpr int64_t kBatch = 6;  // divisible by 1, 2 and 3
+constexpr double kTolerance = 1e-6;
+
+std::string env(const char* name) {
+  const char* v = std::getenv(name);
+  TORCH_CHECK(v, name, " is not set");
+  return v;
+}
+
+void shard(GPT& model) {
+  for (auto& block : model->blocks) fsdp::fully_shard(block);
+  fsdp::fully_shard(model);
+}
+
+// One optimizer step of the parity recipe on this rank's slice of the global batch; returns the
+// global mean loss.
+double train_step(GPT& model, torch::optim::AdamW& opt, const fsdp::models::GPTConfig& c, int step) {
+  auto world = fsdp::dist::world_comm();
+  const int64_t local = kBatch / world->size();
+  opt.zero_grad();
+  auto data = global_batch(c, kBatch, step, 0).narrow(0, world->rank() * local, local);
+  auto loss = fsdp::models::gpt_loss(fsdp::call(model, data.narrow(1, 0, c.block_size)), data.narrow(1, 1, c.block_size));
+  loss.backward();
+  opt.step();
+  auto global = at::tensor({loss.item<double>()}, at::kDouble);
+  world->all_reduce(global, fsdp::comm::ReduceOp::Avg);
+  return global.item<double>();
+}
+
+struct Trainer {
+  GPT model{nullptr};
+  std::unique_ptr<torch::optim::AdamW> opt;
+  ckpt::ScalarState progress;
+  ckpt::State state() { return ckpt::State{model.ptr(), opt.get(), {{"progress", &progress}}}; }
+};
+
+Trainer sharded_trainer(int seed = 42) {
+  Trainer t;
+  t.model = parity_model(uneven_config());
+  if (seed != 42) {  // a different start, so that a load that did nothing cannot pass
+    torch::manual_seed(seed);
+    t.model = GPT(uneven_config());
+  }
+  shard(t.model);
+  t.opt = std::make_unique<torch::optim::AdamW>(parity_optimizer(*t.model));
+  return t;
+}
+
+// An unsharded model + optimizer in the test process (a world of one, no process group).
+Trainer local_trainer() {
+  torch::manual_seed(3);
+  Trainer t;
+  t.model = GPT(uneven_config());
+  t.opt = std::make_unique<torch::optim::AdamW>(parity_optimizer(*t.model));
+  return t;
+}
+
+void expect_same_state(Trainer& a, Trainer& b) {
+  auto pa = a.model->named_parameters(), pb = b.model->named_parameters();
+  ASSERT_EQ(pa.size(), pb.size());
+  for (const auto& p : pa) {
+    const at::Tensor& q = pb[p.key()];
+    EXPECT_TRUE(at::equal(p.value(), q)) << p.key();
+    auto& sa = static_cast<torch::optim::AdamWParamState&>(*a.opt->state().at(fsdp::compat::optimizer_state_key(p.value())));
+    auto& sb = static_cast<torch::optim::AdamWParamState&>(*b.opt->state().at(fsdp::compat::optimizer_state_key(q)));
+    EXPECT_TRUE(at::equal(sa.exp_avg(), sb.exp_avg())) << p.key();
+    EXPECT_TRUE(at::equal(sa.exp_avg_sq(), sb.exp_avg_sq())) << p.key();
+    EXPECT_EQ(sa.step(), sb.step()) << p.key();
+  }
+  EXPECT_EQ(a.progress.ints, b.progress.ints);
+}
+
+}  // namespace
+
+// ---- rank workers ------------------------------------------------------------------------
+
+FSDP_RANK_WORKER(train_then_save) {
+  auto t = sharded_trainer();
+  for (int s = 0; s < kSaveStep; ++s) train_step(t.model, *t.opt, uneven_config(), s);
+  t.progress.ints["step"] = kSaveStep;
+  ckpt::save(env("CKPT_DIR"), t.state());
+}
+
+// Loads at this world size, checks the loaded shards against the single-process run, re-saves
+// (for the exact comparison in the test process), then trains on: losses and final shards must
+// equal an uninterrupted single-process run.
+FSDP_RANK_WORKER(load_resave_continue) {
+  const auto c = uneven_config();
+  auto t = sharded_trainer(/*seed=*/7);
+  ckpt::load(env("CKPT_DIR"), t.state());
+  TORCH_CHECK(t.progress.ints.at("step") == kSaveStep, "progress not restored");
+  const auto at_save = train_reference(c, kSaveStep, kBatch, 1);
+  check_shards_match(t.model, at_save.parameters, kTolerance);
+  ckpt::save(env("RESAVE_DIR"), t.state());
+
+  const auto uninterrupted = train_reference(c, kSteps, kBatch, 1);
+  std::vector<double> losses, want;
+  for (int s = kSaveStep; s < kSteps; ++s) {
+    losses.push_back(train_step(t.model, *t.opt, c, s));
+    want.push_back(uninterrupted.losses[s]);
+  }
+  check_losses_match(losses, want, kTolerance);
+  const double worst = check_shards_match(t.model, uninterrupted.parameters, kTolerance);
+  if (fsdp::dist::rank() == 0)
+    std::cout << "resumed at " << fsdp::dist::world_size() << " ranks: losses " << losses.front() << " .. "
+              << losses.back() << ", worst shard difference " << worst << std::endl;
+}
+
+// Saves at step 5, trains one more step, then saves again into the same directory with one rank
+// aborting right after writing its data file: the index of the first save must survive.
+FSDP_RANK_WORKER(save_then_die_mid_save) {
+  auto t = sharded_trainer();
+  for (int s = 0; s < kSaveStep; ++s) train_step(t.model, *t.opt, uneven_config(), s);
+  t.progress.ints["step"] = kSaveStep;
+  ckpt::save(env("CKPT_DIR"), t.state());
+  train_step(t.model, *t.opt, uneven_config(), kSaveStep);
+  t.progress.ints["step"] = kSaveStep + 1;
+  ckpt::SaveOptions options;
+  if (fsdp::dist::rank() == std::atoi(env("DYING_RANK").c_str())) options.abort_after_files = 1;
+  ckpt::save(env("CKPT_DIR"), t.state(), options);
+  throw std::runtime_error("the second save should not have completed");
+}
+
+FSDP_RANK_WORKER(async_save_then_train_on) {
+  auto t = sharded_trainer();
+  for (int s = 0; s < kSaveStep; ++s) train_step(t.model, *t.opt, uneven_config(), s);
+  t.progress.ints["step"] = kSaveStep;
+  auto pending = ckpt::async_save(env("CKPT_DIR"), t.state());
+  // Training changes the parameters while the files are written; the save holds step 5's state.
+  for (int s = kSaveStep; s < kSaveStep + 2; ++s) train_step(t.model, *t.opt, uneven_config(), s);
+  pending.wait();
+  TORCH_CHECK(pending.ready());
+  TORCH_CHECK(ckpt::is_committed(env("CKPT_DIR")));
+}
+
+// A [1000, 700] float parameter: 2.8 MB, so each rank's chunk spans several 1 MiB checksum blocks
+// and a reader at another world size starts and ends inside blocks and chunks.
+struct BigImpl : torch::nn::Module {
+  at::Tensor w;
+  BigImpl() { w = register_parameter("w", at::zeros({1000, 700})); }
+  at::Tensor forward(const at::Tensor& x) { return x.matmul(w.t()); }
+};
+TORCH_MODULE(Big);
+
+at::Tensor big_values() { return at::arange(1000 * 700, at::kFloat).reshape({1000, 700}); }
+
+FSDP_RANK_WORKER(big_save) {
+  Big big;
+  { at::NoGradGuard g; big->w.copy_(big_values()); }
+  fsdp::fully_shard(big);
+  ckpt::save(env("CKPT_DIR"), ckpt::State{big.ptr()});
+}
+
+FSDP_RANK_WORKER(big_load) {
+  Big big;
+  fsdp::fully_shard(big);
+  ckpt::load(env("CKPT_DIR"), ckpt::State{big.ptr()});
+  const at::Tensor shard = big->parameters()[0];
+  auto info = *fsdp::shard_info(shard);
+  TORCH_CHECK(at::equal(shard, big_values().narrow(0, info.dim0_offset, info.local_rows)), "rows differ");
+}
+
+// ---- tests ---------------------------------------------------------------------------------
+
+class CheckpointTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    root_ = fs::temp_directory_path() / ("fsdp_ckpt_" + std::to_string(::getpid()) + "_" +
+                                         ::testing::UnitTest::GetInstance()->current_test_info()->name());
+    fs::remove_all(root_);
+    fs::create_directories(root_);
+  }
+  void TearDown() override { fs::remove_all(root_); }
+  RanksOptions with_dirs(const fs::path& dir, const fs::path& resave = {}) {
+    RanksOptions o;
+    o.timeout = std::chrono::seconds(240);
+    o.env["CKPT_DIR"] = dir.string();
+    if (!resave.empty()) o.env["RESAVE_DIR"] = resave.string();
+    return o;
+  }
+  fs::path root_;
+};
+
+TEST_F(CheckpointTest, SaveAtTwoLoadsAtOneAndThreeAndTrainsOnIdentically) {
+  const fs::path saved = root_ / "n2", resaved1 = root_ / "n1", resaved3 = root_ / "n3";
+  EXPECT_RANKS_PASS(2, "train_then_save", with_dirs(saved));
+  ASSERT_TRUE(ckpt::is_committed(saved.string()));
+  EXPECT_RANKS_PASS(3, "load_resave_continue", with_dirs(saved, resaved3));
+  EXPECT_RANKS_PASS(1, "load_resave_continue", with_dirs(saved, resaved1));
+  EXPECT_RANKS_PASS(2, "load_resave_continue", with_dirs(saved, root_ / "n2again"));
+
+  // Exact bytes: every parameter and AdamW state as saved at N=2 equals what N=1 and N=3 loaded.
+  auto original = local_trainer(), from3 = local_trainer(), from1 = local_trainer();
+  ckpt::load(saved.string(), original.state());
+  ckpt::load(resaved3.string(), from3.state());
+  ckpt::load(resaved1.string(), from1.state());
+  expect_same_state(original, from3);
+  expect_same_state(original, from1);
+  EXPECT_EQ(original.progress.ints.at("step"), kSaveStep);
+}
+
+TEST_F(CheckpointTest, SaveKilledBetweenFilesKeepsThePreviousCheckpoint) {
+  for (const char* dying : {"0", "1"}) {
+    const fs::path dir = root_ / (std::string("dying") + dying);
+    auto options = with_dirs(dir);
+    options.env["DYING_RANK"] = dying;
+    options.env["FSDP_COLLECTIVE_TIMEOUT_S"] = "20";
+    auto result = run_ranks(2, "save_then_die_mid_save", options);
+    EXPECT_FALSE(result.all_ok()) << "a rank aborted; the job must fail";
+    // The first save is still the committed one, whole and loadable.
+    auto loaded = local_trainer();
+    ckpt::load(dir.string(), loaded.state());
+    EXPECT_EQ(loaded.progress.ints.at("step"), kSaveStep) << "dying rank " << dying;
+    const auto at_save = train_reference(uneven_config(), kSaveStep, kBatch, 1);
+    for (const auto& p : loaded.model->named_parameters())
+      EXPECT_TRUE(at::allclose(p.value(), at_save.parameters.at(p.key()), 1e-6, 1e-6)) << p.key();
+  }
+}
+
+TEST_F(CheckpointTest, AsyncSaveHoldsTheStateAtTheCall) {
+  const fs::path dir = root_ / "async";
+  EXPECT_RANKS_PASS(2, "async_save_then_train_on", with_dirs(dir));
+  auto loaded = local_trainer();
+  ckpt::load(dir.string(), loaded.state());
+  const auto at_save = train_reference(uneven_config(), kSaveStep, kBatch, 1);
+  for (const auto& p : loaded.model->named_parameters())
+    EXPECT_TRUE(at::allclose(p.value(), at_save.parameters.at(p.key()), 1e-6, 1e-6)) << p.key();
+}
+
+TEST_F(CheckpointTest, LargeTensorReshardsAcrossChecksumBlocks) {
+  const fs::path dir = root_ / "big";
+  EXPECT_RANKS_PASS(2, "big_save", with_dirs(dir));
+  EXPECT_RANKS_PASS(3, "big_load", with_dirs(dir));
+  EXPECT_RANKS_PASS(1, "big_load", with_dirs(dir));
+}
+
+// ---- damaged and mismatched checkpoints (one process) --------------------------------------
+
+namespace {
+
+// The message of the CheckpointError that `fn` throws ("" when it does not throw).
+template <typename Fn>
+std::string error_of(Fn&& fn) {
+  try {
+    fn();
+  } catch (const ckpt::CheckpointError& e) {
+    return e.what();
+  }
+  return "";
+}
+
+fs::path only_data_file(const fs::path& dir) {
+  for (const auto& e : fs::directory_iterator(dir))
+    if (e.path().filename().string().rfind("data-", 0) == 0) return e.path();
+  throw std::runtime_error("no data file in " + dir.string());
+}
+
+std::string read_text(const fs::path& p) {
+  std::ifstream in(p, std::ios::binary);
+  return std::string(std::istreambuf_iterator<char>(in), {});
+}
+void write_text(const fs::path& p, const std::string& text) { std::ofstream(p, std::ios::binary | std::ios::trunc) << text; }
+
+}  // namespace
+
+class CheckpointErrors : public CheckpointTest {
+ protected:
+  void SetUp() override {
+    CheckpointTest::SetUp();
+    good_ = root_ / "good";
+    auto t = local_trainer();
+    const auto c = uneven_config();
+    auto data = global_batch(c, kBatch, 0, 0);
+    fsdp::models::gpt_loss(t.model->forward(data.narrow(1, 0, c.block_size)), data.narrow(1, 1, c.block_size)).backward();
+    t.opt->step();
+    t.progress.ints["step"] = 1;
+    ckpt::save(good_.string(), t.state());
+  }
+  fs::path good_;
+};
+
+TEST_F(CheckpointErrors, DirectoryWithoutCommittedCheckpoint) {
+  fs::create_directories(root_ / "empty");
+  auto t = local_trainer();
+  EXPECT_NE(error_of([&] { ckpt::load((root_ / "empty").string(), t.state()); }).find("no committed checkpoint"), std::string::npos);
+  EXPECT_NE(error_of([&] { ckpt::load((root_ / "absent").string(), t.state()); }).find("does not exist"), std::string::npos);
+  EXPECT_FALSE(ckpt::is_committed((root_ / "empty").string()));
+  EXPECT_EQ(ckpt::latest_checkpoint(root_.string()), good_.string());
+}
+
+TEST_F(CheckpointErrors, FlippedByteFailsTheChecksum) {
+  const auto file = only_data_file(good_);
+  std::string bytes = read_text(file);
+  bytes[bytes.size() - 100] ^= 0x10;
+  write_text(file, bytes);
+  auto t = local_trainer();
+  EXPECT_NE(error_of([&] { ckpt::load(good_.string(), t.state()); }).find("checksum mismatch"), std::string::npos);
+}
+
+TEST_F(CheckpointErrors, TruncatedOrOversizedHeaderFile) {
+  const auto file = only_data_file(good_);
+  const std::string bytes = read_text(file);
+  write_text(file, bytes.substr(0, bytes.size() - 10));
+  auto t = local_trainer();
+  std::string message = error_of([&] { ckpt::load(good_.string(), t.state()); });
+  EXPECT_NE(message.find(file.filename().string()), std::string::npos) << message;
+
+  std::string huge = bytes;
+  const uint64_t n = 1ull << 40;  // header "longer" than the file
+  std::memcpy(huge.data(), &n, 8);
+  write_text(file, huge);
+  message = error_of([&] { ckpt::load(good_.string(), t.state()); });
+  EXPECT_NE(message.find(file.filename().string()), std::string::npos) << message;
+}
+
+TEST_F(CheckpointErrors, DamagedIndex) {
+  const auto index = good_ / "index.json";
+  const std::string text = read_text(index);
+  write_text(index, text.substr(0, text.size() / 2));
+  auto t = local_trainer();
+  EXPECT_NE(error_of([&] { ckpt::load(good_.string(), t.state()); }).find("damaged"), std::string::npos);
+  // Chunks that no longer tile the tensor (an overlapping / out-of-range offset).
+  std::string shifted = text;
+  const auto at = shifted.find("\"row_offset\": 0");
+  ASSERT_NE(at, std::string::npos);
+  shifted.replace(at, 15, "\"row_offset\": 1");
+  write_text(index, shifted);
+  EXPECT_NE(error_of([&] { ckpt::load(good_.string(), t.state()); }).find("does not hold all rows"), std::string::npos);
+}
+
+TEST_F(CheckpointErrors, AnotherModelIsRefused) {
+  auto c = uneven_config();
+  c.n_layer = 3;
+  torch::manual_seed(0);
+  GPT deeper(c);
+  std::string message = error_of([&] { ckpt::load(good_.string(), ckpt::State{deeper.ptr()}); });
+  EXPECT_NE(message.find("does not match the model"), std::string::npos) << message;
+  EXPECT_NE(message.find("model.blocks.2"), std::string::npos) << message;
+
+  c = uneven_config();
+  c.n_embd = 24;
+  GPT wider(c);
+  message = error_of([&] { ckpt::load(good_.string(), ckpt::State{wider.ptr()}); });
+  EXPECT_NE(message.find("another model configuration"), std::string::npos) << message;
+
+  auto doubled = local_trainer();
+  doubled.model->to(at::kDouble);
+  message = error_of([&] { ckpt::load(good_.string(), ckpt::State{doubled.model.ptr()}); });
+  EXPECT_NE(message.find("is F32"), std::string::npos) << message;
+}
+
+TEST_F(CheckpointErrors, NonStrictLoadsTheCommonKeys) {
+  auto c = uneven_config();
+  c.n_layer = 1;
+  torch::manual_seed(0);
+  GPT shallower(c);
+  ckpt::LoadOptions options;
+  options.strict = false;
+  ckpt::load(good_.string(), ckpt::State{shallower.ptr()}, options);
+  auto full = local_trainer();
+  ckpt::load(good_.string(), full.state());
+  for (const auto& p : shallower->named_parameters())
+    EXPECT_TRUE(at::equal(p.value(), full.model->named_parameters()[p.key()])) << p.key();
+}

@@ -49,7 +49,9 @@ std::string encode_file_chunks(const std::vector<FileChunk>& chunks) {
 std::vector<FileChunk> decode_file_chunks(const std::string& text, const std::string& source) {
   return parse_or_throw(source, [&] {
     std::vector<FileChunk> chunks;
-    for (const auto& [key, entry] : json::parse(text).items()) {
+    // Named: a range-for does not extend the life of parse()'s temporary behind items() (C++20).
+    const json parsed = json::parse(text);
+    for (const auto& [key, entry] : parsed.items()) {
       FileChunk c;
       c.key = key;
       c.dtype = entry.at("dtype").get<std::string>();

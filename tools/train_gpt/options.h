@@ -20,7 +20,7 @@ struct Options {
   // optimisation
   int64_t batch_size = 16;  // global sequences per optimizer step
   int64_t grad_accum = 1;
-  int64_t steps = 300;
+  int64_t steps = 600;
   double lr = 3e-3;
   int64_t warmup = 20;
   double weight_decay = 0.1;

@@ -15,8 +15,11 @@ PACKAGES=(
   libopenblas0-pthread  # otherwise Debian's libtorch runs on the reference BLAS (~12x slower)
   cmake ninja-build g++ ccache
   libgtest-dev          # GoogleTest
-  nlohmann-json3-dev    # safetensors header JSON (header-only, private to the library)
+  nlohmann-json3-dev    # safetensors header JSON (library, private); train_gpt's metrics file
   zlib1g-dev            # crc32 of checkpoint files
+  libcli11-dev          # train_gpt's command line (CLI11)
+  fortunes              # train_gpt's default corpus: /usr/share/games/fortunes/cookie (245 KB of English)
+  gnuplot-nox           # tools/plot: metrics -> PNG
 )
 
 missing=()

@@ -1,0 +1,374 @@
+// train_gpt end to end: the real trainer, alone (--parallel none) and under the real fsdprun,
+// on tiny models so that each run takes seconds. Every run is bounded by a timeout.
+#include <gtest/gtest.h>
+#include <signal.h>
+#include <stdlib.h>
+
+#include <chrono>
+#include <cmath>
+#include <filesystem>
+#include <fstream>
+#include <map>
+#include <sstream>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include <nlohmann/json.hpp>
+
+#include "subprocess.h"
+#include "fsdp/checkpoint/safetensors.h"
+
+namespace {
+
+using namespace std::chrono_literals;
+using fsdp::testing::Child;
+using fsdp::testing::ProcessResult;
+using fsdp::testing::ProcessSpec;
+using fsdp::testing::run_process;
+namespace fs = std::filesystem;
+
+const std::string kFsdprun = FSDPRUN_PATH;
+const std::string kTrainGpt = TRAIN_GPT_PATH;
+
+const std::vector<std::string> kScrub = {"RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
+                                         "TORCHELASTIC_RESTART_COUNT", "TORCHELASTIC_USE_AGENT_STORE",
+                                         "FSDP_TEST_KILL_AT_STEP", "FSDP_TEST_KILL_RANK"};
+
+struct TempDir {
+  std::string path;
+  TempDir() {
+    std::string tmpl = (fs::temp_directory_path() / "train_gpt_test_XXXXXX").string();
+    if (mkdtemp(tmpl.data()) == nullptr) throw std::runtime_error("mkdtemp failed");
+    path = tmpl;
+  }
+  ~TempDir() {
+    std::error_code ec;
+    fs::remove_all(path, ec);
+  }
+  std::string operator/(const std::string& name) const { return (fs::path(path) / name).string(); }
+};
+
+// `name value` replaced or appended (options may be given once only); "--resume" appended.
+std::vector<std::string> apply(std::vector<std::string> args, const std::vector<std::string>& extra);
+std::vector<std::string> set_arg(std::vector<std::string> args, const std::string& name, const std::string& value) {
+  for (size_t i = 0; i + 1 < args.size(); ++i) {
+    if (args[i] == name) {
+      args[i + 1] = value;
+      return args;
+    }
+  }
+  args.push_back(name);
+  args.push_back(value);
+  return args;
+}
+
+std::vector<std::string> apply(std::vector<std::string> args, const std::vector<std::string>& extra) {
+  for (size_t i = 0; i < extra.size(); ++i) {
+    if (extra[i] == "--resume") {
+      args.push_back("--resume");
+    } else {
+      args = set_arg(args, extra[i], extra.at(i + 1));
+      ++i;
+    }
+  }
+  return args;
+}
+
+// A tiny model on synthetic data: a run of a few steps takes about a second.
+std::vector<std::string> tiny(const std::string& metrics, const std::vector<std::string>& extra = {}) {
+  std::vector<std::string> a = {"--data",      "synthetic", "--layers",   "2",  "--dim",           "32",
+                                "--heads",     "2",         "--seq-len",  "16", "--batch-size",    "8",
+                                "--steps",     "6",         "--warmup",   "2",  "--eval-every",    "0",
+                                "--sample-tokens", "0",     "--checkpoint-dir", "", "--metrics",   metrics};
+  return apply(a, extra);
+}
+
+ProcessSpec spec_of(std::vector<std::string> argv, std::chrono::milliseconds timeout) {
+  ProcessSpec spec;
+  spec.argv = std::move(argv);
+  spec.env_unset = kScrub;
+  spec.env_set["OMP_NUM_THREADS"] = "1";  // same threads in every mode: same float results
+  spec.timeout = timeout;
+  return spec;
+}
+
+ProcessResult alone(const std::vector<std::string>& args, std::chrono::milliseconds timeout = 120s) {
+  std::vector<std::string> argv = {kTrainGpt, "--parallel", "none"};
+  argv.insert(argv.end(), args.begin(), args.end());
+  return run_process(spec_of(argv, timeout));
+}
+
+std::vector<std::string> fsdprun_argv(int n, const std::vector<std::string>& args, const std::vector<std::string>& launcher = {}) {
+  std::vector<std::string> argv = {kFsdprun, "--nproc-per-node", std::to_string(n), "--master-port", "0"};
+  argv.insert(argv.end(), launcher.begin(), launcher.end());
+  argv.push_back("--");
+  argv.push_back(kTrainGpt);
+  argv.insert(argv.end(), args.begin(), args.end());
+  return argv;
+}
+
+ProcessResult ranks(int n, const std::vector<std::string>& args, std::chrono::milliseconds timeout = 120s) {
+  return run_process(spec_of(fsdprun_argv(n, args), timeout));
+}
+
+std::vector<nlohmann::json> read_metrics(const std::string& path) {
+  std::vector<nlohmann::json> lines;
+  std::ifstream in(path);
+  std::string line;
+  while (std::getline(in, line)) lines.push_back(nlohmann::json::parse(line));
+  return lines;
+}
+
+std::vector<double> losses(const std::string& path) {
+  std::vector<double> out;
+  for (const auto& j : read_metrics(path)) {
+    if (j.contains("loss") && !j.value("summary", false)) out.push_back(j["loss"].get<double>());
+  }
+  return out;
+}
+
+void expect_close(const std::vector<double>& a, const std::vector<double>& b, double rel) {
+  ASSERT_EQ(a.size(), b.size());
+  for (size_t i = 0; i < a.size(); ++i) {
+    EXPECT_LE(std::abs(a[i] - b[i]), rel * std::abs(b[i])) << "step " << i + 1 << ": " << a[i] << " vs " << b[i];
+  }
+}
+
+size_t count(const std::string& s, const std::string& what) {
+  size_t n = 0;
+  for (auto p = s.find(what); p != std::string::npos; p = s.find(what, p + 1)) ++n;
+  return n;
+}
+
+TEST(TrainGpt, HelpDocumentsEveryOption) {
+  auto r = run_process(spec_of({kTrainGpt, "--help"}, 30s));
+  ASSERT_TRUE(r.ok()) << r.output;
+  for (const char* opt : {"--data", "--layers", "--dim", "--heads", "--seq-len", "--batch-size", "--grad-accum", "--steps",
+                          "--lr", "--warmup", "--weight-decay", "--clip", "--seed", "--parallel", "--shard-size",
+                          "--mixed-precision", "--reshard-after-forward", "--checkpoint-dir", "--checkpoint-every",
+                          "--resume", "--eval-every", "--sample-tokens", "--metrics"}) {
+    EXPECT_NE(r.output.find(opt), std::string::npos) << opt << " missing from --help:\n" << r.output;
+  }
+}
+
+// Each bad command stops before any work with exit status 2 and one line naming the problem.
+TEST(TrainGpt, InvalidOptionsFailWithOneLine) {
+  TempDir dir;
+  struct Case {
+    std::vector<std::string> args;
+    std::string message;
+  };
+  const std::vector<Case> cases = {
+      {{"--heads", "3", "--dim", "32"}, "train_gpt: error: --heads 3 does not divide --dim 32"},
+      {{"--batch-size", "8", "--grad-accum", "3"}, "train_gpt: error: --grad-accum 3 does not divide --batch-size 8"},
+      {{"--data", dir / "missing.txt"}, "train_gpt: error: cannot read data file '" + (dir / "missing.txt") + "'"},
+      {{"--parallel", "hsdp"}, "train_gpt: error: --parallel hsdp needs HSDP (2-D mesh fully_shard), not available in this build"},
+      {{"--parallel", "replicate"}, "train_gpt: error: --parallel replicate needs fsdp::replicate, not available in this build"},
+      {{"--parallel", "bogus"}, "train_gpt: error: --parallel: bogus not in {fsdp,hsdp,replicate,none}"},
+      {{"--steps", "0"}, "train_gpt: error: --steps: must be a number >= 1, not '0'"},
+      {{"--no-such-option"}, "train_gpt: error: The following argument was not expected: --no-such-option"},
+  };
+  for (const auto& c : cases) {
+    std::vector<std::string> argv = {kTrainGpt, "--checkpoint-dir", "", "--metrics", ""};
+    argv.insert(argv.end(), c.args.begin(), c.args.end());
+    auto r = run_process(spec_of(argv, 30s));
+    EXPECT_EQ(r.exit_code, 2) << r.output;
+    EXPECT_EQ(r.output.rfind(c.message, 0), 0u) << "expected: " << c.message << "\ngot: " << r.output;
+    EXPECT_EQ(count(r.output, "\n"), 1u) << r.output;
+  }
+  // The world size matters: 2 ranks x grad-accum 2 do not divide a batch of 6.
+  auto r = ranks(2, tiny("", {"--batch-size", "6", "--grad-accum", "2"}), 60s);
+  EXPECT_NE(r.exit_code, 0) << r.output;
+  EXPECT_NE(r.output.find("train_gpt: error: --batch-size 6 is not divisible by world size 2 x --grad-accum 2 = 4"),
+            std::string::npos)
+      << r.output;
+  EXPECT_EQ(r.output.find("step "), std::string::npos) << "trained before failing:\n" << r.output;
+}
+
+// One process without a process group and FSDP on 2 ranks see the same global batches and give
+// the same losses (float32, 1e-5 relative), with and without gradient accumulation.
+TEST(TrainGpt, NoneAndFsdpTwoRanksGiveTheSameLosses) {
+  TempDir dir;
+  auto a = alone(tiny(dir / "none.jsonl"));
+  ASSERT_TRUE(a.ok()) << a.output;
+  auto b = ranks(2, tiny(dir / "fsdp.jsonl"));
+  ASSERT_TRUE(b.ok()) << b.output;
+  auto c = ranks(2, tiny(dir / "fsdp_accum.jsonl", {"--grad-accum", "2"}));
+  ASSERT_TRUE(c.ok()) << c.output;
+  const auto reference = losses(dir / "none.jsonl");
+  ASSERT_EQ(reference.size(), 6u);
+  EXPECT_LT(reference.back(), reference.front()) << "not learning";
+  expect_close(losses(dir / "fsdp.jsonl"), reference, 1e-5);
+  expect_close(losses(dir / "fsdp_accum.jsonl"), reference, 1e-5);
+}
+
+TEST(TrainGpt, MetricsFileHasEveryFieldAndASummary) {
+  TempDir dir;
+  auto r = ranks(2, tiny(dir / "m.jsonl", {"--eval-every", "3", "--sample-tokens", "20"}));
+  ASSERT_TRUE(r.ok()) << r.output;
+  auto lines = read_metrics(dir / "m.jsonl");
+  ASSERT_EQ(lines.size(), 7u);
+  for (int s = 0; s < 6; ++s) {
+    const auto& j = lines[s];
+    EXPECT_EQ(j["step"].get<int>(), s + 1);
+    for (const char* key : {"loss", "lr", "grad_norm", "step_time_s", "tokens_per_s", "comm_bytes", "param_bytes",
+                            "grad_bytes", "optim_bytes", "peak_rss_bytes", "max_peak_rss_bytes"}) {
+      EXPECT_TRUE(j.contains(key)) << key << " missing: " << j.dump();
+    }
+    EXPECT_GT(j["comm_bytes"].get<int64_t>(), 0);
+    EXPECT_GE(j["max_peak_rss_bytes"].get<int64_t>(), j["peak_rss_bytes"].get<int64_t>());
+    EXPECT_EQ(j.contains("val_loss"), s == 2 || s == 5) << j.dump();
+  }
+  EXPECT_TRUE(lines[6]["summary"].get<bool>());
+  EXPECT_GT(lines[6]["median_step_time_s"].get<double>(), 0.0);
+  EXPECT_NE(r.output.find("[rank0]: ---- sample"), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("[rank0]: step     6/6"), std::string::npos) << r.output;
+}
+
+TEST(TrainGpt, Bf16MixedPrecisionTrains) {
+  TempDir dir;
+  // English-like text: its byte statistics are learnt within a few steps.
+  {
+    std::ofstream text(dir / "text.txt");
+    for (int i = 0; i < 400; ++i) text << "the quick brown fox " << i << " jumps over the lazy dog.\n";
+  }
+  const std::vector<std::string> longer = {"--data", dir / "text.txt", "--steps", "20", "--lr", "0.01", "--warmup", "5"};
+  auto fp32 = ranks(2, tiny(dir / "fp32.jsonl", longer));
+  ASSERT_TRUE(fp32.ok()) << fp32.output;
+  auto extra = longer;
+  extra.insert(extra.end(), {"--mixed-precision", "bf16"});
+  auto r = ranks(2, tiny(dir / "bf16.jsonl", extra));
+  ASSERT_TRUE(r.ok()) << r.output;
+  auto l = losses(dir / "bf16.jsonl"), ref = losses(dir / "fp32.jsonl");
+  ASSERT_EQ(l.size(), 20u);
+  EXPECT_LT(l.back(), l.front() * 0.9) << "bf16 is not learning";
+  EXPECT_NEAR(l.back(), ref.back(), 0.05 * ref.back()) << "bf16 drifts from fp32";
+}
+
+// A checkpoint's data files by writing rank ("data-<save id>-rankNNNNN.safetensors"; the save id
+// differs between runs).
+std::map<std::string, std::string> data_files(const std::string& dir) {
+  std::map<std::string, std::string> out;
+  for (const auto& e : fs::directory_iterator(dir)) {
+    const std::string name = e.path().filename().string();
+    const auto r = name.rfind("-rank");
+    if (e.path().extension() == ".safetensors" && r != std::string::npos) out[name.substr(r)] = e.path().string();
+  }
+  return out;
+}
+
+// Every tensor of every data file of two checkpoints, bit for bit.
+void expect_same_checkpoint_tensors(const std::string& a, const std::string& b) {
+  const auto fa = data_files(a), fb = data_files(b);
+  ASSERT_FALSE(fa.empty()) << "no data files in " << a;
+  ASSERT_EQ(fa.size(), fb.size());
+  for (const auto& [rank, path] : fa) {
+    ASSERT_TRUE(fb.count(rank)) << rank << " missing in " << b;
+    fsdp::safetensors::Reader ra(path), rb(fb.at(rank));
+    ASSERT_EQ(ra.header().tensors.size(), rb.header().tensors.size()) << path;
+    for (const auto& t : ra.header().tensors) {
+      auto x = ra.read(t.name), y = rb.read(t.name);
+      EXPECT_TRUE(x.sizes() == y.sizes() && x.scalar_type() == y.scalar_type() && x.equal(y))
+          << t.name << " differs (" << rank << ")";
+    }
+  }
+}
+
+std::vector<std::string> with_checkpoints(const std::string& metrics, const std::string& ckpt,
+                                          const std::vector<std::string>& extra = {}) {
+  return apply(tiny(metrics, {"--checkpoint-dir", ckpt, "--checkpoint-every", "2"}), extra);
+}
+
+// A run resumed from its step-4 checkpoint continues the same data stream and optimizer state:
+// same world size, bitwise the same losses; another world size (--parallel none), 1e-5.
+TEST(TrainGpt, ResumeContinuesTheUninterruptedRun) {
+  TempDir dir;
+  auto a = ranks(2, with_checkpoints(dir / "a.jsonl", dir / "a"));
+  ASSERT_TRUE(a.ok()) << a.output;
+  const auto reference = losses(dir / "a.jsonl");
+  ASSERT_EQ(reference.size(), 6u);
+  for (const char* step : {"step_000002", "step_000004", "step_000006"}) {
+    EXPECT_TRUE(fs::exists(fs::path(dir / "a") / step / "index.json")) << step;
+  }
+  // Two copies of the checkpoints up to step 4; resume each.
+  for (const char* name : {"b", "c"}) {
+    fs::create_directories(dir / name);
+    for (const char* step : {"step_000002", "step_000004"}) {
+      fs::copy(fs::path(dir / "a") / step, fs::path(dir / name) / step, fs::copy_options::recursive);
+    }
+    std::ofstream(dir / (std::string(name) + ".jsonl")) << "{\"step\":1,\"loss\":9}\n";  // replaced up to step 4
+  }
+  auto b = ranks(2, with_checkpoints(dir / "b.jsonl", dir / "b", {"--resume"}));
+  ASSERT_TRUE(b.ok()) << b.output;
+  EXPECT_NE(b.output.find("resumed " + (dir / "b") + "/step_000004 at step 4"), std::string::npos) << b.output;
+  auto resumed = losses(dir / "b.jsonl");
+  ASSERT_EQ(resumed.size(), 3u);  // the kept line of step 1, then steps 5 and 6
+  EXPECT_EQ(resumed[1], reference[4]);
+  EXPECT_EQ(resumed[2], reference[5]);
+  expect_same_checkpoint_tensors(fs::path(dir / "a") / "step_000006", fs::path(dir / "b") / "step_000006");
+
+  auto c = alone(with_checkpoints(dir / "c.jsonl", dir / "c", {"--resume"}));
+  ASSERT_TRUE(c.ok()) << c.output;
+  auto other_world = losses(dir / "c.jsonl");
+  ASSERT_EQ(other_world.size(), 3u);
+  expect_close({other_world[1], other_world[2]}, {reference[4], reference[5]}, 1e-5);
+}
+
+TEST(TrainGpt, ResumingAnotherModelShapeFailsWithOneLine) {
+  TempDir dir;
+  auto a = alone(with_checkpoints(dir / "a.jsonl", dir / "ckpt", {"--steps", "2"}));
+  ASSERT_TRUE(a.ok()) << a.output;
+  auto args = with_checkpoints(dir / "b.jsonl", dir / "ckpt", {"--resume", "--dim", "48"});
+  std::vector<std::string> argv = {kTrainGpt, "--parallel", "none"};
+  argv.insert(argv.end(), args.begin(), args.end());
+  auto r = run_process(spec_of(argv, 60s));
+  EXPECT_EQ(r.exit_code, 2) << r.output;
+  EXPECT_EQ(r.output.rfind("train_gpt: error: checkpoint " + (dir / "ckpt") + "/step_000002 is of another model shape: ", 0), 0u)
+      << r.output;
+  EXPECT_EQ(count(r.output, "\n"), 1u) << r.output;
+}
+
+// The fault-tolerance check: under fsdprun --max-restarts 1, rank 1 SIGKILLs itself
+// before step 4 (FSDP_TEST_KILL_AT_STEP=3); the launcher stops rank 0 and restarts the group,
+// which resumes from step_000002; the final parameters and optimizer state equal an
+// uninterrupted run's bit for bit.
+TEST(TrainGpt, KilledRankRestartsFromTheLastCheckpoint) {
+  TempDir dir;
+  auto a = ranks(2, with_checkpoints(dir / "a.jsonl", dir / "a"));
+  ASSERT_TRUE(a.ok()) << a.output;
+  auto spec = spec_of(fsdprun_argv(2, with_checkpoints(dir / "b.jsonl", dir / "b", {"--resume"}),
+                                   {"--max-restarts", "1", "--grace-period-s", "5"}),
+                      180s);
+  spec.env_set["FSDP_TEST_KILL_AT_STEP"] = "3";
+  auto b = run_process(spec);
+  ASSERT_TRUE(b.ok()) << b.output;
+  EXPECT_NE(b.output.find("rank 1 kills itself"), std::string::npos) << b.output;
+  EXPECT_NE(b.output.find("resumed " + (dir / "b") + "/step_000002 at step 2"), std::string::npos) << b.output;
+  EXPECT_EQ(losses(dir / "b.jsonl"), losses(dir / "a.jsonl"));
+  expect_same_checkpoint_tensors(fs::path(dir / "a") / "step_000006", fs::path(dir / "b") / "step_000006");
+}
+
+// SIGINT to fsdprun reaches the ranks; they agree at the next step boundary, save and exit 0.
+TEST(TrainGpt, SigintSavesACheckpointAndExitsCleanly) {
+  TempDir dir;
+  auto args = with_checkpoints(dir / "m.jsonl", dir / "ckpt", {"--steps", "100000", "--checkpoint-every", "0"});
+  Child child(spec_of(fsdprun_argv(2, args), 120s));
+  const auto deadline = std::chrono::steady_clock::now() + 60s;
+  while (losses(dir / "m.jsonl").size() < 3 && std::chrono::steady_clock::now() < deadline) {
+    child.try_wait();
+    std::this_thread::sleep_for(100ms);
+  }
+  ASSERT_GE(losses(dir / "m.jsonl").size(), 3u) << "no training progress";
+  child.send_signal(SIGINT);
+  auto r = child.wait();
+  EXPECT_FALSE(r.timed_out) << r.output;
+  EXPECT_NE(r.output.find("stopped by a signal after step"), std::string::npos) << r.output;
+  EXPECT_EQ(r.output.find("fsdprun: worker rank"), std::string::npos) << "a rank failed:\n" << r.output;
+  ASSERT_TRUE(fs::exists(dir / "ckpt"));
+  bool committed = false;
+  for (const auto& e : fs::directory_iterator(dir / "ckpt")) committed |= fs::exists(e.path() / "index.json");
+  EXPECT_TRUE(committed) << r.output;
+}
+
+}  // namespace

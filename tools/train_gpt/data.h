@@ -1,0 +1,38 @@
+#pragma once
+// Token streams for train_gpt. The global batch of step s is a pure function of (seed, s): the
+// same sequences whatever the world size, parallel mode or restart; rank r trains on its
+// contiguous slice of it (and micro-batch m on a contiguous slice of that).
+#include <ATen/ATen.h>
+
+#include <cstdint>
+#include <string>
+
+namespace train_gpt {
+
+class TokenSource {
+ public:
+  // `path`: a file read as bytes, the first 90% for training, the rest for validation; or
+  // "synthetic": a learnable byte language drawn from the seed (x[t] follows from x[t-1], x[t-2]).
+  // Throws std::invalid_argument (one line) when the file is unreadable or too short for seq_len.
+  TokenSource(const std::string& path, int64_t seq_len, uint64_t seed);
+
+  // [batch, seq_len + 1] int64: inputs are [:, :-1], targets [:, 1:].
+  at::Tensor train_batch(int64_t step, int64_t batch) const;
+  at::Tensor val_batch(int64_t index, int64_t batch) const;
+  // A short prompt from the validation text (synthetic: two seed tokens) for the final sample.
+  at::Tensor prompt(int64_t max_len) const;
+  std::string describe() const;  // "cookie: 245093 bytes (220583 train, 24510 validation)"
+
+ private:
+  at::Tensor draw(const at::Tensor& tokens, uint64_t stream, int64_t index, int64_t batch) const;
+  std::string path_;
+  bool synthetic_ = false;
+  int64_t seq_len_;
+  uint64_t seed_;
+  at::Tensor train_, val_;  // uint8 bytes (files only)
+};
+
+// Slice of a [B, ...] global batch for rank `rank` of `world`, micro-batch `micro` of `n_micro`.
+at::Tensor local_slice(const at::Tensor& global, int rank, int world, int64_t micro, int64_t n_micro);
+
+}  // namespace train_gpt

@@ -1,0 +1,37 @@
+#pragma once
+// The metrics file (JSON lines, rank 0 only) and the process measurements it reports.
+#include <cstdint>
+#include <fstream>
+#include <string>
+#include <vector>
+
+#include <nlohmann/json.hpp>
+
+namespace train_gpt {
+
+// Peak resident set of this process (getrusage), and the current one (/proc/self/statm).
+int64_t peak_rss_bytes();
+int64_t current_rss_bytes();
+
+class MetricsWriter {
+ public:
+  MetricsWriter() = default;
+  // Opens `path` (creating its folder). A fresh run truncates it; a resumed run keeps the lines
+  // of steps up to `resumed_step` (a restart may have logged steps past its last checkpoint) and
+  // drops the old summary line.
+  void open(const std::string& path, bool resume, int64_t resumed_step);
+  bool is_open() const { return out_.is_open(); }
+  // One line per optimizer step; step_time_s is remembered for the summary.
+  void step(const nlohmann::json& line);
+  // {"summary": true, "median_step_time_s": median over the steps after the first, ...}
+  void summary(nlohmann::json extra);
+
+ private:
+  void write(const nlohmann::json& line);
+  std::ofstream out_;
+  std::vector<double> step_times_;
+};
+
+double median(std::vector<double> v);
+
+}  // namespace train_gpt

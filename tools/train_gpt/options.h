@@ -1,0 +1,56 @@
+#pragma once
+// train_gpt's command line (CLI11). Names are a contract: scripts, tests and the README use them.
+#include <cstdint>
+#include <optional>
+#include <string>
+
+namespace train_gpt {
+
+// The default corpus: plain English text from Debian's `fortunes` package (scripts/setup.sh
+// installs it), so the README's first command works offline on a fresh machine.
+inline constexpr const char* kDefaultCorpus = "/usr/share/games/fortunes/cookie";
+
+struct Options {
+  // data and model
+  std::string data = kDefaultCorpus;  // a file read as bytes, or "synthetic"
+  int64_t layers = 4;
+  int64_t dim = 128;
+  int64_t heads = 4;
+  int64_t seq_len = 128;
+  // optimisation
+  int64_t batch_size = 16;  // global sequences per optimizer step
+  int64_t grad_accum = 1;
+  int64_t steps = 600;
+  double lr = 3e-3;
+  int64_t warmup = 20;
+  double weight_decay = 0.1;
+  double clip = 1.0;  // 0: no clipping
+  uint64_t seed = 0;
+  // parallelism
+  std::string parallel = "fsdp";  // fsdp | hsdp | replicate | none
+  int64_t shard_size = 0;         // HSDP: ranks per shard group (0: the ranks per node)
+  std::string mixed_precision = "fp32";        // fp32 | bf16
+  std::string reshard_after_forward = "default";  // default | true | false
+  // checkpoints, evaluation, output
+  std::string checkpoint_dir = "runs/train_gpt/checkpoints";  // "": no checkpoints
+  int64_t checkpoint_every = 100;  // 0: only at the end and on SIGINT/SIGTERM
+  bool resume = false;
+  int64_t eval_every = 50;  // 0: never
+  int64_t eval_batches = 4;
+  int64_t sample_tokens = 300;
+  std::string metrics = "runs/train_gpt/metrics.jsonl";  // "": none
+
+  bool synthetic() const { return data == "synthetic"; }
+};
+
+// Parses argv. Prints --help / errors itself and returns the exit code in `exit_code` when the
+// program should stop (0 after --help, 2 after a bad command line).
+std::optional<Options> parse_options(int argc, char** argv, int& exit_code);
+
+// Checks that need no process group (ranges, heads | dim, the data file). Throws
+// std::invalid_argument with a one-line message.
+void validate(const Options& o);
+// Checks that need the world size (the global batch splits into ranks x micro-batches).
+void validate_for_world(const Options& o, int world_size);
+
+}  // namespace train_gpt

@@ -1,0 +1,527 @@
+// train_gpt: the reference trainer. A byte-level GPT trained with FSDP2's recipe, in five blocks:
+//
+//   1. init_distributed()    the process group (none with --parallel none)
+//   2. build_model_meta()    GPT on the meta device -> fully_shard blocks, then the root ->
+//                            materialise this rank's shards -> deterministic init
+//   3. build_optimizer()     AdamW over the local shards
+//   4. train_step()          micro-batches (gradient sync on the last), clip, step
+//   5. checkpoint_save() / checkpoint_load()   sharded checkpoints, resumable at any world size
+//
+//   fsdprun --nproc-per-node 2 -- build/bin/train_gpt            # the README's first command
+//   build/bin/train_gpt --parallel none                          # one process, no process group
+//
+// main() at the bottom wires them into the loop: progress on rank 0, validation, metrics file,
+// periodic checkpoints, a clean stop on SIGINT/SIGTERM, a text sample at the end.
+//
+// Test hook (documented in tools/train_gpt/README.md): FSDP_TEST_KILL_AT_STEP=k makes rank
+// FSDP_TEST_KILL_RANK (default 1) SIGKILL itself before step k+1 on the first attempt
+// (TORCHELASTIC_RESTART_COUNT unset or 0), to check the restart-from-checkpoint path.
+#include <signal.h>
+
+#include <chrono>
+#include <cmath>
+#include <csignal>
+#include <cstdio>
+#include <cstdlib>
+#include <filesystem>
+#include <limits>
+#include <map>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "data.h"
+#include "fsdp/checkpoint/checkpoint.h"
+#include "fsdp/fsdp.h"
+#include "lr_schedule.h"
+#include "metrics.h"
+#include "models/gpt.h"
+#include "options.h"
+
+namespace {
+
+using namespace train_gpt;
+using Clock = std::chrono::steady_clock;
+using fsdp::models::GPT;
+using fsdp::models::GPTConfig;
+using Shapes = std::map<std::string, std::vector<int64_t>>;
+
+volatile std::sig_atomic_t g_stop_signal = 0;
+void on_stop_signal(int sig) { g_stop_signal = sig; }
+
+// What the blocks share about the process group.
+struct Run {
+  Options opt;
+  int rank = 0;
+  int world = 1;
+  std::shared_ptr<fsdp::comm::Comm> comm;  // null with --parallel none
+  bool distributed() const { return comm != nullptr; }
+};
+
+struct Model {
+  GPT gpt{nullptr};
+  std::vector<fsdp::FSDPModule> units;  // the blocks, then the root (empty: unsharded)
+  Shapes full_shapes;                   // "model.<fqn>" -> unsharded shape (checkpoint keys)
+  int64_t n_params = 0;
+};
+
+double seconds_since(Clock::time_point t) { return std::chrono::duration<double>(Clock::now() - t).count(); }
+
+// Sum over ranks, in place (a no-op in one process).
+void all_reduce_sum(const Run& run, at::Tensor& t) {
+  if (run.distributed()) run.comm->all_reduce(t, fsdp::comm::ReduceOp::Sum);
+}
+
+// ======================================================================================== 1
+// init_distributed(): join the ranks fsdprun (or torchrun) started. The one place that turns
+// --parallel into a process group / mesh: HSDP and replicate plug in here.
+Run init_distributed(const Options& o) {
+  Run run;
+  run.opt = o;
+  if (o.parallel == "hsdp" || o.parallel == "replicate") {
+    throw std::invalid_argument("--parallel " + o.parallel + " needs " +
+                                (o.parallel == "hsdp" ? std::string("HSDP (2-D mesh fully_shard)")
+                                                      : std::string("fsdp::replicate")) +
+                                ", not available in this build; use --parallel fsdp or none");
+  }
+  if (o.parallel == "none") {
+    // One process, no process group: a plain module (fsdp::call is forward). Threads: the
+    // launcher's OMP_NUM_THREADS when set, else every core.
+    if (std::getenv("OMP_NUM_THREADS") == nullptr) at::set_num_threads(fsdp::dist::default_omp_threads(1));
+    return run;
+  }
+  fsdp::dist::init_distributed();
+  run.rank = fsdp::dist::rank();
+  run.world = fsdp::dist::world_size();
+  run.comm = fsdp::dist::world_comm();
+  if (std::getenv("OMP_NUM_THREADS") == nullptr) {
+    at::set_num_threads(fsdp::dist::default_omp_threads(fsdp::dist::local_world_size()));
+  }
+  return run;
+}
+
+// ======================================================================================== 2
+// build_model_meta(): construct on meta (no memory), shard block by block then the root,
+// allocate only this rank's shards, initialise them to the unsharded model's values.
+Model build_model_meta(const Run& run) {
+  const Options& o = run.opt;
+  GPTConfig config;
+  config.vocab_size = 256;  // bytes
+  config.block_size = o.seq_len;
+  config.n_layer = o.layers;
+  config.n_head = o.heads;
+  config.n_embd = o.dim;
+  config.init_seed = o.seed;
+  config.device = torch::kMeta;
+  config.validate();
+
+  Model m;
+  m.gpt = GPT(config);
+  for (const auto& p : m.gpt->named_parameters()) {
+    m.full_shapes["model." + p.key()] = p.value().sizes().vec();
+    m.n_params += p.value().numel();
+  }
+  if (run.distributed()) {
+    fsdp::FullyShardOptions so;
+    if (o.mixed_precision == "bf16") {
+      so.mp_policy.param_dtype = at::kBFloat16;  // gather and compute in bf16
+      so.mp_policy.reduce_dtype = at::kFloat;    // reduce gradients in fp32; fp32 master shards
+    }
+    if (o.reshard_after_forward != "default") so.reshard_after_forward = o.reshard_after_forward == "true";
+    for (auto& block : m.gpt->blocks) m.units.push_back(fsdp::fully_shard(block, so));  // blocks first,
+    m.units.push_back(fsdp::fully_shard(m.gpt, so));                                    // then the root
+  }
+  fsdp::to_empty(*m.gpt, torch::kCPU);  // this rank's shards only
+  m.gpt->reset_parameters();            // fsdp::init: same values for any world size
+  return m;
+}
+
+// ======================================================================================== 3
+// build_optimizer(): AdamW over model->parameters(), which after fully_shard are the local shards.
+std::unique_ptr<torch::optim::AdamW> build_optimizer(const Run& run, Model& m) {
+  auto opt = std::make_unique<torch::optim::AdamW>(
+      m.gpt->parameters(),
+      torch::optim::AdamWOptions(run.opt.lr).betas({0.9, 0.95}).weight_decay(run.opt.weight_decay));
+  if (run.distributed()) fsdp::check_optimizer_params(*opt);
+  return opt;
+}
+
+// ======================================================================================== 4
+// train_step(): one optimizer step on the global batch of `step`. This rank takes its contiguous
+// slice, split into --grad-accum micro-batches; gradients are reduce-scattered only after the
+// last one (FSDP2's set_requires_gradient_sync), then clipped over all ranks' shards.
+struct StepResult {
+  double local_loss = 0;  // this rank's mean loss over its slice
+  double grad_norm = 0;   // global, before clipping
+};
+
+StepResult train_step(const Run& run, Model& m, torch::optim::AdamW& opt, const TokenSource& data, int64_t step,
+                      double lr) {
+  const Options& o = run.opt;
+  for (auto& group : opt.param_groups()) static_cast<torch::optim::AdamWOptions&>(group.options()).lr(lr);
+  opt.zero_grad();
+  const at::Tensor global = data.train_batch(step, o.batch_size);
+  StepResult r;
+  for (int64_t micro = 0; micro < o.grad_accum; ++micro) {
+    if (!m.units.empty()) m.units.back().set_requires_gradient_sync(micro == o.grad_accum - 1);
+    const at::Tensor batch = local_slice(global, run.rank, run.world, micro, o.grad_accum);
+    auto logits = fsdp::call(m.gpt, batch.narrow(1, 0, o.seq_len));
+    auto loss = fsdp::models::gpt_loss(logits.to(at::kFloat), batch.narrow(1, 1, o.seq_len)) / o.grad_accum;
+    loss.backward();
+    r.local_loss += loss.item<double>();
+  }
+  const double max_norm = o.clip > 0 ? o.clip : std::numeric_limits<double>::infinity();
+  r.grad_norm = run.distributed() ? fsdp::clip_grad_norm_(m.gpt->parameters(), max_norm)
+                                  : torch::nn::utils::clip_grad_norm_(m.gpt->parameters(), max_norm);
+  opt.step();
+  return r;
+}
+
+// ======================================================================================== 5
+// checkpoint_save() / checkpoint_load(): sharded checkpoints <dir>/step_NNNNNN (one file per
+// rank + index.json, committed last). The model, AdamW's state and the trainer's position (the
+// step: the data stream is a function of (seed, step)) travel together; load reshards to the
+// current world size.
+struct TrainerScalars : fsdp::checkpoint::ScalarState {
+  TrainerScalars() {
+    ints["step"] = 0;
+    ints["seed"] = 0;
+  }
+};
+
+std::string step_dir(const std::string& root, int64_t step) {
+  char name[32];
+  std::snprintf(name, sizeof name, "step_%06lld", static_cast<long long>(step));
+  return (std::filesystem::path(root) / name).string();
+}
+
+std::string checkpoint_save(const Run& run, Model& m, torch::optim::AdamW& opt, int64_t step) {
+  const std::string dir = step_dir(run.opt.checkpoint_dir, step);
+  TrainerScalars scalars;
+  scalars.ints["step"] = step;
+  scalars.ints["seed"] = static_cast<int64_t>(run.opt.seed);
+  fsdp::checkpoint::save(dir, fsdp::checkpoint::State{m.gpt.ptr(), &opt, {{"trainer", &scalars}}});
+  return dir;
+}
+
+// Returns the number of steps the checkpoint had completed.
+int64_t checkpoint_load(const Run& run, Model& m, torch::optim::AdamW& opt, const std::string& dir) {
+  TrainerScalars scalars;
+  fsdp::checkpoint::load(dir, fsdp::checkpoint::State{m.gpt.ptr(), &opt, {{"trainer", &scalars}}});
+  if (scalars.ints["seed"] != static_cast<int64_t>(run.opt.seed) && run.rank == 0) {
+    std::printf("note: %s was trained with --seed %lld; continuing with --seed %llu changes the data order\n",
+                dir.c_str(), static_cast<long long>(scalars.ints["seed"]), static_cast<unsigned long long>(run.opt.seed));
+  }
+  return scalars.ints["step"];
+}
+
+// Resuming a checkpoint of another model shape is an error before any work (one line).
+void check_checkpoint_shapes(const std::string& dir, const Shapes& expected) {
+  const auto saved = fsdp::checkpoint::describe(dir);
+  auto shape_str = [](const std::vector<int64_t>& s) {
+    std::string out = "[";
+    for (size_t i = 0; i < s.size(); ++i) out += (i ? ", " : "") + std::to_string(s[i]);
+    return out + "]";
+  };
+  for (const auto& [key, shape] : expected) {
+    auto it = saved.find(key);
+    if (it == saved.end()) {
+      throw std::invalid_argument("checkpoint " + dir + " is of another model shape: it has no " + key +
+                                  " (resume with the options it was trained with, or another --checkpoint-dir)");
+    }
+    if (it->second.global_shape != shape) {
+      throw std::invalid_argument("checkpoint " + dir + " is of another model shape: " + key + " is " +
+                                  shape_str(it->second.global_shape) + " there, " + shape_str(shape) +
+                                  " here (resume with the same --layers/--dim/--heads/--seq-len, or another "
+                                  "--checkpoint-dir)");
+    }
+  }
+  for (const auto& [key, meta] : saved) {
+    if (key.rfind("model.", 0) == 0 && !expected.count(key)) {
+      throw std::invalid_argument("checkpoint " + dir + " is of another model shape: it has " + key +
+                                  ", this model does not (resume with the same --layers, or another --checkpoint-dir)");
+    }
+  }
+}
+
+// ---------------------------------------------------------------------------------- the rest
+
+// Mean validation loss over --eval-batches global batches (all ranks take part).
+double evaluate(const Run& run, Model& m, const TokenSource& data) {
+  const Options& o = run.opt;
+  torch::NoGradGuard no_grad;
+  double sum = 0;
+  for (int64_t i = 0; i < o.eval_batches; ++i) {
+    const at::Tensor global = data.val_batch(i, o.batch_size);
+    for (int64_t micro = 0; micro < o.grad_accum; ++micro) {
+      const at::Tensor batch = local_slice(global, run.rank, run.world, micro, o.grad_accum);
+      auto logits = fsdp::call(m.gpt, batch.narrow(1, 0, o.seq_len));
+      sum += fsdp::models::gpt_loss(logits.to(at::kFloat), batch.narrow(1, 1, o.seq_len)).item<double>();
+    }
+  }
+  for (auto& u : m.units) u.reshard();  // no backward follows: free what forward kept
+  at::Tensor t = at::full({1}, sum, at::kDouble);
+  all_reduce_sum(run, t);
+  return t.item<double>() / static_cast<double>(o.eval_batches * o.grad_accum * run.world);
+}
+
+// Samples --sample-tokens bytes after a prompt from the validation text (temperature 0.8). Every
+// rank runs the forwards (the all-gathers need them all); rank 0's choice is broadcast.
+std::string sample_text(const Run& run, Model& m, const TokenSource& data) {
+  const Options& o = run.opt;
+  torch::NoGradGuard no_grad;
+  at::Tensor ctx = data.prompt(std::min<int64_t>(48, o.seq_len));
+  auto gen = at::detail::createCPUGenerator(o.seed + 12345);
+  std::string out;
+  auto printable = [](int64_t b) { return (b == '\n' || b == '\t' || (b >= 32 && b < 127)) ? static_cast<char>(b) : '?'; };
+  for (int64_t i = 0; i < ctx.size(1); ++i) out += printable(ctx[0][i].item<int64_t>());
+  out += "|";  // where the model takes over
+  for (int64_t i = 0; i < o.sample_tokens; ++i) {
+    const int64_t len = ctx.size(1);
+    at::Tensor window = ctx.narrow(1, std::max<int64_t>(0, len - o.seq_len), std::min(len, o.seq_len));
+    auto logits = fsdp::call(m.gpt, window).to(at::kFloat);
+    auto probs = at::softmax(logits[0][-1] / 0.8, -1);
+    at::Tensor next = at::multinomial(probs, 1, false, gen).to(at::kLong);
+    if (run.distributed()) run.comm->broadcast(next, 0);
+    ctx = at::cat({ctx, next.view({1, 1})}, 1);
+    out += printable(next.item<int64_t>());
+  }
+  for (auto& u : m.units) u.reshard();
+  return out;
+}
+
+int64_t tensor_bytes(const std::vector<at::Tensor>& ts) {
+  int64_t n = 0;
+  for (const auto& t : ts) {
+    if (t.defined()) n += t.numel() * static_cast<int64_t>(t.element_size());
+  }
+  return n;
+}
+
+int64_t optimizer_bytes(torch::optim::AdamW& opt) {
+  int64_t n = 0;
+  for (const auto& [key, state] : opt.state()) {
+    auto& s = static_cast<torch::optim::AdamWParamState&>(*state);
+    n += tensor_bytes({s.exp_avg(), s.exp_avg_sq(), s.max_exp_avg_sq()}) + static_cast<int64_t>(sizeof(int64_t));
+  }
+  return n;
+}
+
+std::string fmt_duration(double s) {
+  char buf[32];
+  const long t = std::lround(s);
+  if (t >= 3600) std::snprintf(buf, sizeof buf, "%ldh%02ldm", t / 3600, (t / 60) % 60);
+  else std::snprintf(buf, sizeof buf, "%ldm%02lds", t / 60, t % 60);
+  return buf;
+}
+
+int run_training(const Options& options) {
+  // -- 1
+  Run run = init_distributed(options);
+  const Options& o = run.opt;
+  validate_for_world(o, run.world);
+  const bool r0 = run.rank == 0;
+  if (o.mixed_precision == "bf16" && !run.distributed()) {
+    throw std::invalid_argument("--mixed-precision bf16 needs fully_shard's MixedPrecisionPolicy: use --parallel fsdp "
+                                "(under fsdprun, any number of ranks)");
+  }
+  TokenSource data(o.data, o.seq_len, o.seed);
+
+  // -- 2 (the resume checkpoint is checked against the model's shapes before anything is allocated)
+  Model m = build_model_meta(run);
+  std::optional<std::string> resume_dir;
+  if (o.resume) {
+    resume_dir = fsdp::checkpoint::latest_checkpoint(o.checkpoint_dir);
+    if (resume_dir) check_checkpoint_shapes(*resume_dir, m.full_shapes);
+  }
+  // -- 3
+  auto opt = build_optimizer(run, m);
+  // -- 5 (load)
+  int64_t start_step = 0;
+  if (resume_dir) start_step = checkpoint_load(run, m, *opt, *resume_dir);
+
+  const int64_t local_params = tensor_bytes(m.gpt->parameters()) / 4;
+  MetricsWriter metrics;
+  if (r0) {
+    std::printf("train_gpt: GPT %lld layers, dim %lld, %lld heads, seq %lld: %.2fM parameters (%.0f%% on this rank)\n",
+                static_cast<long long>(o.layers), static_cast<long long>(o.dim), static_cast<long long>(o.heads),
+                static_cast<long long>(o.seq_len), m.n_params / 1e6, 100.0 * local_params / m.n_params);
+    std::printf("train_gpt: --parallel %s, %d rank%s x %d thread%s, %s, batch %lld x %lld tokens (grad-accum %lld)\n",
+                o.parallel.c_str(), run.world, run.world > 1 ? "s" : "", at::get_num_threads(),
+                at::get_num_threads() > 1 ? "s" : "", o.mixed_precision.c_str(), static_cast<long long>(o.batch_size),
+                static_cast<long long>(o.seq_len), static_cast<long long>(o.grad_accum));
+    std::printf("train_gpt: data %s\n", data.describe().c_str());
+    if (o.resume) {
+      std::printf("train_gpt: %s\n", resume_dir ? ("resumed " + *resume_dir + " at step " + std::to_string(start_step)).c_str()
+                                                  : ("no checkpoint in " + o.checkpoint_dir + ": starting from scratch").c_str());
+    }
+    if (!o.metrics.empty()) {
+      metrics.open(o.metrics, o.resume, start_step);
+      std::printf("train_gpt: metrics -> %s\n", o.metrics.c_str());
+    }
+    if (!o.checkpoint_dir.empty()) std::printf("train_gpt: checkpoints -> %s/step_NNNNNN\n", o.checkpoint_dir.c_str());
+    std::fflush(stdout);
+  }
+
+  // Test hook: see the header comment.
+  int64_t kill_at = -1;
+  int kill_rank = 1;
+  if (const char* k = std::getenv("FSDP_TEST_KILL_AT_STEP")) {
+    const char* restart = std::getenv("TORCHELASTIC_RESTART_COUNT");
+    if (restart == nullptr || std::string(restart) == "0") kill_at = std::atoll(k);
+    if (const char* kr = std::getenv("FSDP_TEST_KILL_RANK")) kill_rank = std::atoi(kr);
+  }
+
+  const int64_t tokens_per_step = o.batch_size * o.seq_len;
+  std::string last_saved;
+  double first_loss = std::nan(""), last_loss = std::nan(""), last_val = std::nan("");
+  auto t_train = Clock::now(), t_print = Clock::now() - std::chrono::hours(1);
+  int64_t step = start_step;
+  bool stopped = false;
+  while (step < o.steps) {
+    if (step == kill_at && run.rank == kill_rank) {
+      std::fprintf(stderr, "train_gpt: FSDP_TEST_KILL_AT_STEP=%lld: rank %d kills itself\n", static_cast<long long>(kill_at), run.rank);
+      std::fflush(stderr);
+      raise(SIGKILL);
+    }
+    // -- 4
+    const double lr = lr_at(step, o.steps, o.lr, o.warmup);
+    const auto comm0 = fsdp::comm::process_comm_stats().snapshot();
+    const auto t0 = Clock::now();
+    StepResult r = train_step(run, m, *opt, data, step, lr);
+    const double step_time = seconds_since(t0);
+    const uint64_t comm_bytes = (fsdp::comm::process_comm_stats().snapshot() - comm0).total_bytes();
+    ++step;
+
+    // Global loss and the stop flag in one all-reduce (every rank must agree to stop together),
+    // then each rank's memory.
+    at::Tensor red = at::tensor({r.local_loss, g_stop_signal != 0 ? 1.0 : 0.0}, at::kDouble);
+    all_reduce_sum(run, red);
+    const double loss = red[0].item<double>() / run.world;
+    const bool stop = red[1].item<double>() > 0;
+    at::Tensor mem_local = at::tensor({static_cast<double>(current_rss_bytes()), static_cast<double>(peak_rss_bytes())}, at::kDouble);
+    at::Tensor mem = mem_local;
+    if (run.distributed()) {
+      mem = at::empty({run.world * 2}, at::kDouble);
+      run.comm->all_gather_into_tensor(mem, mem_local);
+    }
+    mem = mem.view({run.world, 2});
+    const double max_peak = mem.select(1, 1).max().item<double>();
+    if (std::isnan(first_loss)) first_loss = loss;
+    last_loss = loss;
+
+    std::optional<double> val;
+    if (o.eval_every > 0 && (step % o.eval_every == 0 || step == o.steps)) val = last_val = evaluate(run, m, data);
+
+    if (r0) {
+      const double tps = tokens_per_step / step_time;
+      nlohmann::json line = {{"step", step},
+                             {"loss", loss},
+                             {"lr", lr},
+                             {"grad_norm", r.grad_norm},
+                             {"step_time_s", step_time},
+                             {"tokens_per_s", tps},
+                             {"comm_bytes", comm_bytes},
+                             {"param_bytes", tensor_bytes(m.gpt->parameters())},
+                             {"grad_bytes", [&] {
+                                std::vector<at::Tensor> g;
+                                for (const auto& p : m.gpt->parameters()) g.push_back(p.grad());
+                                return tensor_bytes(g);
+                              }()},
+                             {"optim_bytes", optimizer_bytes(*opt)},
+                             {"peak_rss_bytes", static_cast<int64_t>(mem[0][1].item<double>())},
+                             {"max_peak_rss_bytes", static_cast<int64_t>(max_peak)}};
+      if (val) line["val_loss"] = *val;
+      metrics.step(line);
+      if (seconds_since(t_print) >= 2.0 || step == start_step + 1 || step == o.steps || val) {
+        t_print = Clock::now();
+        const double elapsed = seconds_since(t_train);
+        const double eta = elapsed / static_cast<double>(step - start_step) * static_cast<double>(o.steps - step);
+        std::string memstr;
+        for (int i = 0; i < run.world; ++i) {
+          if (i) memstr.push_back('/');
+          memstr.append(std::to_string(static_cast<long long>(mem[i][0].item<double>() / 1e6)));
+        }
+        std::printf("step %5lld/%lld  loss %.4f%s  lr %.2e  %6.0f tok/s  %.3f s/step  ETA %s  mem %s MB\n",
+                    static_cast<long long>(step), static_cast<long long>(o.steps), loss,
+                    val ? ("  val " + std::to_string(*val).substr(0, 6)).c_str() : "", lr, tps, step_time,
+                    fmt_duration(eta).c_str(), memstr.c_str());
+        std::fflush(stdout);
+      }
+    }
+
+    // -- 5 (save): every --checkpoint-every steps, at the end, and when asked to stop.
+    const bool due = (o.checkpoint_every > 0 && step % o.checkpoint_every == 0) || step == o.steps || stop;
+    if (!o.checkpoint_dir.empty() && due) {
+      const auto t_save = Clock::now();
+      last_saved = checkpoint_save(run, m, *opt, step);
+      if (r0) {
+        std::printf("checkpoint: step %lld -> %s (%.2f s)\n", static_cast<long long>(step), last_saved.c_str(),
+                    seconds_since(t_save));
+        std::fflush(stdout);
+      }
+    }
+    if (stop) {
+      stopped = true;
+      break;
+    }
+  }
+
+  if (stopped) {
+    if (r0) {
+      std::printf("train_gpt: stopped by a signal after step %lld/%lld%s\n", static_cast<long long>(step),
+                  static_cast<long long>(o.steps),
+                  last_saved.empty() ? "" : ("; resume with --resume (" + last_saved + ")").c_str());
+    }
+  } else if (o.sample_tokens > 0) {
+    const std::string text = sample_text(run, m, data);
+    if (r0) std::printf("---- sample (prompt|generated) ----\n%s\n-----------------------------------\n", text.c_str());
+  }
+  if (r0) {
+    metrics.summary({{"steps", step},
+                     {"world_size", run.world},
+                     {"tokens_per_step", tokens_per_step},
+                     {"parallel", o.parallel},
+                     {"first_loss", first_loss},
+                     {"final_loss", last_loss},
+                     {"final_val_loss", last_val}});
+    if (!std::isnan(first_loss)) {
+      std::printf("train_gpt: loss %.4f -> %.4f over steps %lld..%lld in %s\n", first_loss, last_loss,
+                  static_cast<long long>(start_step + 1), static_cast<long long>(step),
+                  fmt_duration(seconds_since(t_train)).c_str());
+    }
+    std::fflush(stdout);
+  }
+  if (run.distributed()) {
+    run.comm->barrier();
+    fsdp::dist::destroy_distributed();
+  }
+  return 0;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  fsdp::dist::tune_cpu_or_reexec(argc, argv);
+  int exit_code = 0;
+  auto options = parse_options(argc, argv, exit_code);
+  if (!options) return exit_code;
+  struct sigaction sa {};
+  sa.sa_handler = on_stop_signal;
+  sa.sa_flags = SA_RESTART;
+  sigemptyset(&sa.sa_mask);
+  sigaction(SIGINT, &sa, nullptr);
+  sigaction(SIGTERM, &sa, nullptr);
+  try {
+    validate(*options);
+    return run_training(*options);
+  } catch (const std::invalid_argument& e) {
+    std::fprintf(stderr, "train_gpt: error: %s\n", e.what());
+    return 2;
+  } catch (const std::exception& e) {
+    std::string msg = e.what();
+    if (auto nl = msg.find('\n'); nl != std::string::npos) msg = msg.substr(0, nl);  // LibTorch appends traces
+    std::fprintf(stderr, "train_gpt: error: %s\n", msg.c_str());
+    return 1;
+  }
+}

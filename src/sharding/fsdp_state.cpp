@@ -37,7 +37,11 @@ std::vector<FSDPState*> FSDPState::subtree_states() const {
 
 void FSDPState::set_reshard_after_forward(bool reshard) {
   reshard_after_forward_option_ = reshard;
-  if (group_) group_->reshard_after_forward = reshard;
+  if (group_) {
+    group_->reshard_after_forward = reshard;
+    group_->post_forward_comm = nullptr;  // a bool replaces an integer setting: full reshard
+    group_->discard_post_forward();
+  }
 }
 
 void FSDPState::lazy_init_as_root() {
@@ -71,6 +75,10 @@ void FSDPState::root_pre_forward() {
   // are read again (an optimizer step may sit between).
   for (FSDPParamGroup* g : ctx_->pending_reduces) g->finish_reduce();
   ctx_->pending_reduces.clear();
+  // Post-forward shards left by a forward without backward (eval) may predate an optimizer step.
+  for (FSDPState* s : ctx_->states) {
+    if (s->group_) s->group_->discard_post_forward();
+  }
   if (!ctx_->forward_order.empty()) ctx_->previous_forward_order = std::move(ctx_->forward_order);
   ctx_->forward_order.clear();
 }
@@ -119,7 +127,7 @@ std::vector<at::Tensor> FSDPState::pre_forward(std::vector<at::Tensor> args) {
 void FSDPState::post_forward(std::vector<at::Tensor>& outputs) {
   if (++forward_calls_ < modules_.size()) return;  // list form: after the last module of the group
   forward_calls_ = 0;
-  if (group_ && group_->reshard_after_forward) group_->reshard();
+  if (group_ && group_->reshard_after_forward) group_->reshard_post_forward();
   if (mp_policy_.output_dtype) {
     for (auto& o : outputs) {
       if (o.defined() && at::isFloatingType(o.scalar_type())) o = o.to(*mp_policy_.output_dtype);
@@ -184,6 +192,7 @@ void FSDPState::final_callback() {
     s->forward_calls_ = 0;
     // Prefetched but unused, or kept for backward: free what reshard_after_backward asks to.
     if (s->group_ && s->group_->reshard_after_backward) s->group_->reshard();
+    if (s->group_) s->group_->discard_post_forward();
   }
   ctx_->final_callback_queued = false;
 }

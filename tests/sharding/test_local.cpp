@@ -129,9 +129,13 @@ TEST(FullyShardErrors, PoliciesThatCannotApplyAreRefused) {
   EXPECT_ERROR_MENTIONS(fsdp::fully_shard(model, o), "param_dtype is Long; mixed precision dtypes must be floating point");
   // Offloading to the CPU from a GPU mesh needs a CUDA build: the mesh itself is refused.
   EXPECT_ERROR_MENTIONS(fsdp::init_device_mesh({1}, {"shard"}, "cuda"), fsdp::comm::nccl_available() ? "" : "NCCL");
+  // HSDP's mesh is (replicate, shard), in that order.
   fsdp::FullyShardOptions hsdp;
+  hsdp.mesh = fsdp::init_device_mesh({1, 1}, {"shard", "replicate"});
+  EXPECT_ERROR_MENTIONS(fsdp::fully_shard(model, hsdp), "dim 0 must be the replicate dimension");
+  hsdp.reshard_after_forward = 2;
   hsdp.mesh = fsdp::init_device_mesh({1, 1}, {"replicate", "shard"});
-  EXPECT_ERROR_MENTIONS(fsdp::fully_shard(model, hsdp), "HSDP");
+  EXPECT_ERROR_MENTIONS(fsdp::fully_shard(model, hsdp), "does not divide the shard size 1");
 }
 
 TEST(FullyShard, ParametersAreShardsWithTheirNames) {

@@ -141,23 +141,35 @@ void FSDPParamGroup::post_backward() {
   reduce_work_ = comm_->reduce_scatter_tensor(reduce_output_, input.view(-1), op, /*async_op=*/true);
 }
 
+void FSDPParamGroup::start_all_reduce() {
+  reduce_work_.wait();
+  reduce_work_ = comm::Work();
+  if (!requires_all_reduce) {
+    // Partial (shard group only) sums wait for the next all-reduce; nothing reaches .grad yet.
+    for (auto& [p, offset] : reduced_params_) p->stash_partial_reduce(reduce_output_, offset);
+    reduced_params_.clear();
+    reduce_output_ = at::Tensor();
+    return;
+  }
+  for (auto& [p, offset] : reduced_params_) p->add_partial_reduce(reduce_output_, offset);
+  // The reduce-scatter averaged over the S shard ranks; averaging over the R replicas makes the
+  // division R * S in total, FSDP2's factor for HSDP. A custom factor divides the plain sum.
+  const auto op = pending_divide_ ? comm::ReduceOp::Sum : comm::ReduceOp::Avg;
+  reduce_work_ = replicate_comm_->all_reduce(reduce_output_, op, /*async_op=*/true);
+  all_reduce_started_ = true;
+}
+
+void FSDPParamGroup::advance_reduce() {
+  if (needs_all_reduce_start()) start_all_reduce();
+  else finish_reduce();
+}
+
 void FSDPParamGroup::finish_reduce() {
+  if (needs_all_reduce_start()) start_all_reduce();
   if (!has_pending_reduce()) return;
   reduce_work_.wait();
   reduce_work_ = comm::Work();
-  if (replicate_comm_) {
-    if (!requires_all_reduce) {
-      // Partial (shard group only) sums wait for the next all-reduce; nothing reaches .grad yet.
-      for (auto& [p, offset] : reduced_params_) p->stash_partial_reduce(reduce_output_, offset);
-      reduced_params_.clear();
-      reduce_output_ = at::Tensor();
-      return;
-    }
-    for (auto& [p, offset] : reduced_params_) p->add_partial_reduce(reduce_output_, offset);
-    // The reduce-scatter averaged over the S shard ranks; averaging over the R replicas makes the
-    // division R * S in total, FSDP2's factor for HSDP. A custom factor divides the plain sum.
-    replicate_comm_->all_reduce(reduce_output_, pending_divide_ ? comm::ReduceOp::Sum : comm::ReduceOp::Avg);
-  }
+  all_reduce_started_ = false;
   if (pending_divide_) reduce_output_.div_(*pending_divide_);
   for (auto& [p, offset] : reduced_params_) p->accumulate_sharded_grad(reduce_output_, offset);
   reduced_params_.clear();

@@ -56,7 +56,12 @@ class FSDPParamGroup {
   // Reshards afterwards when reshard_after_backward.
   void post_backward();
   bool has_pending_reduce() const { return reduce_output_.defined(); }
-  // Waits for the reduce-scatter and writes (or adds to) the sharded gradients.
+  // One step of a pending reduction: under HSDP, a finished reduce-scatter starts its all-reduce
+  // over the replicas (asynchronously, so it overlaps the next unit's backward); otherwise, or
+  // once that is in flight, finish_reduce().
+  void advance_reduce();
+  // Waits for the reduction (reduce-scatter, then HSDP's all-reduce) and writes (or adds to) the
+  // sharded gradients.
   void finish_reduce();
 
   bool reshard_after_forward = true;
@@ -85,6 +90,10 @@ class FSDPParamGroup {
   comm::Work reduce_work_;
   std::vector<std::pair<FSDPParam*, int64_t>> reduced_params_;  // (param, offset in reduce_output_)
   std::optional<double> pending_divide_;
+  bool all_reduce_started_ = false;  // HSDP: reduce_work_ is the all-reduce, not the reduce-scatter
+
+  bool needs_all_reduce_start() const { return replicate_comm_ && has_pending_reduce() && !all_reduce_started_; }
+  void start_all_reduce();
 };
 
 }  // namespace fsdp::detail

@@ -164,9 +164,15 @@ void FSDPState::pre_backward() {
 void FSDPState::queue_reduce(FSDPParamGroup* group) {
   // Keep at most one reduce-scatter in flight besides the new one: bounded memory, and the
   // older result is ready by the time the next unit's backward is done.
-  for (FSDPParamGroup* g : ctx_->pending_reduces) g->finish_reduce();
-  ctx_->pending_reduces.clear();
-  if (group->has_pending_reduce()) ctx_->pending_reduces.push_back(group);
+  // Under HSDP an older reduce-scatter moves on to its all-reduce here, which then stays in
+  // flight during the next unit's backward (FSDP2's separate all-reduce stream).
+  std::vector<FSDPParamGroup*> still_pending;
+  for (FSDPParamGroup* g : ctx_->pending_reduces) {
+    g->advance_reduce();
+    if (g->has_pending_reduce()) still_pending.push_back(g);
+  }
+  if (group->has_pending_reduce()) still_pending.push_back(group);
+  ctx_->pending_reduces = std::move(still_pending);
 }
 
 void FSDPState::post_backward() {

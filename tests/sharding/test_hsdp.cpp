@@ -38,14 +38,15 @@ fsdp::DeviceMesh hsdp_mesh(const std::string& shape) {
 
 }  // namespace
 
-// PARITY_MODE: hsdp | hsdp_no_sync | hsdp_no_all_reduce | reshard_int | reshard_int_no_sync;
+// PARITY_MODE: hsdp | hsdp_no_sync | hsdp_no_all_reduce | reshard_int | reshard_int_no_sync |
+// hsdp_reshard_int (both, on a 1 x world mesh so the shard group is the world);
 // MESH: "RxS" for HSDP; RESHARD: the integer for reshard_int*.
 FSDP_RANK_WORKER(hsdp_parity) {
   const auto config = uneven_config();
   const std::string m = env("PARITY_MODE", "hsdp");
   fsdp::FullyShardOptions options;
   if (m.rfind("hsdp", 0) == 0) options.mesh = hsdp_mesh(env("MESH", "2x2"));
-  if (m.rfind("reshard_int", 0) == 0) options.reshard_after_forward = std::stoi(env("RESHARD", "2"));
+  if (m.find("reshard_int") != std::string::npos) options.reshard_after_forward = std::stoi(env("RESHARD", "2"));
   ShardedRun run;
   run.shard = [options](GPT& model) { shard_blocks_then_root(model, options); };
   int micro_batches = 1;
@@ -61,7 +62,7 @@ FSDP_RANK_WORKER(hsdp_parity) {
     run.before_micro_batch = [](int micro, int total, GPT& model) {
       fsdp::fsdp_module(*model)->set_requires_all_reduce(micro == total - 1);
     };
-  } else if (m != "hsdp" && m != "reshard_int") {
+  } else if (m != "hsdp" && m != "reshard_int" && m != "hsdp_reshard_int") {
     TORCH_CHECK(false, "unknown PARITY_MODE ", m);
   }
   auto want = train_reference(config, kSteps, kBatch, micro_batches);
@@ -80,8 +81,8 @@ FSDP_RANK_WORKER(hsdp_parity) {
                   "shard_info under HSDP");
     }
   }
-  if (m.rfind("reshard_int", 0) == 0) {
-    // Backward gathers within the post-forward groups: the full group (here the world) only
+  if (m.find("reshard_int") != std::string::npos) {
+    // Backward gathers within the post-forward groups: the full shard group (here the world) only
     // gathers in forward, once per unit (2 blocks + root) per micro-batch.
     const uint64_t forward_gathers = static_cast<uint64_t>(3 * micro_batches * kSteps);
     TORCH_CHECK(world_ops[fsdp::comm::OpKind::AllGather].calls == forward_gathers, "expected ", forward_gathers,
@@ -118,7 +119,7 @@ INSTANTIATE_TEST_SUITE_P(
     ::testing::Values(HsdpCase{"hsdp", "2x2", 4}, HsdpCase{"hsdp_no_sync", "2x2", 4},
                       HsdpCase{"hsdp_no_all_reduce", "2x2", 4}, HsdpCase{"hsdp", "2x1", 2},
                       HsdpCase{"reshard_int", "", 4, 2}, HsdpCase{"reshard_int_no_sync", "", 4, 2},
-                      HsdpCase{"reshard_int", "", 2, 1}),
+                      HsdpCase{"reshard_int", "", 2, 1}, HsdpCase{"hsdp_reshard_int", "1x4", 4, 2}),
     [](const auto& info) {
       std::string mesh = info.param.mesh.empty() ? "" : "_" + info.param.mesh;
       std::string k = info.param.reshard ? "_k" + std::to_string(info.param.reshard) : "";

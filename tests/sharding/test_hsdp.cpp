@@ -80,6 +80,18 @@ FSDP_RANK_WORKER(hsdp_parity) {
                       info->mesh.size() == options.mesh->size(1),
                   "shard_info under HSDP");
     }
+    // The save protocol the checkpoint relies on: replica 0 of each shard position contributes
+    // its rows, and together they rebuild every full parameter exactly once.
+    for (const auto& p : got.model->named_parameters()) {
+      auto info = *fsdp::shard_info(p.value());
+      at::Tensor full = at::zeros(info.global_shape, at::kFloat);
+      at::Tensor rows = full.dim() == 0 ? full.view({1}) : full;
+      if (info.replica_rank == 0) rows.narrow(0, info.dim0_offset, info.local_rows).copy_(p.value().detach());
+      fsdp::dist::world_comm()->all_reduce(full);
+      const at::Tensor& ref = want.parameters.at(p.key());
+      TORCH_CHECK(((full - ref).abs() / ref.abs().clamp_min(1.0)).max().item<double>() <= kTolerance,
+                  p.key(), ": rows written by replica 0 do not rebuild the parameter");
+    }
   }
   if (m.find("reshard_int") != std::string::npos) {
     // Backward gathers within the post-forward groups: the full shard group (here the world) only

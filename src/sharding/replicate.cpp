@@ -52,7 +52,8 @@ ReplicateModule replicate(const std::shared_ptr<torch::nn::Module>& module, Repl
   }
   auto reducer = std::make_shared<Reducer>(std::move(params), comm, options.bucket_cap_bytes);
   reducer->install_hooks();
-  register_replicated(module, reducer);
+  // Every submodule too: fully_shard on a part of a replicated model is refused.
+  for (const auto& sub : module->modules(/*include_self=*/true)) register_replicated(sub, reducer);
   return ReplicateModule(reducer);
 }
 

@@ -178,6 +178,11 @@ FSDP_RANK_WORKER(hsdp_errors) {
   fsdp::FullyShardOptions o;
   o.mesh = hsdp;
   fsdp::fully_shard(ok, o);
+  // A module is either sharded or replicated.
+  expect_error([&] { fsdp::replicate(ok); }, "either replicated or sharded");
+  GPT ddp(c);
+  fsdp::replicate(ddp);
+  expect_error([&] { fsdp::fully_shard(ddp->blocks[0]); }, "either replicated or sharded");
 }
 
 TEST(HsdpErrors, BadMeshesAndIntegersAreRefusedClearly) {

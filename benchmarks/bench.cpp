@@ -284,7 +284,7 @@ int run_driver(const Options& o, const char* argv0) {
   std::printf("| HSDP %s, replicate x shard (batch %lld) | %d | %.1f ms | %.2fx | %.2f MB | %.0f MB | %.2f MB (3 x params x (S-1)/S + 2 x params/S x (R-1)/R = %.2f MB) |\n",
               o.hsdp.c_str(), static_cast<long long>(o.batch), o.nproc, 1e3 * hsdp_step, hsdp_step / single_step,
               hsdp["state_bytes"] / 1e6, hsdp["max_rss"] / 1e6, hsdp["comm_bytes_per_step"] / 1e6, hsdp_expected / 1e6);
-  std::printf("| replicate (DDP, 25 MiB buckets) (batch %lld) | %d | %.1f ms | %.2fx | %.2f MB | %.0f MB | %.2f MB (2 x params x (N-1)/N = %.2f MB) |\n",
+  std::printf("| replicate (DDP: 1 MiB first bucket, then 25 MiB) (batch %lld) | %d | %.1f ms | %.2fx | %.2f MB | %.0f MB | %.2f MB (2 x params x (N-1)/N = %.2f MB) |\n",
               static_cast<long long>(o.batch), o.nproc, 1e3 * ddp_step, ddp_step / single_step, ddp["state_bytes"] / 1e6,
               ddp["max_rss"] / 1e6, ddp["comm_bytes_per_step"] / 1e6, 2 * expected / 3 / 1e6);
   std::printf("\nratio FSDP / limit = %.3f (target <= 1.10); per-round medians: single", fsdp_step / single_step);

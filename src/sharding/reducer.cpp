@@ -4,11 +4,14 @@
 #include <torch/csrc/autograd/variable.h>
 #include <torch/torch.h>
 
+#include <algorithm>
+
 #include "autograd_hooks.h"
 
 namespace fsdp::detail {
 
-Reducer::Reducer(std::vector<at::Tensor> params, std::shared_ptr<comm::Comm> comm, int64_t bucket_cap_bytes)
+Reducer::Reducer(std::vector<at::Tensor> params, std::shared_ptr<comm::Comm> comm, int64_t bucket_cap_bytes,
+                 int64_t first_bucket_cap_bytes)
     : params_(std::move(params)), comm_(std::move(comm)) {
   bucket_of_.resize(params_.size());
   ready_.assign(params_.size(), false);
@@ -20,8 +23,9 @@ Reducer::Reducer(std::vector<at::Tensor> params, std::shared_ptr<comm::Comm> com
     if (!fresh) {
       const Bucket& b = buckets_.back();
       const at::Tensor& first = params_[b.params.front()];
+      const int64_t cap = buckets_.size() == 1 ? std::min(first_bucket_cap_bytes, bucket_cap_bytes) : bucket_cap_bytes;
       fresh = first.scalar_type() != p.scalar_type() || first.device() != p.device() ||
-              (b.numel * static_cast<int64_t>(first.element_size()) + bytes > bucket_cap_bytes);
+              (b.numel * static_cast<int64_t>(first.element_size()) + bytes > cap);
     }
     if (fresh) buckets_.emplace_back();
     Bucket& b = buckets_.back();

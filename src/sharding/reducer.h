@@ -2,7 +2,7 @@
 // Reducer: fsdp::replicate's gradient all-reduce, in buckets that overlap backward (DDP's reducer).
 //
 // Buckets hold parameters in reverse registration order (about the order backward produces their
-// gradients), one dtype per bucket, up to bucket_cap_bytes each. A post-hook on each parameter's
+// gradients), one dtype per bucket, up to bucket_cap_bytes each (the first one smaller). A post-hook on each parameter's
 // AccumulateGrad node marks the parameter ready once its .grad is final for this backward (so it
 // includes what no-sync steps accumulated); when every parameter of the next bucket in order is
 // ready, its gradients are copied into one flat buffer and all-reduced asynchronously. Buckets are
@@ -22,7 +22,8 @@ namespace fsdp::detail {
 
 class Reducer : public std::enable_shared_from_this<Reducer> {
  public:
-  Reducer(std::vector<at::Tensor> params, std::shared_ptr<comm::Comm> comm, int64_t bucket_cap_bytes);
+  Reducer(std::vector<at::Tensor> params, std::shared_ptr<comm::Comm> comm, int64_t bucket_cap_bytes,
+          int64_t first_bucket_cap_bytes);
   // Installs the hooks; separate from the constructor because they hold a weak reference to this.
   void install_hooks();
 

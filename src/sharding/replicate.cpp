@@ -14,8 +14,9 @@ namespace fsdp {
 ReplicateModule replicate(const std::shared_ptr<torch::nn::Module>& module, ReplicateOptions options) {
   using namespace detail;
   if (!module) throw std::invalid_argument("fsdp::replicate: the module is null");
-  if (options.bucket_cap_bytes < 1) {
-    throw std::invalid_argument("fsdp::replicate: bucket_cap_bytes must be positive (DDP's default is 25 MiB)");
+  if (options.bucket_cap_bytes < 1 || options.first_bucket_cap_bytes < 1) {
+    throw std::invalid_argument("fsdp::replicate: bucket_cap_bytes and first_bucket_cap_bytes must be positive "
+                                "(DDP's defaults: 25 MiB and 1 MiB)");
   }
   for (const auto& sub : module->modules(/*include_self=*/true)) {
     if (is_replicated(sub.get())) {
@@ -50,7 +51,8 @@ ReplicateModule replicate(const std::shared_ptr<torch::nn::Module>& module, Repl
     }
     for (const auto& b : module->buffers()) comm->broadcast(b.detach(), 0);
   }
-  auto reducer = std::make_shared<Reducer>(std::move(params), comm, options.bucket_cap_bytes);
+  auto reducer = std::make_shared<Reducer>(std::move(params), comm, options.bucket_cap_bytes,
+                                           options.first_bucket_cap_bytes);
   reducer->install_hooks();
   // Every submodule too: fully_shard on a part of a replicated model is refused.
   for (const auto& sub : module->modules(/*include_self=*/true)) register_replicated(sub, reducer);

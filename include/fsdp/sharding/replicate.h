@@ -30,6 +30,9 @@ struct ReplicateOptions {
   std::optional<DeviceMesh> mesh;
   // Gradients are all-reduced in buckets of about this many bytes (DDP's bucket_cap_mb, 25 MiB).
   int64_t bucket_cap_bytes = 25 * 1024 * 1024;
+  // The first bucket (the last parameters, whose gradients come first) is smaller, so the first
+  // all-reduce starts early in backward (DDP's 1 MiB; capped by bucket_cap_bytes).
+  int64_t first_bucket_cap_bytes = 1024 * 1024;
 };
 
 // The handle replicate returns. Copyable; the state lives as long as the module.

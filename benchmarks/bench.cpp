@@ -163,7 +163,8 @@ int run_worker(const Options& o, bool sharded) {
     std::ofstream out(o.result, std::ios::app);
     out << "median_step_s " << median(times) << " state_bytes " << state_bytes(*model, opt) << " max_rss "
         << max_rss_bytes() << " comm_bytes_per_step " << comm.total_bytes() / static_cast<double>(o.steps)
-        << " param_bytes " << param_bytes << " world " << world << "\n";
+        << " param_bytes " << param_bytes << " world " << world << " all_reduce_bytes_per_step "
+        << comm[fsdp::comm::OpKind::AllReduce].bytes_sent / static_cast<double>(o.steps) << "\n";
   }
   if (sharded) fsdp::dist::destroy_distributed();
   return 0;
@@ -281,9 +282,10 @@ int run_driver(const Options& o, const char* argv0) {
   // HSDP: FSDP's three passes within the S shard ranks, plus an all-reduce of a 1/S shard over R.
   const double hr = std::stod(o.hsdp.substr(0, o.hsdp.find('x'))), hs = o.nproc / hr;
   const double hsdp_expected = fsdp["param_bytes"] * (3 * (hs - 1) / hs + 2 * (hr - 1) / hr / hs);
-  std::printf("| HSDP %s, replicate x shard (batch %lld) | %d | %.1f ms | %.2fx | %.2f MB | %.0f MB | %.2f MB (3 x params x (S-1)/S + 2 x params/S x (R-1)/R = %.2f MB) |\n",
+  std::printf("| HSDP %s, replicate x shard (batch %lld) | %d | %.1f ms | %.2fx | %.2f MB | %.0f MB | %.2f MB, %.2f MB of it across replicas (3 x params x (S-1)/S + 2 x params/S x (R-1)/R = %.2f MB) |\n",
               o.hsdp.c_str(), static_cast<long long>(o.batch), o.nproc, 1e3 * hsdp_step, hsdp_step / single_step,
-              hsdp["state_bytes"] / 1e6, hsdp["max_rss"] / 1e6, hsdp["comm_bytes_per_step"] / 1e6, hsdp_expected / 1e6);
+              hsdp["state_bytes"] / 1e6, hsdp["max_rss"] / 1e6, hsdp["comm_bytes_per_step"] / 1e6,
+              hsdp["all_reduce_bytes_per_step"] / 1e6, hsdp_expected / 1e6);
   std::printf("| replicate (DDP: 1 MiB first bucket, then 25 MiB) (batch %lld) | %d | %.1f ms | %.2fx | %.2f MB | %.0f MB | %.2f MB (2 x params x (N-1)/N = %.2f MB) |\n",
               static_cast<long long>(o.batch), o.nproc, 1e3 * ddp_step, ddp_step / single_step, ddp["state_bytes"] / 1e6,
               ddp["max_rss"] / 1e6, ddp["comm_bytes_per_step"] / 1e6, 2 * expected / 3 / 1e6);

@@ -1,7 +1,5 @@
 #include "reducer.h"
 
-#include <torch/csrc/autograd/utils/lambda_post_hook.h>
-#include <torch/csrc/autograd/variable.h>
 #include <torch/torch.h>
 
 #include <algorithm>
@@ -40,13 +38,9 @@ Reducer::Reducer(std::vector<at::Tensor> params, std::shared_ptr<comm::Comm> com
 void Reducer::install_hooks() {
   std::weak_ptr<Reducer> weak = weak_from_this();
   for (size_t i = 0; i < params_.size(); ++i) {
-    auto acc = torch::autograd::impl::grad_accumulator(params_[i]);
-    acc->add_post_hook(std::make_unique<torch::autograd::utils::LambdaPostHook>(
-        [weak, i](const torch::autograd::variable_list& outputs, const torch::autograd::variable_list&) {
-          if (auto self = weak.lock()) self->on_grad_ready(i);
-          return outputs;
-        }));
-    grad_accumulators_.push_back(std::move(acc));
+    grad_accumulators_.push_back(register_grad_accumulated_hook(params_[i], [weak, i] {
+      if (auto self = weak.lock()) self->on_grad_ready(i);
+    }));
   }
 }
 

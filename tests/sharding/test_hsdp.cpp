@@ -190,3 +190,36 @@ TEST(HsdpErrors, BadMeshesAndIntegersAreRefusedClearly) {
   o.timeout = std::chrono::milliseconds(300000);
   EXPECT_RANKS_PASS(4, "hsdp_errors", o);
 }
+
+// set_gradient_divide_factor(1.0) under HSDP: the gradients are the sum over all R x S ranks
+// (reduce-scatter and all-reduce both sum), the default their average.
+FSDP_RANK_WORKER(hsdp_divide_factor) {
+  const auto c = uneven_config();
+  auto mesh = hsdp_mesh("2x2");
+  auto grads_with = [&](std::optional<double> factor) {
+    torch::manual_seed(42);
+    GPT model(c);
+    fsdp::FullyShardOptions o;
+    o.mesh = mesh;
+    shard_blocks_then_root(model, o);
+    if (factor) fsdp::fsdp_module(*model)->set_gradient_divide_factor(*factor);  // only the root's group
+    auto data = global_batch(c, kBatch, 0, 0).narrow(0, 2 * fsdp::dist::rank(), 2);
+    fsdp::models::gpt_loss(fsdp::call(model, data.narrow(1, 0, c.block_size)), data.narrow(1, 1, c.block_size)).backward();
+    std::map<std::string, at::Tensor> grads;
+    for (const auto& p : model->named_parameters()) grads[p.key()] = p.value().grad().clone();
+    return grads;
+  };
+  auto averaged = grads_with(std::nullopt);
+  auto summed = grads_with(1.0);
+  for (const auto& [name, g] : averaged) {
+    const bool root_group = name.rfind("h.", 0) != 0;  // blocks are "h.<i>.*"
+    const at::Tensor want = root_group ? g * 4 : g;
+    TORCH_CHECK(summed.at(name).allclose(want, 1e-5, 1e-7), name, ": expected ", root_group ? "the sum" : "the average");
+  }
+}
+
+TEST(HsdpSettings, GradientDivideFactorOneSumsOverReplicasAndShards) {
+  RanksOptions o;
+  o.timeout = std::chrono::milliseconds(300000);
+  EXPECT_RANKS_PASS(4, "hsdp_divide_factor", o);
+}

@@ -1,12 +1,14 @@
 // bench: FSDP against the physical limit, measured in one run.
 //
 //   build/bin/bench [--nproc 2] [--steps 20] [--warmup 3] [--rounds 2]
-//                   [--layers 4] [--dim 256] [--heads 4] [--seq 128] [--batch 8]
+//                   [--layers 4] [--dim 256] [--heads 4] [--seq 128] [--batch 8] [--hsdp RxS]
 //
 // The limit on a CPU is one process doing one rank's share of the work (the global batch / N,
 // with the cores / N threads a rank gets), with no communication. bench runs that and the N-rank
 // FSDP run alternately (--rounds times each: the machines are noisy), then prints both median
-// step times and their ratio, per-rank memory and the bytes each rank sent per step.
+// step times and their ratio, per-rank memory and the bytes each rank sent per step. Rows for
+// replicate (DDP) and HSDP (fully_shard on a --hsdp RxS mesh, default 2 x N/2, or N x 1 when N is
+// odd or 2) put FSDP's trade-off next to the alternatives: bytes sent, step time, memory.
 #include <spawn.h>
 #include <sys/resource.h>
 #include <sys/wait.h>
@@ -34,13 +36,15 @@ struct Options {
   int64_t layers = 4, dim = 256, heads = 4, seq = 128, batch = 8;
   std::string role = "driver";  // driver | single | fsdp
   std::string mp = "fp32";      // fp32 | bf16 (MixedPrecisionPolicy: bf16 params, fp32 reduce)
+  std::string mode = "fsdp";    // fsdp | hsdp | replicate (the distributed worker's parallelism)
+  std::string hsdp;             // "RxS" for the HSDP row (default: see parse)
   std::string result;           // where a worker writes its result line
 };
 
 [[noreturn]] void usage(const char* why) {
   std::fprintf(stderr,
                "bench: %s\nusage: bench [--nproc N] [--steps N] [--warmup N] [--rounds N] [--layers N] [--dim N] "
-               "[--heads N] [--seq N] [--batch N]\n",
+               "[--heads N] [--seq N] [--batch N] [--hsdp RxS]\n",
                why);
   std::exit(2);
 }
@@ -58,12 +62,21 @@ Options parse(int argc, char** argv) {
     if (a == "--role") o.role = v;
     else if (a == "--result") o.result = v;
     else if (a == "--mp") o.mp = v;
+    else if (a == "--mode") o.mode = v;
+    else if (a == "--hsdp") o.hsdp = v;
     else if (ints.count(a)) *ints[a] = std::stoll(v);
     else if (small.count(a)) *small[a] = std::stoi(v);
     else usage(("unknown option " + a).c_str());
   }
   if (o.nproc < 1 || o.batch % o.nproc != 0) usage("--batch must be a positive multiple of --nproc");
   if (o.steps < 1) usage("--steps must be positive");
+  if (o.hsdp.empty()) {
+    o.hsdp = (o.nproc % 2 == 0 && o.nproc >= 4) ? "2x" + std::to_string(o.nproc / 2) : std::to_string(o.nproc) + "x1";
+  }
+  const auto x = o.hsdp.find('x');
+  if (x == std::string::npos || std::stoll(o.hsdp.substr(0, x)) * std::stoll(o.hsdp.substr(x + 1)) != o.nproc) {
+    usage("--hsdp must be RxS with R * S = --nproc");
+  }
   return o;
 }
 
@@ -112,8 +125,15 @@ int run_worker(const Options& o, bool sharded) {
   fsdp::models::GPT model(c);
   double param_bytes = 0;
   for (const auto& p : model->parameters()) param_bytes += p.nbytes();
-  if (sharded) {
+  if (sharded && o.mode == "replicate") {
+    fsdp::replicate(model);
+  } else if (sharded) {
     fsdp::FullyShardOptions opts;
+    if (o.mode == "hsdp") {
+      const auto x = o.hsdp.find('x');
+      opts.mesh = fsdp::init_device_mesh({std::stoll(o.hsdp.substr(0, x)), std::stoll(o.hsdp.substr(x + 1))},
+                                         {"replicate", "shard"});
+    }
     if (o.mp == "bf16") {
       opts.mp_policy.param_dtype = at::kBFloat16;
       opts.mp_policy.reduce_dtype = at::kFloat;
@@ -143,7 +163,8 @@ int run_worker(const Options& o, bool sharded) {
     std::ofstream out(o.result, std::ios::app);
     out << "median_step_s " << median(times) << " state_bytes " << state_bytes(*model, opt) << " max_rss "
         << max_rss_bytes() << " comm_bytes_per_step " << comm.total_bytes() / static_cast<double>(o.steps)
-        << " param_bytes " << param_bytes << " world " << world << "\n";
+        << " param_bytes " << param_bytes << " world " << world << " all_reduce_bytes_per_step "
+        << comm[fsdp::comm::OpKind::AllReduce].bytes_sent / static_cast<double>(o.steps) << "\n";
   }
   if (sharded) fsdp::dist::destroy_distributed();
   return 0;
@@ -191,7 +212,8 @@ int run_driver(const Options& o, const char* argv0) {
   char tmpl[] = "/tmp/fsdp-bench-XXXXXX";
   if (!mkdtemp(tmpl)) usage("cannot create a temporary folder");
   const std::string single_out = std::string(tmpl) + "/single", fsdp_out = std::string(tmpl) + "/fsdp",
-                    local_out = std::string(tmpl) + "/local", bf16_out = std::string(tmpl) + "/bf16";
+                    local_out = std::string(tmpl) + "/local", bf16_out = std::string(tmpl) + "/bf16",
+                    hsdp_out = std::string(tmpl) + "/hsdp", ddp_out = std::string(tmpl) + "/replicate";
   std::vector<std::string> common = {"--steps",  std::to_string(o.steps), "--warmup", std::to_string(o.warmup),
                                      "--layers", std::to_string(o.layers), "--dim",   std::to_string(o.dim),
                                      "--heads",  std::to_string(o.heads), "--seq",    std::to_string(o.seq),
@@ -220,6 +242,14 @@ int run_driver(const Options& o, const char* argv0) {
                                      "--", self, "--role", "fsdp", "--mp", "bf16", "--result", bf16_out};
     bf16.insert(bf16.end(), common.begin(), common.end());
     if (spawn_and_wait(bf16, {}) != 0) usage("the FSDP bf16 run failed");
+    std::vector<std::string> hsdp = {fsdprun, "--nproc-per-node", std::to_string(o.nproc), "--master-port", "0",
+                                     "--", self, "--role", "fsdp", "--mode", "hsdp", "--hsdp", o.hsdp, "--result", hsdp_out};
+    hsdp.insert(hsdp.end(), common.begin(), common.end());
+    if (spawn_and_wait(hsdp, {}) != 0) usage("the HSDP run failed");
+    std::vector<std::string> ddp = {fsdprun, "--nproc-per-node", std::to_string(o.nproc), "--master-port", "0",
+                                    "--", self, "--role", "fsdp", "--mode", "replicate", "--result", ddp_out};
+    ddp.insert(ddp.end(), common.begin(), common.end());
+    if (spawn_and_wait(ddp, {}) != 0) usage("the replicate run failed");
   }
   std::vector<double> single_medians, fsdp_medians;
   auto single = read_results(single_out, single_medians);
@@ -228,6 +258,10 @@ int run_driver(const Options& o, const char* argv0) {
   auto bf16 = read_results(bf16_out, bf16_medians);
   const double bf16_step = median(bf16_medians);
   auto local = read_results(local_out, local_medians);
+  std::vector<double> hsdp_medians, ddp_medians;
+  auto hsdp = read_results(hsdp_out, hsdp_medians);
+  auto ddp = read_results(ddp_out, ddp_medians);
+  const double hsdp_step = median(hsdp_medians), ddp_step = median(ddp_medians);
   const double local_step = median(local_medians);
   const double single_step = median(single_medians), fsdp_step = median(fsdp_medians);
   const double expected = 3 * fsdp["param_bytes"] * (o.nproc - 1) / o.nproc;
@@ -245,6 +279,16 @@ int run_driver(const Options& o, const char* argv0) {
   std::printf("| FSDP bf16 params, fp32 reduce (batch %lld) | %d | %.1f ms | %.2fx | %.2f MB | %.0f MB | %.2f MB |\n",
               static_cast<long long>(o.batch), o.nproc, 1e3 * bf16_step, bf16_step / single_step,
               bf16["state_bytes"] / 1e6, bf16["max_rss"] / 1e6, bf16["comm_bytes_per_step"] / 1e6);
+  // HSDP: FSDP's three passes within the S shard ranks, plus an all-reduce of a 1/S shard over R.
+  const double hr = std::stod(o.hsdp.substr(0, o.hsdp.find('x'))), hs = o.nproc / hr;
+  const double hsdp_expected = fsdp["param_bytes"] * (3 * (hs - 1) / hs + 2 * (hr - 1) / hr / hs);
+  std::printf("| HSDP %s, replicate x shard (batch %lld) | %d | %.1f ms | %.2fx | %.2f MB | %.0f MB | %.2f MB, %.2f MB of it across replicas (3 x params x (S-1)/S + 2 x params/S x (R-1)/R = %.2f MB) |\n",
+              o.hsdp.c_str(), static_cast<long long>(o.batch), o.nproc, 1e3 * hsdp_step, hsdp_step / single_step,
+              hsdp["state_bytes"] / 1e6, hsdp["max_rss"] / 1e6, hsdp["comm_bytes_per_step"] / 1e6,
+              hsdp["all_reduce_bytes_per_step"] / 1e6, hsdp_expected / 1e6);
+  std::printf("| replicate (DDP: 1 MiB first bucket, then 25 MiB) (batch %lld) | %d | %.1f ms | %.2fx | %.2f MB | %.0f MB | %.2f MB (2 x params x (N-1)/N = %.2f MB) |\n",
+              static_cast<long long>(o.batch), o.nproc, 1e3 * ddp_step, ddp_step / single_step, ddp["state_bytes"] / 1e6,
+              ddp["max_rss"] / 1e6, ddp["comm_bytes_per_step"] / 1e6, 2 * expected / 3 / 1e6);
   std::printf("\nratio FSDP / limit = %.3f (target <= 1.10); per-round medians: single", fsdp_step / single_step);
   for (double m : single_medians) std::printf(" %.1f", 1e3 * m);
   std::printf(" ms, fsdp");

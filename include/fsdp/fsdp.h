@@ -16,3 +16,4 @@
 #include "fsdp/sharding/fully_shard.h"
 #include "fsdp/sharding/materialize.h"
 #include "fsdp/sharding/policies.h"
+#include "fsdp/sharding/replicate.h"

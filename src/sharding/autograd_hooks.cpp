@@ -1,6 +1,8 @@
 #include "autograd_hooks.h"
 
 #include <torch/csrc/autograd/engine.h>
+#include <torch/csrc/autograd/utils/lambda_post_hook.h>
+#include <torch/csrc/autograd/variable.h>
 #include <torch/torch.h>
 
 #include "fsdp_state.h"
@@ -56,6 +58,17 @@ void register_pre_backward_hooks(FSDPState* state, const std::vector<at::Tensor>
 
 void queue_final_callback(std::function<void()> callback) {
   torch::autograd::Engine::get_default_engine().queue_callback(std::move(callback));
+}
+
+std::shared_ptr<torch::autograd::Node> register_grad_accumulated_hook(const at::Tensor& leaf,
+                                                                      std::function<void()> hook) {
+  auto node = torch::autograd::impl::grad_accumulator(leaf);
+  node->add_post_hook(std::make_unique<torch::autograd::utils::LambdaPostHook>(
+      [hook = std::move(hook)](const torch::autograd::variable_list& outputs, const torch::autograd::variable_list&) {
+        hook();
+        return outputs;
+      }));
+  return node;
 }
 
 }  // namespace fsdp::detail

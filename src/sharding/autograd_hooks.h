@@ -4,11 +4,18 @@
 //    once the unit's own backward has produced the parameter gradients (FSDP2's
 //    RegisterPostBackwardFunction);
 //  - pre-backward: tensor hooks on a unit's outputs, run before that part of backward;
-//  - the final callback: queued on the autograd engine, runs when the whole backward ends.
+//  - the final callback: queued on the autograd engine, runs when the whole backward ends;
+//  - gradient-accumulated hooks (fsdp::replicate): a post-hook on a leaf's AccumulateGrad node,
+//    run once the leaf's .grad holds this backward's gradient (DDP's reducer hook).
 #include <ATen/ATen.h>
 
 #include <functional>
+#include <memory>
 #include <vector>
+
+namespace torch::autograd {
+struct Node;
+}
 
 namespace fsdp::detail {
 
@@ -19,5 +26,9 @@ std::vector<at::Tensor> register_post_backward_hook(FSDPState* state, std::vecto
 void register_pre_backward_hooks(FSDPState* state, const std::vector<at::Tensor>& outputs);
 // Must be called from inside a backward pass (e.g. from a hook).
 void queue_final_callback(std::function<void()> callback);
+// Returns the leaf's AccumulateGrad node, which the caller must keep alive: the leaf only holds it
+// weakly, and a new node (without the hook) would replace it once it is gone.
+std::shared_ptr<torch::autograd::Node> register_grad_accumulated_hook(const at::Tensor& leaf,
+                                                                      std::function<void()> hook);
 
 }  // namespace fsdp::detail

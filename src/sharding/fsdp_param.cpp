@@ -108,14 +108,37 @@ void FSDPParam::copy_out(const at::Tensor& gathered, int64_t offset) {
   }
 }
 
-void FSDPParam::copy_in_grad(const at::Tensor& grad, const at::Tensor& rs_input, int64_t offset) const {
-  at::Tensor flat = grad.contiguous().view(-1);
-  for (int r = 0; r < shard_size_; ++r) {
-    const int64_t first = static_cast<int64_t>(r) * padded_rows_;
-    const int64_t n = std::max<int64_t>(0, std::min<int64_t>(padded_rows_, rows_ - first));
-    if (n > 0) rs_input[r].narrow(0, offset, n * row_numel_).copy_(flat.narrow(0, first * row_numel_, n * row_numel_));
-    if (n < padded_rows_) rs_input[r].narrow(0, offset + n * row_numel_, (padded_rows_ - n) * row_numel_).zero_();
+namespace {
+// out[i] at column `offset` gets shard rank (first_rank + i)'s padded rows of `full` (flat).
+void split_rows(const at::Tensor& full, const at::Tensor& out, int64_t offset, int first_rank, int64_t rows,
+                int64_t row_numel, int64_t padded_rows) {
+  for (int64_t i = 0; i < out.size(0); ++i) {
+    const int64_t first = (first_rank + i) * padded_rows;
+    const int64_t n = std::max<int64_t>(0, std::min<int64_t>(padded_rows, rows - first));
+    if (n > 0) out[i].narrow(0, offset, n * row_numel).copy_(full.narrow(0, first * row_numel, n * row_numel));
+    if (n < padded_rows) out[i].narrow(0, offset + n * row_numel, (padded_rows - n) * row_numel).zero_();
   }
+}
+}  // namespace
+
+void FSDPParam::copy_in_grad(const at::Tensor& grad, const at::Tensor& rs_input, int64_t offset) const {
+  split_rows(grad.contiguous().view(-1), rs_input, offset, 0, rows_, row_numel_, padded_rows_);
+}
+
+void FSDPParam::copy_in_post_forward(const at::Tensor& out, int64_t offset, int first_rank) const {
+  split_rows(unsharded_alias().view(-1), out, offset, first_rank, rows_, row_numel_, padded_rows_);
+}
+
+void FSDPParam::stash_partial_reduce(const at::Tensor& reduced, int64_t offset) {
+  at::Tensor mine = reduced.narrow(0, offset, shard_numel());
+  if (partial_reduce_.defined()) partial_reduce_.add_(mine);
+  else partial_reduce_ = mine.clone();
+}
+
+void FSDPParam::add_partial_reduce(const at::Tensor& reduced, int64_t offset) {
+  if (!partial_reduce_.defined()) return;
+  reduced.narrow(0, offset, shard_numel()).add_(partial_reduce_);
+  partial_reduce_ = at::Tensor();
 }
 
 at::Tensor FSDPParam::take_unsharded_grad() {

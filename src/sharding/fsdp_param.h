@@ -81,6 +81,14 @@ class FSDPParam {
   // Writes the unsharded gradient, split by rank (padding rows zeroed), into the reduce-scatter
   // input viewed as [N, S], at column `offset`.
   void copy_in_grad(const at::Tensor& grad, const at::Tensor& rs_input, int64_t offset) const;
+  // Integer reshard_after_forward: writes the padded shards of shard ranks first_rank ..
+  // first_rank + out.size(0) - 1, taken from the unsharded parameter, into out[i] at column
+  // `offset` (out: [count, group_shard_numel], the flat layout of an all-gather input).
+  void copy_in_post_forward(const at::Tensor& out, int64_t offset, int first_rank) const;
+  // HSDP with the all-reduce skipped: keeps this parameter's reduce-scatter output (the sum of
+  // the shard group only) until the next all-reduce, which add_partial_reduce() folds it into.
+  void stash_partial_reduce(const at::Tensor& reduced, int64_t offset);
+  void add_partial_reduce(const at::Tensor& reduced, int64_t offset);
   // The gradient to reduce: the unsharded parameter's, plus what no-sync steps accumulated; both
   // are released. Undefined when there is none.
   at::Tensor take_unsharded_grad();
@@ -106,6 +114,7 @@ class FSDPParam {
   int shard_size_ = 1;
   at::Tensor padded_shard_, sharded_param_, unsharded_param_;
   at::Tensor accumulated_grad_;  // no-sync accumulation in reduce_dtype
+  at::Tensor partial_reduce_;    // HSDP: reduce-scatter outputs not all-reduced yet (reduce_dtype)
   at::ScalarType compute_dtype_, reduce_dtype_;
   ParamPlacement placement_;
   bool unsharded_ = true;

@@ -4,8 +4,19 @@
 
 namespace fsdp::detail {
 
+namespace {
+// HSDP's mesh is (replicate, shard): the parameters are sharded over the last dimension.
+DeviceMesh shard_dim(const DeviceMesh& mesh) {
+  return mesh.ndim() == 1 ? mesh : mesh[mesh.dim_names().back()];
+}
+}  // namespace
+
 FSDPParamGroup::FSDPParamGroup(std::vector<std::unique_ptr<FSDPParam>> params, DeviceMesh mesh)
-    : params_(std::move(params)), mesh_(std::move(mesh)), comm_(mesh_.comm(0)) {
+    : params_(std::move(params)),
+      mesh_(std::move(mesh)),
+      shard_mesh_(shard_dim(mesh_)),
+      comm_(shard_mesh_.comm(0)),
+      replicate_comm_(mesh_.ndim() == 2 ? mesh_.comm(0) : nullptr) {
   // fully_shard has checked that every parameter has one dtype and one device (before changing
   // anything), so the flat buffers below can hold them all.
   for (const auto& p : params_) {
@@ -25,6 +36,16 @@ void FSDPParamGroup::unshard(bool async_op) {
   // Copy-in casts to the compute dtype: with bf16 params the all-gather moves half the bytes.
   // On the compute device (a CPU-offloaded shard is copied there here).
   const auto options = first.options().device(params_.front()->device()).dtype(params_.front()->compute_dtype());
+  all_gather_output_ = at::empty({n, total_shard_numel_}, options);
+  if (post_forward_shard_.defined()) {
+    // Backward after an integer reshard: the k ranks of the post-forward group hold, together,
+    // every row of the [S, total] output (see the header).
+    all_gather_work_ =
+        post_forward_comm->all_gather_into_tensor(all_gather_output_.view(-1), post_forward_shard_.view(-1), true);
+    state_ = State::Unsharding;
+    if (!async_op) wait_for_unshard();
+    return;
+  }
   at::Tensor input = at::empty({total_shard_numel_}, options);
   {
     torch::NoGradGuard no_grad;
@@ -32,7 +53,6 @@ void FSDPParamGroup::unshard(bool async_op) {
       input.narrow(0, offsets_[i], params_[i]->shard_numel()).copy_(params_[i]->padded_shard(), /*non_blocking=*/true);
     }
   }
-  all_gather_output_ = at::empty({n, total_shard_numel_}, options);
   all_gather_work_ = comm_->all_gather_into_tensor(all_gather_output_.view(-1), input, /*async_op=*/true);
   state_ = State::Unsharding;
   if (!async_op) wait_for_unshard();
@@ -49,14 +69,32 @@ void FSDPParamGroup::wait_for_unshard() {
   }
   all_gather_output_ = at::Tensor();  // freed: only the unsharded parameters hold the data now
   all_gather_work_ = comm::Work();
+  post_forward_shard_ = at::Tensor();
   state_ = State::Unsharded;
 }
 
 void FSDPParamGroup::reshard() {
   if (state_ == State::Unsharding) wait_for_unshard();  // a gather in flight cannot be cancelled
+  post_forward_shard_ = at::Tensor();
   if (state_ != State::Unsharded) return;
   for (auto& p : params_) p->free_unsharded();
   state_ = State::Sharded;
+}
+
+void FSDPParamGroup::reshard_post_forward() {
+  if (state_ == State::Unsharding) wait_for_unshard();
+  if (!post_forward_comm || state_ != State::Unsharded) return reshard();
+  // This rank stands for shard ranks [g*m, (g+1)*m) within its k-group, m = S/k, g its rank there.
+  const int64_t m = comm_->size() / post_forward_comm->size();
+  const int first_rank = static_cast<int>(post_forward_comm->rank() * m);
+  const auto& p0 = params_.front();
+  at::Tensor kept = at::empty({m, total_shard_numel_}, p0->padded_shard().options().device(p0->device()).dtype(p0->compute_dtype()));
+  {
+    torch::NoGradGuard no_grad;
+    for (size_t i = 0; i < params_.size(); ++i) params_[i]->copy_in_post_forward(kept, offsets_[i], first_rank);
+  }
+  reshard();
+  post_forward_shard_ = std::move(kept);
 }
 
 void FSDPParamGroup::post_backward() {
@@ -103,10 +141,35 @@ void FSDPParamGroup::post_backward() {
   reduce_work_ = comm_->reduce_scatter_tensor(reduce_output_, input.view(-1), op, /*async_op=*/true);
 }
 
+void FSDPParamGroup::start_all_reduce() {
+  reduce_work_.wait();
+  reduce_work_ = comm::Work();
+  if (!requires_all_reduce) {
+    // Partial (shard group only) sums wait for the next all-reduce; nothing reaches .grad yet.
+    for (auto& [p, offset] : reduced_params_) p->stash_partial_reduce(reduce_output_, offset);
+    reduced_params_.clear();
+    reduce_output_ = at::Tensor();
+    return;
+  }
+  for (auto& [p, offset] : reduced_params_) p->add_partial_reduce(reduce_output_, offset);
+  // The reduce-scatter averaged over the S shard ranks; averaging over the R replicas makes the
+  // division R * S in total, FSDP2's factor for HSDP. A custom factor divides the plain sum.
+  const auto op = pending_divide_ ? comm::ReduceOp::Sum : comm::ReduceOp::Avg;
+  reduce_work_ = replicate_comm_->all_reduce(reduce_output_, op, /*async_op=*/true);
+  all_reduce_started_ = true;
+}
+
+void FSDPParamGroup::advance_reduce() {
+  if (needs_all_reduce_start()) start_all_reduce();
+  else finish_reduce();
+}
+
 void FSDPParamGroup::finish_reduce() {
+  if (needs_all_reduce_start()) start_all_reduce();
   if (!has_pending_reduce()) return;
   reduce_work_.wait();
   reduce_work_ = comm::Work();
+  all_reduce_started_ = false;
   if (pending_divide_) reduce_output_.div_(*pending_divide_);
   for (auto& [p, offset] : reduced_params_) p->accumulate_sharded_grad(reduce_output_, offset);
   reduced_params_.clear();

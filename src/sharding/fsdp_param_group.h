@@ -9,6 +9,14 @@
 // unshard() only issues the all-gather (copy-in of every padded shard into one flat buffer), so a
 // prefetch can overlap it with compute; wait_for_unshard() waits, re-allocates the unsharded
 // parameters and copies the rows out. reshard() frees them (waiting first if a gather is in flight).
+//
+// Integer reshard_after_forward (k): reshard_post_forward() keeps, besides the shard, the padded
+// shards of the S/k shard ranks this rank stands for within its group of k consecutive ranks
+// (FSDP2's SHARDED_POST_FORWARD). Gathered over those k ranks they form exactly the [S, total]
+// layout of a full all-gather, so the backward unshard is the same copy-out from a smaller group.
+//
+// HSDP (2-D mesh, replicate x shard): all-gather and reduce-scatter run on the shard group; the
+// reduce-scatter output is then all-reduced over the replicate group.
 #include <ATen/ATen.h>
 
 #include <memory>
@@ -30,29 +38,47 @@ class FSDPParamGroup {
   State state() const { return state_; }
   const std::vector<std::unique_ptr<FSDPParam>>& params() const { return params_; }
   const DeviceMesh& mesh() const { return mesh_; }
+  // The 1-D mesh the parameters are sharded over (the "shard" dimension under HSDP).
+  const DeviceMesh& shard_mesh() const { return shard_mesh_; }
+  bool is_hsdp() const { return replicate_comm_ != nullptr; }
   comm::Comm& comm() const { return *comm_; }
 
   void unshard(bool async_op);
   void wait_for_unshard();
   void reshard();
+  // reshard_after_forward's reshard: to the post-forward shard when post_forward_comm is set.
+  void reshard_post_forward();
+  // Drops a post-forward shard (its rows are stale once an optimizer step may have run).
+  void discard_post_forward() { post_forward_shard_ = at::Tensor(); }
 
   // After this group's backward: with gradient sync on, issues the reduce-scatter of the unsharded
   // gradients (asynchronously) and releases them; with it off, leaves them to accumulate.
   // Reshards afterwards when reshard_after_backward.
   void post_backward();
   bool has_pending_reduce() const { return reduce_output_.defined(); }
-  // Waits for the reduce-scatter and writes (or adds to) the sharded gradients.
+  // One step of a pending reduction: under HSDP, a finished reduce-scatter starts its all-reduce
+  // over the replicas (asynchronously, so it overlaps the next unit's backward); otherwise, or
+  // once that is in flight, finish_reduce().
+  void advance_reduce();
+  // Waits for the reduction (reduce-scatter, then HSDP's all-reduce) and writes (or adds to) the
+  // sharded gradients.
   void finish_reduce();
 
   bool reshard_after_forward = true;
   bool reshard_after_backward = true;
   bool requires_gradient_sync = true;
+  bool requires_all_reduce = true;  // HSDP only
   std::optional<double> gradient_divide_factor;
+  // Integer reshard_after_forward: this rank's group of k consecutive shard ranks (null otherwise).
+  std::shared_ptr<comm::Comm> post_forward_comm;
 
  private:
   std::vector<std::unique_ptr<FSDPParam>> params_;
   DeviceMesh mesh_;
-  std::shared_ptr<comm::Comm> comm_;
+  DeviceMesh shard_mesh_;
+  std::shared_ptr<comm::Comm> comm_;            // the shard group
+  std::shared_ptr<comm::Comm> replicate_comm_;  // HSDP's replicate group, else null
+  at::Tensor post_forward_shard_;               // [S/k, total] in the compute dtype, while post-forward
   std::vector<int64_t> offsets_;  // each parameter's column in the flat [N, total] layout
   int64_t total_shard_numel_ = 0;
   State state_ = State::Sharded;
@@ -64,6 +90,10 @@ class FSDPParamGroup {
   comm::Work reduce_work_;
   std::vector<std::pair<FSDPParam*, int64_t>> reduced_params_;  // (param, offset in reduce_output_)
   std::optional<double> pending_divide_;
+  bool all_reduce_started_ = false;  // HSDP: reduce_work_ is the all-reduce, not the reduce-scatter
+
+  bool needs_all_reduce_start() const { return replicate_comm_ && has_pending_reduce() && !all_reduce_started_; }
+  void start_all_reduce();
 };
 
 }  // namespace fsdp::detail

@@ -37,7 +37,11 @@ std::vector<FSDPState*> FSDPState::subtree_states() const {
 
 void FSDPState::set_reshard_after_forward(bool reshard) {
   reshard_after_forward_option_ = reshard;
-  if (group_) group_->reshard_after_forward = reshard;
+  if (group_) {
+    group_->reshard_after_forward = reshard;
+    group_->post_forward_comm = nullptr;  // a bool replaces an integer setting: full reshard
+    group_->discard_post_forward();
+  }
 }
 
 void FSDPState::lazy_init_as_root() {
@@ -71,6 +75,10 @@ void FSDPState::root_pre_forward() {
   // are read again (an optimizer step may sit between).
   for (FSDPParamGroup* g : ctx_->pending_reduces) g->finish_reduce();
   ctx_->pending_reduces.clear();
+  // Post-forward shards left by a forward without backward (eval) may predate an optimizer step.
+  for (FSDPState* s : ctx_->states) {
+    if (s->group_) s->group_->discard_post_forward();
+  }
   if (!ctx_->forward_order.empty()) ctx_->previous_forward_order = std::move(ctx_->forward_order);
   ctx_->forward_order.clear();
 }
@@ -119,7 +127,7 @@ std::vector<at::Tensor> FSDPState::pre_forward(std::vector<at::Tensor> args) {
 void FSDPState::post_forward(std::vector<at::Tensor>& outputs) {
   if (++forward_calls_ < modules_.size()) return;  // list form: after the last module of the group
   forward_calls_ = 0;
-  if (group_ && group_->reshard_after_forward) group_->reshard();
+  if (group_ && group_->reshard_after_forward) group_->reshard_post_forward();
   if (mp_policy_.output_dtype) {
     for (auto& o : outputs) {
       if (o.defined() && at::isFloatingType(o.scalar_type())) o = o.to(*mp_policy_.output_dtype);
@@ -156,9 +164,15 @@ void FSDPState::pre_backward() {
 void FSDPState::queue_reduce(FSDPParamGroup* group) {
   // Keep at most one reduce-scatter in flight besides the new one: bounded memory, and the
   // older result is ready by the time the next unit's backward is done.
-  for (FSDPParamGroup* g : ctx_->pending_reduces) g->finish_reduce();
-  ctx_->pending_reduces.clear();
-  if (group->has_pending_reduce()) ctx_->pending_reduces.push_back(group);
+  // Under HSDP an older reduce-scatter moves on to its all-reduce here, which then stays in
+  // flight during the next unit's backward (FSDP2's separate all-reduce stream).
+  std::vector<FSDPParamGroup*> still_pending;
+  for (FSDPParamGroup* g : ctx_->pending_reduces) {
+    g->advance_reduce();
+    if (g->has_pending_reduce()) still_pending.push_back(g);
+  }
+  if (group->has_pending_reduce()) still_pending.push_back(group);
+  ctx_->pending_reduces = std::move(still_pending);
 }
 
 void FSDPState::post_backward() {
@@ -184,6 +198,7 @@ void FSDPState::final_callback() {
     s->forward_calls_ = 0;
     // Prefetched but unused, or kept for backward: free what reshard_after_backward asks to.
     if (s->group_ && s->group_->reshard_after_backward) s->group_->reshard();
+    if (s->group_) s->group_->discard_post_forward();
   }
   ctx_->final_callback_queued = false;
 }

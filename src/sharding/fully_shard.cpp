@@ -3,6 +3,9 @@
 #include <torch/optim/optimizer.h>
 #include <torch/torch.h>
 
+#include <algorithm>
+#include <map>
+#include <mutex>
 #include <set>
 #include <stdexcept>
 #include <unordered_set>
@@ -44,6 +47,85 @@ DeviceMesh default_mesh() {
 
 std::string module_name(const torch::nn::Module& m) { return m.name(); }
 
+std::string join_ranks(const std::vector<int>& ranks) {
+  std::string out;
+  for (size_t i = 0; i < ranks.size(); ++i) out += (i ? "-" : "") + std::to_string(ranks[i]);
+  return out;
+}
+
+// FSDP (1-D) or HSDP (2-D: dim 0 replicates, dim 1 shards). Throws naming the problem and the fix.
+void check_mesh(const DeviceMesh& mesh) {
+  if (mesh.ndim() > 2) {
+    throw std::invalid_argument("fsdp::fully_shard: a " + std::to_string(mesh.ndim()) + "-D mesh (" +
+                                mesh.to_string() +
+                                "); fully_shard takes a 1-D mesh (FSDP) or a 2-D one (HSDP, replicate x shard): pass "
+                                "the data-parallel sub-mesh");
+  }
+  if (mesh.ndim() == 2) {
+    const auto& names = mesh.dim_names();
+    const std::string fix = "; build it as fsdp::init_device_mesh({" + std::to_string(mesh.size(0)) + ", " +
+                            std::to_string(mesh.size(1)) + "}, {\"replicate\", \"shard\"}) (dim 0 replicates, dim 1 shards)";
+    if (names[0] == "dim0" && names[1] == "dim1") {
+      throw std::invalid_argument("fsdp::fully_shard: HSDP needs a 2-D mesh with named dimensions, got " +
+                                  mesh.to_string() + fix);
+    }
+    if (names[0].find("shard") != std::string::npos || names[1].find("replicate") != std::string::npos) {
+      throw std::invalid_argument("fsdp::fully_shard: HSDP mesh " + mesh.to_string() + " has dimensions (\"" + names[0] +
+                                  "\", \"" + names[1] + "\"), but dim 0 must be the replicate dimension and dim 1 the "
+                                  "shard dimension (FSDP2's order)" + fix);
+    }
+  }
+  // Every dimension's group must be the ranks the mesh lists along it, in order.
+  for (int d = 0; d < mesh.ndim(); ++d) {
+    const auto& ranks = mesh.comm(d)->global_ranks();
+    auto listed = mesh[mesh.dim_names()[static_cast<size_t>(d)]].mesh().reshape(-1);
+    bool same = static_cast<int64_t>(ranks.size()) == listed.numel();
+    for (size_t i = 0; same && i < ranks.size(); ++i) same = listed[static_cast<int64_t>(i)].item<int64_t>() == ranks[i];
+    if (!same) {
+      throw std::invalid_argument("fsdp::fully_shard: the mesh's ranks do not match its process group; build the "
+                                  "mesh with fsdp::init_device_mesh");
+    }
+  }
+}
+
+// The group of k consecutive ranks of `shard` that this rank belongs to, made once per process:
+// every member creates it at fully_shard time, in the same order (fully_shard is SPMD).
+std::shared_ptr<comm::Comm> post_forward_group(const comm::Comm& shard, int k) {
+  static std::mutex mu;
+  static std::map<std::string, std::pair<std::shared_ptr<comm::Comm>, std::shared_ptr<comm::Comm>>> groups;
+  std::lock_guard<std::mutex> lock(mu);
+  const int first = (shard.rank() / k) * k;
+  std::vector<int> ranks(shard.global_ranks().begin() + first, shard.global_ranks().begin() + first + k);
+  std::sort(ranks.begin(), ranks.end());
+  const std::string tag = "post_forward/" + join_ranks(ranks);
+  auto it = groups.find(tag);
+  // Keyed by the ranks, and valid for one runtime (a new world has new process groups).
+  if (it != groups.end() && it->second.first == dist::world_comm()) return it->second.second;
+  auto group = dist::new_group(ranks, tag);
+  groups[tag] = {dist::world_comm(), group};
+  return group;
+}
+
+// reshard_after_forward as FSDPState takes it, plus the post-forward group size for an integer.
+std::pair<std::optional<bool>, int> resolve_reshard(const std::optional<std::variant<bool, int>>& option,
+                                                    int shard_size) {
+  if (!option) return {std::nullopt, 0};
+  if (const bool* b = std::get_if<bool>(&*option)) return {*b, 0};
+  const int k = std::get<int>(*option);
+  if (k < 1 || k > shard_size || shard_size % k != 0) {
+    std::string divisors;
+    for (int d = 1; d <= shard_size; ++d) {
+      if (shard_size % d == 0) divisors += (divisors.empty() ? "" : ", ") + std::to_string(d);
+    }
+    throw std::invalid_argument("fsdp::fully_shard: reshard_after_forward = " + std::to_string(k) +
+                                " does not divide the shard size " + std::to_string(shard_size) +
+                                "; use a divisor of it (" + divisors + "), true or false");
+  }
+  if (k == 1) return {false, 0};  // a group of one is this rank keeping everything
+  if (k == shard_size) return {true, 0};
+  return {true, k};
+}
+
 }  // namespace
 
 }  // namespace detail
@@ -73,24 +155,20 @@ FSDPModule fully_shard(const std::vector<std::shared_ptr<torch::nn::Module>>& mo
                                   "(e.g. at::kBFloat16, at::kHalf, at::kFloat)");
     }
   }
-  DeviceMesh mesh = options.mesh ? *options.mesh : default_mesh();
-  if (mesh.ndim() != 1) {
-    throw std::invalid_argument("fsdp::fully_shard: a " + std::to_string(mesh.ndim()) +
-                                "-D mesh means HSDP, which is not implemented yet; pass a 1-D mesh (e.g. mesh[\"shard\"])");
-  }
-  {
-    // The mesh's group must be the ranks the mesh lists, in order.
-    const auto& ranks = mesh.comm()->global_ranks();
-    auto listed = mesh.mesh().reshape(-1);
-    bool same = static_cast<int64_t>(ranks.size()) == listed.numel();
-    for (size_t i = 0; same && i < ranks.size(); ++i) same = listed[static_cast<int64_t>(i)].item<int64_t>() == ranks[i];
-    if (!same) {
-      throw std::invalid_argument("fsdp::fully_shard: the mesh's ranks do not match its process group; build the "
-                                  "mesh with fsdp::init_device_mesh");
+  for (const auto& m : modules) {
+    for (const auto& sub : m->modules(/*include_self=*/true)) {
+      if (is_replicated(sub.get())) {
+        throw std::invalid_argument("fsdp::fully_shard: module " + module_name(*sub) +
+                                    " is under fsdp::replicate; a module is either replicated or sharded");
+      }
     }
   }
-  const int shard_rank = mesh.get_local_rank(0);
-  const int shard_size = static_cast<int>(mesh.size(0));
+  DeviceMesh mesh = options.mesh ? *options.mesh : default_mesh();
+  check_mesh(mesh);
+  const int shard_dim = mesh.ndim() - 1;  // HSDP: dim 1
+  const int shard_rank = mesh.get_local_rank(shard_dim);
+  const int shard_size = static_cast<int>(mesh.size(shard_dim));
+  const auto [reshard_after_forward, post_forward_size] = resolve_reshard(options.reshard_after_forward, shard_size);
 
   std::unordered_set<const c10::TensorImpl*> ignored;
   for (const auto& t : options.ignored_params) ignored.insert(t.unsafeGetTensorImpl());
@@ -156,7 +234,12 @@ FSDPModule fully_shard(const std::vector<std::shared_ptr<torch::nn::Module>>& mo
     }
     group = std::make_unique<FSDPParamGroup>(std::move(params), mesh);
   }
-  auto state = std::make_shared<FSDPState>(modules, std::move(group), options.reshard_after_forward, options.mp_policy);
+  // Every rank makes the post-forward group, even one without parameters here (SPMD: same calls).
+  if (post_forward_size > 0) {
+    auto pf = post_forward_group(*mesh.comm(shard_dim), post_forward_size);
+    if (group) group->post_forward_comm = pf;
+  }
+  auto state = std::make_shared<FSDPState>(modules, std::move(group), reshard_after_forward, options.mp_policy);
   register_state(modules, state);
   return FSDPModule(state);
 }
@@ -199,6 +282,12 @@ void FSDPModule::set_requires_gradient_sync(bool requires_sync, bool recurse) {
   });
 }
 
+void FSDPModule::set_requires_all_reduce(bool requires_all_reduce, bool recurse) {
+  for_states(state_.get(), recurse, [&](detail::FSDPState* s) {
+    if (s->group()) s->group()->requires_all_reduce = requires_all_reduce;
+  });
+}
+
 void FSDPModule::set_reshard_after_forward(bool reshard, bool recurse) {
   for_states(state_.get(), recurse, [&](detail::FSDPState* s) { s->set_reshard_after_forward(reshard); });
 }
@@ -238,9 +327,13 @@ std::vector<torch::nn::Module*> FSDPModule::modules() const { return state_->mod
 std::optional<ShardInfo> shard_info(const at::Tensor& sharded_param) {
   detail::FSDPParam* p = detail::param_of_shard(sharded_param);
   if (p == nullptr) return std::nullopt;
-  auto state = detail::owner_of_unsharded(p->unsharded_param());
-  return ShardInfo{p->global_shape(), p->dim0_offset(), p->local_rows(), p->padded_rows(), p->fqn(),
-                   state->group()->mesh()};
+  auto* group = detail::owner_of_unsharded(p->unsharded_param())->group();
+  ShardInfo info{p->global_shape(), p->dim0_offset(), p->local_rows(), p->padded_rows(), p->fqn(), group->shard_mesh()};
+  if (group->is_hsdp()) {
+    info.replica_rank = group->mesh().get_local_rank(0);
+    info.num_replicas = group->mesh().size(0);
+  }
+  return info;
 }
 
 void check_optimizer_params(const torch::optim::Optimizer& optimizer) {

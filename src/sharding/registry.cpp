@@ -5,6 +5,7 @@
 
 #include "fsdp_param.h"
 #include "fsdp_state.h"
+#include "reducer.h"
 
 namespace fsdp::detail {
 
@@ -25,6 +26,12 @@ std::mutex g_mu;
 std::unordered_map<const c10::TensorImpl*, ParamEntry> g_shards;
 std::unordered_map<const c10::TensorImpl*, ParamEntry> g_unsharded;
 std::unordered_map<const torch::nn::Module*, StateEntry> g_states;
+
+struct ReplicatedEntry {
+  std::weak_ptr<torch::nn::Module> module;
+  std::shared_ptr<Reducer> reducer;
+};
+std::unordered_map<const torch::nn::Module*, ReplicatedEntry> g_replicated;
 
 }  // namespace
 
@@ -99,5 +106,25 @@ FSDPParam* param_of_unsharded(const at::Tensor& tensor) {
   auto it = g_unsharded.find(tensor.unsafeGetTensorImpl());
   return it == g_unsharded.end() ? nullptr : it->second.param;
 }
+
+void register_replicated(const std::shared_ptr<torch::nn::Module>& module, const std::shared_ptr<Reducer>& reducer) {
+  std::lock_guard<std::mutex> lock(g_mu);
+  // Drop destroyed modules' reducers (a Reducer does not call back into the registry).
+  for (auto it = g_replicated.begin(); it != g_replicated.end();) {
+    it = it->second.module.expired() ? g_replicated.erase(it) : std::next(it);
+  }
+  g_replicated[module.get()] = ReplicatedEntry{module, reducer};
+}
+
+std::shared_ptr<Reducer> lookup_replicated(const torch::nn::Module* module) {
+  std::lock_guard<std::mutex> lock(g_mu);
+  auto it = g_replicated.find(module);
+  if (it == g_replicated.end()) return nullptr;
+  auto alive = it->second.module.lock();
+  if (!alive || alive.get() != module) return nullptr;
+  return it->second.reducer;
+}
+
+bool is_replicated(const torch::nn::Module* module) { return lookup_replicated(module) != nullptr; }
 
 }  // namespace fsdp::detail

@@ -11,6 +11,7 @@ namespace fsdp::detail {
 
 class FSDPState;
 class FSDPParam;
+class Reducer;
 
 void register_state(const std::vector<std::shared_ptr<torch::nn::Module>>& modules,
                     const std::shared_ptr<FSDPState>& state);
@@ -27,5 +28,10 @@ FSDPParam* param_of_shard(const at::Tensor& tensor);
 // The state owning the parameter whose unsharded tensor this is, if any.
 FSDPState* owner_of_unsharded(const at::Tensor& tensor);
 FSDPParam* param_of_unsharded(const at::Tensor& tensor);
+
+// fsdp::replicate: the Reducer of a replicated module (kept alive as long as the module).
+void register_replicated(const std::shared_ptr<torch::nn::Module>& module, const std::shared_ptr<Reducer>& reducer);
+std::shared_ptr<Reducer> lookup_replicated(const torch::nn::Module* module);
+bool is_replicated(const torch::nn::Module* module);
 
 }  // namespace fsdp::detail

@@ -113,6 +113,19 @@ double check_shards_match(models::GPT& model, const std::map<std::string, at::Te
   return worst;
 }
 
+double check_full_params_match(models::GPT& model, const std::map<std::string, at::Tensor>& reference, double tolerance) {
+  double worst = 0;
+  for (const auto& p : model->named_parameters()) {
+    const at::Tensor& want = reference.at(p.key());
+    TORCH_CHECK(p.value().sizes() == want.sizes(), p.key(), ": shape mismatch");
+    const double diff = ((p.value().detach() - want).abs() / want.abs().clamp_min(1.0)).max().item<double>();
+    TORCH_CHECK(diff <= tolerance, "parameter ", p.key(), " differs from the single-process run by ", diff,
+                " (relative), tolerance ", tolerance);
+    worst = std::max(worst, diff);
+  }
+  return worst;
+}
+
 void check_losses_match(const std::vector<double>& got, const std::vector<double>& want, double tolerance) {
   TORCH_CHECK(got.size() == want.size());
   for (size_t i = 0; i < got.size(); ++i) {

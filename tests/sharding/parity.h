@@ -42,6 +42,8 @@ TrainResult train_sharded(const models::GPTConfig& c, int steps, int64_t batch, 
 // Largest elementwise |shard - reference| / max(|reference|, 1) over every shard of `model` against
 // the full reference parameters. Throws naming the parameter if above `tolerance`.
 double check_shards_match(models::GPT& model, const std::map<std::string, at::Tensor>& reference, double tolerance);
+// The same for unsharded parameters (fsdp::replicate): whole parameters against the reference.
+double check_full_params_match(models::GPT& model, const std::map<std::string, at::Tensor>& reference, double tolerance);
 void check_losses_match(const std::vector<double>& got, const std::vector<double>& want, double tolerance);
 
 // The model and optimizer both parity runs start from (seed 42; AdamW, see parity.cpp on eps).

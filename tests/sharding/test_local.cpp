@@ -129,9 +129,13 @@ TEST(FullyShardErrors, PoliciesThatCannotApplyAreRefused) {
   EXPECT_ERROR_MENTIONS(fsdp::fully_shard(model, o), "param_dtype is Long; mixed precision dtypes must be floating point");
   // Offloading to the CPU from a GPU mesh needs a CUDA build: the mesh itself is refused.
   EXPECT_ERROR_MENTIONS(fsdp::init_device_mesh({1}, {"shard"}, "cuda"), fsdp::comm::nccl_available() ? "" : "NCCL");
+  // HSDP's mesh is (replicate, shard), in that order.
   fsdp::FullyShardOptions hsdp;
+  hsdp.mesh = fsdp::init_device_mesh({1, 1}, {"shard", "replicate"});
+  EXPECT_ERROR_MENTIONS(fsdp::fully_shard(model, hsdp), "dim 0 must be the replicate dimension");
+  hsdp.reshard_after_forward = 2;
   hsdp.mesh = fsdp::init_device_mesh({1, 1}, {"replicate", "shard"});
-  EXPECT_ERROR_MENTIONS(fsdp::fully_shard(model, hsdp), "HSDP");
+  EXPECT_ERROR_MENTIONS(fsdp::fully_shard(model, hsdp), "does not divide the shard size 1");
 }
 
 TEST(FullyShard, ParametersAreShardsWithTheirNames) {
@@ -236,4 +240,30 @@ TEST(FullyShard, IgnoredParamsStayWhole) {
   EXPECT_TRUE(model->ln_f->weight.grad().defined());
   EXPECT_TRUE(fsdp::shard_info(model->named_parameters()["ln_f.bias"]).has_value());  // the shard
   EXPECT_TRUE(model->named_parameters()["ln_f.weight"].is_same(model->ln_f->weight));
+}
+
+// replicate in a world of one: the ordinary parameters, gradients as without it (the all-reduce
+// of one rank is the identity), no-sync accumulation, and a tied model's shared weight once.
+TEST(Replicate, WorldOfOneMatchesPlainTraining) {
+  auto c = tiny();
+  c.tie_weights = true;
+  torch::manual_seed(3);
+  GPT plain(c);
+  torch::manual_seed(3);
+  GPT ddp(c);
+  auto handle = fsdp::replicate(ddp, fsdp::ReplicateOptions{std::nullopt, /*bucket_cap_bytes=*/256});
+  EXPECT_GT(handle.num_buckets(), 1u);
+  EXPECT_TRUE(fsdp::replicate_module(*ddp->blocks[0]).has_value());
+  EXPECT_FALSE(fsdp::shard_info(ddp->parameters()[0]).has_value());
+  auto x = tokens();
+  for (int micro = 0; micro < 2; ++micro) {
+    handle.set_requires_gradient_sync(micro == 1);
+    fsdp::models::gpt_loss(plain->forward(x), x).backward();
+    fsdp::models::gpt_loss(fsdp::call(ddp, x), x).backward();
+  }
+  auto a = plain->named_parameters(), b = ddp->named_parameters();
+  for (const auto& p : a) {
+    ASSERT_TRUE(b[p.key()].grad().defined()) << p.key();
+    EXPECT_TRUE(b[p.key()].grad().allclose(p.value().grad(), 1e-6, 1e-7)) << p.key();
+  }
 }

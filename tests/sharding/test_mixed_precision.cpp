@@ -65,8 +65,15 @@ FSDP_RANK_WORKER(bf16_params_fp32_reduce) {
 
   torch::manual_seed(42);
   GPT model(c);
-  for (auto& b : model->blocks) fsdp::fully_shard(b, bf16_options());
-  fsdp::fully_shard(model, bf16_options());
+  auto options = bf16_options();
+  if (const char* mesh = std::getenv("HSDP_MESH")) {
+    // HSDP "RxS": the fp32 reduce-scatter, then the fp32 all-reduce over the replicas.
+    const std::string m = mesh;
+    options.mesh = fsdp::init_device_mesh({std::stoll(m.substr(0, m.find('x'))), std::stoll(m.substr(m.find('x') + 1))},
+                                          {"replicate", "shard"});
+  }
+  for (auto& b : model->blocks) fsdp::fully_shard(b, options);
+  fsdp::fully_shard(model, options);
   torch::optim::AdamW opt(model->parameters(), torch::optim::AdamWOptions(3e-3).weight_decay(0.1).eps(1e-3));
   auto world = fsdp::dist::world_comm();
   const int64_t local = kBatch / world->size();
@@ -184,6 +191,14 @@ FSDP_RANK_WORKER(bf16_halves_all_gather) {
 
 TEST(MixedPrecision, Bf16ParamsFp32ReduceMatchesReference) {
   auto r = run_ranks(2, "bf16_params_fp32_reduce");
+  EXPECT_TRUE(r.all_ok()) << r.report();
+  if (r.all_ok()) std::cout << r.ranks[0].output;
+}
+
+TEST(MixedPrecision, Bf16ParamsFp32ReduceUnderHsdpMatchesReference) {
+  fsdp::testing::RanksOptions o;
+  o.env["HSDP_MESH"] = "2x1";
+  auto r = run_ranks(2, "bf16_params_fp32_reduce", o);
   EXPECT_TRUE(r.all_ok()) << r.report();
   if (r.all_ok()) std::cout << r.ranks[0].output;
 }

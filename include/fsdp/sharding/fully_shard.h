@@ -20,6 +20,7 @@
 #include <memory>
 #include <optional>
 #include <string>
+#include <variant>
 #include <vector>
 
 #include "fsdp/mesh/device_mesh.h"
@@ -36,11 +37,19 @@ class FSDPState;
 }
 
 struct FullyShardOptions {
-  // 1-D mesh of the data-parallel ranks (default: all ranks of the runtime).
+  // The data-parallel ranks (default: all ranks of the runtime, 1-D).
+  //   1-D mesh: FSDP, parameters sharded over every rank of the mesh.
+  //   2-D mesh: HSDP, init_device_mesh({R, S}, {"replicate", "shard"}): dim 0 replicates, dim 1
+  //   shards (FSDP2's order). All-gather and reduce-scatter run within the S ranks of the shard
+  //   group, then the sharded gradients are all-reduced over the R replicas.
   std::optional<DeviceMesh> mesh;
   // Free the unsharded parameters after forward and re-gather them for backward.
+  //   true / false: free them all / keep them (ZeRO-3 / ZeRO-2-like).
+  //   int k: keep a 1/k slice after forward, so the backward all-gather runs within a group of k
+  //   consecutive ranks of the shard group (ZeRO++ hpZ). k must divide the shard size; 1 behaves
+  //   as false, the shard size as true.
   // Unset: true for every unit but the root, false for the root (decided at the first forward).
-  std::optional<bool> reshard_after_forward;
+  std::optional<std::variant<bool, int>> reshard_after_forward;
   MixedPrecisionPolicy mp_policy;
   std::optional<CPUOffloadPolicy> offload_policy;
   // Left unsharded and unreduced (e.g. parameters another mechanism handles).
@@ -71,6 +80,9 @@ class FSDPModule {
   // false: skip the gradient reduce-scatter and accumulate unsharded gradients locally; the next
   // synced backward reduces the sum (FSDP1's no_sync).
   void set_requires_gradient_sync(bool requires_sync, bool recurse = true);
+  // HSDP: false skips the all-reduce over the replicas (the reduce-scatter still runs and its
+  // output accumulates); the next backward with it on all-reduces the sum. No effect on 1-D meshes.
+  void set_requires_all_reduce(bool requires_all_reduce, bool recurse = true);
   void set_reshard_after_forward(bool reshard, bool recurse = true);
   // false: keep the parameters unsharded after backward (e.g. across micro-batches).
   void set_reshard_after_backward(bool reshard, bool recurse = true);
@@ -102,16 +114,19 @@ FSDPModule fully_shard(Holder& module, FullyShardOptions options = {}) {
 // The FSDPModule of a module sharded by fully_shard, if any.
 std::optional<FSDPModule> fsdp_module(const torch::nn::Module& module);
 
-// Where a sharded parameter (an element of module->parameters()) sits in the full one.
+// Where a sharded parameter (an element of module->parameters()) sits in the full one. Under HSDP
+// the rows are those of this rank's position in the shard group, and every replica holds the same
+// rows: only replica_rank 0 needs to write them to a checkpoint, and every replica reads them back.
+// Parameters under fsdp::replicate are not shards (shard_info returns nullopt).
 struct ShardInfo {
   std::vector<int64_t> global_shape;  // the unsharded parameter's shape
   int64_t dim0_offset = 0;            // first row of the full parameter held here
   int64_t local_rows = 0;             // rows held here (0 for an empty shard)
-  int64_t padded_rows = 0;            // rows per rank, ceil(dim0 / N)
+  int64_t padded_rows = 0;            // rows per rank, ceil(dim0 / N), N the shard group's size
   std::string fqn;                    // name relative to the root module it was sharded under
-  DeviceMesh mesh;
-  int64_t replica_rank = 0;           // HSDP: this rank's index in the replicate dimension
-  int64_t num_replicas = 1;           // HSDP: copies of each shard (1 for plain FSDP)
+  DeviceMesh mesh;                    // the 1-D mesh the parameter is sharded over (HSDP: its "shard" dim)
+  int64_t replica_rank = 0;           // this rank's index along the replicate dimension (0 for FSDP)
+  int64_t num_replicas = 1;           // size of the replicate dimension (1 for FSDP)
 };
 std::optional<ShardInfo> shard_info(const at::Tensor& sharded_param);
 

@@ -1,0 +1,104 @@
+#include "reducer.h"
+
+#include <torch/torch.h>
+
+#include <algorithm>
+
+#include "autograd_hooks.h"
+
+namespace fsdp::detail {
+
+Reducer::Reducer(std::vector<at::Tensor> params, std::shared_ptr<comm::Comm> comm, int64_t bucket_cap_bytes,
+                 int64_t first_bucket_cap_bytes)
+    : params_(std::move(params)), comm_(std::move(comm)) {
+  bucket_of_.resize(params_.size());
+  ready_.assign(params_.size(), false);
+  // Reverse order: the last layers' gradients are ready first, so their bucket goes out first.
+  for (size_t k = params_.size(); k-- > 0;) {
+    const at::Tensor& p = params_[k];
+    const int64_t bytes = p.numel() * static_cast<int64_t>(p.element_size());
+    bool fresh = buckets_.empty();
+    if (!fresh) {
+      const Bucket& b = buckets_.back();
+      const at::Tensor& first = params_[b.params.front()];
+      const int64_t cap = buckets_.size() == 1 ? std::min(first_bucket_cap_bytes, bucket_cap_bytes) : bucket_cap_bytes;
+      fresh = first.scalar_type() != p.scalar_type() || first.device() != p.device() ||
+              (b.numel * static_cast<int64_t>(first.element_size()) + bytes > cap);
+    }
+    if (fresh) buckets_.emplace_back();
+    Bucket& b = buckets_.back();
+    bucket_of_[k] = buckets_.size() - 1;
+    b.params.push_back(k);
+    b.offsets.push_back(b.numel);
+    b.numel += p.numel();
+  }
+  reset();
+}
+
+void Reducer::install_hooks() {
+  std::weak_ptr<Reducer> weak = weak_from_this();
+  for (size_t i = 0; i < params_.size(); ++i) {
+    grad_accumulators_.push_back(register_grad_accumulated_hook(params_[i], [weak, i] {
+      if (auto self = weak.lock()) self->on_grad_ready(i);
+    }));
+  }
+}
+
+void Reducer::reset() {
+  ready_.assign(params_.size(), false);
+  for (auto& b : buckets_) {
+    b.pending = b.params.size();
+    b.flat = at::Tensor();
+    b.work = comm::Work();
+    b.launched = false;
+  }
+  next_bucket_ = 0;
+  callback_queued_ = false;
+}
+
+void Reducer::on_grad_ready(size_t index) {
+  if (!requires_gradient_sync) return;  // no-sync: .grad keeps accumulating locally
+  if (!callback_queued_) {
+    callback_queued_ = true;
+    std::weak_ptr<Reducer> weak = weak_from_this();
+    queue_final_callback([weak] {
+      if (auto self = weak.lock()) self->finalize();
+    });
+  }
+  if (ready_[index]) return;
+  ready_[index] = true;
+  --buckets_[bucket_of_[index]].pending;
+  while (next_bucket_ < buckets_.size() && buckets_[next_bucket_].pending == 0) launch(buckets_[next_bucket_++]);
+}
+
+void Reducer::launch(Bucket& b) {
+  const at::Tensor& first = params_[b.params.front()];
+  b.flat = at::empty({b.numel}, first.options().requires_grad(false));
+  torch::NoGradGuard no_grad;
+  for (size_t j = 0; j < b.params.size(); ++j) {
+    const at::Tensor& g = params_[b.params[j]].grad();
+    at::Tensor slot = b.flat.narrow(0, b.offsets[j], params_[b.params[j]].numel());
+    if (g.defined()) slot.copy_(g.reshape(-1));
+    else slot.zero_();  // unused here this time; another rank may have a gradient
+  }
+  b.work = comm_->all_reduce(b.flat, comm::ReduceOp::Avg, /*async_op=*/true);
+  b.launched = true;
+}
+
+void Reducer::finalize() {
+  while (next_bucket_ < buckets_.size()) launch(buckets_[next_bucket_++]);
+  torch::NoGradGuard no_grad;
+  for (auto& b : buckets_) {
+    b.work.wait();
+    for (size_t j = 0; j < b.params.size(); ++j) {
+      at::Tensor& p = params_[b.params[j]];
+      at::Tensor avg = b.flat.narrow(0, b.offsets[j], p.numel()).view(p.sizes());
+      at::Tensor& g = p.mutable_grad();
+      if (g.defined()) g.copy_(avg);
+      else if (avg.ne(0).any().item<bool>()) g = avg.clone();  // the same decision on every rank
+    }
+  }
+  reset();
+}
+
+}  // namespace fsdp::detail

@@ -1,0 +1,60 @@
+#pragma once
+// Reducer: fsdp::replicate's gradient all-reduce, in buckets that overlap backward (DDP's reducer).
+//
+// Buckets hold parameters in reverse registration order (about the order backward produces their
+// gradients), one dtype per bucket, up to bucket_cap_bytes each (the first one smaller). A post-hook on each parameter's
+// AccumulateGrad node marks the parameter ready once its .grad is final for this backward (so it
+// includes what no-sync steps accumulated); when every parameter of the next bucket in order is
+// ready, its gradients are copied into one flat buffer and all-reduced asynchronously. Buckets are
+// launched strictly in index order, so every rank issues the same collectives in the same order.
+// The final callback (queued on the autograd engine by the first hook, as FSDP's state does)
+// launches what is left (parameters without a gradient this time contribute zeros), waits, and
+// copies the averages back into .grad.
+#include <torch/csrc/autograd/function.h>
+#include <torch/nn/module.h>
+
+#include <memory>
+#include <vector>
+
+#include "fsdp/comm/comm.h"
+
+namespace fsdp::detail {
+
+class Reducer : public std::enable_shared_from_this<Reducer> {
+ public:
+  Reducer(std::vector<at::Tensor> params, std::shared_ptr<comm::Comm> comm, int64_t bucket_cap_bytes,
+          int64_t first_bucket_cap_bytes);
+  // Installs the hooks; separate from the constructor because they hold a weak reference to this.
+  void install_hooks();
+
+  bool requires_gradient_sync = true;
+  size_t num_buckets() const { return buckets_.size(); }
+  comm::Comm& comm() const { return *comm_; }
+
+ private:
+  struct Bucket {
+    std::vector<size_t> params;   // indices into params_
+    std::vector<int64_t> offsets;  // each parameter's start in the flat buffer
+    int64_t numel = 0;
+    size_t pending = 0;  // parameters not ready yet this backward
+    at::Tensor flat;
+    comm::Work work;
+    bool launched = false;
+  };
+
+  void on_grad_ready(size_t index);
+  void launch(Bucket& bucket);
+  void finalize();
+  void reset();
+
+  std::vector<at::Tensor> params_;
+  std::shared_ptr<comm::Comm> comm_;
+  std::vector<std::shared_ptr<torch::autograd::Node>> grad_accumulators_;  // kept alive: they hold the hooks
+  std::vector<size_t> bucket_of_;
+  std::vector<bool> ready_;
+  std::vector<Bucket> buckets_;
+  size_t next_bucket_ = 0;
+  bool callback_queued_ = false;
+};
+
+}  // namespace fsdp::detail

@@ -25,7 +25,7 @@ namespace {
 
 constexpr int kSaveStep = 5;   // the checkpoint holds the state after this many steps
 constexpr int kSteps = 10;     // an uninterrupted run's length
-constexpr int64_t kBatch = 6;  // divisible by 1, 2 and 3
+constexpr int64_t kBatch = 12;  // divisible by 1, 2, 3 and 4
 constexpr double kTolerance = 1e-6;
 
 std::string env(const char* name) {
@@ -34,9 +34,39 @@ std::string env(const char* name) {
   return v;
 }
 
-void shard(GPT& model) {
-  for (auto& block : model->blocks) fsdp::fully_shard(block);
-  fsdp::fully_shard(model);
+// MODE (env): fsdp (default) | hsdp (MESH "RxS", default 2x2) | replicate. The checkpoint format
+// does not depend on the mode, so any mode loads what any other saved.
+void parallelize(GPT& model) {
+  const char* m = std::getenv("MODE");
+  const std::string mode = m ? m : "fsdp";
+  if (mode == "replicate") {
+    fsdp::replicate(model);
+    return;
+  }
+  fsdp::FullyShardOptions options;
+  if (mode == "hsdp") {
+    const char* mesh = std::getenv("MESH");
+    const std::string shape = mesh ? mesh : "2x2";
+    const auto x = shape.find('x');
+    options.mesh = fsdp::init_device_mesh({std::stoll(shape.substr(0, x)), std::stoll(shape.substr(x + 1))},
+                                          {"replicate", "shard"});
+  }
+  for (auto& block : model->blocks) fsdp::fully_shard(block, options);
+  fsdp::fully_shard(model, options);
+}
+
+// Like check_shards_match, for sharded (any mesh) and replicated (whole) parameters alike.
+double check_params_match(GPT& model, const std::map<std::string, at::Tensor>& reference, double tolerance) {
+  double worst = 0;
+  for (const auto& p : model->named_parameters()) {
+    at::Tensor want = reference.at(p.key());
+    if (auto info = fsdp::shard_info(p.value())) want = want.narrow(0, info->dim0_offset, info->local_rows);
+    if (want.numel() == 0) continue;
+    const double diff = ((p.value().detach() - want).abs() / want.abs().clamp_min(1.0)).max().item<double>();
+    TORCH_CHECK(diff <= tolerance, p.key(), " differs from the single-process run by ", diff);
+    worst = std::max(worst, diff);
+  }
+  return worst;
 }
 
 // One optimizer step of the parity recipe on this rank's slice of the global batch; returns the
@@ -68,7 +98,7 @@ Trainer sharded_trainer(int seed = 42) {
     torch::manual_seed(seed);
     t.model = GPT(uneven_config());
   }
-  shard(t.model);
+  parallelize(t.model);
   t.opt = std::make_unique<torch::optim::AdamW>(parity_optimizer(*t.model));
   return t;
 }
@@ -117,7 +147,7 @@ FSDP_RANK_WORKER(load_resave_continue) {
   ckpt::load(env("CKPT_DIR"), t.state());
   TORCH_CHECK(t.progress.ints.at("step") == kSaveStep, "progress not restored");
   const auto at_save = train_reference(c, kSaveStep, kBatch, 1);
-  check_shards_match(t.model, at_save.parameters, kTolerance);
+  check_params_match(t.model, at_save.parameters, kTolerance);
   ckpt::save(env("RESAVE_DIR"), t.state());
 
   const auto uninterrupted = train_reference(c, kSteps, kBatch, 1);
@@ -127,7 +157,7 @@ FSDP_RANK_WORKER(load_resave_continue) {
     want.push_back(uninterrupted.losses[s]);
   }
   check_losses_match(losses, want, kTolerance);
-  const double worst = check_shards_match(t.model, uninterrupted.parameters, kTolerance);
+  const double worst = check_params_match(t.model, uninterrupted.parameters, kTolerance);
   if (fsdp::dist::rank() == 0)
     std::cout << "resumed at " << fsdp::dist::world_size() << " ranks: losses " << losses.front() << " .. "
               << losses.back() << ", worst shard difference " << worst << std::endl;
@@ -224,6 +254,34 @@ TEST_F(CheckpointTest, SaveAtTwoLoadsAtOneAndThreeAndTrainsOnIdentically) {
   expect_same_state(original, from3);
   expect_same_state(original, from1);
   EXPECT_EQ(original.progress.ints.at("step"), kSaveStep);
+}
+
+// HSDP (2x2, only replica 0 writes), replicate (whole tensors from rank 0) and FSDP load each
+// other's checkpoints, and training continues as if uninterrupted.
+TEST_F(CheckpointTest, HsdpReplicateAndFsdpLoadEachOthersCheckpoints) {
+  const fs::path from_hsdp = root_ / "hsdp", from_replicate = root_ / "replicate";
+  auto mode = [&](const char* m, const fs::path& dir, const fs::path& resave) {
+    auto o = with_dirs(dir, resave);
+    o.env["MODE"] = m;
+    return o;
+  };
+  EXPECT_RANKS_PASS(4, "train_then_save", mode("hsdp", from_hsdp, {}));
+  EXPECT_RANKS_PASS(2, "load_resave_continue", mode("fsdp", from_hsdp, root_ / "hsdp_to_fsdp"));
+  EXPECT_RANKS_PASS(2, "load_resave_continue", mode("replicate", from_hsdp, root_ / "hsdp_to_replicate"));
+  EXPECT_RANKS_PASS(2, "train_then_save", mode("replicate", from_replicate, {}));
+  EXPECT_RANKS_PASS(4, "load_resave_continue", mode("hsdp", from_replicate, root_ / "replicate_to_hsdp"));
+  EXPECT_RANKS_PASS(3, "load_resave_continue", mode("fsdp", from_replicate, root_ / "replicate_to_fsdp"));
+  // Exact bytes through each mode's load + save.
+  auto original = local_trainer(), via_fsdp = local_trainer(), via_replicate = local_trainer();
+  ckpt::load(from_hsdp.string(), original.state());
+  ckpt::load((root_ / "hsdp_to_fsdp").string(), via_fsdp.state());
+  ckpt::load((root_ / "hsdp_to_replicate").string(), via_replicate.state());
+  expect_same_state(original, via_fsdp);
+  expect_same_state(original, via_replicate);
+  auto original_r = local_trainer(), via_hsdp = local_trainer();
+  ckpt::load(from_replicate.string(), original_r.state());
+  ckpt::load((root_ / "replicate_to_hsdp").string(), via_hsdp.state());
+  expect_same_state(original_r, via_hsdp);
 }
 
 TEST_F(CheckpointTest, SaveKilledBetweenFilesKeepsThePreviousCheckpoint) {

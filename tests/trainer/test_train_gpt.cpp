@@ -163,8 +163,8 @@ TEST(TrainGpt, InvalidOptionsFailWithOneLine) {
       {{"--heads", "3", "--dim", "32"}, "train_gpt: error: --heads 3 does not divide --dim 32"},
       {{"--batch-size", "8", "--grad-accum", "3"}, "train_gpt: error: --grad-accum 3 does not divide --batch-size 8"},
       {{"--data", dir / "missing.txt"}, "train_gpt: error: cannot read data file '" + (dir / "missing.txt") + "'"},
-      {{"--parallel", "hsdp"}, "train_gpt: error: --parallel hsdp needs HSDP (2-D mesh fully_shard), not available in this build"},
-      {{"--parallel", "replicate"}, "train_gpt: error: --parallel replicate needs fsdp::replicate, not available in this build"},
+      {{"--parallel", "replicate", "--mixed-precision", "bf16"},
+       "train_gpt: error: --mixed-precision bf16 needs fully_shard's MixedPrecisionPolicy: use --parallel fsdp or hsdp"},
       {{"--parallel", "bogus"}, "train_gpt: error: --parallel: bogus not in {fsdp,hsdp,replicate,none}"},
       {{"--steps", "0"}, "train_gpt: error: --steps: must be a number >= 1, not '0'"},
       {{"--no-such-option"}, "train_gpt: error: The following argument was not expected: --no-such-option"},
@@ -184,6 +184,11 @@ TEST(TrainGpt, InvalidOptionsFailWithOneLine) {
             std::string::npos)
       << r.output;
   EXPECT_EQ(r.output.find("step "), std::string::npos) << "trained before failing:\n" << r.output;
+  // HSDP's shard groups must split the world evenly.
+  r = ranks(2, tiny("", {"--parallel", "hsdp", "--shard-size", "3"}), 60s);
+  EXPECT_NE(r.exit_code, 0) << r.output;
+  EXPECT_NE(r.output.find("train_gpt: error: --shard-size 3 does not divide the world size 2"), std::string::npos)
+      << r.output;
 }
 
 // One process without a process group and FSDP on 2 ranks see the same global batches and give
@@ -201,6 +206,27 @@ TEST(TrainGpt, NoneAndFsdpTwoRanksGiveTheSameLosses) {
   EXPECT_LT(reference.back(), reference.front()) << "not learning";
   expect_close(losses(dir / "fsdp.jsonl"), reference, 1e-5);
   expect_close(losses(dir / "fsdp_accum.jsonl"), reference, 1e-5);
+}
+
+// HSDP (2 replicas x 1, and 1 x 2) and replicate (DDP), with and without accumulation, see the
+// same batches and give the same losses as one process.
+TEST(TrainGpt, HsdpAndReplicateGiveTheSameLossesAsOneProcess) {
+  TempDir dir;
+  auto a = alone(tiny(dir / "none.jsonl"));
+  ASSERT_TRUE(a.ok()) << a.output;
+  const auto reference = losses(dir / "none.jsonl");
+  const std::vector<std::pair<std::string, std::vector<std::string>>> runs = {
+      {"hsdp_2x1", {"--parallel", "hsdp", "--shard-size", "1"}},
+      {"hsdp_1x2", {"--parallel", "hsdp", "--shard-size", "2", "--grad-accum", "2"}},
+      {"replicate", {"--parallel", "replicate"}},
+      {"replicate_accum", {"--parallel", "replicate", "--grad-accum", "2"}},
+  };
+  for (const auto& [name, extra] : runs) {
+    auto r = ranks(2, tiny(dir / (name + ".jsonl"), extra));
+    ASSERT_TRUE(r.ok()) << name << "\n" << r.output;
+    EXPECT_NE(r.output.find("--parallel " + extra[1]), std::string::npos) << r.output;
+    expect_close(losses(dir / (name + ".jsonl")), reference, 1e-5);
+  }
 }
 
 TEST(TrainGpt, MetricsFileHasEveryFieldAndASummary) {

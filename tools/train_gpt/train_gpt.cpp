@@ -55,12 +55,15 @@ struct Run {
   int rank = 0;
   int world = 1;
   std::shared_ptr<fsdp::comm::Comm> comm;  // null with --parallel none
+  std::optional<fsdp::DeviceMesh> mesh;    // hsdp: replicate x shard; fsdp/replicate: all ranks
   bool distributed() const { return comm != nullptr; }
+  bool sharded() const { return distributed() && opt.parallel != "replicate"; }
 };
 
 struct Model {
   GPT gpt{nullptr};
   std::vector<fsdp::FSDPModule> units;  // the blocks, then the root (empty: unsharded)
+  std::optional<fsdp::ReplicateModule> ddp;  // --parallel replicate
   Shapes full_shapes;                   // "model.<fqn>" -> unsharded shape (checkpoint keys)
   int64_t n_params = 0;
 };
@@ -78,12 +81,6 @@ void all_reduce_sum(const Run& run, at::Tensor& t) {
 Run init_distributed(const Options& o) {
   Run run;
   run.opt = o;
-  if (o.parallel == "hsdp" || o.parallel == "replicate") {
-    throw std::invalid_argument("--parallel " + o.parallel + " needs " +
-                                (o.parallel == "hsdp" ? std::string("HSDP (2-D mesh fully_shard)")
-                                                      : std::string("fsdp::replicate")) +
-                                ", not available in this build; use --parallel fsdp or none");
-  }
   if (o.parallel == "none") {
     // One process, no process group: a plain module (fsdp::call is forward). Threads: the
     // launcher's OMP_NUM_THREADS when set, else every core.
@@ -94,6 +91,15 @@ Run init_distributed(const Options& o) {
   run.rank = fsdp::dist::rank();
   run.world = fsdp::dist::world_size();
   run.comm = fsdp::dist::world_comm();
+  if (o.parallel == "hsdp") {
+    // Shard within groups of --shard-size ranks (default: a node), replicate across them.
+    const int64_t shard = o.shard_size > 0 ? o.shard_size : fsdp::dist::local_world_size();
+    if (run.world % shard != 0) {
+      throw std::invalid_argument("--shard-size " + std::to_string(shard) + " does not divide the world size " +
+                                  std::to_string(run.world) + " (HSDP needs replicas of equal size)");
+    }
+    run.mesh = fsdp::init_device_mesh({run.world / shard, shard}, {"replicate", "shard"});
+  }
   if (std::getenv("OMP_NUM_THREADS") == nullptr) {
     at::set_num_threads(fsdp::dist::default_omp_threads(fsdp::dist::local_world_size()));
   }
@@ -121,8 +127,9 @@ Model build_model_meta(const Run& run) {
     m.full_shapes["model." + p.key()] = p.value().sizes().vec();
     m.n_params += p.value().numel();
   }
-  if (run.distributed()) {
+  if (run.sharded()) {
     fsdp::FullyShardOptions so;
+    so.mesh = run.mesh;  // hsdp: 2-D; fsdp: unset (all ranks)
     if (o.mixed_precision == "bf16") {
       so.mp_policy.param_dtype = at::kBFloat16;  // gather and compute in bf16
       so.mp_policy.reduce_dtype = at::kFloat;    // reduce gradients in fp32; fp32 master shards
@@ -133,6 +140,7 @@ Model build_model_meta(const Run& run) {
   }
   fsdp::to_empty(*m.gpt, torch::kCPU);  // this rank's shards only
   m.gpt->reset_parameters();            // fsdp::init: same values for any world size
+  if (run.distributed() && !run.sharded()) m.ddp = fsdp::replicate(m.gpt);  // whole model per rank
   return m;
 }
 
@@ -142,7 +150,7 @@ std::unique_ptr<torch::optim::AdamW> build_optimizer(const Run& run, Model& m) {
   auto opt = std::make_unique<torch::optim::AdamW>(
       m.gpt->parameters(),
       torch::optim::AdamWOptions(run.opt.lr).betas({0.9, 0.95}).weight_decay(run.opt.weight_decay));
-  if (run.distributed()) fsdp::check_optimizer_params(*opt);
+  if (run.sharded()) fsdp::check_optimizer_params(*opt);
   return opt;
 }
 
@@ -163,7 +171,9 @@ StepResult train_step(const Run& run, Model& m, torch::optim::AdamW& opt, const 
   const at::Tensor global = data.train_batch(step, o.batch_size);
   StepResult r;
   for (int64_t micro = 0; micro < o.grad_accum; ++micro) {
-    if (!m.units.empty()) m.units.back().set_requires_gradient_sync(micro == o.grad_accum - 1);
+    const bool last = micro == o.grad_accum - 1;
+    if (!m.units.empty()) m.units.back().set_requires_gradient_sync(last);
+    if (m.ddp) m.ddp->set_requires_gradient_sync(last);
     const at::Tensor batch = local_slice(global, run.rank, run.world, micro, o.grad_accum);
     auto logits = fsdp::call(m.gpt, batch.narrow(1, 0, o.seq_len));
     auto loss = fsdp::models::gpt_loss(logits.to(at::kFloat), batch.narrow(1, 1, o.seq_len)) / o.grad_accum;
@@ -171,8 +181,10 @@ StepResult train_step(const Run& run, Model& m, torch::optim::AdamW& opt, const 
     r.local_loss += loss.item<double>();
   }
   const double max_norm = o.clip > 0 ? o.clip : std::numeric_limits<double>::infinity();
-  r.grad_norm = run.distributed() ? fsdp::clip_grad_norm_(m.gpt->parameters(), max_norm)
-                                  : torch::nn::utils::clip_grad_norm_(m.gpt->parameters(), max_norm);
+  // Sharded: the norm over every rank's shards. Replicated or one process: the gradients are whole
+  // (and, replicated, already averaged, so equal on every rank).
+  r.grad_norm = run.sharded() ? fsdp::clip_grad_norm_(m.gpt->parameters(), max_norm)
+                              : torch::nn::utils::clip_grad_norm_(m.gpt->parameters(), max_norm);
   opt.step();
   return r;
 }
@@ -321,9 +333,9 @@ int run_training(const Options& options) {
   const Options& o = run.opt;
   validate_for_world(o, run.world);
   const bool r0 = run.rank == 0;
-  if (o.mixed_precision == "bf16" && !run.distributed()) {
+  if (o.mixed_precision == "bf16" && !run.sharded()) {
     throw std::invalid_argument("--mixed-precision bf16 needs fully_shard's MixedPrecisionPolicy: use --parallel fsdp "
-                                "(under fsdprun, any number of ranks)");
+                                "or hsdp (under fsdprun, any number of ranks)");
   }
   TokenSource data(o.data, o.seq_len, o.seed);
 

@@ -38,7 +38,8 @@ if [ "$FLAVOUR" = cpu ]; then
   CHROOT="${FSDP_SID_CHROOT:-/var/cache/fsdp/chroot-sid}"
   SUITE=sid
   COMPONENTS="main"
-  PACKAGES=(libtorch-dev libgloo-dev libopenblas0-pthread cmake ninja-build g++ ccache libgtest-dev)
+  PACKAGES=(libtorch-dev libgloo-dev libopenblas0-pthread cmake ninja-build g++ ccache libgtest-dev
+            nlohmann-json3-dev zlib1g-dev libcli11-dev)
   BUILD=/build-torch2
 else
   CHROOT="${FSDP_CUDA_CHROOT:-/var/cache/fsdp/chroot-cuda}"
@@ -46,7 +47,8 @@ else
   # libtorch-cuda-dev, libgloo-cuda-dev and libnccl-dev are in contrib; the CUDA toolkit (nvcc,
   # which Caffe2's CMake config looks for) is in non-free. libgloo-dev conflicts with the CUDA Gloo.
   COMPONENTS="main contrib non-free"
-  PACKAGES=(libtorch-cuda-dev libgloo-cuda-dev libnccl-dev nvidia-cuda-toolkit cmake ninja-build g++ ccache libgtest-dev)
+  PACKAGES=(libtorch-cuda-dev libgloo-cuda-dev libnccl-dev nvidia-cuda-toolkit cmake ninja-build g++ ccache libgtest-dev
+            nlohmann-json3-dev zlib1g-dev libcli11-dev)
   BUILD=/build-torch2-cuda
   # No cuDNN (see the stub below): executables link with its symbols unresolved; nothing runs.
   CMAKE_ARGS+=" -DCMAKE_EXE_LINKER_FLAGS=-Wl,--allow-shlib-undefined"

@@ -36,7 +36,9 @@ namespace fs = std::filesystem;
 using detail::Chunk;
 using detail::FileChunk;
 using detail::Index;
+using detail::key_list;
 using detail::LocalItem;
+using detail::shape_text;
 
 namespace {
 
@@ -366,19 +368,6 @@ class ChunkReader {
   std::map<std::string, std::unique_ptr<safetensors::Reader>> readers_;
   std::vector<uint8_t> buffer_;
 };
-
-std::string shape_text(const std::vector<int64_t>& shape) {
-  std::string s = "[";
-  for (size_t i = 0; i < shape.size(); ++i) s += (i ? ", " : "") + std::to_string(shape[i]);
-  return s + "]";
-}
-
-std::string key_list(const std::vector<std::string>& keys) {
-  std::string s;
-  for (size_t i = 0; i < keys.size() && i < 4; ++i) s += (i ? ", " : "") + keys[i];
-  if (keys.size() > 4) s += ", ... (" + std::to_string(keys.size()) + " in all)";
-  return s;
-}
 
 void check_model_keys(const std::string& dir, const Index& index, const std::vector<LocalItem>& items,
                       bool strict) {

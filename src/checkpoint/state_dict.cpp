@@ -16,7 +16,9 @@
 namespace fsdp::checkpoint {
 
 namespace fs = std::filesystem;
+using detail::key_list;
 using detail::LocalItem;
+using detail::shape_text;
 
 namespace {
 
@@ -27,19 +29,6 @@ std::string strip(const std::string& key, const std::string& prefix) {
 }
 
 int64_t local_rows(const LocalItem& item) { return item.local.dim() == 0 ? 1 : item.local.size(0); }
-
-std::string shape_text(at::IntArrayRef shape) {
-  std::string s = "[";
-  for (size_t i = 0; i < shape.size(); ++i) s += (i ? ", " : "") + std::to_string(shape[i]);
-  return s + "]";
-}
-
-std::string key_list(const std::vector<std::string>& keys) {
-  std::string s;
-  for (size_t i = 0; i < keys.size() && i < 4; ++i) s += (i ? ", " : "") + keys[i];
-  if (keys.size() > 4) s += ", ... (" + std::to_string(keys.size()) + " in all)";
-  return s;
-}
 
 void throw_if_strict(const LoadResult& result, bool strict, const std::string& what) {
   if (!strict || (result.missing_keys.empty() && result.unexpected_keys.empty())) return;

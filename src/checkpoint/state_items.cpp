@@ -11,6 +11,19 @@
 
 namespace fsdp::checkpoint::detail {
 
+std::string shape_text(at::IntArrayRef shape) {
+  std::string s = "[";
+  for (size_t i = 0; i < shape.size(); ++i) s += (i ? ", " : "") + std::to_string(shape[i]);
+  return s + "]";
+}
+
+std::string key_list(const std::vector<std::string>& keys) {
+  std::string s;
+  for (size_t i = 0; i < keys.size() && i < 4; ++i) s += (i ? ", " : "") + keys[i];
+  if (keys.size() > 4) s += ", ... (" + std::to_string(keys.size()) + " in all)";
+  return s;
+}
+
 int64_t global_rows(const std::vector<int64_t>& shape) { return shape.empty() ? 1 : shape[0]; }
 
 int64_t row_numel(const std::vector<int64_t>& shape) {

@@ -29,6 +29,10 @@ struct LocalItem {
   std::function<void()> on_loaded;     // runs after `local` was filled by load (may be empty)
 };
 
+// For error messages: "[2, 3]", and the first few of a list of keys.
+std::string shape_text(at::IntArrayRef shape);
+std::string key_list(const std::vector<std::string>& keys);
+
 // Dim 0 is the sharded dimension; a 0-d tensor is a single row of one element.
 int64_t global_rows(const std::vector<int64_t>& shape);
 int64_t row_numel(const std::vector<int64_t>& shape);

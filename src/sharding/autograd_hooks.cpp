@@ -60,15 +60,14 @@ void queue_final_callback(std::function<void()> callback) {
   torch::autograd::Engine::get_default_engine().queue_callback(std::move(callback));
 }
 
-std::shared_ptr<torch::autograd::Node> register_grad_accumulated_hook(const at::Tensor& leaf,
-                                                                      std::function<void()> hook) {
+std::shared_ptr<void> register_grad_accumulated_hook(const at::Tensor& leaf, std::function<void()> hook) {
   auto node = torch::autograd::impl::grad_accumulator(leaf);
   node->add_post_hook(std::make_unique<torch::autograd::utils::LambdaPostHook>(
       [hook = std::move(hook)](const torch::autograd::variable_list& outputs, const torch::autograd::variable_list&) {
         hook();
         return outputs;
       }));
-  return node;
+  return std::make_shared<decltype(node)>(std::move(node));
 }
 
 }  // namespace fsdp::detail

@@ -13,10 +13,6 @@
 #include <memory>
 #include <vector>
 
-namespace torch::autograd {
-struct Node;
-}
-
 namespace fsdp::detail {
 
 class FSDPState;
@@ -26,9 +22,9 @@ std::vector<at::Tensor> register_post_backward_hook(FSDPState* state, std::vecto
 void register_pre_backward_hooks(FSDPState* state, const std::vector<at::Tensor>& outputs);
 // Must be called from inside a backward pass (e.g. from a hook).
 void queue_final_callback(std::function<void()> callback);
-// Returns the leaf's AccumulateGrad node, which the caller must keep alive: the leaf only holds it
-// weakly, and a new node (without the hook) would replace it once it is gone.
-std::shared_ptr<torch::autograd::Node> register_grad_accumulated_hook(const at::Tensor& leaf,
-                                                                      std::function<void()> hook);
+// Returns an owner of the leaf's AccumulateGrad node, which the caller must keep alive: the leaf
+// only holds it weakly, and a new node (without the hook) would replace it once it is gone.
+// (Opaque because the node's pointer type differs: std::shared_ptr in 1.13, c10::intrusive_ptr in 2.x.)
+std::shared_ptr<void> register_grad_accumulated_hook(const at::Tensor& leaf, std::function<void()> hook);
 
 }  // namespace fsdp::detail

@@ -49,7 +49,7 @@ class Reducer : public std::enable_shared_from_this<Reducer> {
 
   std::vector<at::Tensor> params_;
   std::shared_ptr<comm::Comm> comm_;
-  std::vector<std::shared_ptr<torch::autograd::Node>> grad_accumulators_;  // kept alive: they hold the hooks
+  std::vector<std::shared_ptr<void>> grad_accumulators_;  // kept alive: they hold the hooks
   std::vector<size_t> bucket_of_;
   std::vector<bool> ready_;
   std::vector<Bucket> buckets_;

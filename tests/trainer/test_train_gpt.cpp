@@ -163,7 +163,7 @@ TEST(TrainGpt, InvalidOptionsFailWithOneLine) {
       {{"--heads", "3", "--dim", "32"}, "train_gpt: error: --heads 3 does not divide --dim 32"},
       {{"--batch-size", "8", "--grad-accum", "3"}, "train_gpt: error: --grad-accum 3 does not divide --batch-size 8"},
       {{"--data", dir / "missing.txt"}, "train_gpt: error: cannot read data file '" + (dir / "missing.txt") + "'"},
-      {{"--parallel", "replicate", "--mixed-precision", "bf16"},
+      {{"--data", "synthetic", "--parallel", "replicate", "--mixed-precision", "bf16"},
        "train_gpt: error: --mixed-precision bf16 needs fully_shard's MixedPrecisionPolicy: use --parallel fsdp or hsdp"},
       {{"--parallel", "bogus"}, "train_gpt: error: --parallel: bogus not in {fsdp,hsdp,replicate,none}"},
       {{"--steps", "0"}, "train_gpt: error: --steps: must be a number >= 1, not '0'"},

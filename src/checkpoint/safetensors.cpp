@@ -413,34 +413,30 @@ void Reader::read_bytes(const std::string& name, uint64_t offset, uint64_t lengt
 
 // ---- writer -----------------------------------------------------------------------------------
 
-void write_file(const std::string& path, const std::vector<NamedTensor>& tensors,
-                const std::map<std::string, std::string>& metadata) {
-  // Validate and prepare everything before the file is touched.
-  std::vector<at::Tensor> data;
-  data.reserve(tensors.size());
+StreamWriter::StreamWriter(const std::string& path, const std::vector<TensorSpec>& specs,
+                           const std::map<std::string, std::string>& metadata)
+    : path_(path), specs_(specs) {
+  // Validate and encode the whole header before the file is touched.
   nlohmann::ordered_json header = nlohmann::ordered_json::object();
   if (!metadata.empty()) header[kMetadataKey] = metadata;
   std::set<std::string> names;
   uint64_t offset = 0;
-  for (const auto& nt : tensors) {
-    if (nt.name == kMetadataKey) fail(path, "tensor name '__metadata__' is reserved by the format");
-    if (!names.insert(nt.name).second) fail(path, "duplicate tensor name " + quoted(nt.name));
-    if (!nt.tensor.defined()) fail_tensor(path, nt.name, "undefined tensor");
-    if (nt.tensor.layout() != at::kStrided)
-      fail_tensor(path, nt.name, "only dense (strided) tensors can be written");
+  for (const auto& spec : specs_) {
+    if (spec.name == kMetadataKey) fail(path, "tensor name '__metadata__' is reserved by the format");
+    if (!names.insert(spec.name).second) fail(path, "duplicate tensor name " + quoted(spec.name));
     std::string dtype;
     try {
-      dtype = dtype_name(nt.tensor.scalar_type());
+      dtype = dtype_name(spec.dtype);
     } catch (const SafetensorsError& err) {
-      fail_tensor(path, nt.name, err.what());
+      fail_tensor(path, spec.name, err.what());
     }
-    at::Tensor t = nt.tensor.to(at::kCPU).contiguous();
-    const uint64_t nbytes = static_cast<uint64_t>(t.numel()) * t.element_size();
-    header[nt.name] = {{"dtype", dtype},
-                       {"shape", t.sizes().vec()},
-                       {"data_offsets", {offset, offset + nbytes}}};
+    uint64_t nbytes = element_size(spec.dtype);
+    for (int64_t d : spec.shape) {
+      if (d < 0 || __builtin_mul_overflow(nbytes, static_cast<uint64_t>(d), &nbytes))
+        fail_tensor(path, spec.name, "shape " + shape_str(spec.shape) + " is negative or too large");
+    }
+    header[spec.name] = {{"dtype", dtype}, {"shape", spec.shape}, {"data_offsets", {offset, offset + nbytes}}};
     offset += nbytes;
-    data.push_back(std::move(t));
   }
   std::string text;
   try {
@@ -454,20 +450,57 @@ void write_file(const std::string& path, const std::vector<NamedTensor>& tensors
   std::string prefix(8, '\0');
   std::memcpy(prefix.data(), &n, 8);
 
-  int fd = ::open(path.c_str(), O_CREAT | O_TRUNC | O_WRONLY | O_CLOEXEC, 0644);
-  if (fd < 0) fail(path, std::string("cannot create: ") + std::strerror(errno));
-  try {
-    write_all(fd, prefix.data(), prefix.size(), path);
-    write_all(fd, text.data(), text.size(), path);
-    for (const auto& t : data)
-      write_all(fd, t.data_ptr(), static_cast<size_t>(t.numel()) * t.element_size(), path);
-    if (::fsync(fd) != 0) fail(path, std::string("fsync failed: ") + std::strerror(errno));
-  } catch (...) {
+  fd_ = ::open(path.c_str(), O_CREAT | O_TRUNC | O_WRONLY | O_CLOEXEC, 0644);
+  if (fd_ < 0) fail(path, std::string("cannot create: ") + std::strerror(errno));
+  write_all(fd_, prefix.data(), prefix.size(), path);
+  write_all(fd_, text.data(), text.size(), path);
+}
+
+StreamWriter::~StreamWriter() {
+  if (fd_ >= 0) ::close(fd_);
+}
+
+void StreamWriter::append(const at::Tensor& tensor) {
+  if (fd_ < 0) fail(path_, "append after the file was finished or failed");
+  if (next_ >= specs_.size()) fail(path_, "more tensors appended than the " + std::to_string(specs_.size()) + " declared");
+  const TensorSpec& spec = specs_[next_];
+  if (!tensor.defined() || tensor.layout() != at::kStrided) fail_tensor(path_, spec.name, "undefined or non-dense tensor");
+  if (tensor.scalar_type() != spec.dtype || tensor.sizes().vec() != spec.shape)
+    fail_tensor(path_, spec.name, "appended tensor is " + dtype_name(tensor.scalar_type()) + " " +
+                                      shape_str(tensor.sizes().vec()) + " but the header declared " +
+                                      dtype_name(spec.dtype) + " " + shape_str(spec.shape));
+  const at::Tensor t = tensor.to(at::kCPU).contiguous();
+  write_all(fd_, t.data_ptr(), static_cast<size_t>(t.numel()) * t.element_size(), path_);
+  ++next_;
+}
+
+void StreamWriter::finish() {
+  if (fd_ < 0) fail(path_, "finish after the file was finished or failed");
+  if (next_ != specs_.size())
+    fail(path_, "only " + std::to_string(next_) + " of the " + std::to_string(specs_.size()) + " declared tensors were appended");
+  const int fd = fd_;
+  fd_ = -1;
+  if (::fsync(fd) != 0) {
+    const int err = errno;
     ::close(fd);
-    throw;
+    fail(path_, std::string("fsync failed: ") + std::strerror(err));
   }
   // close can report a deferred write error (NFS and friends).
-  if (::close(fd) != 0) fail(path, std::string("close failed: ") + std::strerror(errno));
+  if (::close(fd) != 0) fail(path_, std::string("close failed: ") + std::strerror(errno));
+}
+
+void write_file(const std::string& path, const std::vector<NamedTensor>& tensors,
+                const std::map<std::string, std::string>& metadata) {
+  std::vector<TensorSpec> specs;
+  specs.reserve(tensors.size());
+  for (const auto& nt : tensors) {
+    if (!nt.tensor.defined()) fail_tensor(path, nt.name, "undefined tensor");
+    if (nt.tensor.layout() != at::kStrided) fail_tensor(path, nt.name, "only dense (strided) tensors can be written");
+    specs.push_back({nt.name, nt.tensor.scalar_type(), nt.tensor.sizes().vec()});
+  }
+  StreamWriter writer(path, specs, metadata);
+  for (const auto& nt : tensors) writer.append(nt.tensor);
+  writer.finish();
 }
 
 // ---- crc32 ------------------------------------------------------------------------------------

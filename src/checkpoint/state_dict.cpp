@@ -201,21 +201,37 @@ std::vector<std::string> export_safetensors(torch::nn::Module& model, const std:
   uint64_t total = 0;
   std::string error;
   for (size_t f = 0; f < files.size(); ++f) {
-    std::vector<safetensors::NamedTensor> tensors;
+    // Rank 0 streams the file: header first, then each tensor as soon as it is gathered, so it
+    // never holds more than one full tensor.
+    const fs::path out = target.parent_path() / file_name(f);
+    const std::string tmp = out.string() + ".tmp";
+    std::unique_ptr<safetensors::StreamWriter> writer;
+    if (root && error.empty()) {
+      try {
+        if (!target.parent_path().empty()) fs::create_directories(target.parent_path());
+        std::vector<safetensors::TensorSpec> specs;
+        for (size_t i : files[f])
+          specs.push_back({strip(items[i].key, "model."), items[i].local.scalar_type(), items[i].global_shape});
+        writer = std::make_unique<safetensors::StreamWriter>(tmp, specs, std::map<std::string, std::string>{{"format", "pt"}});
+      } catch (const std::exception& e) {
+        error = e.what();
+      }
+    }
     for (size_t i : files[f]) {
       at::Tensor full = gather_full(items[i]);  // every rank of the shard group takes part
-      if (!root) continue;
-      const std::string name = strip(items[i].key, "model.");
-      tensors.push_back({name, full.to(at::kCPU).contiguous()});
-      weight_map[name] = file_name(f);
-      total += static_cast<uint64_t>(full.nbytes());
+      if (!writer) continue;
+      try {
+        writer->append(full.reshape(items[i].global_shape));
+        weight_map[strip(items[i].key, "model.")] = file_name(f);
+        total += static_cast<uint64_t>(full.nbytes());
+      } catch (const std::exception& e) {
+        error = e.what();
+        writer.reset();
+      }
     }
-    if (!root || !error.empty()) continue;
+    if (!writer) continue;
     try {
-      const fs::path out = target.parent_path() / file_name(f);
-      if (!target.parent_path().empty()) fs::create_directories(target.parent_path());
-      const std::string tmp = out.string() + ".tmp";
-      safetensors::write_file(tmp, tensors, {{"format", "pt"}});
+      writer->finish();
       fs::rename(tmp, out);
       written.push_back(out.string());
     } catch (const std::exception& e) {

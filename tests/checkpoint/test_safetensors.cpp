@@ -444,3 +444,24 @@ TEST(SafetensorsCorpus, NoCrash) {
   EXPECT_GE(files, 20u) << "fuzz corpus " << FSDP_FUZZ_CORPUS_DIR << " is (nearly) empty";
   EXPECT_GE(accepted, 3u) << "corpus holds too few valid files to seed the fuzzer";
 }
+
+// The streaming writer: header up front, tensors appended one by one, checked against the header.
+TEST(SafetensorsStreamWriter, AppendsInOrderAndChecksEachTensor) {
+  const std::string path = ::testing::TempDir() + "stream_writer.safetensors";
+  const at::Tensor a = at::arange(6, at::kFloat).reshape({2, 3}), b = at::arange(4, at::kLong);
+  {
+    fsdp::safetensors::StreamWriter w(path, {{"a", at::kFloat, {2, 3}}, {"b", at::kLong, {4}}}, {{"k", "v"}});
+    w.append(a);
+    w.append(b);
+    w.finish();
+  }
+  fsdp::safetensors::Reader r(path);
+  EXPECT_TRUE(at::equal(r.read("a"), a));
+  EXPECT_TRUE(at::equal(r.read("b"), b));
+  EXPECT_EQ(r.header().metadata.at("k"), "v");
+
+  fsdp::safetensors::StreamWriter w(path, {{"a", at::kFloat, {2, 3}}, {"b", at::kLong, {4}}});
+  EXPECT_THROW(w.append(b), fsdp::safetensors::SafetensorsError);  // declared F32 [2, 3]
+  w.append(a);
+  EXPECT_THROW(w.finish(), fsdp::safetensors::SafetensorsError);   // 'b' never appended
+}

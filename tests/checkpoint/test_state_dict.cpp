@@ -133,6 +133,9 @@ FSDP_RANK_WORKER(export_split_files) {
   // ~4 KB per file: the GPT splits into several files plus the index.
   auto files = ckpt::export_safetensors(*model, env("EXPORT_DIR") + "/model.safetensors", {.max_file_bytes = 4096});
   if (fsdp::dist::rank() == 0) TORCH_CHECK(files.size() > 2, "expected a split export, got ", files.size(), " files");
+  // And the default: one file.
+  files = ckpt::export_safetensors(*model, env("EXPORT_DIR") + "/single/model.safetensors");
+  if (fsdp::dist::rank() == 0) TORCH_CHECK(files.size() == 1, "expected one file, got ", files.size());
 }
 
 FSDP_RANK_WORKER(import_exported) {
@@ -196,6 +199,10 @@ TEST_F(StateDictTest, ExportReadByAnIndependentReaderAndImportedAtAnotherWorldSi
     ASSERT_EQ(t.bytes.size(), static_cast<size_t>(p.value().nbytes()));
     EXPECT_EQ(std::memcmp(t.bytes.data(), p.value().data_ptr(), t.bytes.size()), 0) << p.key();
   }
+  // The single-file export holds the same tensors.
+  auto single = minimal_read_safetensors((dir_ / "single" / "model.safetensors").string());
+  EXPECT_EQ(single.size(), seen.size());
+  for (const auto& [name, t] : single) EXPECT_EQ(t.bytes, seen.at(name).bytes) << name;
   EXPECT_RANKS_PASS(3, "import_exported", options());
   EXPECT_RANKS_PASS(1, "import_exported", options());
 }

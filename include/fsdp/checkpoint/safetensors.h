@@ -93,6 +93,35 @@ struct NamedTensor {
 void write_file(const std::string& path, const std::vector<NamedTensor>& tensors,
                 const std::map<std::string, std::string>& metadata = {});
 
+// Streams a file whose tensors are known up front by dtype and shape: the header is written when
+// the writer is created, then each tensor's data in order, so the caller holds one tensor at a
+// time (a rank exporting a model larger than its memory gathers and appends one parameter at a
+// time). Same layout and checks as write_file.
+struct TensorSpec {
+  std::string name;
+  at::ScalarType dtype = at::kFloat;
+  std::vector<int64_t> shape;
+};
+class StreamWriter {
+ public:
+  StreamWriter(const std::string& path, const std::vector<TensorSpec>& specs,
+               const std::map<std::string, std::string>& metadata = {});
+  ~StreamWriter();  // closes the file if finish() was not reached (it is then incomplete)
+  StreamWriter(const StreamWriter&) = delete;
+  StreamWriter& operator=(const StreamWriter&) = delete;
+
+  // The next declared tensor's data; its dtype and shape must match the declaration.
+  void append(const at::Tensor& tensor);
+  // Every declared tensor appended: fsync and close. Throws otherwise.
+  void finish();
+
+ private:
+  std::string path_;
+  std::vector<TensorSpec> specs_;
+  size_t next_ = 0;
+  int fd_ = -1;
+};
+
 // CRC-32 (zlib's polynomial) of a byte range, continuing from `crc` (0 to start).
 uint32_t crc32(const void* data, size_t length, uint32_t crc = 0);
 

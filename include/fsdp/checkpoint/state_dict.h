@@ -64,7 +64,8 @@ struct ExportOptions {
   uint64_t max_file_bytes = 0;
 };
 // Collective. Rank 0 writes the full parameters and buffers (names without any prefix), each file
-// through a temporary name + rename; the other ranks only take part in the gathers. Returns the
+// through a temporary name + rename, streaming one gathered tensor at a time (it never holds more
+// than the largest parameter in full); the other ranks only take part in the gathers. Returns the
 // files written (rank 0; empty elsewhere).
 std::vector<std::string> export_safetensors(torch::nn::Module& model, const std::string& path,
                                             const ExportOptions& options = {});

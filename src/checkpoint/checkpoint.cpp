@@ -305,6 +305,7 @@ void wait_for_previous_save() {
 class ChunkReader {
  public:
   explicit ChunkReader(std::string dir) : dir_(std::move(dir)) {}
+  uint64_t bytes_read() const { return bytes_read_; }
 
   // Copies global rows [first, first + count) of `key` into `dst` (row-major bytes).
   void read_rows(const std::string& key, const detail::TensorRecord& record, at::ScalarType dtype, int64_t first,
@@ -340,6 +341,7 @@ class ChunkReader {
     const uint64_t read_begin = block0 * B, read_end = std::min(block1 * B, chunk_bytes);
     buffer_.resize(read_end - read_begin);
     reader.read_bytes(key, read_begin, buffer_.size(), buffer_.data());
+    bytes_read_ += buffer_.size();
     for (uint64_t b = block0; b < block1; ++b) {
       const uint64_t off = b * B - read_begin, len = std::min(B, chunk_bytes - b * B);
       if (safetensors::crc32(buffer_.data() + off, len) != chunk.block_crc32[b])
@@ -367,6 +369,7 @@ class ChunkReader {
   std::string dir_;
   std::map<std::string, std::unique_ptr<safetensors::Reader>> readers_;
   std::vector<uint8_t> buffer_;
+  uint64_t bytes_read_ = 0;
 };
 
 void check_model_keys(const std::string& dir, const Index& index, const std::vector<LocalItem>& items,
@@ -446,7 +449,7 @@ bool AsyncSave::ready() const {
   return done_.valid() && done_.wait_for(std::chrono::seconds(0)) == std::future_status::ready;
 }
 
-void load(const std::string& dir, const State& state, const LoadOptions& options) {
+LoadStats load(const std::string& dir, const State& state, const LoadOptions& options) {
   if (!state.model) throw CheckpointError("checkpoint::load: State::model is null; pass the (sharded) model");
   wait_for_previous_save();  // loading what an in-flight save is writing would race
   const Index index = detail::read_index(dir);
@@ -482,6 +485,7 @@ void load(const std::string& dir, const State& state, const LoadOptions& options
                             "'; it was saved without it (LoadOptions::strict = false skips it)");
     if (saved) stateful->load_state_dict(values);
   }
+  return LoadStats{reader.bytes_read()};
 }
 
 bool is_committed(const std::string& dir) {

@@ -190,16 +190,17 @@ FSDP_RANK_WORKER(async_save_then_train_on) {
   TORCH_CHECK(ckpt::is_committed(env("CKPT_DIR")));
 }
 
-// A [1000, 700] float parameter: 2.8 MB, so each rank's chunk spans several 1 MiB checksum blocks
+// A [4000, 700] float parameter: 11.2 MB, so each rank's chunk spans several 1 MiB checksum blocks
 // and a reader at another world size starts and ends inside blocks and chunks.
+constexpr int64_t kBigRows = 4000, kBigCols = 700;
 struct BigImpl : torch::nn::Module {
   at::Tensor w;
-  BigImpl() { w = register_parameter("w", at::zeros({1000, 700})); }
+  BigImpl() { w = register_parameter("w", at::zeros({kBigRows, kBigCols})); }
   at::Tensor forward(const at::Tensor& x) { return x.matmul(w.t()); }
 };
 TORCH_MODULE(Big);
 
-at::Tensor big_values() { return at::arange(1000 * 700, at::kFloat).reshape({1000, 700}); }
+at::Tensor big_values() { return at::arange(kBigRows * kBigCols, at::kFloat).reshape({kBigRows, kBigCols}); }
 
 FSDP_RANK_WORKER(big_save) {
   Big big;
@@ -211,10 +212,19 @@ FSDP_RANK_WORKER(big_save) {
 FSDP_RANK_WORKER(big_load) {
   Big big;
   fsdp::fully_shard(big);
-  ckpt::load(env("CKPT_DIR"), ckpt::State{big.ptr()});
+  const auto stats = ckpt::load(env("CKPT_DIR"), ckpt::State{big.ptr()});
   const at::Tensor shard = big->parameters()[0];
   auto info = *fsdp::shard_info(shard);
   TORCH_CHECK(at::equal(shard, big_values().narrow(0, info.dim0_offset, info.local_rows)), "rows differ");
+  // Only the overlapping rows were read, rounded out to whole 1 MiB checksum blocks: at most one
+  // extra block at each end of each of the (at most 2, saved at N=2) overlapping chunks.
+  const uint64_t local = static_cast<uint64_t>(shard.nbytes()), total = kBigRows * kBigCols * 4;
+  if (info.local_rows < kBigRows) {
+    TORCH_CHECK(stats.bytes_read <= local + 4 * (1u << 20), "read ", stats.bytes_read, " bytes for ", local);
+    TORCH_CHECK(stats.bytes_read < total, "read the whole tensor (", stats.bytes_read, " bytes) for ", local);
+  } else {
+    TORCH_CHECK(stats.bytes_read == total, "read ", stats.bytes_read, " of ", total);
+  }
 }
 
 // ---- tests ---------------------------------------------------------------------------------

@@ -89,8 +89,12 @@ struct LoadOptions {
 // Collective: every rank of the model's mesh calls it with the same directory (created if
 // needed; must be on a filesystem every rank sees).
 void save(const std::string& dir, const State& state, const SaveOptions& options = {});
-// Collective. Reads into the current sharding, whatever world size wrote the checkpoint.
-void load(const std::string& dir, const State& state, const LoadOptions& options = {});
+// Reads into the current sharding, whatever world size wrote the checkpoint. Not collective: each
+// rank reads only the chunks that overlap its rows (rounded out to whole 1 MiB checksum blocks).
+struct LoadStats {
+  uint64_t bytes_read = 0;  // tensor data this rank read from the data files
+};
+LoadStats load(const std::string& dir, const State& state, const LoadOptions& options = {});
 
 // Async save: the state is copied to CPU memory before this returns (training may then change
 // the parameters); files are written by a background thread. At most one save is in flight:

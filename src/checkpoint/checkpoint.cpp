@@ -25,7 +25,6 @@
 
 #include "checkpoint_index.h"
 #include "fsdp/checkpoint/safetensors.h"
-#include "fsdp/comm/backend.h"
 #include "fsdp/comm/comm.h"
 #include "fsdp/dist/runtime.h"
 #include "state_items.h"
@@ -36,19 +35,17 @@ namespace fs = std::filesystem;
 using detail::Chunk;
 using detail::FileChunk;
 using detail::Index;
+using detail::global_rank;
 using detail::key_list;
 using detail::LocalItem;
 using detail::shape_text;
 
 namespace {
 
-int global_rank() { return dist::is_initialized() ? dist::rank() : 0; }
-
 // One group for all checkpoint traffic, created collectively at the first save after each
-// init_distributed (the world group's identity tells when the runtime was re-initialised). It is
-// a Gloo group of its own (not the world group, which dist::new_group would return for all ranks):
-// an async save's collectives run on its own connections, concurrently with training's, and every
-// tensor it moves is on the CPU whatever the training device.
+// init_distributed (the world group's identity tells when the runtime was re-initialised). A Gloo
+// group of its own (dist::new_cpu_group): an async save's collectives run on their own connections,
+// concurrently with training's, and every tensor it moves is on the CPU whatever the device.
 std::shared_ptr<comm::Comm> checkpoint_comm() {
   static std::mutex mutex;
   static std::weak_ptr<comm::Comm> for_world;
@@ -64,10 +61,7 @@ std::shared_ptr<comm::Comm> checkpoint_comm() {
   if (!group || for_world.lock() != world) {
     std::vector<int> ranks(world->size());
     for (int r = 0; r < world->size(); ++r) ranks[r] = r;
-    const std::string tag = "checkpoint-" + std::to_string(generation++);
-    auto store = c10::make_intrusive<c10d::PrefixStore>("fsdp/group/" + tag, dist::store());
-    group = comm::make_comm(comm::BackendKind::Gloo, store, ranks, world->rank(), dist::init_options().timeout, tag,
-                            dist::launch_env().master_addr);
+    group = dist::new_cpu_group(ranks, "checkpoint-" + std::to_string(generation++));
     for_world = world;
   }
   return group;
@@ -134,7 +128,7 @@ SavePlan make_plan(const std::string& dir, const State& state, const SaveOptions
   for (auto& item : all) {
     if (!seen.insert(item.key).second)
       throw CheckpointError("checkpoint::save: two tensors share the key '" + item.key +
-                            "' (tied weights are saved once under their first name; extras names must differ)");
+                            "' (an extras name joined to one of its keys spells another entry's key; rename one)");
     if (!item.writer) continue;
     // Async saves copy now: training may change the tensors while the files are written.
     at::Tensor cpu = item.local.to(at::kCPU, /*non_blocking=*/false, /*copy=*/copy).contiguous();
@@ -168,7 +162,7 @@ void write_rank_file(const SavePlan& plan, const std::string& save_id, int rank)
     c.dtype = safetensors::dtype_name(item.local.scalar_type());
     c.global_shape = item.global_shape;
     c.row_offset = item.row_offset;
-    c.rows = item.local.dim() == 0 ? 1 : item.local.size(0);
+    c.rows = detail::local_rows(item);
     c.block_crc32 = block_crcs(static_cast<const uint8_t*>(item.local.data_ptr()), bytes);
     chunks.push_back(std::move(c));
     tensors.push_back({item.key, item.local});
@@ -399,7 +393,7 @@ void load_item(ChunkReader& reader, const std::string& dir, const Index& index, 
     throw CheckpointError("checkpoint: '" + item.key + "' has shape " + shape_text(record.global_shape) + " in '" +
                           dir + "' but " + shape_text(item.global_shape) +
                           " in the model; the checkpoint is from another model configuration");
-  const int64_t rows = item.local.dim() == 0 ? 1 : item.local.size(0);
+  const int64_t rows = detail::local_rows(item);
   if (rows == 0) return;
   const bool direct = item.local.device().is_cpu() && item.local.is_contiguous();
   at::Tensor staging = direct ? item.local : at::empty(item.local.sizes(), item.local.options().device(at::kCPU));

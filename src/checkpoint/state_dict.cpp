@@ -16,19 +16,17 @@
 namespace fsdp::checkpoint {
 
 namespace fs = std::filesystem;
+using detail::global_rank;
 using detail::key_list;
+using detail::local_rows;
 using detail::LocalItem;
 using detail::shape_text;
 
 namespace {
 
-int global_rank() { return dist::is_initialized() ? dist::rank() : 0; }
-
 std::string strip(const std::string& key, const std::string& prefix) {
   return key.rfind(prefix, 0) == 0 ? key.substr(prefix.size()) : key;
 }
-
-int64_t local_rows(const LocalItem& item) { return item.local.dim() == 0 ? 1 : item.local.size(0); }
 
 void throw_if_strict(const LoadResult& result, bool strict, const std::string& what) {
   if (!strict || (result.missing_keys.empty() && result.unexpected_keys.empty())) return;
@@ -53,7 +51,8 @@ at::Tensor gather_full(const LocalItem& item) {
   return gathered.narrow(0, 0, item.global_shape[0]);
 }
 
-// Copies the rows this rank holds from `full` (global shape) or the whole `local_source`.
+// Copies into `item` the rows this rank holds of `source` (global shape), or all of `source` when
+// it is already this rank's shard.
 void fill(LocalItem& item, const at::Tensor& source, bool source_is_full) {
   at::NoGradGuard no_grad;
   if (!source_is_full || item.local.dim() == 0)
@@ -164,9 +163,7 @@ LoadResult set_optimizer_state_dict(torch::nn::Module& model, torch::optim::Opti
     has_key = [&present](const std::string& key) { return present.count(key) > 0; };
   }
   auto items = detail::optimizer_load_items(optimizer, model, has_key);
-  LoadResult result = set_items(std::move(items), state_dict, "optim.", options, "set_optimizer_state_dict");
-  // Fields the optimizer does not have for a parameter are not "missing" from the dict's view.
-  return result;
+  return set_items(std::move(items), state_dict, "optim.", options, "set_optimizer_state_dict");
 }
 
 // ---- safetensors export / import ------------------------------------------------------------

@@ -7,6 +7,7 @@
 #include <unordered_set>
 
 #include "fsdp/compat/optim.h"
+#include "fsdp/dist/runtime.h"
 #include "fsdp/sharding/fully_shard.h"
 
 namespace fsdp::checkpoint::detail {
@@ -23,6 +24,10 @@ std::string key_list(const std::vector<std::string>& keys) {
   if (keys.size() > 4) s += ", ... (" + std::to_string(keys.size()) + " in all)";
   return s;
 }
+
+int global_rank() { return dist::is_initialized() ? dist::rank() : 0; }
+
+int64_t local_rows(const LocalItem& item) { return item.local.dim() == 0 ? 1 : item.local.size(0); }
 
 int64_t global_rows(const std::vector<int64_t>& shape) { return shape.empty() ? 1 : shape[0]; }
 

@@ -29,6 +29,12 @@ struct LocalItem {
   std::function<void()> on_loaded;     // runs after `local` was filled by load (may be empty)
 };
 
+// This process's global rank; 0 without a process group (a world of one).
+int global_rank();
+
+// Rows of `item.local` (a 0-d tensor is one row).
+int64_t local_rows(const LocalItem& item);
+
 // For error messages: "[2, 3]", and the first few of a list of keys.
 std::string shape_text(at::IntArrayRef shape);
 std::string key_list(const std::vector<std::string>& keys);

@@ -124,7 +124,12 @@ int local_world_size() { return runtime().env.local_world_size; }
 std::shared_ptr<comm::Comm> world_comm() { return runtime().world; }
 compat::StorePtr store() { return runtime().store; }
 
-std::shared_ptr<comm::Comm> new_group(std::vector<int> global_ranks, const std::string& tag) {
+namespace {
+
+// Checks the member list and forms the group over the store under "fsdp/group/<tag>". With
+// `share_world`, a group of all ranks is the world group itself (no new connections).
+std::shared_ptr<comm::Comm> form_group(comm::BackendKind kind, std::vector<int> global_ranks, const std::string& tag,
+                                       bool share_world) {
   Runtime& rt = runtime();
   std::set<int> unique(global_ranks.begin(), global_ranks.end());
   if (global_ranks.empty() || unique.size() != global_ranks.size() ||
@@ -139,15 +144,26 @@ std::shared_ptr<comm::Comm> new_group(std::vector<int> global_ranks, const std::
                     ", which is not a member; only members create a group");
   }
   const int group_rank = static_cast<int>(me - global_ranks.begin());
-  if (global_ranks.size() == static_cast<size_t>(rt.env.world_size)) return rt.world;
+  if (share_world && kind == rt.backend && global_ranks.size() == static_cast<size_t>(rt.env.world_size))
+    return rt.world;
   auto group_store = c10::make_intrusive<c10d::PrefixStore>("fsdp/group/" + tag, rt.store);
   try {
-    return comm::make_comm(rt.backend, group_store, std::move(global_ranks), group_rank, rt.options.timeout, tag,
+    return comm::make_comm(kind, group_store, std::move(global_ranks), group_rank, rt.options.timeout, tag,
                            rt.env.master_addr);
   } catch (const std::exception& e) {
     throw DistError("fsdp: could not form group '" + tag + "' (timeout " + seconds(rt.options.timeout) +
                     "): every member must create it with the same ranks.\n  cause: " + e.what());
   }
+}
+
+}  // namespace
+
+std::shared_ptr<comm::Comm> new_group(std::vector<int> global_ranks, const std::string& tag) {
+  return form_group(runtime().backend, std::move(global_ranks), tag, /*share_world=*/true);
+}
+
+std::shared_ptr<comm::Comm> new_cpu_group(std::vector<int> global_ranks, const std::string& tag) {
+  return form_group(comm::BackendKind::Gloo, std::move(global_ranks), tag, /*share_world=*/false);
 }
 
 }  // namespace fsdp::dist

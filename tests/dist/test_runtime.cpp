@@ -24,6 +24,22 @@ FSDP_RANK_WORKER(world_all_reduce) {
   world->barrier();
 }
 
+// new_group over all ranks is the world group; new_cpu_group forms a separate Gloo group that
+// works while the world group is also in use.
+FSDP_RANK_WORKER(cpu_group_is_its_own) {
+  auto world = fsdp::dist::world_comm();
+  std::vector<int> all(world->size());
+  for (int r = 0; r < world->size(); ++r) all[r] = r;
+  TORCH_CHECK(fsdp::dist::new_group(all, "same") == world, "new_group over all ranks should be the world");
+  auto own = fsdp::dist::new_cpu_group(all, "own");
+  TORCH_CHECK(own != world && own->size() == world->size() && own->rank() == world->rank());
+  auto a = at::full({3}, 1.0f), b = at::full({3}, 2.0f);
+  auto on_world = world->all_reduce(a, fsdp::comm::ReduceOp::Sum, /*async_op=*/true);
+  own->all_reduce(b);
+  on_world.wait();
+  TORCH_CHECK(a.eq(world->size()).all().item<bool>() && b.eq(2 * world->size()).all().item<bool>(), a, b);
+}
+
 // Calls init_distributed itself and expects it to fail with a message containing EXPECT_ERROR.
 FSDP_RANK_WORKER(expect_init_error) {
   const std::string needle = std::getenv("EXPECT_ERROR");
@@ -53,6 +69,8 @@ TEST(Runtime, RankZeroHostsTheStore) {
   EXPECT_RANKS_PASS(2, "world_all_reduce");
   EXPECT_RANKS_PASS(3, "world_all_reduce");
 }
+
+TEST(Runtime, CpuGroupHasItsOwnConnections) { EXPECT_RANKS_PASS(2, "cpu_group_is_its_own"); }
 
 TEST(Runtime, AgentStoreWithAttemptPrefix) {
   // Like torchrun's agent: the launcher hosts the store and every rank is a client.

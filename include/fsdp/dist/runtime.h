@@ -47,5 +47,9 @@ compat::StorePtr store();
 // A new group over `global_ranks` (ascending, unique). Called by the members only, all with the
 // same arguments; `tag` must be unique per group (it prefixes the group's store keys).
 std::shared_ptr<comm::Comm> new_group(std::vector<int> global_ranks, const std::string& tag);
+// A new Gloo group with connections of its own, even over all ranks (new_group would return the
+// world group): for CPU traffic that runs beside the training's collectives, such as a background
+// checkpoint save. Same calling rules as new_group.
+std::shared_ptr<comm::Comm> new_cpu_group(std::vector<int> global_ranks, const std::string& tag);
 
 }  // namespace fsdp::dist

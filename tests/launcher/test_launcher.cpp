@@ -17,6 +17,7 @@
 #include <vector>
 
 #include "subprocess.h"
+#include "test_helpers.h"
 
 namespace {
 
@@ -97,18 +98,9 @@ void expect_all_gone(const std::vector<int>& pids) {
 
 size_t count_lines(const std::string& s) { return static_cast<size_t>(std::count(s.begin(), s.end(), '\n')); }
 
-// A fresh directory for the probe's file barrier / pid files, removed at scope exit.
-struct TempDir {
-  std::string path;
-  TempDir() {
-    std::string tmpl = (std::filesystem::temp_directory_path() / "fsdprun_test_XXXXXX").string();
-    if (mkdtemp(tmpl.data()) == nullptr) throw std::runtime_error("mkdtemp failed");
-    path = tmpl;
-  }
-  ~TempDir() {
-    std::error_code ec;
-    std::filesystem::remove_all(path, ec);
-  }
+// A fresh directory removed at scope exit (tests/support/test_helpers.h).
+struct TempDir : fsdp::testing::TempDir {
+  TempDir() : fsdp::testing::TempDir("fsdprun_test") {}
 };
 
 TEST(Launcher, WorkersGetTorchrunEnvironmentAndPrefixedOutput) {

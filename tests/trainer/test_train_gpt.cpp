@@ -17,6 +17,7 @@
 #include <nlohmann/json.hpp>
 
 #include "subprocess.h"
+#include "test_helpers.h"
 #include "fsdp/checkpoint/safetensors.h"
 
 namespace {
@@ -35,18 +36,9 @@ const std::vector<std::string> kScrub = {"RANK", "WORLD_SIZE", "LOCAL_RANK", "LO
                                          "TORCHELASTIC_RESTART_COUNT", "TORCHELASTIC_USE_AGENT_STORE",
                                          "FSDP_TEST_KILL_AT_STEP", "FSDP_TEST_KILL_RANK"};
 
-struct TempDir {
-  std::string path;
-  TempDir() {
-    std::string tmpl = (fs::temp_directory_path() / "train_gpt_test_XXXXXX").string();
-    if (mkdtemp(tmpl.data()) == nullptr) throw std::runtime_error("mkdtemp failed");
-    path = tmpl;
-  }
-  ~TempDir() {
-    std::error_code ec;
-    fs::remove_all(path, ec);
-  }
-  std::string operator/(const std::string& name) const { return (fs::path(path) / name).string(); }
+// A fresh directory removed at scope exit (tests/support/test_helpers.h).
+struct TempDir : fsdp::testing::TempDir {
+  TempDir() : fsdp::testing::TempDir("train_gpt_test") {}
 };
 
 // `name value` replaced or appended (options may be given once only); "--resume" appended.

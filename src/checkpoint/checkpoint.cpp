@@ -5,7 +5,11 @@
 //      a temporary name + rename; the file's metadata lists its chunks and their block CRCs,
 //   3. all ranks agree that every file was written (all-gather of failure flags),
 //   4. rank 0 reads the files' headers, writes index.json.tmp, renames it over index.json (the
-//      commit), then deletes data files of earlier saves in the directory; the outcome is broadcast.
+//      commit), then deletes the files the replaced index named and leftovers of saves that never
+//      committed here (see "What a save may delete" in the header); the outcome is broadcast.
+// A directory whose index.json exists but cannot be read is never saved into (checked by every
+// rank before it writes, and by rank 0 again before the commit). A save that fails removes its
+// own files: each rank its data file (and temporary), rank 0 its index.json.tmp.
 // Collectives run on a dedicated process group, so a background save never interleaves with the
 // training's collectives on the world group (what DCP's async_save does with its own Gloo group).
 #include "fsdp/checkpoint/checkpoint.h"
@@ -19,6 +23,7 @@
 #include <filesystem>
 #include <fstream>
 #include <mutex>
+#include <optional>
 #include <random>
 #include <set>
 #include <thread>
@@ -90,6 +95,103 @@ std::string data_file_name(const std::string& save_id, int rank) {
   return buf;
 }
 
+// A name only a save writes: data-<16 hex>-rank<5+ digits>.safetensors, optionally + ".tmp", or
+// index.json.tmp. Files named otherwise are never deleted.
+bool is_save_file_name(const std::string& name) {
+  if (name == std::string(detail::kIndexFile) + ".tmp") return true;
+  std::string rest = name;
+  const std::string tmp = ".tmp";
+  if (rest.size() > tmp.size() && rest.compare(rest.size() - tmp.size(), tmp.size(), tmp) == 0)
+    rest.resize(rest.size() - tmp.size());
+  const std::string prefix = "data-", suffix = ".safetensors";
+  if (rest.size() < prefix.size() + 16 + 9 + suffix.size() || rest.compare(0, prefix.size(), prefix) != 0 ||
+      rest.compare(rest.size() - suffix.size(), suffix.size(), suffix) != 0)
+    return false;
+  const std::string middle = rest.substr(prefix.size(), rest.size() - prefix.size() - suffix.size());
+  if (middle.size() < 16 + 5 + 5 || middle.compare(16, 5, "-rank") != 0) return false;
+  for (size_t i = 0; i < middle.size(); ++i) {
+    if (i >= 16 && i < 21) continue;
+    const char c = middle[i];
+    const bool ok = i < 16 ? ((c >= '0' && c <= '9') || (c >= 'a' && c <= 'f')) : (c >= '0' && c <= '9');
+    if (!ok) return false;
+  }
+  return true;
+}
+
+// Deletes a regular file (never a directory or anything else), ignoring errors.
+void remove_regular_file(const fs::path& path) {
+  std::error_code ec;
+  if (fs::is_regular_file(fs::symlink_status(path, ec))) fs::remove(path, ec);
+}
+
+bool index_file_exists(const std::string& dir) {
+  std::error_code ec;
+  return fs::exists(fs::symlink_status(fs::path(dir) / detail::kIndexFile, ec));
+}
+
+// Why `dir`'s index.json cannot be read ("" when it reads), without the advice read_index adds.
+std::string index_problem(const std::string& dir) {
+  try {
+    detail::read_index(dir);
+    return "";
+  } catch (const CheckpointError& e) {
+    std::string text = e.what();
+    if (text.rfind("checkpoint: ", 0) == 0) text = text.substr(12);
+    for (const char* advice : {"; load an earlier checkpoint", "; fix its permissions"})
+      if (auto at = text.rfind(advice); at != std::string::npos) text.resize(at);
+    return text;
+  }
+}
+
+// A save never writes into a directory whose index exists but cannot be read: its data files may
+// be all that is left of that checkpoint.
+void refuse_damaged_target(const std::string& dir) {
+  if (!index_file_exists(dir)) return;
+  const std::string problem = index_problem(dir);
+  if (!problem.empty())
+    throw CheckpointError("checkpoint: refusing to save into '" + dir + "': its index.json cannot be read (" +
+                          problem + "); nothing in it was changed. Move the folder aside (or save elsewhere)");
+}
+
+// What an uncommitted directory holds, for reports.
+std::string uncommitted_contents(const std::string& dir) {
+  int data = 0, tmp = 0;
+  std::error_code ec;
+  for (const auto& entry : fs::directory_iterator(dir, ec)) {
+    const std::string name = entry.path().filename().string();
+    if (!is_save_file_name(name)) continue;
+    (name.size() > 4 && name.compare(name.size() - 4, 4, ".tmp") == 0 ? tmp : data) += 1;
+  }
+  if (data == 0 && tmp == 0) return "no index.json and no checkpoint files";
+  return "no index.json: a save interrupted before its commit (" + std::to_string(data) + " data file" +
+         (data == 1 ? "" : "s") + ", " + std::to_string(tmp) + " temporary file" + (tmp == 1 ? "" : "s") + ")";
+}
+
+// Writes `text` to `path` (created or truncated) and fsyncs it; `fail_half_way` is the test hook
+// that stops half way with ENOSPC.
+void write_synced_file(const fs::path& path, const std::string& text, bool fail_half_way) {
+  const int fd = ::open(path.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+  if (fd < 0) throw CheckpointError("checkpoint: cannot write '" + path.string() + "': " + error_text(errno));
+  const size_t length = fail_half_way ? text.size() / 2 : text.size();
+  size_t done = 0;
+  int err = 0;
+  while (done < length) {
+    const ssize_t n = ::write(fd, text.data() + done, length - done);
+    if (n < 0 && errno == EINTR) continue;
+    if (n <= 0) {
+      err = n < 0 ? errno : ENOSPC;
+      break;
+    }
+    done += static_cast<size_t>(n);
+  }
+  if (err == 0 && fail_half_way) err = ENOSPC;
+  if (err == 0 && ::fsync(fd) != 0) err = errno;
+  if (::close(fd) != 0 && err == 0) err = errno;
+  if (err != 0)
+    throw CheckpointError("checkpoint: cannot write '" + path.string() + "': " + error_text(err) +
+                          (fail_half_way ? " (SaveOptions::fail_after_files test hook)" : ""));
+}
+
 int64_t row_bytes(const std::vector<int64_t>& shape, at::ScalarType dtype) {
   return detail::row_numel(shape) * static_cast<int64_t>(c10::elementSize(dtype));
 }
@@ -153,6 +255,11 @@ std::string make_save_id(comm::Comm& group) {
 
 void write_rank_file(const SavePlan& plan, const std::string& save_id, int rank) {
   if (plan.options.abort_after_files == 0) std::abort();
+  if (plan.options.fail_after_files == 0) {
+    // As on a full disk: half a temporary file, then ENOSPC.
+    const fs::path tmp = (fs::path(plan.dir) / data_file_name(save_id, rank)).string() + ".tmp";
+    write_synced_file(tmp, std::string(4096, '\0'), /*fail_half_way=*/true);
+  }
   std::vector<safetensors::NamedTensor> tensors;
   std::vector<FileChunk> chunks;
   for (const auto& item : plan.items) {
@@ -213,27 +320,42 @@ Index build_index(const std::string& dir, const std::string& save_id, int world)
   return index;
 }
 
-void commit_index(const std::string& dir, const Index& index) {
+// Rank 0: writes index.json.tmp and renames it over index.json; `renamed` is set once the save is
+// committed (errors after that do not undo it). Then deletes what the replaced index named and
+// leftovers of saves that never committed here: nothing else.
+void commit_index(const SavePlan& plan, const Index& index, bool& renamed) {
+  const std::string& dir = plan.dir;
   const fs::path final_path = fs::path(dir) / detail::kIndexFile;
   const fs::path tmp_path = final_path.string() + ".tmp";
-  {
-    std::ofstream out(tmp_path, std::ios::binary | std::ios::trunc);
-    out << detail::encode_index(index);
-    out.flush();
-    if (!out) throw CheckpointError("checkpoint: cannot write '" + tmp_path.string() + "'");
+  std::optional<Index> replaced;
+  if (index_file_exists(dir)) {
+    refuse_damaged_target(dir);  // it may have been damaged while the data files were written
+    replaced = detail::read_index(dir);
   }
-  fsync_path(tmp_path, false);
+  write_synced_file(tmp_path, detail::encode_index(index), plan.options.fail_after_files == 1);
   rename_or_throw(tmp_path, final_path);
+  renamed = true;
   fsync_path(dir, true);
-  // Files of earlier saves (and leftovers of interrupted ones) are no longer referenced.
-  const std::set<std::string> keep(index.files.begin(), index.files.end());
-  for (const auto& entry : fs::directory_iterator(dir)) {
-    const std::string name = entry.path().filename().string();
-    if (name.rfind("data-", 0) == 0 && !keep.count(name)) {
-      std::error_code ignored;
-      fs::remove(entry.path(), ignored);
-    }
+  std::set<std::string> keep(index.files.begin(), index.files.end());
+  keep.insert(detail::kIndexFile);
+  if (replaced) {
+    for (const auto& name : replaced->files)
+      if (!keep.count(name) && name.find('/') == std::string::npos && name != "." && name != "..")
+        remove_regular_file(fs::path(dir) / name);
   }
+  std::error_code ec;
+  for (const auto& entry : fs::directory_iterator(dir, ec)) {
+    const std::string name = entry.path().filename().string();
+    if (!keep.count(name) && is_save_file_name(name)) remove_regular_file(entry.path());
+  }
+}
+
+// A save that did not commit: this rank removes the files it wrote (the save id is fresh, so
+// nothing else carries it).
+void remove_own_files(const std::string& dir, const std::string& save_id, int rank) {
+  const fs::path final_path = fs::path(dir) / data_file_name(save_id, rank);
+  remove_regular_file(final_path.string() + ".tmp");
+  remove_regular_file(final_path);
 }
 
 void write_and_commit(const SavePlan& plan, comm::Comm& group) {
@@ -242,6 +364,7 @@ void write_and_commit(const SavePlan& plan, comm::Comm& group) {
 
   std::string local_error;
   try {
+    refuse_damaged_target(plan.dir);
     fs::create_directories(plan.dir);
     write_rank_file(plan, save_id, rank);
   } catch (const std::exception& e) {
@@ -252,28 +375,44 @@ void write_and_commit(const SavePlan& plan, comm::Comm& group) {
   std::string failed_ranks;
   for (int r = 0; r < world; ++r)
     if (failed[r].item<int64_t>()) failed_ranks += (failed_ranks.empty() ? "" : ", ") + std::to_string(r);
-  if (!failed_ranks.empty())
+  if (!failed_ranks.empty()) {
+    remove_own_files(plan.dir, save_id, rank);
     throw CheckpointError("checkpoint: save to '" + plan.dir + "' failed on rank(s) " + failed_ranks +
                           (local_error.empty() ? "" : " (here: " + local_error + ")") +
-                          "; nothing was committed and the directory's previous checkpoint is untouched");
+                          "; nothing was committed, the save's files were removed and the directory's "
+                          "previous checkpoint is untouched");
+  }
 
-  at::Tensor committed = at::zeros({1}, at::kLong);
+  // 0: not committed (every rank removes its file), 1: committed, 2: committed, then an error.
+  at::Tensor outcome = at::zeros({1}, at::kLong);
   std::string commit_error;
   if (rank == 0) {
+    bool renamed = false;
     try {
       Index index = build_index(plan.dir, save_id, world);
       index.extras = plan.extras;
-      commit_index(plan.dir, index);
-      committed[0] = 1;
+      commit_index(plan, index, renamed);
+      outcome[0] = 1;
     } catch (const std::exception& e) {
       commit_error = e.what();
+      outcome[0] = renamed ? 2 : 0;
+      if (!renamed) remove_regular_file(fs::path(plan.dir) / (std::string(detail::kIndexFile) + ".tmp"));
     }
   }
-  group.broadcast(committed, 0);
-  if (!committed[0].item<int64_t>())
-    throw CheckpointError(rank == 0 ? commit_error
+  group.broadcast(outcome, 0);
+  const int64_t result = outcome[0].item<int64_t>();
+  if (result == 0) {
+    remove_own_files(plan.dir, save_id, rank);
+    throw CheckpointError(rank == 0 ? commit_error + "; nothing was committed, the save's files were removed and the "
+                                                     "directory's previous checkpoint is untouched"
                                     : "checkpoint: rank 0 could not commit the save to '" + plan.dir +
-                                          "' (see rank 0's error); the previous checkpoint is untouched");
+                                          "' (see rank 0's error); nothing was committed, the save's files were "
+                                          "removed and the previous checkpoint is untouched");
+  }
+  if (result == 2)
+    throw CheckpointError(rank == 0 ? commit_error + " (after the commit: the new checkpoint is in place)"
+                                    : "checkpoint: rank 0 failed after committing the save to '" + plan.dir +
+                                          "' (see rank 0's error)");
 }
 
 // At most one save in flight; a new save (sync or async) first waits for the previous one.
@@ -491,17 +630,49 @@ bool is_committed(const std::string& dir) {
   }
 }
 
-std::optional<std::string> latest_checkpoint(const std::string& root) {
-  std::error_code ec;
-  if (!fs::is_directory(root, ec)) return std::nullopt;
-  std::optional<std::string> best;
-  for (const auto& entry : fs::directory_iterator(root, ec)) {
-    if (!entry.is_directory()) continue;
-    const std::string path = entry.path().string();
-    if ((!best || entry.path().filename().string() > fs::path(*best).filename().string()) && is_committed(path))
-      best = path;
+const char* to_string(CheckpointStatus status) {
+  switch (status) {
+    case CheckpointStatus::committed: return "committed";
+    case CheckpointStatus::uncommitted: return "uncommitted";
+    case CheckpointStatus::damaged: return "damaged";
   }
-  return best;
+  return "?";
+}
+
+std::vector<CheckpointCandidate> scan_checkpoints(const std::string& root) {
+  std::vector<CheckpointCandidate> out;
+  std::error_code ec;
+  if (!fs::is_directory(root, ec)) return out;
+  for (const auto& entry : fs::directory_iterator(root, ec)) {
+    std::error_code entry_ec;
+    if (!entry.is_directory(entry_ec)) continue;
+    CheckpointCandidate c;
+    c.path = entry.path().string();
+    if (!index_file_exists(c.path)) {
+      c.status = CheckpointStatus::uncommitted;
+      c.problem = uncommitted_contents(c.path);
+    } else {
+      c.problem = index_problem(c.path);
+      c.status = c.problem.empty() ? CheckpointStatus::committed : CheckpointStatus::damaged;
+    }
+    out.push_back(std::move(c));
+  }
+  std::sort(out.begin(), out.end(), [](const CheckpointCandidate& a, const CheckpointCandidate& b) {
+    return fs::path(a.path).filename().string() < fs::path(b.path).filename().string();
+  });
+  return out;
+}
+
+std::optional<std::string> latest_checkpoint(const std::string& root) {
+  const auto all = scan_checkpoints(root);
+  for (auto it = all.rbegin(); it != all.rend(); ++it) {
+    if (it->status == CheckpointStatus::committed) return it->path;
+    if (it->status == CheckpointStatus::damaged)
+      throw CheckpointError("checkpoint: '" + it->path + "' is damaged: " + it->problem +
+                            "; its files were left as they are. Not falling back to an older checkpoint: load one "
+                            "by its path, or move the damaged folder aside");
+  }
+  return std::nullopt;
 }
 
 std::map<std::string, TensorMeta> describe(const std::string& dir) {

@@ -2,6 +2,8 @@
 
 #include <nlohmann/json.hpp>
 
+#include <cerrno>
+#include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <sstream>
@@ -121,6 +123,14 @@ Index read_index(const std::string& dir) {
   const auto path = std::filesystem::path(dir) / kIndexFile;
   std::ifstream in(path, std::ios::binary);
   if (!in) {
+    const int err = errno;
+    std::error_code ec;
+    if (std::filesystem::exists(path, ec)) {
+      throw CheckpointError("checkpoint: " + path.string() + " exists but cannot be read (" +
+                            (std::filesystem::is_directory(path, ec) ? std::string("it is a directory")
+                                                                     : std::string(std::strerror(err))) +
+                            "); fix its permissions, or load an earlier checkpoint");
+    }
     const bool exists = std::filesystem::is_directory(dir);
     throw CheckpointError("checkpoint: no committed checkpoint in '" + dir + "' (" +
                           (exists ? "no index.json: the directory holds no save, or only an interrupted one"

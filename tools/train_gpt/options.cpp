@@ -77,9 +77,17 @@ std::optional<Options> parse_options(int argc, char** argv, int& exit_code) {
   app.add_option("--checkpoint-every", o.checkpoint_every,
                  "Save every N steps (0: only at the end and on SIGINT/SIGTERM)")
       ->check(at_least(0));
-  app.add_flag("--resume", o.resume,
-               "Continue from the latest committed checkpoint in --checkpoint-dir (any world size); "
-               "starts from scratch when there is none");
+  auto* resume = app.add_flag("--resume", o.resume,
+                              "Continue from the latest committed checkpoint in --checkpoint-dir (any world size); "
+                              "starts from scratch when there is none; a newer damaged one stops the run");
+  app.add_option("--resume-from", o.resume_from,
+                 "Continue from this checkpoint folder (e.g. DIR/step_000400, any world size), e.g. when a "
+                 "newer one is damaged; excludes --resume, and fsdprun restarts resume from it again")
+      ->excludes(resume);
+  app.add_option("--keep-checkpoints", o.keep_checkpoints,
+                 "After each save keep the newest K committed step_NNNNNN folders and delete older ones "
+                 "(0: keep all); damaged, uncommitted and other folders are never deleted")
+      ->check(at_least(0));
   app.add_option("--eval-every", o.eval_every, "Validation loss every N steps and at the end (0: never)")
       ->check(at_least(0));
   app.add_option("--eval-batches", o.eval_batches, "Global batches per validation")->check(at_least(1));

@@ -35,6 +35,8 @@ struct Options {
   std::string checkpoint_dir = "runs/train_gpt/checkpoints";  // "": no checkpoints
   int64_t checkpoint_every = 100;  // 0: only at the end and on SIGINT/SIGTERM
   bool resume = false;
+  std::string resume_from;       // a checkpoint folder to continue from ("": --resume decides)
+  int64_t keep_checkpoints = 0;  // keep the newest K committed step_* folders (0: all)
   int64_t eval_every = 50;  // 0: never
   int64_t eval_batches = 4;
   int64_t sample_tokens = 300;

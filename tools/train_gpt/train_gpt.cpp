@@ -30,6 +30,7 @@
 #include <string>
 #include <vector>
 
+#include "checkpoints.h"
 #include "data.h"
 #include "fsdp/checkpoint/checkpoint.h"
 #include "fsdp/fsdp.h"
@@ -328,11 +329,14 @@ std::string fmt_duration(double s) {
 }
 
 int run_training(const Options& options) {
+  check_checkpoint_dir(options);  // every rank, before any work: a directory it cannot write stops it here
   // -- 1
   Run run = init_distributed(options);
   const Options& o = run.opt;
   validate_for_world(o, run.world);
   const bool r0 = run.rank == 0;
+  // One run per --checkpoint-dir: rank 0 holds the lock until the process ends (checkpoints.h).
+  const auto checkpoint_lock = lock_checkpoint_dir(o, run.rank, run.comm.get());
   if (o.mixed_precision == "bf16" && !run.sharded()) {
     throw std::invalid_argument("--mixed-precision bf16 needs fully_shard's MixedPrecisionPolicy: use --parallel fsdp "
                                 "or hsdp (under fsdprun, any number of ranks)");
@@ -341,16 +345,30 @@ int run_training(const Options& options) {
 
   // -- 2 (the resume checkpoint is checked against the model's shapes before anything is allocated)
   Model m = build_model_meta(run);
-  std::optional<std::string> resume_dir;
-  if (o.resume) {
-    resume_dir = fsdp::checkpoint::latest_checkpoint(o.checkpoint_dir);
-    if (resume_dir) check_checkpoint_shapes(*resume_dir, m.full_shapes);
+  const ResumeChoice resume = choose_resume(o);  // --resume-from, or --resume's latest committed one
+  const std::optional<std::string> resume_dir = resume.dir;
+  if (resume_dir) check_checkpoint_shapes(*resume_dir, m.full_shapes);
+  if (r0) {
+    for (const auto& w : resume.warnings) std::printf("train_gpt: warning: %s\n", w.c_str());
   }
   // -- 3
   auto opt = build_optimizer(run, m);
   // -- 5 (load)
   int64_t start_step = 0;
   if (resume_dir) start_step = checkpoint_load(run, m, *opt, *resume_dir);
+  if (resume_dir && start_step >= o.steps) {  // nothing to do: say so, leave the metrics file alone
+    if (r0) {
+      std::printf("train_gpt: checkpoint %s is at step %lld, --steps %lld: nothing to train (raise --steps to continue it)\n",
+                  resume_dir->c_str(), static_cast<long long>(start_step), static_cast<long long>(o.steps));
+      std::fflush(stdout);
+    }
+    if (run.distributed()) {
+      run.comm->barrier();
+      fsdp::dist::destroy_distributed();
+    }
+    return 0;
+  }
+  check_save_targets(o, start_step);  // a scheduled save into a damaged folder: refused now, not after training
 
   const int64_t local_params = tensor_bytes(m.gpt->parameters()) / 4;
   MetricsWriter metrics;
@@ -363,12 +381,12 @@ int run_training(const Options& options) {
                 at::get_num_threads() > 1 ? "s" : "", o.mixed_precision.c_str(), static_cast<long long>(o.batch_size),
                 static_cast<long long>(o.seq_len), static_cast<long long>(o.grad_accum));
     std::printf("train_gpt: data %s\n", data.describe().c_str());
-    if (o.resume) {
+    if (o.resume || resume_dir) {
       std::printf("train_gpt: %s\n", resume_dir ? ("resumed " + *resume_dir + " at step " + std::to_string(start_step)).c_str()
                                                   : ("no checkpoint in " + o.checkpoint_dir + ": starting from scratch").c_str());
     }
     if (!o.metrics.empty()) {
-      metrics.open(o.metrics, o.resume, start_step);
+      metrics.open(o.metrics, o.resume || resume_dir, start_step);
       std::printf("train_gpt: metrics -> %s\n", o.metrics.c_str());
     }
     if (!o.checkpoint_dir.empty()) std::printf("train_gpt: checkpoints -> %s/step_NNNNNN\n", o.checkpoint_dir.c_str());
@@ -470,6 +488,9 @@ int run_training(const Options& options) {
       if (r0) {
         std::printf("checkpoint: step %lld -> %s (%.2f s)\n", static_cast<long long>(step), last_saved.c_str(),
                     seconds_since(t_save));
+        for (const auto& gone : apply_retention(o, last_saved))
+          std::printf("checkpoint: removed %s (--keep-checkpoints %lld)\n", gone.c_str(),
+                      static_cast<long long>(o.keep_checkpoints));
         std::fflush(stdout);
       }
     }

@@ -13,6 +13,21 @@
 // new save never overwrites) stays loadable. Each chunk carries CRC-32s of 1 MiB blocks, so a
 // rank that reads only the rows it needs still verifies every byte it reads.
 //
+// What a save may delete (never data that it did not itself write, nor data of a checkpoint it
+// cannot read):
+//   - A save into a directory whose index.json exists but cannot be read (damaged, truncated, not
+//     an index) is refused before anything is written: the damaged checkpoint's files stay as
+//     they are, for a person to inspect or repair.
+//   - After a successful commit, rank 0 deletes the files the replaced (readable) index named,
+//     and leftovers of saves that never committed in this directory: files named like a data
+//     file (data-<16 hex>-rank<5 digits>.safetensors, or that + ".tmp") that the new index does
+//     not name, and index.json.tmp. Nothing else in the directory is touched.
+//   - A save that fails (a full disk, a rank that cannot write) removes what it wrote itself:
+//     each rank its own data file (and its temporary) of that save, rank 0 its index.json.tmp.
+//     The directory's previous checkpoint stays committed and loadable.
+//   - One writer per directory: two concurrent saves into one directory are not supported (the
+//     trainer takes a DirectoryLock on its checkpoint root, see lock.h).
+//
 // Keys: "model.<fqn>" for parameters and buffers, "optim.<fqn>.<state>" for optimizer state
 // (exp_avg, exp_avg_sq, max_exp_avg_sq, step, momentum_buffer) — by parameter name, never by
 // position — and "extra.<name>.<key>" for Stateful values.
@@ -73,10 +88,16 @@ struct State {
   std::map<std::string, Stateful*> extras;         // optional
 };
 
+// Example: SaveOptions o; o.fail_after_files = 0;   // this rank's data-file write fails (test)
 struct SaveOptions {
   // Test hook: the process aborts (std::abort) after writing this many of its data files
   // (-1: never). Used to check that a killed save leaves the previous checkpoint loadable.
   int abort_after_files = -1;
+  // Test hook: this rank's writes fail as on a full disk (ENOSPC) after this many complete files
+  // (-1: never). 0: its data file's temporary is half written, then the write fails; 1: its data
+  // file is complete, then (rank 0 only) index.json.tmp is half written and the write fails.
+  // Used to check that a failed save cleans up after itself.
+  int fail_after_files = -1;
 };
 
 struct LoadOptions {
@@ -114,8 +135,29 @@ AsyncSave async_save(const std::string& dir, const State& state, const SaveOptio
 
 // True when `dir` holds a committed checkpoint (an index.json that parses).
 bool is_committed(const std::string& dir);
+
+// What a directory under a checkpoint root is:
+//   committed    its index.json reads: a loadable checkpoint (data files are checked on load);
+//   uncommitted  no index.json: a save killed before its commit (data files or .tmp only), or a
+//                folder that is no checkpoint at all; skipped, it holds nothing committed;
+//   damaged      an index.json exists but cannot be read (garbage, `{}`, truncated, unreadable):
+//                its data files may be intact, so it is never skipped silently nor written over.
+enum class CheckpointStatus { committed, uncommitted, damaged };
+const char* to_string(CheckpointStatus status);
+struct CheckpointCandidate {
+  std::string path;
+  CheckpointStatus status = CheckpointStatus::uncommitted;
+  std::string problem;  // damaged: why the index cannot be read; uncommitted: what the folder holds
+};
+// Example: for (auto& c : scan_checkpoints("ckpt")) std::cout << c.path << " " << to_string(c.status);
+// Every directory directly under `root`, sorted by name (empty when `root` does not exist).
+std::vector<CheckpointCandidate> scan_checkpoints(const std::string& root);
+
 // The committed checkpoint directory directly under `root` whose name sorts last (e.g.
-// step_000300 after step_000200), if any. For `--resume`.
+// step_000300 after step_000200), if any. For `--resume`. Uncommitted directories are skipped;
+// a damaged one that sorts after the chosen checkpoint is a CheckpointError naming it (falling
+// back past it would silently lose its steps): load an earlier checkpoint by its path, or move
+// the damaged folder aside.
 std::optional<std::string> latest_checkpoint(const std::string& root);
 
 // What a committed checkpoint holds, without loading it.

@@ -29,7 +29,10 @@ constexpr size_t kShownRanks = 6;    // per value
 
 std::string rank_list(const std::vector<int>& ranks) {
   std::string out = ranks.size() == 1 ? "rank " : "ranks ";
-  for (size_t i = 0; i < ranks.size() && i < kShownRanks; ++i) out += (i ? "," : "") + std::to_string(ranks[i]);
+  for (size_t i = 0; i < ranks.size() && i < kShownRanks; ++i) {
+    if (i) out += ',';
+    out += std::to_string(ranks[i]);
+  }
   if (ranks.size() > kShownRanks) out += ",... (" + std::to_string(ranks.size()) + " ranks)";
   return out;
 }

@@ -97,7 +97,8 @@ std::optional<Options> parse_options(int argc, char** argv, int& exit_code) {
   app.add_option("--warmup", o.warmup, "Warmup steps")->check(bounded(0, kMaxCount, true));
   app.add_option("--weight-decay", o.weight_decay, "AdamW weight decay")->check(bounded(0, 100, false));
   app.add_option("--clip", o.clip, "Clip the global gradient norm to this (0: off)")->check(bounded(0, 1e9, false));
-  app.add_option("--seed", o.seed, "Seed of the initialisation, the data order and the sample");
+  app.add_option("--seed", o.seed, "Seed of the initialisation, the data order and the sample")
+      ->check(bounded(0, 18446744073709551615.0, true));
   app.add_option("--parallel", o.parallel, "fsdp | hsdp | replicate | none (one process, no process group)")
       ->check(CLI::IsMember({"fsdp", "hsdp", "replicate", "none"}));
   app.add_option("--shard-size", o.shard_size, "HSDP: ranks per shard group (0: the ranks per node)")
@@ -152,6 +153,10 @@ void validate(const Options& o) {
          std::to_string(o.batch_size));
   }
   if (o.resume && o.checkpoint_dir.empty()) fail("--resume needs a --checkpoint-dir");
+  if (o.mixed_precision == "bf16" && (o.parallel == "none" || o.parallel == "replicate")) {
+    fail("--mixed-precision bf16 needs fully_shard's MixedPrecisionPolicy: use --parallel fsdp or hsdp (under "
+         "fsdprun, any number of ranks)");
+  }
   if (!o.synthetic()) check_data_file(o.data);  // stat only: a FIFO or device is refused unopened
 }
 

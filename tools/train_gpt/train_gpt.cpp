@@ -24,6 +24,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <filesystem>
+#include <functional>
 #include <limits>
 #include <map>
 #include <optional>
@@ -121,7 +122,8 @@ Run init_distributed(const Options& o) {
 // ======================================================================================== 2
 // build_model_meta(): construct on meta (no memory), shard block by block then the root,
 // allocate only this rank's shards, initialise them to the unsharded model's values.
-Model build_model_meta(const Run& run) {
+// `before_allocating` sees the full shapes while nothing is allocated yet (checks, a banner).
+Model build_model_meta(const Run& run, const std::function<void(const Shapes&)>& before_allocating) {
   const Options& o = run.opt;
   GPTConfig config;
   config.vocab_size = 256;  // bytes
@@ -139,6 +141,7 @@ Model build_model_meta(const Run& run) {
     m.full_shapes["model." + p.key()] = p.value().sizes().vec();
     m.n_params += p.value().numel();
   }
+  before_allocating(m.full_shapes);
   if (run.sharded()) {
     fsdp::FullyShardOptions so;
     so.mesh = run.mesh;  // hsdp: 2-D; fsdp: unset (all ranks)
@@ -350,33 +353,26 @@ std::string fmt_duration(double s) {
 
 int run_training(const Options& options) {
   // Memory preflight (preflight.h), before the process group and any allocation. Every rank
-  // computes the same estimate.
-  {
-    const fsdp::dist::LaunchEnv env = options.parallel == "none" ? fsdp::dist::LaunchEnv{} : fsdp::dist::read_launch_env();
-    const std::string memory = check_memory(options, env.world_size, env.local_world_size);
-    if (env.rank == 0) {
-      std::printf("train_gpt: %s\n", memory.c_str());
-      std::fflush(stdout);
-    }
-  }
+  // computes the same estimate; rank 0 prints it before the model is allocated.
+  const fsdp::dist::LaunchEnv env = options.parallel == "none" ? fsdp::dist::LaunchEnv{} : fsdp::dist::read_launch_env();
+  const std::string memory = check_memory(options, env.world_size, env.local_world_size);
   // -- 1
   Run run = init_distributed(options);
   const Options& o = run.opt;
   validate_for_world(o, run.world);
   const bool r0 = run.rank == 0;
-  if (o.mixed_precision == "bf16" && !run.sharded()) {
-    throw std::invalid_argument("--mixed-precision bf16 needs fully_shard's MixedPrecisionPolicy: use --parallel fsdp "
-                                "or hsdp (under fsdprun, any number of ranks)");
-  }
   TokenSource data(o.data, o.seq_len, o.seed);
 
   // -- 2 (the resume checkpoint is checked against the model's shapes before anything is allocated)
-  Model m = build_model_meta(run);
   std::optional<std::string> resume_dir;
-  if (o.resume) {
-    resume_dir = fsdp::checkpoint::latest_checkpoint(o.checkpoint_dir);
-    if (resume_dir) check_checkpoint_shapes(*resume_dir, m.full_shapes);
-  }
+  if (o.resume) resume_dir = fsdp::checkpoint::latest_checkpoint(o.checkpoint_dir);
+  Model m = build_model_meta(run, [&](const Shapes& shapes) {
+    if (resume_dir) check_checkpoint_shapes(*resume_dir, shapes);
+    if (r0) {
+      std::printf("train_gpt: %s\n", memory.c_str());  // then the (possibly long) allocation and init
+      std::fflush(stdout);
+    }
+  });
   // -- 3
   auto opt = build_optimizer(run, m);
   // -- 5 (load)

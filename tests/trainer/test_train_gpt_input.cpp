@@ -16,6 +16,9 @@
 #include <thread>
 #include <vector>
 
+#include <c10/util/Exception.h>
+
+#include "error_text.h"
 #include "subprocess.h"
 #include "train_gpt_harness.h"
 
@@ -102,7 +105,7 @@ TEST(TrainGptInput, SizesThatCannotFitAreRefusedWithTheEstimate) {
   EXPECT_NE(t.r.output.find("available per rank (FSDP_TEST_MEMORY_AVAILABLE 400 MiB / 2 ranks on this host)"),
             std::string::npos)
       << t.r.output;
-  EXPECT_EQ(t.r.output.find("step "), std::string::npos) << t.r.output;
+  EXPECT_EQ(t.r.output.find("[rank0]: step "), std::string::npos) << t.r.output;
 }
 
 // A directory, endless devices and a FIFO are refused by their file type, within seconds, with one
@@ -167,7 +170,7 @@ TEST(TrainGptInput, RanksWithDifferentOptionsFailBeforeTheFirstStep) {
       "train_gpt: error: the ranks were started with different options: --seed is '0' on rank 0 and '1' on rank 1";
   EXPECT_NE(t.r.output.find("[rank0]: " + msg), std::string::npos) << t.r.output;
   EXPECT_NE(t.r.output.find("[rank1]: " + msg), std::string::npos) << t.r.output;
-  EXPECT_EQ(t.r.output.find("step "), std::string::npos) << "trained before failing:\n" << t.r.output;
+  EXPECT_EQ(t.r.output.find("[rank0]: step "), std::string::npos) << "trained before failing:\n" << t.r.output;
   EXPECT_TRUE(losses(dir / "m.jsonl").empty());
   EXPECT_LT(t.seconds, 45.0) << t.r.output;  // the alternative: a 5-minute collective timeout
 }
@@ -222,6 +225,25 @@ TEST(TrainGptInput, WholeErrorMessageIsPrinted) {
   EXPECT_EQ(r.output.find("frame #"), std::string::npos) << r.output;
 }
 
+// The text printed for an error keeps every line of the message and drops LibTorch's backtrace,
+// also where a c10::Error's what() is wrapped in another exception's message.
+TEST(TrainGptInput, ErrorTextKeepsHintsAndDropsBacktraces) {
+  try {
+    TORCH_CHECK(false, "first line\n  the hint on a second line");
+  } catch (const c10::Error& e) {
+    EXPECT_EQ(train_gpt::error_text(e), "first line\n  the hint on a second line");
+    const std::runtime_error wrapped(std::string("collective failed: ") + e.what() + "\n  If it timed out, see FSDP_COLLECTIVE_TIMEOUT_S.");
+    const std::string text = train_gpt::error_text(wrapped);
+    EXPECT_EQ(text.rfind("collective failed: first line\n  the hint on a second line\n", 0), 0u) << text;
+    EXPECT_NE(text.find("\n  If it timed out, see FSDP_COLLECTIVE_TIMEOUT_S."), std::string::npos) << text;
+    EXPECT_EQ(text.find("Exception raised from"), std::string::npos) << text;
+    EXPECT_EQ(text.find("frame #"), std::string::npos) << text;
+  }
+  EXPECT_EQ(train_gpt::strip_backtrace("a\nException raised from f at x.cpp:1 (most recent call first):\nframe #0: g\n"
+                                       "frame #1: h\n\n  hint\n"),
+            "a\n  hint");
+}
+
 // SIGTERM to fsdprun while its ranks build a large model ends the job within seconds, not after
 // the launcher's grace period. 3000 blocks take about 20 s to construct, shard and initialise on
 // 2 ranks of the 2-core development machine (10000 take 70 s), in little memory.
@@ -247,7 +269,7 @@ TEST(TrainGptInput, SigtermDuringModelConstructionExitsWithinSeconds) {
   EXPECT_LT(s, 10.0) << r.output;
   EXPECT_NE(r.output.find("SIGTERM before the first step finished: nothing to save, exiting now"), std::string::npos)
       << r.output;
-  EXPECT_EQ(r.output.find("step "), std::string::npos) << r.output;
+  EXPECT_EQ(r.output.find("[rank0]: step "), std::string::npos) << r.output;
 }
 
 // SIGINT during a long validation stops it at the next batch on every rank (the ranks agree, the
@@ -270,9 +292,13 @@ TEST(TrainGptInput, SigintDuringValidationSavesAndExits) {
   child.send_signal(SIGINT);
   auto r = child.wait();
   EXPECT_LT(seconds_since(t0), 10.0) << r.output;
-  EXPECT_TRUE(r.ok()) << r.output;
+  EXPECT_FALSE(r.timed_out) << r.output;
+  EXPECT_EQ(r.output.find("fsdprun: worker rank"), std::string::npos) << "a rank failed:\n" << r.output;
   EXPECT_NE(r.output.find("stopped by a signal after step 1/3"), std::string::npos) << r.output;
   EXPECT_TRUE(fs::exists(fs::path(dir / "ckpt") / "step_000001" / "index.json")) << r.output;
+  const auto lines = read_metrics(dir / "m.jsonl");
+  ASSERT_FALSE(lines.empty()) << r.output;
+  EXPECT_FALSE(lines[0].contains("val_loss")) << "the validation was not interrupted: " << lines[0].dump();
 }
 
 }  // namespace

@@ -64,8 +64,9 @@ double cgroup_available(std::string& which) {
           }
         }
         if (rel.empty() || rel == "/") break;
-        rel = rel.substr(0, rel.find_last_of('/'));
-        if (rel.empty()) rel = "/";
+        const size_t slash = rel.find_last_of('/');
+        rel.resize(slash == 0 || slash == std::string::npos ? 1 : slash);  // the parent; "/" at the top
+        rel[0] = '/';
       }
     } else if (line.find(":memory:") != std::string::npos) {  // v1
       const std::string rel = line.substr(line.find(":memory:") + 8);

@@ -11,7 +11,10 @@
 //   build/bin/train_gpt --parallel none                          # one process, no process group
 //
 // main() at the bottom wires them into the loop: progress on rank 0, validation, metrics file,
-// periodic checkpoints, a clean stop on SIGINT/SIGTERM, a text sample at the end.
+// periodic checkpoints, a clean stop on SIGINT/SIGTERM (stop_signal.h: exit at once before the
+// first step, save at the next step or batch after it), a text sample at the end. Before any
+// work: the memory preflight (preflight.h); once the ranks have joined, the check that they all
+// got the same options (fingerprint.h).
 //
 // Test hook (documented in tools/train_gpt/README.md): FSDP_TEST_KILL_AT_STEP=k makes rank
 // FSDP_TEST_KILL_RANK (default 1) SIGKILL itself before step k+1 on the first attempt

@@ -23,6 +23,7 @@ namespace {
 CLI::Validator bounded(double min, double max, bool integer, bool open_min = false) {
   auto num = [](double v) {
     char b[32];
+    if (v >= 18446744073709551615.0) return std::string("2^64-1");  // --seed
     if (std::fabs(v) >= 1e4 && v == std::floor(v) && std::fabs(v) < 1e18) {
       std::snprintf(b, sizeof b, "%lld", static_cast<long long>(v));
     } else {

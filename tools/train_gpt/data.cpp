@@ -1,9 +1,16 @@
 #include "data.h"
 
-#include <fstream>
-#include <iterator>
+#include "options.h"
+
+#include <fcntl.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <cstring>
 #include <stdexcept>
-#include <vector>
+#include <string>
 
 namespace train_gpt {
 namespace {
@@ -22,22 +29,84 @@ at::Generator generator(uint64_t seed, uint64_t stream, int64_t index) {
 
 constexpr uint64_t kTrain = 1, kVal = 2, kPrompt = 3;
 
+[[noreturn]] void data_error(const std::string& path, const std::string& why) {
+  throw std::invalid_argument("cannot read data file '" + path + "'" + why);
+}
+
+// What a non-regular file is, for the message.
+std::string file_kind(mode_t mode) {
+  if (S_ISDIR(mode)) return "a directory";
+  if (S_ISCHR(mode)) return "a character device";
+  if (S_ISBLK(mode)) return "a block device";
+  if (S_ISFIFO(mode)) return "a FIFO (named pipe)";
+  if (S_ISSOCK(mode)) return "a socket";
+  return "not a regular file";
+}
+
+constexpr const char* kDataHint = " (give a readable text file, or --data synthetic)";
+
+// The checks shared by check_data_file (stat) and read_data_file (fstat of the open descriptor).
+int64_t check_stat(const std::string& path, const struct stat& st) {
+  if (!S_ISREG(st.st_mode)) {
+    data_error(path, ": it is " + file_kind(st.st_mode) + ", not a regular file" + kDataHint);
+  }
+  if (st.st_size > kMaxDataBytes) {
+    data_error(path, ": " + std::to_string(st.st_size) + " bytes is more than the " + std::to_string(kMaxDataBytes >> 30) +
+                         " GiB a --data file may have (it is read whole into memory)");
+  }
+  return static_cast<int64_t>(st.st_size);
+}
+
 }  // namespace
+
+int64_t check_data_file(const std::string& path) {
+  struct stat st {};
+  if (::stat(path.c_str(), &st) != 0) {
+    const int err = errno;
+    data_error(path, std::string(": ") + std::strerror(err) +
+                         (path == kDefaultCorpus
+                              ? " (the default corpus: run scripts/setup.sh, or apt-get install fortunes)"
+                              : kDataHint));
+  }
+  const int64_t size = check_stat(path, st);
+  if (::access(path.c_str(), R_OK) != 0) data_error(path, std::string(": ") + std::strerror(errno) + kDataHint);
+  return size;
+}
+
+at::Tensor read_data_file(const std::string& path) {
+  // O_NONBLOCK: should the path have become a FIFO since validate() looked, open returns at once.
+  const int fd = ::open(path.c_str(), O_RDONLY | O_NONBLOCK | O_CLOEXEC | O_NOCTTY);
+  if (fd < 0) data_error(path, std::string(": ") + std::strerror(errno) + kDataHint);
+  struct Closer {
+    int fd;
+    ~Closer() { ::close(fd); }
+  } closer{fd};
+  struct stat st {};
+  if (::fstat(fd, &st) != 0) data_error(path, std::string(": ") + std::strerror(errno));
+  const int64_t size = check_stat(path, st);
+  at::Tensor bytes = at::empty({size}, at::kByte);
+  auto* out = reinterpret_cast<char*>(bytes.data_ptr<uint8_t>());
+  int64_t got = 0;
+  while (got < size) {  // exactly the size fstat gave: a file that grows is not followed
+    const ssize_t n = ::read(fd, out + got, static_cast<size_t>(std::min<int64_t>(size - got, int64_t{1} << 26)));
+    if (n < 0 && errno == EINTR) continue;
+    if (n < 0) data_error(path, std::string(": ") + std::strerror(errno));
+    if (n == 0) break;  // it shrank meanwhile: keep what was read
+    got += n;
+  }
+  return got == size ? bytes : bytes.narrow(0, 0, got).clone();
+}
 
 TokenSource::TokenSource(const std::string& path, int64_t seq_len, uint64_t seed)
     : path_(path), synthetic_(path == "synthetic"), seq_len_(seq_len), seed_(seed) {
   if (synthetic_) return;
-  std::ifstream f(path, std::ios::binary);
-  if (!f) throw std::invalid_argument("cannot read data file '" + path + "'");
-  std::vector<char> bytes((std::istreambuf_iterator<char>(f)), std::istreambuf_iterator<char>());
-  const int64_t n = static_cast<int64_t>(bytes.size());
+  at::Tensor all = read_data_file(path);
+  const int64_t n = all.numel();
   const int64_t n_train = n * 9 / 10;
   if (n_train < seq_len + 2 || n - n_train < seq_len + 2) {
     throw std::invalid_argument("data file '" + path + "' has " + std::to_string(n) + " bytes, too few for --seq-len " +
                                 std::to_string(seq_len) + " (each 10% validation / 90% train part needs seq-len + 2)");
   }
-  at::Tensor all = at::empty({n}, at::kByte);
-  std::copy(bytes.begin(), bytes.end(), reinterpret_cast<char*>(all.data_ptr<uint8_t>()));
   train_ = all.narrow(0, 0, n_train);
   val_ = all.narrow(0, n_train, n - n_train);
 }

@@ -32,6 +32,19 @@ class TokenSource {
   at::Tensor train_, val_;  // uint8 bytes (files only)
 };
 
+// --data files are read whole into memory: at most this many bytes.
+inline constexpr int64_t kMaxDataBytes = int64_t{8} << 30;
+
+// Checks a --data path without opening it (stat only: opening a FIFO would block): it must be a
+// readable regular file of at most kMaxDataBytes. Throws std::invalid_argument with one line
+// naming the path ("cannot read data file '/dev/zero': it is a character device, ...").
+// Returns the file's size.
+int64_t check_data_file(const std::string& path);
+
+// Reads a --data file whole into a uint8 tensor: opened non-blocking, checked again on the open
+// descriptor (a regular file, at most kMaxDataBytes), then exactly its size is read.
+at::Tensor read_data_file(const std::string& path);
+
 // Slice of a [B, ...] global batch for rank `rank` of `world`, micro-batch `micro` of `n_micro`.
 at::Tensor local_slice(const at::Tensor& global, int rank, int world, int64_t micro, int64_t n_micro);
 

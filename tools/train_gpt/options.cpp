@@ -1,9 +1,13 @@
 #include "options.h"
 
+#include "data.h"
+
 #include <CLI/CLI.hpp>
 
+#include <cerrno>
+#include <cmath>
 #include <cstdio>
-#include <fstream>
+#include <cstdlib>
 #include <stdexcept>
 #include <string>
 
@@ -11,24 +15,50 @@ namespace train_gpt {
 
 namespace {
 
-// ">= min" with a readable message ("--steps: must be at least 1, not 0").
-CLI::Validator at_least(double min) {
-  char desc[32];
-  std::snprintf(desc, sizeof desc, ">=%g", min);
+// A number in [min, max] with a readable message ("--steps: must be a number >= 1, not '0'",
+// "--layers: must be at most 10000, not '99999999999'", "--lr: must be a finite number in (0, 100],
+// not 'nan'"). `integer`: whole numbers only; `open_min`: min itself is refused (--lr > 0).
+// Checked on the text, before CLI11 converts it, so NaN, infinities and values beyond int64 never
+// reach the trainer.
+CLI::Validator bounded(double min, double max, bool integer, bool open_min = false) {
+  auto num = [](double v) {
+    char b[32];
+    if (v >= 18446744073709551615.0) return std::string("2^64-1");  // --seed
+    if (std::fabs(v) >= 1e4 && v == std::floor(v) && std::fabs(v) < 1e18) {
+      std::snprintf(b, sizeof b, "%lld", static_cast<long long>(v));
+    } else {
+      std::snprintf(b, sizeof b, "%g", v);
+    }
+    return std::string(b);
+  };
+  const std::string range = (open_min ? "(" : "[") + num(min) + ", " + num(max) + "]";
   return CLI::Validator(
-      [min](std::string& value) -> std::string {
-        try {
-          size_t used = 0;
-          const double v = std::stod(value, &used);
-          if (used == value.size() && v >= min) return {};
-        } catch (const std::exception&) {
+      [=](std::string& value) -> std::string {
+        const std::string kind = integer ? "a whole number" : "a finite number";
+        char* end = nullptr;
+        errno = 0;
+        const double v = std::strtod(value.c_str(), &end);
+        bool parsed = !value.empty() && end == value.c_str() + value.size();
+        if (integer) {  // digits only: CLI11 converts "1e3" or "2.0" to no integer
+          const size_t first = value.find_first_not_of("+-") == 1 ? 1 : 0;
+          parsed = parsed && value.size() > first && value.find_first_not_of("0123456789", first) == std::string::npos;
         }
-        char msg[96];
-        std::snprintf(msg, sizeof msg, "must be a number >= %g, not '%s'", min, value.c_str());
-        return msg;
+        if (!parsed || !std::isfinite(v)) {
+          return "must be " + kind + " in " + range + ", not '" + value + "'";
+        }
+        if (open_min ? !(v > min) : !(v >= min)) {
+          return std::string("must be a number ") + (open_min ? "> " : ">= ") + num(min) + ", not '" + value + "'";
+        }
+        if (v > max) return "must be at most " + num(max) + ", not '" + value + "'";
+        return {};
       },
-      desc);
+      range);
 }
+
+// The bounds of the size options (README: "Limits"). Far beyond any model this trainer is for,
+// and small enough that no product of them overflows int64 before the memory estimate
+// (preflight.h) refuses what does not fit.
+constexpr double kMaxCount = 1e12;  // steps, cadences
 
 }  // namespace
 
@@ -39,33 +69,41 @@ std::optional<Options> parse_options(int argc, char** argv, int& exit_code) {
       "fully_shard (blocks, then the root), materialised shard-locally, trained with AdamW.\n\n"
       "  fsdprun --nproc-per-node N -- train_gpt [options]     N ranks (FSDP)\n"
       "  train_gpt --parallel none [options]                   one process, no process group\n\n"
-      "Rank 0 prints progress, writes the metrics file (JSON lines) and the checkpoints' index;\n"
-      "SIGINT/SIGTERM save a checkpoint at the next step boundary and exit 0.",
+      "Rank 0 prints progress, writes the metrics file (JSON lines) and the checkpoints' index.\n\n"
+      "Before any work: options out of their ranges, a --data that is not a regular file, and a\n"
+      "model that cannot fit the memory (estimated per rank) are refused with one line (exit 2);\n"
+      "once the ranks have joined, they check that they all got the same options.\n\n"
+      "SIGINT/SIGTERM: until the first step has finished (parsing, data, building and initialising\n"
+      "the model, loading a checkpoint) the process exits at once with status 128+signal, nothing\n"
+      "to save. After it, the ranks stop at the next step boundary, validation batch or sampled\n"
+      "token, save a checkpoint and exit 0: at most one step (or batch) plus one save from the\n"
+      "signal. A second signal exits at once without saving.",
       "train_gpt"};
   app.get_formatter()->column_width(34);
   app.option_defaults()->always_capture_default();
 
   app.add_option("--data", o.data, "Training text read as bytes (90% train, 10% validation), or 'synthetic' "
                                    "(tokens drawn from the seed, for benchmarks)");
-  app.add_option("--layers", o.layers, "Transformer blocks")->check(at_least(1));
-  app.add_option("--dim", o.dim, "Embedding width")->check(at_least(1));
-  app.add_option("--heads", o.heads, "Attention heads (must divide --dim)")->check(at_least(1));
-  app.add_option("--seq-len", o.seq_len, "Tokens per sequence (the model's context)")->check(at_least(1));
+  app.add_option("--layers", o.layers, "Transformer blocks")->check(bounded(1, kMaxLayers, true));
+  app.add_option("--dim", o.dim, "Embedding width")->check(bounded(1, kMaxDim, true));
+  app.add_option("--heads", o.heads, "Attention heads (must divide --dim)")->check(bounded(1, kMaxHeads, true));
+  app.add_option("--seq-len", o.seq_len, "Tokens per sequence (the model's context)")->check(bounded(1, kMaxSeqLen, true));
   app.add_option("--batch-size", o.batch_size,
                  "Global sequences per optimizer step (world size x grad-accum must divide it)")
-      ->check(at_least(1));
-  app.add_option("--grad-accum", o.grad_accum, "Micro-batches per optimizer step")->check(at_least(1));
-  app.add_option("--steps", o.steps, "Optimizer steps in total")->check(at_least(1));
+      ->check(bounded(1, kMaxBatch, true));
+  app.add_option("--grad-accum", o.grad_accum, "Micro-batches per optimizer step")->check(bounded(1, kMaxBatch, true));
+  app.add_option("--steps", o.steps, "Optimizer steps in total")->check(bounded(1, kMaxCount, true));
   app.add_option("--lr", o.lr, "Peak learning rate (linear warmup, then cosine decay to lr/10)")
-      ->check(CLI::PositiveNumber);
-  app.add_option("--warmup", o.warmup, "Warmup steps")->check(at_least(0));
-  app.add_option("--weight-decay", o.weight_decay, "AdamW weight decay")->check(at_least(0));
-  app.add_option("--clip", o.clip, "Clip the global gradient norm to this (0: off)")->check(at_least(0));
-  app.add_option("--seed", o.seed, "Seed of the initialisation, the data order and the sample");
+      ->check(bounded(0, 100, false, /*open_min=*/true));
+  app.add_option("--warmup", o.warmup, "Warmup steps")->check(bounded(0, kMaxCount, true));
+  app.add_option("--weight-decay", o.weight_decay, "AdamW weight decay")->check(bounded(0, 100, false));
+  app.add_option("--clip", o.clip, "Clip the global gradient norm to this (0: off)")->check(bounded(0, 1e9, false));
+  app.add_option("--seed", o.seed, "Seed of the initialisation, the data order and the sample")
+      ->check(bounded(0, 18446744073709551615.0, true));
   app.add_option("--parallel", o.parallel, "fsdp | hsdp | replicate | none (one process, no process group)")
       ->check(CLI::IsMember({"fsdp", "hsdp", "replicate", "none"}));
   app.add_option("--shard-size", o.shard_size, "HSDP: ranks per shard group (0: the ranks per node)")
-      ->check(at_least(0));
+      ->check(bounded(0, 1e6, true));
   app.add_option("--mixed-precision", o.mixed_precision,
                  "fp32, or bf16 (bf16 parameters and compute, fp32 gradient reduction and optimizer)")
       ->check(CLI::IsMember({"fp32", "bf16"}));
@@ -76,7 +114,7 @@ std::optional<Options> parse_options(int argc, char** argv, int& exit_code) {
                  "Checkpoints go to DIR/step_NNNNNN ('' : none); needs a filesystem every rank sees");
   app.add_option("--checkpoint-every", o.checkpoint_every,
                  "Save every N steps (0: only at the end and on SIGINT/SIGTERM)")
-      ->check(at_least(0));
+      ->check(bounded(0, kMaxCount, true));
   auto* resume = app.add_flag("--resume", o.resume,
                               "Continue from the latest committed checkpoint in --checkpoint-dir (any world size); "
                               "starts from scratch when there is none; a newer damaged one stops the run");
@@ -87,12 +125,12 @@ std::optional<Options> parse_options(int argc, char** argv, int& exit_code) {
   app.add_option("--keep-checkpoints", o.keep_checkpoints,
                  "After each save keep the newest K committed step_NNNNNN folders and delete older ones "
                  "(0: keep all); damaged, uncommitted and other folders are never deleted")
-      ->check(at_least(0));
+      ->check(bounded(0, kMaxCount, true));
   app.add_option("--eval-every", o.eval_every, "Validation loss every N steps and at the end (0: never)")
-      ->check(at_least(0));
-  app.add_option("--eval-batches", o.eval_batches, "Global batches per validation")->check(at_least(1));
+      ->check(bounded(0, kMaxCount, true));
+  app.add_option("--eval-batches", o.eval_batches, "Global batches per validation")->check(bounded(1, 1e6, true));
   app.add_option("--sample-tokens", o.sample_tokens, "Bytes of text sampled at the end (0: none)")
-      ->check(at_least(0));
+      ->check(bounded(0, 1e6, true));
   app.add_option("--metrics", o.metrics, "Metrics file, JSON lines written by rank 0 ('' : none)");
 
   try {
@@ -124,14 +162,11 @@ void validate(const Options& o) {
          std::to_string(o.batch_size));
   }
   if (o.resume && o.checkpoint_dir.empty()) fail("--resume needs a --checkpoint-dir");
-  if (!o.synthetic()) {
-    std::ifstream f(o.data, std::ios::binary);
-    if (!f) {
-      fail("cannot read data file '" + o.data + "'" +
-           (o.data == kDefaultCorpus ? " (the default corpus: run scripts/setup.sh, or apt-get install fortunes)"
-                                     : " (give a readable text file, or --data synthetic)"));
-    }
+  if (o.mixed_precision == "bf16" && (o.parallel == "none" || o.parallel == "replicate")) {
+    fail("--mixed-precision bf16 needs fully_shard's MixedPrecisionPolicy: use --parallel fsdp or hsdp (under "
+         "fsdprun, any number of ranks)");
   }
+  if (!o.synthetic()) check_data_file(o.data);  // stat only: a FIFO or device is refused unopened
 }
 
 void validate_for_world(const Options& o, int world_size) {

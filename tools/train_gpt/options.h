@@ -10,6 +10,17 @@ namespace train_gpt {
 // installs it), so the README's first command works offline on a fresh machine.
 inline constexpr const char* kDefaultCorpus = "/usr/share/games/fortunes/cookie";
 
+// Bounds of the size options (--help shows them; the memory estimate of preflight.h refuses what
+// does not fit well before them). Far beyond the models this trainer is for, and small enough
+// that no product of them overflows int64.
+inline constexpr int64_t kMaxLayers = 10000;
+inline constexpr int64_t kMaxDim = 65536;
+inline constexpr int64_t kMaxHeads = 4096;
+inline constexpr int64_t kMaxSeqLen = 1 << 20;
+inline constexpr int64_t kMaxBatch = 1 << 20;  // --batch-size, --grad-accum
+
+// Options, e.g. `train_gpt --layers 6 --dim 256 --heads 8 --batch-size 32 --steps 2000`.
+// Example: Options o; o.layers = 6; o.dim = 256; validate(o);
 struct Options {
   // data and model
   std::string data = kDefaultCorpus;  // a file read as bytes, or "synthetic"

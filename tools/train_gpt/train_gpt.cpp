@@ -11,7 +11,10 @@
 //   build/bin/train_gpt --parallel none                          # one process, no process group
 //
 // main() at the bottom wires them into the loop: progress on rank 0, validation, metrics file,
-// periodic checkpoints, a clean stop on SIGINT/SIGTERM, a text sample at the end.
+// periodic checkpoints, a clean stop on SIGINT/SIGTERM (stop_signal.h: exit at once before the
+// first step, save at the next step or batch after it), a text sample at the end. Before any
+// work: the memory preflight (preflight.h); once the ranks have joined, the check that they all
+// got the same options (fingerprint.h).
 //
 // Test hook (documented in tools/train_gpt/README.md): FSDP_TEST_KILL_AT_STEP=k makes rank
 // FSDP_TEST_KILL_RANK (default 1) SIGKILL itself before step k+1 on the first attempt
@@ -24,6 +27,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <filesystem>
+#include <functional>
 #include <limits>
 #include <map>
 #include <optional>
@@ -32,12 +36,16 @@
 
 #include "checkpoints.h"
 #include "data.h"
+#include "error_text.h"
+#include "fingerprint.h"
 #include "fsdp/checkpoint/checkpoint.h"
 #include "fsdp/fsdp.h"
 #include "lr_schedule.h"
 #include "metrics.h"
 #include "models/gpt.h"
 #include "options.h"
+#include "preflight.h"
+#include "stop_signal.h"
 
 namespace {
 
@@ -46,9 +54,6 @@ using Clock = std::chrono::steady_clock;
 using fsdp::models::GPT;
 using fsdp::models::GPTConfig;
 using Shapes = std::map<std::string, std::vector<int64_t>>;
-
-volatile std::sig_atomic_t g_stop_signal = 0;
-void on_stop_signal(int sig) { g_stop_signal = sig; }
 
 // What the blocks share about the process group.
 struct Run {
@@ -76,6 +81,14 @@ void all_reduce_sum(const Run& run, at::Tensor& t) {
   if (run.distributed()) run.comm->all_reduce(t, fsdp::comm::ReduceOp::Sum);
 }
 
+// True on every rank when a stop signal reached any rank (one small all-reduce: every rank must
+// call it at the same points). Used between validation batches and sampled tokens.
+bool agreed_stop(const Run& run) {
+  at::Tensor t = at::full({1}, stop_signal::requested() ? 1.0 : 0.0, at::kDouble);
+  all_reduce_sum(run, t);
+  return t.item<double>() > 0;
+}
+
 // ======================================================================================== 1
 // init_distributed(): join the ranks fsdprun (or torchrun) started. The one place that turns
 // --parallel into a process group / mesh: HSDP and replicate plug in here.
@@ -92,6 +105,9 @@ Run init_distributed(const Options& o) {
   run.rank = fsdp::dist::rank();
   run.world = fsdp::dist::world_size();
   run.comm = fsdp::dist::world_comm();
+  // Every rank must have the same options (fingerprint.h): checked before the first collective
+  // that depends on them (the HSDP mesh's groups).
+  check_same_options_on_every_rank(*run.comm, o);
   if (o.parallel == "hsdp") {
     // Shard within groups of --shard-size ranks (default: a node), replicate across them.
     const int64_t shard = o.shard_size > 0 ? o.shard_size : fsdp::dist::local_world_size();
@@ -110,7 +126,8 @@ Run init_distributed(const Options& o) {
 // ======================================================================================== 2
 // build_model_meta(): construct on meta (no memory), shard block by block then the root,
 // allocate only this rank's shards, initialise them to the unsharded model's values.
-Model build_model_meta(const Run& run) {
+// `before_allocating` sees the full shapes while nothing is allocated yet (checks, a banner).
+Model build_model_meta(const Run& run, const std::function<void(const Shapes&)>& before_allocating) {
   const Options& o = run.opt;
   GPTConfig config;
   config.vocab_size = 256;  // bytes
@@ -128,6 +145,7 @@ Model build_model_meta(const Run& run) {
     m.full_shapes["model." + p.key()] = p.value().sizes().vec();
     m.n_params += p.value().numel();
   }
+  before_allocating(m.full_shapes);
   if (run.sharded()) {
     fsdp::FullyShardOptions so;
     so.mesh = run.mesh;  // hsdp: 2-D; fsdp: unset (all ranks)
@@ -259,12 +277,17 @@ void check_checkpoint_shapes(const std::string& dir, const Shapes& expected) {
 
 // ---------------------------------------------------------------------------------- the rest
 
-// Mean validation loss over --eval-batches global batches (all ranks take part).
-double evaluate(const Run& run, Model& m, const TokenSource& data) {
+// Mean validation loss over --eval-batches global batches (all ranks take part); nullopt when a
+// stop signal interrupted it (the ranks agree before each batch).
+std::optional<double> evaluate(const Run& run, Model& m, const TokenSource& data) {
   const Options& o = run.opt;
   torch::NoGradGuard no_grad;
   double sum = 0;
   for (int64_t i = 0; i < o.eval_batches; ++i) {
+    if (agreed_stop(run)) {
+      for (auto& u : m.units) u.reshard();
+      return std::nullopt;
+    }
     const at::Tensor global = data.val_batch(i, o.batch_size);
     for (int64_t micro = 0; micro < o.grad_accum; ++micro) {
       const at::Tensor batch = local_slice(global, run.rank, run.world, micro, o.grad_accum);
@@ -290,6 +313,10 @@ std::string sample_text(const Run& run, Model& m, const TokenSource& data) {
   for (int64_t i = 0; i < ctx.size(1); ++i) out += printable(ctx[0][i].item<int64_t>());
   out += "|";  // where the model takes over
   for (int64_t i = 0; i < o.sample_tokens; ++i) {
+    if (agreed_stop(run)) {  // the ranks agree before each token
+      out += " [stopped by a signal]";
+      break;
+    }
     const int64_t len = ctx.size(1);
     at::Tensor window = ctx.narrow(1, std::max<int64_t>(0, len - o.seq_len), std::min(len, o.seq_len));
     auto logits = fsdp::call(m.gpt, window).to(at::kFloat);
@@ -330,6 +357,10 @@ std::string fmt_duration(double s) {
 
 int run_training(const Options& options) {
   check_checkpoint_dir(options);  // every rank, before any work: a directory it cannot write stops it here
+  // Memory preflight (preflight.h), before the process group and any allocation. Every rank
+  // computes the same estimate; rank 0 prints it before the model is allocated.
+  const fsdp::dist::LaunchEnv env = options.parallel == "none" ? fsdp::dist::LaunchEnv{} : fsdp::dist::read_launch_env();
+  const std::string memory = check_memory(options, env.world_size, env.local_world_size);
   // -- 1
   Run run = init_distributed(options);
   const Options& o = run.opt;
@@ -337,20 +368,21 @@ int run_training(const Options& options) {
   const bool r0 = run.rank == 0;
   // One run per --checkpoint-dir: rank 0 holds the lock until the process ends (checkpoints.h).
   const auto checkpoint_lock = lock_checkpoint_dir(o, run.rank, run.comm.get());
-  if (o.mixed_precision == "bf16" && !run.sharded()) {
-    throw std::invalid_argument("--mixed-precision bf16 needs fully_shard's MixedPrecisionPolicy: use --parallel fsdp "
-                                "or hsdp (under fsdprun, any number of ranks)");
-  }
   TokenSource data(o.data, o.seq_len, o.seed);
 
   // -- 2 (the resume checkpoint is checked against the model's shapes before anything is allocated)
-  Model m = build_model_meta(run);
   const ResumeChoice resume = choose_resume(o);  // --resume-from, or --resume's latest committed one
   const std::optional<std::string> resume_dir = resume.dir;
-  if (resume_dir) check_checkpoint_shapes(*resume_dir, m.full_shapes);
   if (r0) {
     for (const auto& w : resume.warnings) std::printf("train_gpt: warning: %s\n", w.c_str());
   }
+  Model m = build_model_meta(run, [&](const Shapes& shapes) {
+    if (resume_dir) check_checkpoint_shapes(*resume_dir, shapes);
+    if (r0) {
+      std::printf("train_gpt: %s\n", memory.c_str());  // then the (possibly long) allocation and init
+      std::fflush(stdout);
+    }
+  });
   // -- 3
   auto opt = build_optimizer(run, m);
   // -- 5 (load)
@@ -386,6 +418,7 @@ int run_training(const Options& options) {
                                                   : ("no checkpoint in " + o.checkpoint_dir + ": starting from scratch").c_str());
     }
     if (!o.metrics.empty()) {
+      stop_signal::Deferred rewriting;  // a signal now would cut the rewritten file short
       metrics.open(o.metrics, o.resume || resume_dir, start_step);
       std::printf("train_gpt: metrics -> %s\n", o.metrics.c_str());
     }
@@ -419,16 +452,17 @@ int run_training(const Options& options) {
     const auto comm0 = fsdp::comm::process_comm_stats().snapshot();
     const auto t0 = Clock::now();
     StepResult r = train_step(run, m, *opt, data, step, lr);
+    stop_signal::set_phase(stop_signal::kTraining);  // from now on a signal saves a checkpoint
     const double step_time = seconds_since(t0);
     const uint64_t comm_bytes = (fsdp::comm::process_comm_stats().snapshot() - comm0).total_bytes();
     ++step;
 
     // Global loss and the stop flag in one all-reduce (every rank must agree to stop together),
     // then each rank's memory.
-    at::Tensor red = at::tensor({r.local_loss, g_stop_signal != 0 ? 1.0 : 0.0}, at::kDouble);
+    at::Tensor red = at::tensor({r.local_loss, stop_signal::requested() ? 1.0 : 0.0}, at::kDouble);
     all_reduce_sum(run, red);
     const double loss = red[0].item<double>() / run.world;
-    const bool stop = red[1].item<double>() > 0;
+    bool stop = red[1].item<double>() > 0;
     at::Tensor mem_local = at::tensor({static_cast<double>(current_rss_bytes()), static_cast<double>(peak_rss_bytes())}, at::kDouble);
     at::Tensor mem = mem_local;
     if (run.distributed()) {
@@ -441,7 +475,11 @@ int run_training(const Options& options) {
     last_loss = loss;
 
     std::optional<double> val;
-    if (o.eval_every > 0 && (step % o.eval_every == 0 || step == o.steps)) val = last_val = evaluate(run, m, data);
+    if (!stop && o.eval_every > 0 && (step % o.eval_every == 0 || step == o.steps)) {
+      val = evaluate(run, m, data);
+      if (val) last_val = *val;
+      else stop = true;  // interrupted: save this step's state and exit
+    }
 
     if (r0) {
       const double tps = tokens_per_step / step_time;
@@ -536,25 +574,19 @@ int run_training(const Options& options) {
 
 int main(int argc, char** argv) {
   fsdp::dist::tune_cpu_or_reexec(argc, argv);
+  stop_signal::install();  // until the first step has finished, a signal exits at once
   int exit_code = 0;
   auto options = parse_options(argc, argv, exit_code);
   if (!options) return exit_code;
-  struct sigaction sa {};
-  sa.sa_handler = on_stop_signal;
-  sa.sa_flags = SA_RESTART;
-  sigemptyset(&sa.sa_mask);
-  sigaction(SIGINT, &sa, nullptr);
-  sigaction(SIGTERM, &sa, nullptr);
   try {
     validate(*options);
     return run_training(*options);
   } catch (const std::invalid_argument& e) {
-    std::fprintf(stderr, "train_gpt: error: %s\n", e.what());
+    std::fprintf(stderr, "train_gpt: error: %s\n", error_text(e).c_str());
     return 2;
   } catch (const std::exception& e) {
-    std::string msg = e.what();
-    if (auto nl = msg.find('\n'); nl != std::string::npos) msg = msg.substr(0, nl);  // LibTorch appends traces
-    std::fprintf(stderr, "train_gpt: error: %s\n", msg.c_str());
+    // The whole message (hints on later lines too), without LibTorch's backtrace (error_text.h).
+    std::fprintf(stderr, "train_gpt: error: %s\n", error_text(e).c_str());
     return 1;
   }
 }

@@ -72,6 +72,9 @@ std::optional<Options> parse_options(int argc, char** argv, int& exit_code) {
   app.add_option("--reshard-after-forward", o.reshard_after_forward,
                  "default (every unit but the root) | true | false")
       ->check(CLI::IsMember({"default", "true", "false"}));
+  app.add_option("--activation-checkpointing", o.activation_checkpointing,
+                 "none | full (recompute every block's activations in backward: less memory, one more "
+                 "forward) | every:K (every K-th block)");
   app.add_option("--checkpoint-dir", o.checkpoint_dir,
                  "Checkpoints go to DIR/step_NNNNNN ('' : none); needs a filesystem every rank sees");
   app.add_option("--checkpoint-every", o.checkpoint_every,
@@ -116,6 +119,7 @@ void validate(const Options& o) {
          std::to_string(o.batch_size));
   }
   if (o.resume && o.checkpoint_dir.empty()) fail("--resume needs a --checkpoint-dir");
+  o.checkpoint_every_kth_block();  // throws on a bad --activation-checkpointing
   if (!o.synthetic()) {
     std::ifstream f(o.data, std::ios::binary);
     if (!f) {
@@ -124,6 +128,18 @@ void validate(const Options& o) {
                                      : " (give a readable text file, or --data synthetic)"));
     }
   }
+}
+
+int64_t Options::checkpoint_every_kth_block() const {
+  const std::string& a = activation_checkpointing;
+  if (a == "none") return 0;
+  if (a == "full") return 1;
+  if (a.rfind("every:", 0) == 0 && a.size() > 6 && a.find_first_not_of("0123456789", 6) == std::string::npos &&
+      a.size() < 16 && std::stoll(a.substr(6)) >= 1) {
+    return std::stoll(a.substr(6));
+  }
+  throw std::invalid_argument("--activation-checkpointing '" + a +
+                              "' is not none, full or every:K with K >= 1 (e.g. every:2 checkpoints blocks 2, 4, ...)");
 }
 
 void validate_for_world(const Options& o, int world_size) {

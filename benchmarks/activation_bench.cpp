@@ -2,7 +2,7 @@
 //
 //   build/bin/activation_bench [--steps 3] [--warmup 1] [--rounds 1] [--layers 8] [--dim 256] [--heads 4]
 //                              [--seq 512] [--batch 8]              memory rows: none / full / every:2
-//   build/bin/activation_bench --fit [--budget-mb 1536] [--limit]   fit table, ~100M parameters
+//   build/bin/activation_bench --fit [--budget-mb 1536]               fit table, ~100M parameters
 //   [--glibc-default-malloc]: workers keep glibc's dynamic mmap threshold (see run_worker)
 //
 // Every configuration runs in a fresh process (fsdprun for several ranks), so its peak resident
@@ -17,9 +17,7 @@
 // world of one (every fsdp::call hook, no network); checkpointing full (every block) and every:2.
 // Fit: GPT 14 x 768 (99M parameters), seq 512, 1 sequence per rank, for one process (plain
 // LibTorch), FSDP 2 ranks, FSDP 2 ranks + full, FSDP 4 ranks + full; each peak is set against a
-// per-process budget. --limit also enforces it: every worker runs under RLIMIT_DATA = budget (what
-// `prlimit --data` sets: the private writable memory a process may map), so a run that needs more
-// fails to allocate instead of only reading over budget.
+// stated per-process budget (--budget-mb).
 #include <malloc.h>
 #include <spawn.h>
 #include <sys/resource.h>
@@ -46,12 +44,11 @@ namespace {
 struct Options {
   int steps = 3, warmup = 1, rounds = 1;
   int64_t layers = 8, dim = 256, heads = 4, seq = 512, batch = 8;
-  bool fit = false, limit = false;
+  bool fit = false;
   int64_t budget_mb = 1536;
   std::string role = "driver";  // driver | worker
   std::string ac = "none";      // none | full | every:K
   std::string parallel = "fsdp";  // fsdp | none (plain LibTorch)
-  int64_t limit_mb = 0;           // worker: RLIMIT_DATA in MiB (0: none)
   std::string result;
   bool glibc_default = false;  // keep glibc's dynamic mmap threshold (see run_worker)
 };
@@ -59,7 +56,7 @@ struct Options {
 [[noreturn]] void usage(const std::string& why) {
   std::fprintf(stderr,
                "activation_bench: %s\nusage: activation_bench [--steps N] [--warmup N] [--layers N] [--dim N] "
-               "[--heads N] [--seq N] [--batch N] | --fit [--budget-mb N] [--limit]\n",
+               "[--heads N] [--seq N] [--batch N] [--rounds N] | --fit [--budget-mb N]; [--glibc-default-malloc]\n",
                why.c_str());
   std::exit(2);
 }
@@ -68,11 +65,10 @@ Options parse(int argc, char** argv) {
   Options o;
   std::map<std::string, int64_t*> ints = {{"--layers", &o.layers}, {"--dim", &o.dim},         {"--heads", &o.heads},
                                           {"--seq", &o.seq},       {"--batch", &o.batch},     {"--budget-mb", &o.budget_mb},
-                                          {"--limit-mb", &o.limit_mb}};
+                                          };
   for (int i = 1; i < argc; ++i) {
     std::string a = argv[i];
     if (a == "--fit") { o.fit = true; continue; }
-    if (a == "--limit") { o.limit = true; continue; }
     if (a == "--glibc-default-malloc") { o.glibc_default = true; continue; }
     if (i + 1 >= argc) usage("missing value for " + a);
     std::string v = argv[++i];
@@ -121,10 +117,6 @@ int run_worker(const Options& o) {
   // every freed tensor to the system, so the peak follows what is alive (--glibc-default-malloc:
   // leave glibc as it is).
   if (!o.glibc_default) mallopt(M_MMAP_THRESHOLD, 1 << 20);
-  if (o.limit_mb > 0) {
-    rlimit r{static_cast<rlim_t>(o.limit_mb) << 20, static_cast<rlim_t>(o.limit_mb) << 20};
-    if (setrlimit(RLIMIT_DATA, &r) != 0) usage("setrlimit(RLIMIT_DATA) failed");
-  }
   const bool sharded = o.parallel == "fsdp";
   int rank = 0, world = 1;
   if (sharded) {
@@ -327,7 +319,7 @@ int run_fit(const Options& o) {
               "AdamW; %d steps after %d warm-up; budget %lld MiB per process%s\n",
               static_cast<long long>(layers), static_cast<long long>(dim), static_cast<long long>(heads),
               static_cast<long long>(seq), o.steps, o.warmup, static_cast<long long>(o.budget_mb),
-              o.limit ? " enforced (RLIMIT_DATA)" : " (stated; --limit enforces it)");
+              " (stated)");
   std::fflush(stdout);
   const std::vector<std::string> common = {"--steps", std::to_string(o.steps), "--warmup", std::to_string(o.warmup),
                                            "--layers", std::to_string(layers), "--dim", std::to_string(dim),
@@ -345,7 +337,6 @@ int run_fit(const Options& o) {
   for (const auto& row : rows) {
     auto args = common;
     args.insert(args.end(), {"--parallel", row.parallel, "--ac", row.ac});
-    if (o.limit) args.insert(args.end(), {"--limit-mb", std::to_string(o.budget_mb)});
     auto r = d.run(row.nproc, args);
     if (r["rc"] != 0) {
       std::printf("| %s | - | exceeded: the run failed (exit %d) | - | - |\n", row.name.c_str(), static_cast<int>(r["rc"]));

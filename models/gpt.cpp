@@ -18,6 +18,7 @@ void GPTConfig::validate() const {
   need(block_size > 0, "block_size must be positive");
   need(n_layer >= 0, "n_layer must not be negative");
   need(n_head > 0 && n_embd > 0, "n_head and n_embd must be positive");
+  need(dropout >= 0.0 && dropout < 1.0, "dropout must be in [0, 1), got " + std::to_string(dropout));
   need(n_embd % n_head == 0, "n_head (" + std::to_string(n_head) + ") must divide n_embd (" + std::to_string(n_embd) + ")");
 }
 
@@ -67,7 +68,7 @@ MLPImpl::MLPImpl(const GPTConfig& c) {
 
 torch::Tensor MLPImpl::forward(const torch::Tensor& x) { return c_proj(torch::gelu(c_fc(x), "tanh")); }
 
-BlockImpl::BlockImpl(const GPTConfig& c) {
+BlockImpl::BlockImpl(const GPTConfig& c) : dropout(c.dropout) {
   ln_1 = register_module("ln_1", LayerNorm(c.n_embd, c.device));
   attn = register_module("attn", CausalSelfAttention(c));
   ln_2 = register_module("ln_2", LayerNorm(c.n_embd, c.device));
@@ -75,8 +76,11 @@ BlockImpl::BlockImpl(const GPTConfig& c) {
 }
 
 torch::Tensor BlockImpl::forward(const torch::Tensor& x) {
-  auto y = x + attn(ln_1(x));
-  return y + mlp(ln_2(y));
+  auto drop = [&](const torch::Tensor& t) {
+    return dropout > 0.0 ? F::dropout(t, F::DropoutFuncOptions().p(dropout).training(is_training())) : t;
+  };
+  auto y = x + drop(attn(ln_1(x)));
+  return y + drop(mlp(ln_2(y)));
 }
 
 HeadImpl::HeadImpl(int64_t n_embd, int64_t vocab_size, torch::Device device, const torch::Tensor& tied_weight) {

@@ -21,6 +21,7 @@ struct GPTConfig {
   int64_t n_head = 4;
   int64_t n_embd = 256;
   bool tie_weights = false;  // head shares the token embedding (GPT-2 style)
+  double dropout = 0.0;      // residual dropout in every block while training (0: none, no RNG drawn)
   torch::Device device = torch::kCPU;  // torch::kMeta: build without memory, initialise later
   uint64_t init_seed = 0;              // reset_parameters' seed (same values for any sharding)
   void validate() const;     // throws std::invalid_argument naming the bad field
@@ -69,6 +70,7 @@ struct BlockImpl : torch::nn::Module {
   LayerNorm ln_1{nullptr}, ln_2{nullptr};
   CausalSelfAttention attn{nullptr};
   MLP mlp{nullptr};
+  double dropout = 0.0;
 };
 TORCH_MODULE(Block);
 

@@ -12,6 +12,7 @@
 #include "fsdp/dist/env.h"
 #include "fsdp/dist/runtime.h"
 #include "fsdp/mesh/device_mesh.h"
+#include "fsdp/activation/checkpoint.h"
 #include "fsdp/sharding/call.h"
 #include "fsdp/sharding/clip_grad.h"
 #include "fsdp/sharding/fully_shard.h"

@@ -6,6 +6,7 @@
 #include <stdexcept>
 
 #include "autograd_hooks.h"
+#include "fsdp/sharding/call.h"
 #include "registry.h"
 
 namespace fsdp::detail {
@@ -91,7 +92,34 @@ FSDPState* FSDPState::neighbour(const std::vector<FSDPState*>& order, int step) 
   return order[static_cast<size_t>(idx)];
 }
 
+std::vector<at::Tensor> FSDPState::pre_recompute(std::vector<at::Tensor> args) {
+  // Activation checkpointing runs this unit's forward again inside its backward: the parameters
+  // are gathered as for backward (the unit after it prefetched them); no forward prefetch and no
+  // change to the forward order; the post-backward hook is registered on the recompute's inputs.
+  if (!ctx_) {
+    throw std::logic_error(
+        "fsdp: a sharded unit is recomputed (activation checkpointing) before it ever ran forward through "
+        "fsdp::call; run the forward through the root first");
+  }
+  const bool first_call = forward_calls_ == 0;
+  if (group_) group_->wait_for_unshard();
+  cast_forward_inputs(args);
+  if (!first_call) return args;
+  return register_post_backward_hook(this, std::move(args));
+}
+
+void FSDPState::cast_forward_inputs(std::vector<at::Tensor>& args) const {
+  if (mp_policy_.cast_forward_inputs && mp_policy_.param_dtype) {
+    for (auto& a : args) {
+      if (a.defined() && at::isFloatingType(a.scalar_type()) && a.scalar_type() != *mp_policy_.param_dtype) {
+        a = a.to(*mp_policy_.param_dtype);
+      }
+    }
+  }
+}
+
 std::vector<at::Tensor> FSDPState::pre_forward(std::vector<at::Tensor> args) {
+  if (in_recompute()) return pre_recompute(std::move(args));
   if (!is_root_.has_value()) lazy_init_as_root();
   if (is_root() && training_ == Training::Idle && forward_calls_ == 0) root_pre_forward();
   const bool first_call = forward_calls_ == 0;
@@ -111,13 +139,7 @@ std::vector<at::Tensor> FSDPState::pre_forward(std::vector<at::Tensor> args) {
       if (t->group_) t->group_->unshard(/*async_op=*/true);
     }
   }
-  if (mp_policy_.cast_forward_inputs && mp_policy_.param_dtype) {
-    for (auto& a : args) {
-      if (a.defined() && at::isFloatingType(a.scalar_type()) && a.scalar_type() != *mp_policy_.param_dtype) {
-        a = a.to(*mp_policy_.param_dtype);
-      }
-    }
-  }
+  cast_forward_inputs(args);
   // List form: one post-backward node, on the inputs of the group's first module, so it runs
   // after the whole group's backward (FSDP2 registers the group's hooks the same way).
   if (!first_call) return args;
@@ -127,7 +149,8 @@ std::vector<at::Tensor> FSDPState::pre_forward(std::vector<at::Tensor> args) {
 void FSDPState::post_forward(std::vector<at::Tensor>& outputs) {
   if (++forward_calls_ < modules_.size()) return;  // list form: after the last module of the group
   forward_calls_ = 0;
-  if (group_ && group_->reshard_after_forward) group_->reshard_post_forward();
+  // In a recompute the unit's backward follows at once: keep the parameters (post_backward reshards).
+  if (group_ && group_->reshard_after_forward && !in_recompute()) group_->reshard_post_forward();
   if (mp_policy_.output_dtype) {
     for (auto& o : outputs) {
       if (o.defined() && at::isFloatingType(o.scalar_type())) o = o.to(*mp_policy_.output_dtype);

@@ -13,6 +13,12 @@
 //   end of backward   final callback (root, queued by the first pre_backward): post_backward
 //                     for units whose hook never ran (e.g. the root, whose input is token ids),
 //                     wait for the reductions, reshard what is left, reset for the next step.
+//
+// Under activation checkpointing (fsdp/activation/checkpoint.h) a unit's forward may run twice:
+// first without autograd (no backward hooks are registered then), then again inside backward
+// (in_recompute()): pre_forward then only waits for the gather (prefetched by the unit after it)
+// and hooks the inputs; post_forward keeps the parameters and hooks the outputs, so pre_backward,
+// the backward prefetch and post_backward run as without checkpointing.
 #include <torch/nn/module.h>
 
 #include <memory>
@@ -66,6 +72,8 @@ class FSDPState {
 
  private:
   void lazy_init_as_root();
+  std::vector<at::Tensor> pre_recompute(std::vector<at::Tensor> args);
+  void cast_forward_inputs(std::vector<at::Tensor>& args) const;
   void root_pre_forward();
   void final_callback();
   void queue_reduce(FSDPParamGroup* group);

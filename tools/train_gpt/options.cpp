@@ -110,6 +110,9 @@ std::optional<Options> parse_options(int argc, char** argv, int& exit_code) {
   app.add_option("--reshard-after-forward", o.reshard_after_forward,
                  "default (every unit but the root) | true | false")
       ->check(CLI::IsMember({"default", "true", "false"}));
+  app.add_option("--activation-checkpointing", o.activation_checkpointing,
+                 "none | full (recompute every block's activations in backward: less memory, one more "
+                 "forward) | every:K (every K-th block)");
   app.add_option("--checkpoint-dir", o.checkpoint_dir,
                  "Checkpoints go to DIR/step_NNNNNN ('' : none); needs a filesystem every rank sees");
   app.add_option("--checkpoint-every", o.checkpoint_every,
@@ -166,7 +169,20 @@ void validate(const Options& o) {
     fail("--mixed-precision bf16 needs fully_shard's MixedPrecisionPolicy: use --parallel fsdp or hsdp (under "
          "fsdprun, any number of ranks)");
   }
+  o.checkpoint_every_kth_block();  // throws on a bad --activation-checkpointing
   if (!o.synthetic()) check_data_file(o.data);  // stat only: a FIFO or device is refused unopened
+}
+
+int64_t Options::checkpoint_every_kth_block() const {
+  const std::string& a = activation_checkpointing;
+  if (a == "none") return 0;
+  if (a == "full") return 1;
+  if (a.rfind("every:", 0) == 0 && a.size() > 6 && a.find_first_not_of("0123456789", 6) == std::string::npos &&
+      a.size() < 16 && std::stoll(a.substr(6)) >= 1) {
+    return std::stoll(a.substr(6));
+  }
+  throw std::invalid_argument("--activation-checkpointing '" + a +
+                              "' is not none, full or every:K with K >= 1 (e.g. every:2 checkpoints blocks 2, 4, ...)");
 }
 
 void validate_for_world(const Options& o, int world_size) {

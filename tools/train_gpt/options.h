@@ -42,6 +42,7 @@ struct Options {
   int64_t shard_size = 0;         // HSDP: ranks per shard group (0: the ranks per node)
   std::string mixed_precision = "fp32";        // fp32 | bf16
   std::string reshard_after_forward = "default";  // default | true | false
+  std::string activation_checkpointing = "none";  // none | full | every:K (every K-th block)
   // checkpoints, evaluation, output
   std::string checkpoint_dir = "runs/train_gpt/checkpoints";  // "": no checkpoints
   int64_t checkpoint_every = 100;  // 0: only at the end and on SIGINT/SIGTERM
@@ -54,6 +55,8 @@ struct Options {
   std::string metrics = "runs/train_gpt/metrics.jsonl";  // "": none
 
   bool synthetic() const { return data == "synthetic"; }
+  // --activation-checkpointing as "checkpoint every K-th block": 0 for none, 1 for full.
+  int64_t checkpoint_every_kth_block() const;
 };
 
 // Parses argv. Prints --help / errors itself and returns the exit code in `exit_code` when the

@@ -122,7 +122,13 @@ MemoryEstimate estimate_memory(const Options& o, int world_size, int local_world
   // Sequences per micro-batch on this rank (at least one, before the divisibility check).
   const double b = std::max(1.0, std::ceil(static_cast<double>(o.batch_size) / (world * static_cast<double>(o.grad_accum))));
   const double a = bf16 ? 2 : 4;
-  e.activation_bytes = a * b * T * L * (17 * C + H * T) + 8 * b * H * T * T + 4 * b * T * (2 * C + 3 * V);
+  // Activation checkpointing: a checkpointed block keeps only its input (b·T·C) until its
+  // backward recomputes it, when one block's full set is alive again.
+  const int64_t every_k = o.checkpoint_every_kth_block();
+  const double checkpointed = every_k > 0 ? std::floor(L / static_cast<double>(every_k)) : 0;
+  const double per_block = a * b * T * (17 * C + H * T);
+  e.activation_bytes = per_block * (L - checkpointed) + a * b * T * C * checkpointed + (checkpointed > 0 ? per_block : 0) +
+                       8 * b * H * T * T + 4 * b * T * (2 * C + 3 * V);
   if (!o.synthetic()) {
     struct stat st {};
     if (::stat(o.data.c_str(), &st) == 0 && S_ISREG(st.st_mode)) e.data_bytes = static_cast<double>(st.st_size);

@@ -13,6 +13,8 @@
 //   working set  = (2p + 4) U    the largest unit's U parameters gathered (current + prefetched,
 //                                p = 4 fp32 or 2 bf16 bytes) and its unsharded gradient (sharded only)
 //   activations  = a b T L (17C + HT)          saved for backward (a = 4 fp32, 2 bf16 bytes)
+//                                (--activation-checkpointing: a checkpointed block keeps a b T C,
+//                                 plus one block's a b T (17C + HT) while it recomputes)
 //                + 8 b H T^2 + 4 b T (2C + 3V)  attention scores in flight, embeddings and logits
 //   data         = the --data file (read whole)
 //   runtime      = 256 MiB       LibTorch, Gloo, the allocator's slack

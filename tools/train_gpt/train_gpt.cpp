@@ -146,6 +146,11 @@ Model build_model_meta(const Run& run, const std::function<void(const Shapes&)>&
     m.n_params += p.value().numel();
   }
   before_allocating(m.full_shapes);
+  // Activation checkpointing: the chosen blocks recompute their activations in backward (every
+  // fsdp::call(block, x) is checkpointed; composes with fully_shard below and with replicate).
+  if (const int64_t k = o.checkpoint_every_kth_block(); k > 0) {
+    fsdp::activation::apply_activation_checkpointing(*m.gpt, fsdp::activation::every_kth<fsdp::models::BlockImpl>(static_cast<int>(k)));
+  }
   if (run.sharded()) {
     fsdp::FullyShardOptions so;
     so.mesh = run.mesh;  // hsdp: 2-D; fsdp: unset (all ranks)

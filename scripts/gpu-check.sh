@@ -20,12 +20,13 @@
 #   FSDP_GPU_DEPS_PREFIX where DIR is unpacked (default /tmp/fsdp-gpu-deps)
 #   FSDP_GPU_JOBS        parallel compile jobs (default: the cores)
 #   FSDP_GPU_SKIP_BENCH=1  tests only
+#   FSDP_GPU_STOP_AFTER  stop after this step: "configure" or "build" (dry runs on a CPU machine)
 # Every step prints its command; a failing step is named in the last line and in summary.txt.
 set -uo pipefail
 REPO="$(cd "$(dirname "$0")/.." && pwd)"
 cd "$REPO" || exit 1
 
-usage() { sed -n '2,25p' "$0" | sed 's/^# \{0,1\}//'; }
+usage() { sed -n '2,26p' "$0" | sed 's/^# \{0,1\}//'; }
 die() { printf 'gpu-check: %s\n' "$*" >&2; exit 1; }
 
 # Debian packages the torch package does not bring. The -dev packages' shared-library symlinks
@@ -111,6 +112,19 @@ write_summary() {
   cat "$OUT/summary.txt"
 }
 
+# dpkg -x every package of DIR into PREFIX; absolute symlinks (e.g. libz.so -> /lib/...) are
+# pointed into PREFIX, so nothing resolves to the machine's own files.
+unpack_debs() {
+  local dir="$1" prefix="$2" d l
+  rm -rf "$prefix" && mkdir -p "$prefix" || return 1
+  for d in "$dir"/*.deb; do
+    [ -f "$d" ] || { echo "no .deb files in $dir"; return 1; }
+    echo "dpkg -x $d $prefix"
+    dpkg -x "$d" "$prefix" || return 1
+  done
+  find "$prefix" -type l -lname '/*' | while read -r l; do ln -sfn "$prefix$(readlink "$l")" "$l"; done
+}
+
 run_check() {
   local dir="$1"
   OUT="$2"
@@ -126,12 +140,11 @@ run_check() {
   step "find torch" torch.log -- "$py" -c \
     'import torch, sysconfig; print(torch.__version__, torch.version.cuda, torch.utils.cmake_prefix_path, sysconfig.get_paths()["purelib"])' ||
     { write_summary; exit 1; }
-  read -r TORCH_VERSION TORCH_CUDA TORCH_PREFIX SITE <"$OUT/torch.log"
+  # The line with the versions (warnings, e.g. about NumPy, may come before it).
+  read -r TORCH_VERSION TORCH_CUDA TORCH_PREFIX SITE < <(grep -E '^[0-9]+\.[0-9]+' "$OUT/torch.log" | tail -n 1)
   [ "$TORCH_CUDA" != None ] || { FAILED+=("step 1 (find torch): torch $TORCH_VERSION is a CPU build"); write_summary; exit 1; }
 
-  step "unpack build dependencies" unpack.log -- bash -c \
-    "rm -rf '$prefix' && mkdir -p '$prefix' && for d in '$dir'/*.deb; do echo \"\$d\"; dpkg -x \"\$d\" '$prefix' || exit 1; done" ||
-    { write_summary; exit 1; }
+  step "unpack build dependencies" unpack.log -- unpack_debs "$dir" "$prefix" || { write_summary; exit 1; }
 
   local cudacxx="${CUDACXX:-$(command -v nvcc || echo /usr/local/cuda/bin/nvcc)}"
   local nv_prefixes
@@ -143,9 +156,11 @@ run_check() {
     "-DTORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-9.0}" "-DCMAKE_CXX_FLAGS=-isystem $prefix/usr/include" \
     -DFSDP_USE_CCACHE=OFF || { write_summary; exit 1; }
 
+  if [ "${FSDP_GPU_STOP_AFTER:-}" = configure ]; then write_summary; echo "gpu-check: stopped after configure (FSDP_GPU_STOP_AFTER)"; return 0; fi
   step "build" build.log -- cmake --build "$build" --target fsdp_build_info test_gpu train_gpt gpu_bench -- -j"$jobs" ||
     { write_summary; exit 1; }
 
+  if [ "${FSDP_GPU_STOP_AFTER:-}" = build ]; then write_summary; echo "gpu-check: stopped after build (FSDP_GPU_STOP_AFTER)"; return 0; fi
   step "build info" build_info.log -- "$build/bin/fsdp_build_info"
 
   step "GPU tests" test_gpu.log -- timeout 300 "$build/bin/test_gpu" "--gtest_output=xml:$OUT/test_gpu.xml"

@@ -119,8 +119,13 @@ unpack_debs() {
   rm -rf "$prefix" && mkdir -p "$prefix" || return 1
   for d in "$dir"/*.deb; do
     [ -f "$d" ] || { echo "no .deb files in $dir"; return 1; }
-    echo "dpkg -x $d $prefix"
-    dpkg -x "$d" "$prefix" || return 1
+    if command -v dpkg >/dev/null; then
+      echo "dpkg -x $d $prefix"
+      dpkg -x "$d" "$prefix" || return 1
+    else  # no dpkg: a .deb is an ar archive around data.tar.xz
+      echo "ar p $d data.tar.xz | tar -xJ -C $prefix"
+      ar p "$d" data.tar.xz | tar -xJ -C "$prefix" || return 1
+    fi
   done
   find "$prefix" -type l -lname '/*' | while read -r l; do ln -sfn "$prefix$(readlink "$l")" "$l"; done
 }

@@ -77,14 +77,25 @@ step="configure ($BUILD)"
 # versions the torch package was built with.
 SITE="$("$VENV/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')"
 NV_PREFIXES="$(find "$SITE/nvidia" -mindepth 1 -maxdepth 1 -type d 2>/dev/null | paste -sd';' -)"
-if [ ! -f "$BUILD/build.ninja" ]; then
-  run cmake -S . -B "$BUILD" -G Ninja -DCMAKE_BUILD_TYPE=Release \
-    "-DCMAKE_PREFIX_PATH=$PREFIX;$NV_PREFIXES" "-DCMAKE_CUDA_COMPILER=$CUDACXX" \
-    "-DTORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-9.0}" ${FSDP_CUDA_CMAKE_ARGS:-}
-fi
+# c10_LIBRARY: TorchConfig looks for libc10 in the system folders before the package's own, so a
+# machine with Debian's libtorch would link its libc10.so (1.13) next to the package's libtorch.
+# shellcheck disable=SC2086
+run cmake -S . -B "$BUILD" -G Ninja -DCMAKE_BUILD_TYPE=Release \
+  "-DCMAKE_PREFIX_PATH=$PREFIX;$NV_PREFIXES" "-DCMAKE_CUDA_COMPILER=$CUDACXX" \
+  "-DTORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-9.0}" "-Dc10_LIBRARY=$SITE/torch/lib/libc10.so" \
+  ${FSDP_CUDA_CMAKE_ARGS:-}
 
 step="build ($BUILD)"
 run cmake --build "$BUILD" -- -j"$(nproc)"
+
+step="check that every program links the package's LibTorch only"
+for exe in "$BUILD"/bin/*; do
+  if ldd "$exe" 2>/dev/null | grep -E 'lib(c10|torch[a-z_]*)\.so' | grep -v "$SITE/torch/lib" | grep -q .; then
+    echo "cuda-build-check: $exe links a LibTorch library from outside $SITE/torch/lib:" >&2
+    ldd "$exe" | grep -E 'lib(c10|torch[a-z_]*)\.so' >&2
+    exit 1
+  fi
+done
 
 step="check the NCCL and CUDA paths were compiled in"
 run "$BUILD/bin/fsdp_build_info"

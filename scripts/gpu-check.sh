@@ -159,6 +159,7 @@ run_check() {
   step "configure" configure.log -- cmake -S . -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=Release \
     "-DCMAKE_PREFIX_PATH=$TORCH_PREFIX;$nv_prefixes;$prefix/usr" "-DCMAKE_CUDA_COMPILER=$cudacxx" \
     "-DTORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-9.0}" "-DCMAKE_CXX_FLAGS=-isystem $prefix/usr/include" \
+    "-Dc10_LIBRARY=$SITE/torch/lib/libc10.so" \
     -DFSDP_USE_CCACHE=OFF || { write_summary; exit 1; }
 
   if [ "${FSDP_GPU_STOP_AFTER:-}" = configure ]; then write_summary; echo "gpu-check: stopped after configure (FSDP_GPU_STOP_AFTER)"; return 0; fi

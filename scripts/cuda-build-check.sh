@@ -99,7 +99,7 @@ done
 
 step="check the NCCL and CUDA paths were compiled in"
 run "$BUILD/bin/fsdp_build_info"
-"$BUILD/bin/fsdp_build_info" | grep -q 'nccl=yes cuda=yes' || {
+"$BUILD/bin/fsdp_build_info" | grep -q 'cuda=yes nccl=yes' || {
   echo "cuda-build-check: the build has no NCCL/CUDA path (see the configure output: FSDP_HAS_NCCL/FSDP_HAS_CUDA)" >&2
   exit 1
 }

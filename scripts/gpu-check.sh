@@ -169,11 +169,11 @@ run_check() {
   if [ "${FSDP_GPU_STOP_AFTER:-}" = build ]; then write_summary; echo "gpu-check: stopped after build (FSDP_GPU_STOP_AFTER)"; return 0; fi
   step "build info" build_info.log -- "$build/bin/fsdp_build_info"
 
-  step "GPU tests" test_gpu.log -- timeout 300 "$build/bin/test_gpu" "--gtest_output=xml:$OUT/test_gpu.xml"
+  step "GPU tests" test_gpu.log -- timeout 150 "$build/bin/test_gpu" "--gtest_output=xml:$OUT/test_gpu.xml"
 
   if [ "${FSDP_GPU_SKIP_BENCH:-0}" != 1 ]; then
-    step "GPU benchmark (LibTorch, fully_shard)" bench.log -- timeout 240 "$build/bin/gpu_bench"
-    step "GPU benchmark (PyTorch FSDP2)" fsdp2.log -- timeout 180 "$py" benchmarks/fsdp2_gpu_bench.py
+    step "GPU benchmark (LibTorch, fully_shard)" bench.log -- timeout 100 "$build/bin/gpu_bench"
+    step "GPU benchmark (PyTorch FSDP2)" fsdp2.log -- timeout 80 "$py" benchmarks/fsdp2_gpu_bench.py
   fi
   write_summary
   if ((${#FAILED[@]})); then

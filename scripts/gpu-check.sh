@@ -9,7 +9,7 @@
 #                                             # GPU tests, benchmark; summary.txt + logs in OUTDIR
 #
 # DIR holds Debian packages (GoogleTest, CLI11, nlohmann-json, zlib headers, gloo headers: about
-# 5 MiB) fetched with `apt-get download`, unpacked on the GPU machine with `dpkg -x` into a private
+# 2 MiB) fetched with `apt-get download`, unpacked on the GPU machine with `dpkg -x` into a private
 # prefix (never into /). Only the checkout travels to the GPU machine, at most 64 MiB, so DIR must
 # be inside the repository, git-ignored (the default .gpu-deps is), and named in the device tool's
 # `carry`, e.g. run(command="scripts/gpu-check.sh --run .gpu-deps $OUT", carry=[".gpu-deps"]).

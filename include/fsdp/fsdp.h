@@ -16,6 +16,7 @@
 #include "fsdp/sharding/call.h"
 #include "fsdp/sharding/clip_grad.h"
 #include "fsdp/sharding/fully_shard.h"
+#include "fsdp/sharding/gpu_stats.h"
 #include "fsdp/sharding/materialize.h"
 #include "fsdp/sharding/policies.h"
 #include "fsdp/sharding/replicate.h"

@@ -60,7 +60,7 @@ std::shared_ptr<Comm> make_comm(BackendKind kind, const compat::StorePtr& store,
                                 int group_rank, std::chrono::milliseconds timeout, const std::string& name,
                                 const std::string& hostname_hint) {
   const int size = static_cast<int>(global_ranks.size());
-  if (size == 1) {
+  if (size == 1 && kind != BackendKind::Nccl) {
     return std::make_shared<Comm>(compat::BackendPtr(), BackendKind::Local, std::move(global_ranks), 0, timeout, name);
   }
   compat::BackendPtr backend;

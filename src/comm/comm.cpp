@@ -57,9 +57,10 @@ namespace {
 void check_tensor(const std::string& op, const char* what, const at::Tensor& t, BackendKind kind) {
   if (!t.defined()) bad_argument(op, std::string(what) + " is undefined");
   if (!t.is_contiguous()) bad_argument(op, std::string(what) + " must be contiguous (call .contiguous())");
-  if (kind == BackendKind::Gloo && !t.device().is_cpu()) {
-    bad_argument(op, std::string(what) + " is on " + t.device().str() +
-                         "; the Gloo backend takes CPU tensors (use a 'cuda' mesh for NCCL)");
+  // Gloo also takes CUDA tensors (staged through pinned host memory by c10d): several ranks
+  // sharing one GPU, which NCCL refuses.
+  if (kind == BackendKind::Gloo && !t.device().is_cpu() && !t.device().is_cuda()) {
+    bad_argument(op, std::string(what) + " is on " + t.device().str() + "; the Gloo backend takes CPU or CUDA tensors");
   }
   if (kind == BackendKind::Nccl && !t.device().is_cuda()) {
     bad_argument(op, std::string(what) + " is on " + t.device().str() + "; the NCCL backend takes CUDA tensors");
@@ -149,7 +150,11 @@ Work Comm::finish(OpKind kind, uint64_t bytes, compat::WorkPtr work, std::functi
                   const char* op_name) {
   stats_.record(kind, bytes);
   process_comm_stats().record(kind, bytes);
-  Work handle(std::move(work), std::move(after), timeout_, describe(op_name));
+  // NCCL: wait() makes the caller's current stream wait for the collective; a timeout would turn
+  // it into a host wait (polling), which defeats the streams. ProcessGroupNCCL's watchdog enforces
+  // the timeout instead (Options::timeout, set to ours); see work.h.
+  const auto wait_timeout = kind_ == BackendKind::Nccl ? compat::kNoWaitTimeout : timeout_;
+  Work handle(std::move(work), std::move(after), wait_timeout, describe(op_name));
   if (!async_op) handle.wait();
   return handle;
 }

@@ -83,11 +83,17 @@ void init_distributed(const InitOptions& options) {
   auto rt = std::make_unique<Runtime>();
   rt->env = read_launch_env();
   rt->options = options;
-  rt->backend = comm::backend_for_device(options.device_type);
+  rt->backend = comm::backend_for_device(options.device_type);  // checks the device type either way
+  if (options.backend) rt->backend = *options.backend;
   const LaunchEnv& env = rt->env;
   if (env.world_size == 1) {
     rt->store = c10::make_intrusive<c10d::HashStore>();
-    rt->world = comm::Comm::single_process("world");
+    // A world of one on a GPU still runs NCCL (same streams and kernels as a real job); on the
+    // CPU it is local copies.
+    rt->world = rt->backend == comm::BackendKind::Nccl
+                    ? comm::make_comm(rt->backend, c10::make_intrusive<c10d::PrefixStore>("fsdp/world", rt->store), {0},
+                                      0, options.timeout, "world", "localhost")
+                    : comm::Comm::single_process("world");
     g_runtime = std::move(rt);
     return;
   }

@@ -87,8 +87,9 @@ std::string DeviceMesh::to_string() const {
 }
 
 DeviceMesh init_device_mesh(std::vector<int64_t> shape, std::vector<std::string> dim_names,
-                            const std::string& device_type) {
+                            const std::string& requested_device_type) {
   if (!dist::is_initialized()) dist::init_distributed();
+  const std::string device_type = requested_device_type.empty() ? dist::init_options().device_type : requested_device_type;
   if (shape.empty()) throw std::invalid_argument("fsdp::init_device_mesh: the mesh shape is empty; use e.g. {world_size}");
   int64_t product = 1;
   for (int64_t s : shape) {

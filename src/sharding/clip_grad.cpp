@@ -41,6 +41,8 @@ double clip_grad_norm_(const std::vector<at::Tensor>& parameters, double max_nor
   double total = replicated_part;
   for (size_t i = 0; i < comms.size(); ++i) {
     at::Tensor t = at::tensor({sharded_part[i]}, at::kDouble);
+    // NCCL takes CUDA tensors only (the current device: the one this rank computes on).
+    if (comms[i]->backend_kind() == comm::BackendKind::Nccl) t = t.to(at::Device(at::kCUDA));
     comms[i]->all_reduce(t, inf ? comm::ReduceOp::Max : comm::ReduceOp::Sum);
     total = combine(total, t.item<double>());
   }

@@ -170,7 +170,9 @@ void FSDPParam::accumulate_sharded_grad(const at::Tensor& reduced, int64_t offse
     grad.add_(g);
   } else {
     // Own storage (not a view of the reduce buffer): optimizers may detach_()/zero_() grads.
-    grad = g.clone();
+    // Offloaded from a GPU: pinned, like the shard (FSDP2's CPUOffloadPolicy).
+    const bool pinned = placement_.offload_to_cpu && placement_.pin_memory && !device().is_cpu();
+    grad = pinned ? at::empty(g.sizes(), g.options().pinned_memory(true)).copy_(g) : g.clone();
   }
 }
 

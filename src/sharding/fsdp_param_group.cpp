@@ -1,6 +1,9 @@
 #include "fsdp_param_group.h"
 
+#include <c10/core/StreamGuard.h>
 #include <torch/torch.h>
+
+#include <optional>
 
 namespace fsdp::detail {
 
@@ -25,7 +28,15 @@ FSDPParamGroup::FSDPParamGroup(std::vector<std::unique_ptr<FSDPParam>> params, D
   }
 }
 
-void FSDPParamGroup::unshard(bool async_op) {
+DeviceStreams* FSDPParamGroup::streams() const {
+  return params_.empty() ? nullptr : DeviceStreams::get(params_.front()->device());
+}
+
+bool FSDPParamGroup::offloaded_grads() const {
+  return !params_.empty() && params_.front()->shard_device().is_cpu() && !params_.front()->device().is_cpu();
+}
+
+void FSDPParamGroup::unshard(bool async_op, const c10::Event* after) {
   if (state_ != State::Sharded || params_.empty()) {
     if (params_.empty()) state_ = State::Unsharded;
     return;
@@ -35,25 +46,51 @@ void FSDPParamGroup::unshard(bool async_op) {
   // Copy-in: every padded shard side by side in one flat input (Gloo needs input and output apart).
   // Copy-in casts to the compute dtype: with bf16 params the all-gather moves half the bytes.
   // On the compute device (a CPU-offloaded shard is copied there here).
+  // On a GPU both buffers are allocated here, on the current stream, before the side streams wait
+  // on it ([Note: FSDP streams]).
   const auto options = first.options().device(params_.front()->device()).dtype(params_.front()->compute_dtype());
+  DeviceStreams* s = streams();
   all_gather_output_ = at::empty({n, total_shard_numel_}, options);
   if (post_forward_shard_.defined()) {
     // Backward after an integer reshard: the k ranks of the post-forward group hold, together,
     // every row of the [S, total] output (see the header).
-    all_gather_work_ =
-        post_forward_comm->all_gather_into_tensor(all_gather_output_.view(-1), post_forward_shard_.view(-1), true);
+    if (s) {
+      DeviceStreams::wait_stream(s->all_gather, s->current());
+      c10::StreamGuard on_all_gather(s->all_gather);
+      all_gather_work_ =
+          post_forward_comm->all_gather_into_tensor(all_gather_output_.view(-1), post_forward_shard_.view(-1), true);
+    } else {
+      all_gather_work_ =
+          post_forward_comm->all_gather_into_tensor(all_gather_output_.view(-1), post_forward_shard_.view(-1), true);
+    }
     state_ = State::Unsharding;
     if (!async_op) wait_for_unshard();
     return;
   }
   at::Tensor input = at::empty({total_shard_numel_}, options);
-  {
+  auto copy_in = [&] {
     torch::NoGradGuard no_grad;
     for (size_t i = 0; i < params_.size(); ++i) {
       input.narrow(0, offsets_[i], params_[i]->shard_numel()).copy_(params_[i]->padded_shard(), /*non_blocking=*/true);
     }
+  };
+  if (s) {
+    // The shards may have just been updated on the current stream (the optimizer): copy after it,
+    // or after the post-optim event when the root was given one.
+    if (after) DeviceStreams::wait_event(s->copy_in, *after);
+    else DeviceStreams::wait_stream(s->copy_in, s->current());
+    {
+      c10::StreamGuard on_copy_in(s->copy_in);
+      copy_in();
+    }
+    DeviceStreams::wait_stream(s->all_gather, s->copy_in);
+    c10::StreamGuard on_all_gather(s->all_gather);
+    all_gather_work_ = comm_->all_gather_into_tensor(all_gather_output_.view(-1), input, /*async_op=*/true);
+    all_gather_input_ = input;
+  } else {
+    copy_in();
+    all_gather_work_ = comm_->all_gather_into_tensor(all_gather_output_.view(-1), input, /*async_op=*/true);
   }
-  all_gather_work_ = comm_->all_gather_into_tensor(all_gather_output_.view(-1), input, /*async_op=*/true);
   state_ = State::Unsharding;
   if (!async_op) wait_for_unshard();
 }
@@ -61,13 +98,26 @@ void FSDPParamGroup::unshard(bool async_op) {
 void FSDPParamGroup::wait_for_unshard() {
   if (state_ == State::Sharded) unshard(/*async_op=*/false);
   if (state_ != State::Unsharding) return;
-  all_gather_work_.wait();
+  if (DeviceStreams* s = streams()) {
+    // NCCL: the all-gather stream waits for the collective (no host wait); then the current
+    // stream waits for the all-gather stream before it copies the rows out.
+    {
+      c10::StreamGuard on_all_gather(s->all_gather);
+      all_gather_work_.wait();
+    }
+    s->current_waits_for_all_gather();
+  } else {
+    all_gather_work_.wait();
+  }
   torch::NoGradGuard no_grad;
   for (size_t i = 0; i < params_.size(); ++i) {
     params_[i]->alloc_unsharded();
     params_[i]->copy_out(all_gather_output_, offsets_[i]);
   }
-  all_gather_output_ = at::Tensor();  // freed: only the unsharded parameters hold the data now
+  // Freed: only the unsharded parameters hold the data now. On a GPU the current stream has waited
+  // for every stream that used these buffers, and they were allocated on it.
+  all_gather_output_ = at::Tensor();
+  all_gather_input_ = at::Tensor();
   all_gather_work_ = comm::Work();
   post_forward_shard_ = at::Tensor();
   state_ = State::Unsharded;
@@ -138,24 +188,51 @@ void FSDPParamGroup::post_backward() {
   // Default: average over the data-parallel ranks. A custom factor: sum, then divide by it.
   pending_divide_ = gradient_divide_factor;
   const auto op = gradient_divide_factor ? comm::ReduceOp::Sum : comm::ReduceOp::Avg;
-  reduce_work_ = comm_->reduce_scatter_tensor(reduce_output_, input.view(-1), op, /*async_op=*/true);
+  if (DeviceStreams* s = streams()) {
+    // The input was written on the current stream; the reduce-scatter stream waits for it, and the
+    // collective then overlaps the backward of the units still to come.
+    DeviceStreams::wait_stream(s->reduce_scatter, s->current());
+    c10::StreamGuard on_reduce_scatter(s->reduce_scatter);
+    reduce_work_ = comm_->reduce_scatter_tensor(reduce_output_, input.view(-1), op, /*async_op=*/true);
+    reduce_input_ = input;
+  } else {
+    reduce_work_ = comm_->reduce_scatter_tensor(reduce_output_, input.view(-1), op, /*async_op=*/true);
+  }
 }
 
 void FSDPParamGroup::start_all_reduce() {
+  DeviceStreams* s = streams();
+  // On a GPU the partial sums are kept and added on the reduce-scatter stream, after the
+  // collective (a stream wait, no host wait on NCCL).
+  std::optional<c10::StreamGuard> on_reduce_scatter;
+  if (s) on_reduce_scatter.emplace(s->reduce_scatter);
   reduce_work_.wait();
   reduce_work_ = comm::Work();
   if (!requires_all_reduce) {
     // Partial (shard group only) sums wait for the next all-reduce; nothing reaches .grad yet.
     for (auto& [p, offset] : reduced_params_) p->stash_partial_reduce(reduce_output_, offset);
     reduced_params_.clear();
+    if (s) {
+      on_reduce_scatter.reset();
+      // The buffers were allocated on the current stream: it waits before they are released.
+      DeviceStreams::wait_stream(s->current(), s->reduce_scatter);
+    }
     reduce_output_ = at::Tensor();
+    reduce_input_ = at::Tensor();
     return;
   }
   for (auto& [p, offset] : reduced_params_) p->add_partial_reduce(reduce_output_, offset);
   // The reduce-scatter averaged over the S shard ranks; averaging over the R replicas makes the
   // division R * S in total, FSDP2's factor for HSDP. A custom factor divides the plain sum.
   const auto op = pending_divide_ ? comm::ReduceOp::Sum : comm::ReduceOp::Avg;
-  reduce_work_ = replicate_comm_->all_reduce(reduce_output_, op, /*async_op=*/true);
+  if (s) {
+    on_reduce_scatter.reset();
+    DeviceStreams::wait_stream(s->all_reduce, s->reduce_scatter);
+    c10::StreamGuard on_all_reduce(s->all_reduce);
+    reduce_work_ = replicate_comm_->all_reduce(reduce_output_, op, /*async_op=*/true);
+  } else {
+    reduce_work_ = replicate_comm_->all_reduce(reduce_output_, op, /*async_op=*/true);
+  }
   all_reduce_started_ = true;
 }
 
@@ -167,13 +244,33 @@ void FSDPParamGroup::advance_reduce() {
 void FSDPParamGroup::finish_reduce() {
   if (needs_all_reduce_start()) start_all_reduce();
   if (!has_pending_reduce()) return;
-  reduce_work_.wait();
+  at::Tensor reduced = reduce_output_;
+  if (DeviceStreams* s = streams()) {
+    const c10::Stream& side = all_reduce_started_ ? s->all_reduce : s->reduce_scatter;
+    {
+      c10::StreamGuard on_side(side);
+      reduce_work_.wait();
+    }
+    DeviceStreams::wait_stream(s->current(), side);
+    if (pending_divide_) reduced.div_(*pending_divide_);
+    if (offloaded_grads()) {
+      // CPU offload: the gradients go back to pinned host memory, where the optimizer reads them
+      // right after backward, so the host waits for this copy.
+      at::Tensor host = at::empty(reduced.sizes(), reduced.options().device(at::kCPU).pinned_memory(true));
+      host.copy_(reduced, /*non_blocking=*/true);
+      DeviceStreams::synchronize(s->current());
+      reduced = host;
+    }
+  } else {
+    reduce_work_.wait();
+    if (pending_divide_) reduced.div_(*pending_divide_);
+  }
   reduce_work_ = comm::Work();
   all_reduce_started_ = false;
-  if (pending_divide_) reduce_output_.div_(*pending_divide_);
-  for (auto& [p, offset] : reduced_params_) p->accumulate_sharded_grad(reduce_output_, offset);
+  for (auto& [p, offset] : reduced_params_) p->accumulate_sharded_grad(reduced, offset);
   reduced_params_.clear();
   reduce_output_ = at::Tensor();
+  reduce_input_ = at::Tensor();
 }
 
 }  // namespace fsdp::detail

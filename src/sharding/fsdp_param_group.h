@@ -17,7 +17,11 @@
 //
 // HSDP (2-D mesh, replicate x shard): all-gather and reduce-scatter run on the shard group; the
 // reduce-scatter output is then all-reduced over the replicate group.
+//
+// On a CUDA device the collectives run on side streams ordered by events: see [Note: FSDP
+// streams] in streams.h. On the CPU the same calls wait on the host, as they always did.
 #include <ATen/ATen.h>
+#include <c10/core/Event.h>
 
 #include <memory>
 #include <optional>
@@ -26,6 +30,7 @@
 #include "fsdp/comm/comm.h"
 #include "fsdp/mesh/device_mesh.h"
 #include "fsdp_param.h"
+#include "streams.h"
 
 namespace fsdp::detail {
 
@@ -43,7 +48,9 @@ class FSDPParamGroup {
   bool is_hsdp() const { return replicate_comm_ != nullptr; }
   comm::Comm& comm() const { return *comm_; }
 
-  void unshard(bool async_op);
+  // `after`: on a GPU, the copy-in waits on this event instead of the current stream (the root's
+  // first all-gather of a step after set_post_optim_event).
+  void unshard(bool async_op, const c10::Event* after = nullptr);
   void wait_for_unshard();
   void reshard();
   // reshard_after_forward's reshard: to the post-forward shard when post_forward_comm is set.
@@ -83,14 +90,20 @@ class FSDPParamGroup {
   int64_t total_shard_numel_ = 0;
   State state_ = State::Sharded;
 
+  at::Tensor all_gather_input_;  // kept until the wait: a side stream may still read it
   at::Tensor all_gather_output_;
   comm::Work all_gather_work_;
 
+  at::Tensor reduce_input_;  // kept until the reduction is finished (same reason)
   at::Tensor reduce_output_;
   comm::Work reduce_work_;
   std::vector<std::pair<FSDPParam*, int64_t>> reduced_params_;  // (param, offset in reduce_output_)
   std::optional<double> pending_divide_;
   bool all_reduce_started_ = false;  // HSDP: reduce_work_ is the all-reduce, not the reduce-scatter
+
+  // The side streams of the parameters' device; null on the CPU (see streams.h).
+  DeviceStreams* streams() const;
+  bool offloaded_grads() const;  // gradients go back to (pinned) host memory
 
   bool needs_all_reduce_start() const { return replicate_comm_ && has_pending_reduce() && !all_reduce_started_; }
   void start_all_reduce();

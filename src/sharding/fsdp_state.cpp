@@ -126,9 +126,13 @@ std::vector<at::Tensor> FSDPState::pre_forward(std::vector<at::Tensor> args) {
   training_ = Training::Forward;
   if (group_) {
     for (auto& p : group_->params()) p->check_unchanged();
+    if (post_optim_event && first_call && group_->state() == FSDPParamGroup::State::Sharded) {
+      group_->unshard(/*async_op=*/true, post_optim_event.get());  // ordered after the optimizer step
+    }
     group_->wait_for_unshard();  // issues the all-gather first unless a prefetch did
   }
   if (first_call) {
+    post_optim_event.reset();
     ctx_->forward_order.push_back(this);
     // Overlap: start the next unit's all-gather now, so it runs while this unit computes.
     std::vector<FSDPState*> targets = explicit_forward_prefetch;

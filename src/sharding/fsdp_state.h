@@ -67,6 +67,9 @@ class FSDPState {
   std::vector<FSDPState*> explicit_backward_prefetch;
   bool has_explicit_forward_prefetch = false;
   bool has_explicit_backward_prefetch = false;
+  // FSDP2's set_post_optim_event: on a GPU the root's next all-gather waits on this event
+  // (recorded by the user after the optimizer step) instead of the current stream. Used once.
+  std::shared_ptr<c10::Event> post_optim_event;
   // Every state in this one's module subtree (itself first), found through the module registry.
   std::vector<FSDPState*> subtree_states() const;
 

@@ -322,6 +322,8 @@ void FSDPModule::set_gradient_divide_factor(double factor) {
   if (state_->group()) state_->group()->gradient_divide_factor = factor;
 }
 
+void FSDPModule::set_post_optim_event(std::shared_ptr<c10::Event> event) { state_->post_optim_event = std::move(event); }
+
 std::vector<torch::nn::Module*> FSDPModule::modules() const { return state_->modules(); }
 
 std::optional<ShardInfo> shard_info(const at::Tensor& sharded_param) {

@@ -78,6 +78,7 @@ inline ProcessSpec spec_of(std::vector<std::string> argv, std::chrono::milliseco
   spec.argv = std::move(argv);
   spec.env_unset = kScrub;
   spec.env_set["OMP_NUM_THREADS"] = "1";  // same threads in every mode: same float results
+  spec.env_set["CUDA_VISIBLE_DEVICES"] = "";  // CPU runs even on a GPU machine (--device auto; tests/gpu covers GPUs)
   spec.timeout = timeout;
   return spec;
 }

@@ -58,6 +58,8 @@ std::vector<std::pair<std::string, std::string>> rank_agreed_options(const Optio
       {"--parallel", o.parallel},
       {"--shard-size", i(o.shard_size)},
       {"--mixed-precision", o.mixed_precision},
+      {"--device", o.device},
+      {"--share-gpu", o.share_gpu ? "true" : "false"},
       {"--reshard-after-forward", o.reshard_after_forward},
       {"--checkpoint-dir", o.checkpoint_dir},
       {"--checkpoint-every", i(o.checkpoint_every)},

@@ -104,6 +104,10 @@ std::optional<Options> parse_options(int argc, char** argv, int& exit_code) {
       ->check(CLI::IsMember({"fsdp", "hsdp", "replicate", "none"}));
   app.add_option("--shard-size", o.shard_size, "HSDP: ranks per shard group (0: the ranks per node)")
       ->check(bounded(0, 1e6, true));
+  app.add_option("--device", o.device,
+                 "cpu | cuda | auto (cuda when LibTorch has CUDA and a GPU is visible); one GPU per rank by LOCAL_RANK")
+      ->check(CLI::IsMember({"cpu", "cuda", "auto"}));
+  app.add_flag("--share-gpu", o.share_gpu, "Allow more ranks than GPUs on a node (collectives over Gloo)");
   app.add_option("--mixed-precision", o.mixed_precision,
                  "fp32, or bf16 (bf16 parameters and compute, fp32 gradient reduction and optimizer)")
       ->check(CLI::IsMember({"fp32", "bf16"}));

@@ -40,6 +40,8 @@ struct Options {
   // parallelism
   std::string parallel = "fsdp";  // fsdp | hsdp | replicate | none
   int64_t shard_size = 0;         // HSDP: ranks per shard group (0: the ranks per node)
+  std::string device = "auto";    // cpu | cuda | auto (cuda when a GPU is visible)
+  bool share_gpu = false;         // more ranks than GPUs: share them (Gloo on CUDA tensors)
   std::string mixed_precision = "fp32";        // fp32 | bf16
   std::string reshard_after_forward = "default";  // default | true | false
   std::string activation_checkpointing = "none";  // none | full | every:K (every K-th block)

@@ -36,6 +36,7 @@
 
 #include "checkpoints.h"
 #include "data.h"
+#include "device.h"
 #include "error_text.h"
 #include "fingerprint.h"
 #include "fsdp/checkpoint/checkpoint.h"
@@ -62,6 +63,7 @@ struct Run {
   int world = 1;
   std::shared_ptr<fsdp::comm::Comm> comm;  // null with --parallel none
   std::optional<fsdp::DeviceMesh> mesh;    // hsdp: replicate x shard; fsdp/replicate: all ranks
+  torch::Device device = torch::kCPU;      // --device: this rank's GPU, or the CPU
   bool distributed() const { return comm != nullptr; }
   bool sharded() const { return distributed() && opt.parallel != "replicate"; }
 };
@@ -76,9 +78,12 @@ struct Model {
 
 double seconds_since(Clock::time_point t) { return std::chrono::duration<double>(Clock::now() - t).count(); }
 
-// Sum over ranks, in place (a no-op in one process).
+// Sum over ranks, in place (a no-op in one process). Through the device: NCCL takes CUDA tensors.
 void all_reduce_sum(const Run& run, at::Tensor& t) {
-  if (run.distributed()) run.comm->all_reduce(t, fsdp::comm::ReduceOp::Sum);
+  if (!run.distributed()) return;
+  at::Tensor on_device = t.to(run.device);
+  run.comm->all_reduce(on_device, fsdp::comm::ReduceOp::Sum);
+  t.copy_(on_device);
 }
 
 // True on every rank when a stop signal reached any rank (one small all-reduce: every rank must
@@ -95,13 +100,18 @@ bool agreed_stop(const Run& run) {
 Run init_distributed(const Options& o) {
   Run run;
   run.opt = o;
+  const fsdp::dist::LaunchEnv env = fsdp::dist::read_launch_env();
+  run.device = pick_device(o.device, env.local_rank, o.parallel == "none" ? 1 : env.local_world_size, o.share_gpu);
   if (o.parallel == "none") {
     // One process, no process group: a plain module (fsdp::call is forward). Threads: the
     // launcher's OMP_NUM_THREADS when set, else every core.
     if (std::getenv("OMP_NUM_THREADS") == nullptr) at::set_num_threads(fsdp::dist::default_omp_threads(1));
     return run;
   }
-  fsdp::dist::init_distributed();
+  fsdp::dist::InitOptions init;
+  init.device_type = run.device.is_cuda() ? "cuda" : "cpu";
+  if (run.device.is_cuda() && o.share_gpu) init.backend = fsdp::comm::BackendKind::Gloo;
+  fsdp::dist::init_distributed(init);
   run.rank = fsdp::dist::rank();
   run.world = fsdp::dist::world_size();
   run.comm = fsdp::dist::world_comm();
@@ -162,7 +172,7 @@ Model build_model_meta(const Run& run, const std::function<void(const Shapes&)>&
     for (auto& block : m.gpt->blocks) m.units.push_back(fsdp::fully_shard(block, so));  // blocks first,
     m.units.push_back(fsdp::fully_shard(m.gpt, so));                                    // then the root
   }
-  fsdp::to_empty(*m.gpt, torch::kCPU);  // this rank's shards only
+  fsdp::to_empty(*m.gpt, run.device);  // this rank's shards only
   m.gpt->reset_parameters();            // fsdp::init: same values for any world size
   if (run.distributed() && !run.sharded()) m.ddp = fsdp::replicate(m.gpt);  // whole model per rank
   return m;
@@ -198,7 +208,7 @@ StepResult train_step(const Run& run, Model& m, torch::optim::AdamW& opt, const 
     const bool last = micro == o.grad_accum - 1;
     if (!m.units.empty()) m.units.back().set_requires_gradient_sync(last);
     if (m.ddp) m.ddp->set_requires_gradient_sync(last);
-    const at::Tensor batch = local_slice(global, run.rank, run.world, micro, o.grad_accum);
+    const at::Tensor batch = local_slice(global, run.rank, run.world, micro, o.grad_accum).to(run.device);
     auto logits = fsdp::call(m.gpt, batch.narrow(1, 0, o.seq_len));
     auto loss = fsdp::models::gpt_loss(logits.to(at::kFloat), batch.narrow(1, 1, o.seq_len)) / o.grad_accum;
     loss.backward();
@@ -295,7 +305,7 @@ std::optional<double> evaluate(const Run& run, Model& m, const TokenSource& data
     }
     const at::Tensor global = data.val_batch(i, o.batch_size);
     for (int64_t micro = 0; micro < o.grad_accum; ++micro) {
-      const at::Tensor batch = local_slice(global, run.rank, run.world, micro, o.grad_accum);
+      const at::Tensor batch = local_slice(global, run.rank, run.world, micro, o.grad_accum).to(run.device);
       auto logits = fsdp::call(m.gpt, batch.narrow(1, 0, o.seq_len));
       sum += fsdp::models::gpt_loss(logits.to(at::kFloat), batch.narrow(1, 1, o.seq_len)).item<double>();
     }
@@ -324,10 +334,14 @@ std::string sample_text(const Run& run, Model& m, const TokenSource& data) {
     }
     const int64_t len = ctx.size(1);
     at::Tensor window = ctx.narrow(1, std::max<int64_t>(0, len - o.seq_len), std::min(len, o.seq_len));
-    auto logits = fsdp::call(m.gpt, window).to(at::kFloat);
+    auto logits = fsdp::call(m.gpt, window.to(run.device)).to(at::kCPU, at::kFloat);
     auto probs = at::softmax(logits[0][-1] / 0.8, -1);
     at::Tensor next = at::multinomial(probs, 1, false, gen).to(at::kLong);
-    if (run.distributed()) run.comm->broadcast(next, 0);
+    if (run.distributed()) {
+      at::Tensor on_device = next.to(run.device);  // NCCL takes CUDA tensors
+      run.comm->broadcast(on_device, 0);
+      next = on_device.cpu();
+    }
     ctx = at::cat({ctx, next.view({1, 1})}, 1);
     out += printable(next.item<int64_t>());
   }

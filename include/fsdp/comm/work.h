@@ -5,6 +5,13 @@
 // makes sense once it finished (summing an all_to_all into a reduce-scatter, dividing a sum into
 // an average, copying a 16-bit pattern back). wait() runs those steps on the caller's thread, so
 // the result is ready when wait() returns. Errors (including timeouts) surface from wait().
+//
+// NCCL (CUDA tensors): wait() does not block the host. It makes the caller's current CUDA stream
+// wait for the collective ("ready" means: for kernels queued on that stream from now on), as
+// ProcessGroupNCCL's Work::wait() does. Timeouts are enforced by ProcessGroupNCCL's watchdog with
+// the group's timeout: by default (TORCH_NCCL_ASYNC_ERROR_HANDLING) it aborts the process with a
+// message naming the collective; with TORCH_NCCL_BLOCKING_WAIT=1, wait() blocks the host and a
+// timeout or a communicator error surfaces from it as CommError, like Gloo's.
 #include <chrono>
 #include <functional>
 #include <memory>

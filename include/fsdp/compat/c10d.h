@@ -16,6 +16,7 @@
 #include <torch/csrc/distributed/c10d/Work.hpp>
 #include <torch/version.h>
 
+#include <chrono>
 #include <cstdint>
 #include <cstdlib>
 #include <string>
@@ -38,6 +39,10 @@ using Backend = c10d::ProcessGroup;
 using BackendPtr = c10::intrusive_ptr<Backend>;
 using WorkPtr = c10::intrusive_ptr<c10d::Work>;
 using StorePtr = c10::intrusive_ptr<c10d::Store>;
+
+// Work::wait's "no timeout" (wait only as the backend's own semantics say: on NCCL a stream wait,
+// no host wait). A global constant in c10d's Work.hpp (1.13 through 2.11), not in namespace c10d.
+inline constexpr std::chrono::milliseconds kNoWaitTimeout = ::kNoTimeout;
 
 // TCPStore options with this LibTorch's defaults fixed up. Use it for every TCPStore (library,
 // launcher and tests alike): a bare TCPStoreOptions{} throws on 2.x builds without libuv.

@@ -9,6 +9,7 @@
 // environment at all the process is a world of one that still works (local collectives).
 #include <chrono>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -21,6 +22,10 @@ namespace fsdp::dist {
 struct InitOptions {
   // "cpu" -> Gloo; "cuda" -> NCCL (only in a CUDA build of LibTorch).
   std::string device_type = "cpu";
+  // Overrides the backend the device type implies. Gloo with device_type "cuda": collectives on
+  // CUDA tensors through Gloo, for several ranks sharing one GPU (NCCL refuses that).
+  // Example: InitOptions{.device_type = "cuda", .backend = comm::BackendKind::Gloo}
+  std::optional<comm::BackendKind> backend;
   // Every collective, the store connection and group creation fail after this long.
   // Default: FSDP_COLLECTIVE_TIMEOUT_S, else 5 minutes.
   std::chrono::milliseconds timeout = comm::default_collective_timeout();

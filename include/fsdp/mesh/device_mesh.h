@@ -54,7 +54,8 @@ class DeviceMesh {
 // Builds a mesh over all ranks of the initialised runtime (init_distributed() first; a process
 // without a launcher is a world of one). Names default to "dim0", "dim1", ...
 // Throws when the shape's product is not the world size, or names repeat or do not match.
+// device_type: "cpu" or "cuda"; empty (the default) takes init_distributed's (InitOptions).
 DeviceMesh init_device_mesh(std::vector<int64_t> shape, std::vector<std::string> dim_names = {},
-                            const std::string& device_type = "cpu");
+                            const std::string& device_type = "");
 
 }  // namespace fsdp

@@ -15,6 +15,7 @@
 // names); the module's own fields (e.g. LinearImpl::weight) are the unsharded parameters that
 // forward uses. Between forwards they are freed (zero elements): calling forward directly, around
 // fsdp::call, fails with a shape error instead of reading freed memory.
+#include <c10/core/Event.h>
 #include <torch/nn/module.h>
 
 #include <memory>
@@ -91,6 +92,14 @@ class FSDPModule {
   // Explicit prefetch targets, replacing the implicit order recorded at the first forward.
   void set_modules_to_forward_prefetch(const std::vector<FSDPModule>& modules);
   void set_modules_to_backward_prefetch(const std::vector<FSDPModule>& modules);
+  // GPU: the next forward's first all-gather (this module's, as the root) waits on `event`
+  // instead of the whole current stream; record it right after optimizer.step() (FSDP2's
+  // set_post_optim_event). Without one the all-gather waits on the current stream, which is also
+  // correct. No effect on the CPU.
+  //   auto event = std::make_shared<c10::Event>(c10::DeviceType::CUDA);
+  //   event->record(c10::impl::VirtualGuardImpl(c10::DeviceType::CUDA).getStream(device));
+  //   fsdp::fsdp_module(*model)->set_post_optim_event(event);
+  void set_post_optim_event(std::shared_ptr<c10::Event> event);
   // Gradients are divided by this instead of the data-parallel size (1.0: plain sum).
   void set_gradient_divide_factor(double factor);
 

@@ -2,8 +2,12 @@
 
 #include <torch/csrc/distributed/c10d/HashStore.hpp>
 
+#include <unistd.h>
+
 #include <algorithm>
+#include <cerrno>
 #include <cstdio>
+#include <cstring>
 #include <mutex>
 #include <set>
 
@@ -41,30 +45,63 @@ bool mentions(const std::string& what, std::initializer_list<const char*> needle
   return std::any_of(needles.begin(), needles.end(), [&](const char* n) { return what.find(n) != std::string::npos; });
 }
 
-compat::StorePtr connect_store(const LaunchEnv& env, std::chrono::milliseconds timeout) {
-  const std::string where = env.master_addr + ":" + std::to_string(env.master_port);
-  const bool host = !env.use_agent_store && env.rank == 0;
-  c10d::TCPStoreOptions opts = compat::tcp_store_options();
-  opts.port = static_cast<std::uint16_t>(env.master_port);
-  opts.isServer = host;
-  opts.numWorkers = static_cast<size_t>(env.world_size);
-  opts.waitWorkers = false;  // the process-group rendezvous below waits for everybody, with a timeout
-  opts.timeout = timeout;
-  opts.multiTenant = host;
-  compat::StorePtr store;
+bool is_loopback(const std::string& host) {
+  return host == "localhost" || host == "::1" || host.rfind("127.", 0) == 0;
+}
+
+// The host name that picks Gloo's interface (comm::make_comm): the loopback for a single-host job.
+std::string gloo_host(const LaunchEnv& env) { return env.single_host ? "127.0.0.1" : env.master_addr; }
+
+// fsdprun's single-host store (FSDP_STORE_FILE): a FileStore, no network at all.
+compat::StorePtr open_file_store(const LaunchEnv& env, std::chrono::milliseconds timeout) {
+  const std::string& path = env.store_file;
+  const auto slash = path.rfind('/');
+  const std::string dir = slash == std::string::npos ? "." : (slash == 0 ? "/" : path.substr(0, slash));
+  if (::access(dir.c_str(), R_OK | W_OK | X_OK) != 0) {
+    throw DistError("fsdp: rank " + std::to_string(env.rank) + " cannot use the store file FSDP_STORE_FILE=" + path +
+                    ": its folder " + dir + " is not usable (" + std::strerror(errno) + "). fsdprun sets it for the " +
+                    "job's lifetime; unset it to use the TCP store at MASTER_ADDR:MASTER_PORT instead");
+  }
   try {
-    store = c10::make_intrusive<c10d::TCPStore>(env.master_addr, opts);
+    return compat::file_store(path, timeout);
   } catch (const std::exception& e) {
-    const std::string what = e.what();
-    if (host && mentions(what, {"Address already in use", "errno: 98", "EADDRINUSE"})) {
-      throw DistError("fsdp: rank 0 cannot host the store: port " + std::to_string(env.master_port) +
-                      " is in use (" + where + "). Pick a free MASTER_PORT, or start with `fsdprun --master-port 0` "
-                      "to get one.\n  cause: " + what);
+    throw DistError("fsdp: rank " + std::to_string(env.rank) + " cannot open the store file FSDP_STORE_FILE=" + path +
+                    ": " + e.what());
+  }
+}
+
+compat::StorePtr connect_store(const LaunchEnv& env, std::chrono::milliseconds timeout) {
+  compat::StorePtr store;
+  if (!env.store_file.empty()) {
+    store = open_file_store(env, timeout);
+  } else {
+    const std::string where = env.master_addr + ":" + std::to_string(env.master_port);
+    const bool host = !env.use_agent_store && env.rank == 0;
+    c10d::TCPStoreOptions opts = compat::tcp_store_options();
+    opts.port = static_cast<std::uint16_t>(env.master_port);
+    opts.isServer = host;
+    opts.numWorkers = static_cast<size_t>(env.world_size);
+    opts.waitWorkers = false;  // the process-group rendezvous below waits for everybody, with a timeout
+    opts.timeout = timeout;
+    opts.multiTenant = host;
+    try {
+      // A single-host job's store listens on MASTER_ADDR only, where c10d lets us choose (2.x).
+      // Not for other jobs: a host name can resolve to a loopback address on rank 0's machine
+      // (Debian's 127.0.1.1), and the other machines could then not reach the store.
+      if (host && (env.single_host || is_loopback(env.master_addr))) compat::listen_only_on(opts, env.master_addr);
+      store = c10::make_intrusive<c10d::TCPStore>(env.master_addr, opts);
+    } catch (const std::exception& e) {
+      const std::string what = e.what();
+      if (host && mentions(what, {"Address already in use", "errno: 98", "EADDRINUSE"})) {
+        throw DistError("fsdp: rank 0 cannot host the store: port " + std::to_string(env.master_port) +
+                        " is in use (" + where + "). Pick a free MASTER_PORT, or start with `fsdprun --master-port 0` "
+                        "to get one.\n  cause: " + what);
+      }
+      if (host) throw DistError("fsdp: rank 0 cannot host the store at " + where + ": " + what);
+      throw DistError("fsdp: rank " + std::to_string(env.rank) + " could not reach the store at " + where + " within " +
+                      seconds(timeout) + ". Is rank 0 (or the launcher) running, and do MASTER_ADDR/MASTER_PORT " +
+                      "match on every rank?\n  cause: " + what);
     }
-    if (host) throw DistError("fsdp: rank 0 cannot host the store at " + where + ": " + what);
-    throw DistError("fsdp: rank " + std::to_string(env.rank) + " could not reach the store at " + where + " within " +
-                    seconds(timeout) + ". Is rank 0 (or the launcher) running, and do MASTER_ADDR/MASTER_PORT " +
-                    "match on every rank?\n  cause: " + what);
   }
   if (env.use_agent_store) {
     return c10::make_intrusive<c10d::PrefixStore>(env.store_prefix(), store);
@@ -96,7 +133,7 @@ void init_distributed(const InitOptions& options) {
   for (int r = 0; r < env.world_size; ++r) all[static_cast<size_t>(r)] = r;
   try {
     auto group_store = c10::make_intrusive<c10d::PrefixStore>("fsdp/world", rt->store);
-    rt->world = comm::make_comm(rt->backend, group_store, all, env.rank, options.timeout, "world", env.master_addr);
+    rt->world = comm::make_comm(rt->backend, group_store, all, env.rank, options.timeout, "world", gloo_host(env));
   } catch (const std::exception& e) {
     throw DistError("fsdp: rank " + std::to_string(env.rank) + " could not form the world group of " +
                     std::to_string(env.world_size) + " ranks (timeout " + seconds(options.timeout) +
@@ -149,7 +186,7 @@ std::shared_ptr<comm::Comm> form_group(comm::BackendKind kind, std::vector<int> 
   auto group_store = c10::make_intrusive<c10d::PrefixStore>("fsdp/group/" + tag, rt.store);
   try {
     return comm::make_comm(kind, group_store, std::move(global_ranks), group_rank, rt.options.timeout, tag,
-                           rt.env.master_addr);
+                           gloo_host(rt.env));
   } catch (const std::exception& e) {
     throw DistError("fsdp: could not form group '" + tag + "' (timeout " + seconds(rt.options.timeout) +
                     "): every member must create it with the same ranks.\n  cause: " + e.what());

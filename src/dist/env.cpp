@@ -71,9 +71,7 @@ LaunchEnv parse_launch_env(const std::map<std::string, std::string>& env) {
   }
   auto addr = lookup(env, "MASTER_ADDR");
   auto port = lookup(env, "MASTER_PORT");
-  if (auto file = lookup(env, "FSDP_STORE_FILE")) e.store_file = *file;
-  e.single_host = !e.store_file.empty() || (local_world && e.local_world_size == e.world_size);
-  if (e.world_size > 1 && e.store_file.empty() && (!addr || !port)) {
+  if (e.world_size > 1 && (!addr || !port)) {
     throw DistError(std::string("fsdp: WORLD_SIZE=") + std::to_string(e.world_size) + " but " +
                     (!addr ? "MASTER_ADDR" : "MASTER_PORT") +
                     " is not set; set it to the address/port of rank 0's store (e.g. MASTER_ADDR=127.0.0.1 "
@@ -83,7 +81,7 @@ LaunchEnv parse_launch_env(const std::map<std::string, std::string>& env) {
   if (port) {
     e.master_port = parse_int("MASTER_PORT", *port, 0);
     if (e.master_port > 65535) throw DistError("fsdp: MASTER_PORT=" + *port + " is not a TCP port (1..65535)");
-    if (e.master_port == 0 && e.world_size > 1 && e.store_file.empty()) {
+    if (e.master_port == 0 && e.world_size > 1) {
       throw DistError("fsdp: MASTER_PORT=0 cannot be shared between ranks; pick a port, or use "
                       "`fsdprun --master-port 0`, which picks one and passes the real port on");
     }

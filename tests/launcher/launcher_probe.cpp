@@ -21,7 +21,7 @@
 #include <torch/csrc/distributed/c10d/PrefixStore.hpp>
 #include <torch/csrc/distributed/c10d/TCPStore.hpp>
 
-#include "fsdp/compat/c10d.h"
+#include "fsdp/compat/store.h"
 
 #include <signal.h>
 #include <unistd.h>

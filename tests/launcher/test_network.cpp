@@ -20,6 +20,7 @@
 #include <thread>
 #include <vector>
 
+#include "fsdp/compat/store.h"
 #include "fsdp/fsdp.h"
 #include "multiprocess.h"
 #include "subprocess.h"

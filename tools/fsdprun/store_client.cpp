@@ -10,7 +10,7 @@
 #include <future>
 #include <thread>
 
-#include "fsdp/compat/c10d.h"
+#include "fsdp/compat/store.h"
 
 namespace fsdprun {
 

@@ -10,29 +10,14 @@
 //  - 2.14: Backend gained the torchcomms names all_gather_single / all_to_all_single /
 //          reduce_scatter_single; _allgather_base / alltoall_base / _reduce_scatter_base remain as
 //          forwarding aliases (deprecated on ProcessGroup). Call through the helpers below.
-//  - 2.x : TCPStoreOptions::masterListenFd lets the caller hand over the listening socket, so the
-//          store can listen on one address (listen_only_on below). 1.13's server always listens on
-//          every interface ([::] and 0.0.0.0); nothing in its options can change that.
-//  - both: FileStore (c10d/FileStore.hpp), the network-free store of single-host jobs.
-#include <torch/csrc/distributed/c10d/FileStore.hpp>
 #include <torch/csrc/distributed/c10d/PrefixStore.hpp>
 #include <torch/csrc/distributed/c10d/ProcessGroupGloo.hpp>
 #include <torch/csrc/distributed/c10d/TCPStore.hpp>
 #include <torch/csrc/distributed/c10d/Work.hpp>
 #include <torch/version.h>
 
-#include <arpa/inet.h>
-#include <netdb.h>
-#include <netinet/in.h>
-#include <sys/socket.h>
-#include <unistd.h>
-
-#include <cerrno>
-#include <chrono>
 #include <cstdint>
 #include <cstdlib>
-#include <cstring>
-#include <stdexcept>
 #include <string>
 #include <vector>
 
@@ -63,68 +48,6 @@ inline c10d::TCPStoreOptions tcp_store_options() {
   opts.useLibUV = uv != nullptr && std::string(uv) == "1";
 #endif
   return opts;
-}
-
-// True where a TCPStore server can listen on one address (listen_only_on below works).
-template <typename O = c10d::TCPStoreOptions>
-inline constexpr bool tcp_store_can_choose_address = requires(O o) { o.masterListenFd = 0; };
-
-// A TCPStore server that listens on `addr` only, where this LibTorch allows it: binds a socket to
-// addr:opts.port (port 0: a free one) and hands it to c10d through TCPStoreOptions::masterListenFd
-// (2.x; c10d calls listen() and owns the socket from then on), setting opts.port to the bound port.
-// Returns false, leaving `opts` untouched, where c10d has no such option (1.13: the server listens
-// on every interface). Throws std::runtime_error naming the address and errno's text (e.g.
-// "Address already in use") when the address cannot be bound.
-// A template so that the requires-expression on a missing member is a substitution failure.
-template <typename O = c10d::TCPStoreOptions>
-inline bool listen_only_on(O& opts, const std::string& addr) {
-  if constexpr (requires { opts.masterListenFd = 0; }) {
-    addrinfo hints{};
-    hints.ai_family = AF_UNSPEC;
-    hints.ai_socktype = SOCK_STREAM;
-    hints.ai_flags = AI_NUMERICSERV;
-    addrinfo* list = nullptr;
-    const std::string port = std::to_string(opts.port);
-    if (int rc = ::getaddrinfo(addr.c_str(), port.c_str(), &hints, &list); rc != 0) {
-      throw std::runtime_error("cannot resolve '" + addr + "': " + ::gai_strerror(rc));
-    }
-    int err = 0;
-    for (addrinfo* ai = list; ai != nullptr; ai = ai->ai_next) {
-      int fd = ::socket(ai->ai_family, ai->ai_socktype | SOCK_CLOEXEC, ai->ai_protocol);
-      if (fd < 0) {
-        err = errno;
-        continue;
-      }
-      int one = 1;
-      ::setsockopt(fd, SOL_SOCKET, SO_REUSEADDR, &one, sizeof(one));  // as c10d does for its own
-      sockaddr_storage bound{};
-      socklen_t len = sizeof(bound);
-      if (::bind(fd, ai->ai_addr, ai->ai_addrlen) == 0 &&
-          ::getsockname(fd, reinterpret_cast<sockaddr*>(&bound), &len) == 0) {
-        ::freeaddrinfo(list);
-        opts.port = ntohs(bound.ss_family == AF_INET6 ? reinterpret_cast<sockaddr_in6*>(&bound)->sin6_port
-                                                      : reinterpret_cast<sockaddr_in*>(&bound)->sin_port);
-        opts.masterListenFd = fd;
-        return true;
-      }
-      err = errno;
-      ::close(fd);
-    }
-    ::freeaddrinfo(list);
-    throw std::runtime_error("cannot listen on " + addr + ":" + port + ": " + std::strerror(err));
-  } else {
-    (void)addr;
-    return false;
-  }
-}
-
-// The store of a single-host job: a FileStore at `path`, which needs no network. numWorkers -1:
-// no process deletes the file when it lets go of it (restarted workers reuse it); whoever made
-// its folder removes it.
-inline StorePtr file_store(const std::string& path, std::chrono::milliseconds timeout) {
-  auto store = c10::make_intrusive<c10d::FileStore>(path, -1);
-  store->setTimeout(timeout);
-  return store;
 }
 
 // The flat-tensor collectives under whichever name this LibTorch's Backend has. The new names

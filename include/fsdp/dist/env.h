@@ -25,12 +25,6 @@ struct LaunchEnv {
   // PrefixStore("/worker/attempt_<restart_count>").
   bool use_agent_store = false;
   int restart_count = 0;
-  // FSDP_STORE_FILE (set by fsdprun for single-host jobs): the store is a c10d FileStore at this
-  // path instead of the TCPStore at MASTER_ADDR:MASTER_PORT; nothing listens on the network.
-  std::string store_file;
-  // Every rank runs on this host (FSDP_STORE_FILE set, or LOCAL_WORLD_SIZE == WORLD_SIZE given
-  // by the launcher): Gloo then binds the loopback interface unless GLOO_SOCKET_IFNAME is set.
-  bool single_host = false;
 
   std::string store_prefix() const;  // "" unless use_agent_store
 };

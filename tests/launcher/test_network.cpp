@@ -1,7 +1,7 @@
 // Nothing open to the network: the listening sockets of a running fsdprun job. The test binary is
-// its own worker (rank worker `pause_after_init`: init_distributed, one all-reduce, then it waits
-// for the test), and the test reads /proc/net/tcp{,6} for LISTEN sockets whose inodes belong to
-// fsdprun or its workers (/proc/<pid>/fd links "socket:[inode]").
+// its own worker (rank worker `pause_in_rendezvous`: init_distributed, one all-reduce, then a
+// second group whose Gloo rendezvous rank 0 waits in), and the test reads /proc/net/tcp{,6} for
+// LISTEN sockets whose inodes belong to fsdprun or its workers (/proc/<pid>/fd: "socket:[inode]").
 #include <arpa/inet.h>
 #include <dirent.h>
 #include <gtest/gtest.h>
@@ -11,6 +11,7 @@
 #include <unistd.h>
 
 #include <chrono>
+#include <cstdio>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
@@ -40,8 +41,10 @@ bool exists(const std::string& path) { return access(path.c_str(), F_OK) == 0; }
 
 }  // namespace
 
-// Forms the world group (Gloo connected), reports its pid, waits for the test's "stop" file.
-FSDP_RANK_WORKER(pause_after_init) {
+// Forms the world group, reports its pid, then forms a second Gloo group that rank 0 enters at
+// once and the other ranks only once the test has written "go": meanwhile rank 0 waits in Gloo's
+// rendezvous with its listening sockets open (LibTorch 1.13's Gloo closes them once connected).
+FSDP_RANK_WORKER(pause_in_rendezvous) {
   auto world = fsdp::dist::world_comm();
   auto t = at::ones({4});
   world->all_reduce(t);
@@ -51,9 +54,13 @@ FSDP_RANK_WORKER(pause_after_init) {
   const char* store_file = std::getenv("FSDP_STORE_FILE");
   { std::ofstream(mine + ".tmp") << getpid() << "\n" << (store_file ? store_file : "-") << "\n"; }
   std::filesystem::rename(mine + ".tmp", mine);
-  const auto deadline = Clock::now() + 60s;
-  while (!exists(dir + "/stop") && Clock::now() < deadline) std::this_thread::sleep_for(20ms);
-  world->barrier();
+  if (fsdp::dist::rank() != 0) {
+    const auto deadline = Clock::now() + 60s;
+    while (!exists(dir + "/go") && Clock::now() < deadline) std::this_thread::sleep_for(20ms);
+  }
+  std::vector<int> all(static_cast<size_t>(world->size()));
+  for (int r = 0; r < world->size(); ++r) all[static_cast<size_t>(r)] = r;
+  fsdp::dist::new_cpu_group(all, "late")->barrier();
 }
 
 namespace {
@@ -133,7 +140,7 @@ JobSockets listening_sockets_of_job(const std::vector<std::string>& flags) {
   spec.argv = {kFsdprun};
   spec.argv.insert(spec.argv.end(), flags.begin(), flags.end());
   spec.argv.insert(spec.argv.end(), {"--nproc-per-node", "2", "--grace-period-s", "5", "--", fsdp::testing::self_exe()});
-  spec.env_set = {{"FSDP_TEST_WORKER", "pause_after_init"}, {"FSDP_TEST_DIR", dir.path}, {"FSDP_COLLECTIVE_TIMEOUT_S", "60"}};
+  spec.env_set = {{"FSDP_TEST_WORKER", "pause_in_rendezvous"}, {"FSDP_TEST_DIR", dir.path}, {"FSDP_COLLECTIVE_TIMEOUT_S", "60"}};
   spec.env_unset = {"RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
                     "TORCHELASTIC_RESTART_COUNT", "TORCHELASTIC_USE_AGENT_STORE", "FSDP_STORE_FILE", "GLOO_SOCKET_IFNAME"};
   spec.timeout = 120s;
@@ -155,15 +162,26 @@ JobSockets listening_sockets_of_job(const std::vector<std::string>& flags) {
     if (stat(std::filesystem::path(job.store_file).parent_path().c_str(), &st) == 0) job.store_dir_mode = st.st_mode & 07777;
   }
   if (pids.size() == 3) {
-    std::set<unsigned long> inodes;
-    for (int pid : pids) {
-      auto s = socket_inodes(pid);
-      inodes.insert(s.begin(), s.end());
+    // Rank 0 is now entering (or inside) the second group's rendezvous: collect the job's
+    // listening sockets until one of a worker's shows up (at most 10 s), then let the others join.
+    std::set<std::string> seen;
+    const auto scan_end = Clock::now() + 10s;
+    bool worker_listens = false;
+    while (!worker_listens && Clock::now() < scan_end) {
+      for (size_t i = 0; i < pids.size(); ++i) {
+        auto inodes = socket_inodes(pids[i]);
+        auto found = listeners("/proc/net/tcp", false, inodes);
+        auto found6 = listeners("/proc/net/tcp6", true, inodes);
+        found.insert(found.end(), found6.begin(), found6.end());
+        for (const auto& l : found) {
+          if (seen.insert(l.address + ":" + std::to_string(l.port)).second) job.listening.push_back(l);
+          if (i > 0) worker_listens = true;
+        }
+      }
+      std::this_thread::sleep_for(20ms);
     }
-    for (const auto& l : listeners("/proc/net/tcp", false, inodes)) job.listening.push_back(l);
-    for (const auto& l : listeners("/proc/net/tcp6", true, inodes)) job.listening.push_back(l);
   }
-  { std::ofstream(dir / "stop") << "1\n"; }
+  { std::ofstream(dir / "go") << "1\n"; }
   job.result = child.wait();
   EXPECT_EQ(pids.size(), 3u) << "the workers did not get as far as forming the group\n" << job.result.output;
   return job;
@@ -182,7 +200,8 @@ std::string describe(const std::vector<Listener>& ls) {
 TEST(LauncherNetwork, SingleNodeJobListensOnLoopbackOnly) {
   auto job = listening_sockets_of_job({"--master-port", "0"});
   ASSERT_TRUE(job.result.ok()) << job.result.output;
-  EXPECT_FALSE(job.listening.empty()) << "expected Gloo's listening sockets; found none\n" << job.result.output;
+  EXPECT_FALSE(job.listening.empty()) << "expected Gloo's listening sockets during the rendezvous; found none\n"
+                                      << job.result.output;
   for (const auto& l : job.listening) EXPECT_TRUE(l.loopback) << "listening sockets:\n" << describe(job.listening);
   // The store: a file in a folder only this user can enter, gone once fsdprun has exited.
   ASSERT_NE(job.store_file, "-") << "FSDP_STORE_FILE was not set\n" << job.result.output;

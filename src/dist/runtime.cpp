@@ -9,8 +9,10 @@
 #include <cstdlib>
 #include <cstdio>
 #include <cstring>
+#include <future>
 #include <mutex>
 #include <set>
+#include <thread>
 
 #include "fsdp/comm/backend.h"
 #include "fsdp/compat/store.h"
@@ -131,6 +133,20 @@ compat::StorePtr connect_store(const LaunchEnv& env, const StoreEnv& store_env, 
   return store;
 }
 
+// Drops what a failed start had made (the store: a TCPStore server's thread and connections)
+// without letting a c10d destructor that blocks hold the error back: the teardown runs on a helper
+// thread, waited for at most `limit`; past that it is left to finish on its own, or to end with
+// the process. (Issue 18: on a loaded machine, a failed start once did not end its process.)
+void release_bounded(std::unique_ptr<Runtime> rt, std::chrono::milliseconds limit) {
+  auto done = std::make_shared<std::promise<void>>();
+  auto finished = done->get_future();
+  std::thread([rt = std::move(rt), done]() mutable {
+    rt.reset();
+    done->set_value();
+  }).detach();
+  finished.wait_for(limit);
+}
+
 }  // namespace
 
 void init_distributed(const InitOptions& options) {
@@ -158,9 +174,12 @@ void init_distributed(const InitOptions& options) {
     auto group_store = c10::make_intrusive<c10d::PrefixStore>("fsdp/world", rt->store);
     rt->world = comm::make_comm(rt->backend, group_store, all, env.rank, options.timeout, "world", gloo_host(*rt));
   } catch (const std::exception& e) {
-    throw DistError("fsdp: rank " + std::to_string(env.rank) + " could not form the world group of " +
-                    std::to_string(env.world_size) + " ranks (timeout " + seconds(options.timeout) +
-                    "): did every rank start, with the same WORLD_SIZE, and is none of them failing?\n  cause: " + e.what());
+    std::string message = "fsdp: rank " + std::to_string(env.rank) + " could not form the world group of " +
+                          std::to_string(env.world_size) + " ranks (timeout " + seconds(options.timeout) +
+                          "): did every rank start, with the same WORLD_SIZE, and is none of them failing?\n  cause: " +
+                          e.what();
+    release_bounded(std::move(rt), std::chrono::seconds(10));
+    throw DistError(message);
   }
   g_runtime = std::move(rt);
 }

@@ -86,10 +86,14 @@ TEST(FailedStart, LoneRankZeroHostingTheStoreExits) {
 }
 
 // Two of three ranks meet and connect to each other in Gloo before timing out on the third:
-// a half-formed group with live connections must be torn down too.
+// a half-formed group with live connections must be torn down too. The store is already up (an
+// agent's), so that a slow start of one rank cannot fail the other at the store instead.
 TEST(FailedStart, HalfFormedGroupExits) {
   const int port = fsdp::testing::pick_free_port();
-  expect_prompt_failed_start({rank_spec(0, 3, port, kExpect), rank_spec(1, 3, port, kExpect)}, "ranks 0, 1 of 3");
+  auto store = agent_store(port);
+  const std::map<std::string, std::string> agent = {{"TORCHELASTIC_USE_AGENT_STORE", "True"}};
+  expect_prompt_failed_start({rank_spec(0, 3, port, kExpect, agent), rank_spec(1, 3, port, kExpect, agent)},
+                             "ranks 0, 1 of 3 on an agent's TCP store");
 }
 
 TEST(FailedStart, LoneClientOfAnAgentStoreExits) {

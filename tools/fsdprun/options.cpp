@@ -296,7 +296,8 @@ TORCH_NCCL_ASYNC_ERROR_HANDLING=1; with --store file, FSDP_STORE_FILE (the FileS
 Workers connect to the store as clients under
 PrefixStore("/worker/attempt_<TORCHELASTIC_RESTART_COUNT>").
 
-network: a single-node job opens nothing beyond this machine. A multi-node job's store and the
+network: a single-node job with --store file (the default) opens nothing beyond this machine.
+A multi-node job's store and the
 workers' collectives (Gloo) are unauthenticated: anyone who can reach node 0's store port can
 read and write its keys, and the Gloo ports accept any peer. Run multi-node jobs only on a
 trusted network, as PyTorch's torchrun requires. The TCP store listens on --master-addr only

@@ -296,14 +296,13 @@ TORCH_NCCL_ASYNC_ERROR_HANDLING=1; with --store file, FSDP_STORE_FILE (the FileS
 Workers connect to the store as clients under
 PrefixStore("/worker/attempt_<TORCHELASTIC_RESTART_COUNT>").
 
-network: a single-node job with --store file (the default) opens nothing beyond this machine.
-A multi-node job's store and the
-workers' collectives (Gloo) are unauthenticated: anyone who can reach node 0's store port can
-read and write its keys, and the Gloo ports accept any peer. Run multi-node jobs only on a
-trusted network, as PyTorch's torchrun requires. The TCP store listens on --master-addr only
-where LibTorch allows choosing the address (2.x); LibTorch 1.13's listens on every interface
-(fsdprun then says so): firewall the port, or run on a private network. GLOO_SOCKET_IFNAME picks
-Gloo's interface.
+network: a single-node job with --store file (the default) opens nothing beyond this
+machine. A multi-node job's store and the workers' collectives (Gloo) are unauthenticated:
+anyone who can reach node 0's store port can read and write its keys, and the Gloo ports accept
+any peer. Run multi-node jobs only on a trusted network, as PyTorch's torchrun requires. The TCP
+store listens on --master-addr only where LibTorch allows choosing the address (2.x); LibTorch
+1.13's listens on every interface (fsdprun then says so): firewall the port, or run on a private
+network. GLOO_SOCKET_IFNAME picks Gloo's interface.
 
 exit status: 0 when every worker on every node exited 0; 1 when workers failed (the first failure
 is named) or the job could not start; 2 for a wrong command line; 128+N after signal N

@@ -2,19 +2,48 @@
 
 #include <torch/csrc/distributed/c10d/HashStore.hpp>
 
+#include <unistd.h>
+
 #include <algorithm>
+#include <cerrno>
+#include <cstdlib>
 #include <cstdio>
+#include <cstring>
+#include <future>
 #include <mutex>
 #include <set>
+#include <thread>
 
 #include "fsdp/comm/backend.h"
+#include "fsdp/compat/store.h"
 
 namespace fsdp::dist {
 
 namespace {
 
+// fsdprun's single-host contract, beside torchrun's variables (LaunchEnv):
+//   FSDP_STORE_FILE   the store is the c10d FileStore at this path (under the same
+//                     /worker/attempt_<n> prefix with TORCHELASTIC_USE_AGENT_STORE=True) instead of
+//                     the TCPStore at MASTER_ADDR:MASTER_PORT: nothing listens on the network.
+// A job is single-host when FSDP_STORE_FILE is set or the launcher's LOCAL_WORLD_SIZE equals
+// WORLD_SIZE; Gloo then binds the loopback interface (unless GLOO_SOCKET_IFNAME is set).
+struct StoreEnv {
+  std::string file;
+  bool single_host = false;
+};
+
+StoreEnv read_store_env(const LaunchEnv& env) {
+  StoreEnv s;
+  if (const char* f = std::getenv("FSDP_STORE_FILE"); f != nullptr) s.file = f;
+  const char* local_world = std::getenv("LOCAL_WORLD_SIZE");
+  s.single_host = !s.file.empty() ||
+                  (local_world != nullptr && *local_world != '\0' && env.local_world_size == env.world_size);
+  return s;
+}
+
 struct Runtime {
   LaunchEnv env;
+  StoreEnv store_env;
   InitOptions options;
   comm::BackendKind backend = comm::BackendKind::Gloo;
   compat::StorePtr store;
@@ -41,35 +70,81 @@ bool mentions(const std::string& what, std::initializer_list<const char*> needle
   return std::any_of(needles.begin(), needles.end(), [&](const char* n) { return what.find(n) != std::string::npos; });
 }
 
-compat::StorePtr connect_store(const LaunchEnv& env, std::chrono::milliseconds timeout) {
-  const std::string where = env.master_addr + ":" + std::to_string(env.master_port);
-  const bool host = !env.use_agent_store && env.rank == 0;
-  c10d::TCPStoreOptions opts = compat::tcp_store_options();
-  opts.port = static_cast<std::uint16_t>(env.master_port);
-  opts.isServer = host;
-  opts.numWorkers = static_cast<size_t>(env.world_size);
-  opts.waitWorkers = false;  // the process-group rendezvous below waits for everybody, with a timeout
-  opts.timeout = timeout;
-  opts.multiTenant = host;
-  compat::StorePtr store;
+bool is_loopback(const std::string& host) {
+  return host == "localhost" || host == "::1" || host.rfind("127.", 0) == 0;
+}
+
+// The host name that picks Gloo's interface (comm::make_comm): the loopback for a single-host job.
+std::string gloo_host(const Runtime& rt) { return rt.store_env.single_host ? "127.0.0.1" : rt.env.master_addr; }
+
+// fsdprun's single-host store (FSDP_STORE_FILE): a FileStore, no network at all.
+compat::StorePtr open_file_store(const LaunchEnv& env, const std::string& path, std::chrono::milliseconds timeout) {
+  const auto slash = path.rfind('/');
+  const std::string dir = slash == std::string::npos ? "." : (slash == 0 ? "/" : path.substr(0, slash));
+  if (::access(dir.c_str(), R_OK | W_OK | X_OK) != 0) {
+    throw DistError("fsdp: rank " + std::to_string(env.rank) + " cannot use the store file FSDP_STORE_FILE=" + path +
+                    ": its folder " + dir + " is not usable (" + std::strerror(errno) + "). fsdprun sets it for the " +
+                    "job's lifetime; unset it to use the TCP store at MASTER_ADDR:MASTER_PORT instead");
+  }
   try {
-    store = c10::make_intrusive<c10d::TCPStore>(env.master_addr, opts);
+    return compat::file_store(path, timeout);
   } catch (const std::exception& e) {
-    const std::string what = e.what();
-    if (host && mentions(what, {"Address already in use", "errno: 98", "EADDRINUSE"})) {
-      throw DistError("fsdp: rank 0 cannot host the store: port " + std::to_string(env.master_port) +
-                      " is in use (" + where + "). Pick a free MASTER_PORT, or start with `fsdprun --master-port 0` "
-                      "to get one.\n  cause: " + what);
+    throw DistError("fsdp: rank " + std::to_string(env.rank) + " cannot open the store file FSDP_STORE_FILE=" + path +
+                    ": " + e.what());
+  }
+}
+
+compat::StorePtr connect_store(const LaunchEnv& env, const StoreEnv& store_env, std::chrono::milliseconds timeout) {
+  compat::StorePtr store;
+  if (!store_env.file.empty()) {
+    store = open_file_store(env, store_env.file, timeout);
+  } else {
+    const std::string where = env.master_addr + ":" + std::to_string(env.master_port);
+    const bool host = !env.use_agent_store && env.rank == 0;
+    c10d::TCPStoreOptions opts = compat::tcp_store_options();
+    opts.port = static_cast<std::uint16_t>(env.master_port);
+    opts.isServer = host;
+    opts.numWorkers = static_cast<size_t>(env.world_size);
+    opts.waitWorkers = false;  // the process-group rendezvous below waits for everybody, with a timeout
+    opts.timeout = timeout;
+    opts.multiTenant = host;
+    try {
+      // A single-host job's store listens on MASTER_ADDR only, where c10d lets us choose (2.x).
+      // Not for other jobs: a host name can resolve to a loopback address on rank 0's machine
+      // (Debian's 127.0.1.1), and the other machines could then not reach the store.
+      if (host && (store_env.single_host || is_loopback(env.master_addr))) compat::listen_only_on(opts, env.master_addr);
+      store = c10::make_intrusive<c10d::TCPStore>(env.master_addr, opts);
+    } catch (const std::exception& e) {
+      const std::string what = e.what();
+      if (host && mentions(what, {"Address already in use", "errno: 98", "EADDRINUSE"})) {
+        throw DistError("fsdp: rank 0 cannot host the store: port " + std::to_string(env.master_port) +
+                        " is in use (" + where + "). Pick a free MASTER_PORT, or start with `fsdprun --master-port 0` "
+                        "to get one.\n  cause: " + what);
+      }
+      if (host) throw DistError("fsdp: rank 0 cannot host the store at " + where + ": " + what);
+      throw DistError("fsdp: rank " + std::to_string(env.rank) + " could not reach the store at " + where + " within " +
+                      seconds(timeout) + ". Is rank 0 (or the launcher) running, and do MASTER_ADDR/MASTER_PORT " +
+                      "match on every rank?\n  cause: " + what);
     }
-    if (host) throw DistError("fsdp: rank 0 cannot host the store at " + where + ": " + what);
-    throw DistError("fsdp: rank " + std::to_string(env.rank) + " could not reach the store at " + where + " within " +
-                    seconds(timeout) + ". Is rank 0 (or the launcher) running, and do MASTER_ADDR/MASTER_PORT " +
-                    "match on every rank?\n  cause: " + what);
   }
   if (env.use_agent_store) {
     return c10::make_intrusive<c10d::PrefixStore>(env.store_prefix(), store);
   }
   return store;
+}
+
+// Drops what a failed start had made (the store: a TCPStore server's thread and connections)
+// without letting a c10d destructor that blocks hold the error back: the teardown runs on a helper
+// thread, waited for at most `limit`; past that it is left to finish on its own, or to end with
+// the process. (Issue 18: on a loaded machine, a failed start once did not end its process.)
+void release_bounded(std::unique_ptr<Runtime> rt, std::chrono::milliseconds limit) {
+  auto done = std::make_shared<std::promise<void>>();
+  auto finished = done->get_future();
+  std::thread([rt = std::move(rt), done]() mutable {
+    rt.reset();
+    done->set_value();
+  }).detach();
+  finished.wait_for(limit);
 }
 
 }  // namespace
@@ -97,16 +172,20 @@ void init_distributed(const InitOptions& options) {
     g_runtime = std::move(rt);
     return;
   }
-  rt->store = connect_store(env, options.timeout);
+  rt->store_env = read_store_env(env);
+  rt->store = connect_store(env, rt->store_env, options.timeout);
   std::vector<int> all(static_cast<size_t>(env.world_size));
   for (int r = 0; r < env.world_size; ++r) all[static_cast<size_t>(r)] = r;
   try {
     auto group_store = c10::make_intrusive<c10d::PrefixStore>("fsdp/world", rt->store);
-    rt->world = comm::make_comm(rt->backend, group_store, all, env.rank, options.timeout, "world", env.master_addr);
+    rt->world = comm::make_comm(rt->backend, group_store, all, env.rank, options.timeout, "world", gloo_host(*rt));
   } catch (const std::exception& e) {
-    throw DistError("fsdp: rank " + std::to_string(env.rank) + " could not form the world group of " +
-                    std::to_string(env.world_size) + " ranks (timeout " + seconds(options.timeout) +
-                    "): did every rank start, with the same WORLD_SIZE, and is none of them failing?\n  cause: " + e.what());
+    std::string message = "fsdp: rank " + std::to_string(env.rank) + " could not form the world group of " +
+                          std::to_string(env.world_size) + " ranks (timeout " + seconds(options.timeout) +
+                          "): did every rank start, with the same WORLD_SIZE, and is none of them failing?\n  cause: " +
+                          e.what();
+    release_bounded(std::move(rt), std::chrono::seconds(10));
+    throw DistError(message);
   }
   g_runtime = std::move(rt);
 }
@@ -155,7 +234,7 @@ std::shared_ptr<comm::Comm> form_group(comm::BackendKind kind, std::vector<int> 
   auto group_store = c10::make_intrusive<c10d::PrefixStore>("fsdp/group/" + tag, rt.store);
   try {
     return comm::make_comm(kind, group_store, std::move(global_ranks), group_rank, rt.options.timeout, tag,
-                           rt.env.master_addr);
+                           gloo_host(rt));
   } catch (const std::exception& e) {
     throw DistError("fsdp: could not form group '" + tag + "' (timeout " + seconds(rt.options.timeout) +
                     "): every member must create it with the same ranks.\n  cause: " + e.what());

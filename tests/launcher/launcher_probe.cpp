@@ -9,8 +9,10 @@
 //   fail-once CODE DIR      prints attempt=<restart count>; on attempt 0 the last rank exits with
 //                           CODE once all ranks printed, the others sleep; later attempts exit 0
 //   always-fail CODE DIR    prints attempt=<restart count>; exits with CODE once all ranks printed
-//   store                   joins the agent's TCPStore under /worker/attempt_<n> as torchrun's
-//                           workers do, waits for every rank's key, prints OK rank=<R> ...
+//   store                   joins the agent's store under /worker/attempt_<n> as torchrun's
+//                           workers do (the FileStore named by FSDP_STORE_FILE when set, else the
+//                           TCPStore at MASTER_ADDR:MASTER_PORT), waits for every rank's key,
+//                           prints store=file|tcp, then OK rank=<R> ...
 //   store-fail-once CODE    store, then on attempt 0 the last rank exits with CODE (others sleep)
 //   sleep DIR               writes DIR/pid_<RANK>, prints pid=<pid>, sleeps 60 s
 // DIR is a directory shared by all ranks for a file barrier: a failure must not come before the
@@ -19,7 +21,7 @@
 #include <torch/csrc/distributed/c10d/PrefixStore.hpp>
 #include <torch/csrc/distributed/c10d/TCPStore.hpp>
 
-#include "fsdp/compat/c10d.h"
+#include "fsdp/compat/store.h"
 
 #include <signal.h>
 #include <unistd.h>
@@ -68,17 +70,24 @@ int store_sync() {
     say("FAIL TORCHELASTIC_USE_AGENT_STORE=" + env_or("TORCHELASTIC_USE_AGENT_STORE"));
     return 1;
   }
-  c10d::TCPStoreOptions opts = fsdp::compat::tcp_store_options();  // 2.x: libuv off unless USE_LIBUV=1
-  opts.port = static_cast<std::uint16_t>(env_int("MASTER_PORT"));
-  opts.isServer = false;  // the agent hosts the store: every rank is a client
-  opts.waitWorkers = false;
-  opts.timeout = std::chrono::seconds(30);
-  auto tcp = c10::make_intrusive<c10d::TCPStore>(env_or("MASTER_ADDR"), opts);
-  auto store = c10::make_intrusive<c10d::PrefixStore>("/worker/attempt_" + env_or("TORCHELASTIC_RESTART_COUNT"), tcp);
+  const std::string file = env_or("FSDP_STORE_FILE", "");
+  fsdp::compat::StorePtr base;
+  if (!file.empty()) {
+    base = fsdp::compat::file_store(file, std::chrono::seconds(30));
+  } else {
+    c10d::TCPStoreOptions opts = fsdp::compat::tcp_store_options();  // 2.x: libuv off unless USE_LIBUV=1
+    opts.port = static_cast<std::uint16_t>(env_int("MASTER_PORT"));
+    opts.isServer = false;  // the agent hosts the store: every rank is a client
+    opts.waitWorkers = false;
+    opts.timeout = std::chrono::seconds(30);
+    base = c10::make_intrusive<c10d::TCPStore>(env_or("MASTER_ADDR"), opts);
+  }
+  auto store = c10::make_intrusive<c10d::PrefixStore>("/worker/attempt_" + env_or("TORCHELASTIC_RESTART_COUNT"), base);
   store->set("rank_" + std::to_string(rank), std::vector<uint8_t>{1});
   std::vector<std::string> keys;
   for (int r = 0; r < world; ++r) keys.push_back("rank_" + std::to_string(r));
   store->wait(keys, std::chrono::seconds(30));
+  say(std::string("store=") + (file.empty() ? "tcp" : "file"));
   say("OK rank=" + std::to_string(rank) + " world=" + std::to_string(world) + " port=" + env_or("MASTER_PORT") +
       " attempt=" + env_or("TORCHELASTIC_RESTART_COUNT"));
   return 0;

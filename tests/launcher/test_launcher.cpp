@@ -386,7 +386,8 @@ TEST(Launcher, HelpDocumentsEveryFlag) {
   ASSERT_TRUE(r.ok()) << r.output;
   for (const char* flag : {"--nproc-per-node", "--nnodes", "--node-rank", "--master-addr", "--master-port", "--standalone",
                            "--max-restarts", "--grace-period-s", "--rdzv-timeout-s", "--monitor-interval", "--rdzv-id",
-                           "--role", "--no-python", "TORCHELASTIC_USE_AGENT_STORE", "OMP_NUM_THREADS"}) {
+                           "--role", "--no-python", "TORCHELASTIC_USE_AGENT_STORE", "OMP_NUM_THREADS", "--store",
+                           "FSDP_STORE_FILE", "unauthenticated", "trusted network"}) {
     EXPECT_NE(r.output.find(flag), std::string::npos) << flag;
   }
 }

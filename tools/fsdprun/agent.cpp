@@ -1,10 +1,17 @@
 #include "agent.h"
 
+#include <netinet/in.h>
 #include <poll.h>
+#include <sys/socket.h>
 #include <unistd.h>
 
 #include <algorithm>
 #include <cerrno>
+#include <cstdlib>
+#include <cstring>
+#include <filesystem>
+
+#include <torch/version.h>
 
 #include "fsdp/dist/cpu_tuning.h"
 #include "signals.h"
@@ -54,6 +61,25 @@ bool wait_for_signal(Signals& signals, ms timeout) {
   return signals.termination() != 0;
 }
 
+// A port number that is free on this machine now (bind 127.0.0.1:0, read it, close): MASTER_PORT
+// for `--store file --master-port 0`, where no TCP store listens but workers still expect the
+// variable to name a port.
+int free_port_number() {
+  int fd = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  if (fd < 0) return 29500;
+  sockaddr_in a{};
+  a.sin_family = AF_INET;
+  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  socklen_t len = sizeof(a);
+  int port = 29500;
+  if (bind(fd, reinterpret_cast<sockaddr*>(&a), sizeof(a)) == 0 &&
+      getsockname(fd, reinterpret_cast<sockaddr*>(&a), &len) == 0) {
+    port = ntohs(a.sin_port);
+  }
+  close(fd);
+  return port;
+}
+
 }  // namespace
 
 Agent::Agent(Options opts, std::string exe) : opts_(std::move(opts)), exe_(std::move(exe)), signals_(Signals::get()) {
@@ -78,7 +104,13 @@ Agent::Agent(Options opts, std::string exe) : opts_(std::move(opts)), exe_(std::
   if (unset("TORCH_NCCL_ASYNC_ERROR_HANDLING")) base_env_["TORCH_NCCL_ASYNC_ERROR_HANDLING"] = "1";
 }
 
-Agent::~Agent() = default;
+Agent::~Agent() {
+  store_.reset();
+  if (!store_dir_.empty()) {
+    std::error_code ec;  // best effort: the folder holds only the store's file
+    std::filesystem::remove_all(store_dir_, ec);
+  }
+}
 
 bool Agent::store_hung() const { return store_ && store_->hung(); }
 
@@ -114,6 +146,11 @@ std::vector<WorkerSpec> Agent::worker_specs(int attempt) const {
     env["TORCHELASTIC_MAX_RESTARTS"] = std::to_string(opts_.max_restarts);
     env["TORCHELASTIC_RUN_ID"] = opts_.run_id;
     env["TORCHELASTIC_USE_AGENT_STORE"] = "True";  // the agent hosts the store: workers only connect
+    if (store_file_.empty()) {
+      env.erase("FSDP_STORE_FILE");  // not one inherited from an outer job
+    } else {
+      env["FSDP_STORE_FILE"] = store_file_;
+    }
     WorkerSpec spec;
     spec.global_rank = rank;
     spec.local_rank = local;
@@ -130,13 +167,41 @@ int Agent::setup_store() {
   const ms op_timeout = std::min(to_ms(opts_.rdzv_timeout_s), ms(60000));
   const std::string config = "nnodes=" + std::to_string(opts_.nnodes) + " nproc_per_node=" + std::to_string(opts_.nproc_per_node) +
                              " max_restarts=" + std::to_string(opts_.max_restarts) + " rdzv_id=" + opts_.run_id;
+  if (opts_.store == "file") {
+    // A single node: a FileStore in a folder only this user can enter, removed at exit (~Agent).
+    // Nothing listens on the network; workers find the file through FSDP_STORE_FILE.
+    const char* tmp = std::getenv("TMPDIR");
+    std::string base = tmp != nullptr && *tmp != '\0' ? tmp : "/tmp";
+    std::string templ = base + "/fsdprun-XXXXXX";
+    if (mkdtemp(templ.data()) == nullptr) {  // mode 0700
+      log("cannot make a private folder for the store in " + base + ": " + std::strerror(errno) +
+          "; set TMPDIR to a writable folder, or use --store tcp");
+      return 1;
+    }
+    store_dir_ = templ;
+    store_file_ = store_dir_ + "/store";
+    try {
+      store_ = StoreClient::file(store_file_, op_timeout);
+      port_ = opts_.master_port != 0 ? opts_.master_port : free_port_number();
+      store_->set(kConfigKey, config);
+      store_->add("/fsdprun/node_0/claimed", 1);
+    } catch (const std::exception& e) {
+      log("cannot create the store file " + store_file_ + ": " + e.what() + "; set TMPDIR to a writable folder, or use --store tcp");
+      return 1;
+    }
+    return 0;
+  }
   if (opts_.node_rank == 0) {
     // The agent hosts the store before any worker starts, as torchrun does: workers only connect.
-    // A single-node job would ideally listen on loopback only, but c10d 1.13's TCPStore always
-    // listens on every interface (see StoreClient::host).
+    // It listens on --master-addr only where c10d allows choosing (see StoreClient::host).
     try {
       store_ = StoreClient::host(opts_.master_addr, opts_.master_port, op_timeout);
       port_ = store_->port();
+      if (store_->listens_everywhere()) {
+        log("note: LibTorch " TORCH_VERSION "'s TCP store listens on every interface (port " + std::to_string(port_) +
+            "), not only on " + opts_.master_addr + ", and is unauthenticated: keep the port behind a firewall or on a "
+            "trusted network" + (opts_.nnodes == 1 ? std::string(" (a single node needs no TCP store: drop --store tcp)") : ""));
+      }
       store_->set(kConfigKey, config);
       store_->add("/fsdprun/node_0/claimed", 1);
     } catch (const std::exception& e) {

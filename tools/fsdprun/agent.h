@@ -1,5 +1,6 @@
 #pragma once
-// The per-node agent: hosts (node 0) or joins the c10d TCPStore, agrees with the other nodes on
+// The per-node agent: hosts (node 0) or joins the c10d store (a TCPStore; for a single node by
+// default a FileStore in a private folder), agrees with the other nodes on
 // each attempt, runs the local workers, and stops or restarts them all together.
 //
 // Cross-node protocol, all keys in the agent's TCPStore (workers use "/worker/attempt_<k>/..."):
@@ -59,6 +60,8 @@ class Agent {
   Signals& signals_;
   std::unique_ptr<StoreClient> store_;
   int port_ = 0;  // the store's real port (differs from opts_.master_port when that is 0)
+  std::string store_dir_;   // --store file: the private folder (mode 0700) removed at exit
+  std::string store_file_;  // --store file: the FileStore, FSDP_STORE_FILE for the workers
   std::map<std::string, std::string> base_env_;  // fsdprun's environment plus the defaults
 };
 

@@ -97,6 +97,13 @@ const std::vector<Spec>& specs() {
          o.max_restarts = static_cast<int>(parse_long("--max-restarts", v, 0, INT_MAX, "a count of 0 or more, e.g. --max-restarts 3"));
        }},
       {"--standalone", false, [](Options& o, const std::string&) { o.standalone = true; }},
+      {"--store", true,
+       [](Options& o, const std::string& v) {
+         if (v != "file" && v != "tcp") {
+           throw UsageError("--store '" + v + "' is not valid; give file (single node, nothing on the network) or tcp");
+         }
+         o.store = v;
+       }},
       {"--no-python", false, [](Options& o, const std::string&) { o.no_python = true; }},
       {"--grace-period-s", true, [](Options& o, const std::string& v) { o.grace_period_s = parse_seconds("--grace-period-s", v, true); }},
       {"--rdzv-timeout-s", true, [](Options& o, const std::string& v) { o.rdzv_timeout_s = parse_seconds("--rdzv-timeout-s", v, false); }},
@@ -231,6 +238,11 @@ Options parse_options(const std::vector<std::string>& args) {
     throw UsageError("--master-port 0 only works with one node (the other nodes could not know the port); give a "
                      "fixed port, e.g. --master-port 29500");
   }
+  if (o.store.empty()) o.store = o.nnodes == 1 ? "file" : "tcp";
+  if (o.store == "file" && o.nnodes > 1) {
+    throw UsageError("--store file only works with one node (the other nodes cannot reach this machine's files); "
+                     "drop --store file, or use --store tcp");
+  }
   if (o.program.empty()) {
     throw UsageError("no program given; usage: fsdprun [options] [--] program [args...] (see fsdprun --help)");
   }
@@ -242,7 +254,7 @@ std::string usage_text() {
 
 Starts --nproc-per-node copies of `program` on this node with torchrun's environment
 (RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT, TORCHELASTIC_*, ...), hosts the
-c10d TCPStore the workers connect to (TORCHELASTIC_USE_AGENT_STORE=True), forwards their
+c10d store the workers connect to (TORCHELASTIC_USE_AGENT_STORE=True), forwards their
 output with "[rank<R>]: " prefixes, and stops or restarts the whole group when one fails.
 Options go before the program; everything after the program (or after `--`) is passed to it.
 Every flag also accepts underscores (--nproc_per_node) and the --flag=value form.
@@ -252,10 +264,17 @@ options:
   --nnodes N             number of nodes, each running its own fsdprun (default 1; N:N accepted,
                          elastic MIN:MAX is not supported)
   --node-rank K          this node's rank, 0..nnodes-1 (default 0); node 0 hosts the store
-  --master-addr A        node 0's address, where the store listens (default 127.0.0.1)
-  --master-port P        the store's port (default 29500); 0 picks a free port (single node
+  --master-addr A        node 0's address, where its TCP store listens (default 127.0.0.1): an
+                         address the other nodes reach this machine by
+  --master-port P        the TCP store's port (default 29500); 0 picks a free port (single node
                          only); workers get the real port in MASTER_PORT
   --standalone           single node on 127.0.0.1 with a free port (like --master-port 0)
+  --store file|tcp       file (default for one node): a c10d FileStore in a private folder
+                         (mode 0700, removed at exit), named to the workers by FSDP_STORE_FILE;
+                         nothing listens on the network and Gloo uses the loopback interface.
+                         MASTER_ADDR/MASTER_PORT are still set, but nothing listens there: use
+                         tcp for a program that connects to them itself. tcp (the only choice
+                         for several nodes): node 0 hosts a c10d TCPStore at the address above
   --max-restarts R       restart the whole group up to R times after a failure (default 0);
                          workers see TORCHELASTIC_RESTART_COUNT 0, 1, ...
   --grace-period-s S     when stopping workers, SIGTERM then SIGKILL after S seconds (default 30)
@@ -273,8 +292,17 @@ ROLE_RANK, ROLE_NAME, LOCAL_WORLD_SIZE, WORLD_SIZE (= nnodes * nproc), GROUP_WOR
 ROLE_WORLD_SIZE, MASTER_ADDR, MASTER_PORT, TORCHELASTIC_RESTART_COUNT, TORCHELASTIC_MAX_RESTARTS,
 TORCHELASTIC_RUN_ID, TORCHELASTIC_USE_AGENT_STORE=True; if unset: OMP_NUM_THREADS (cores /
 nproc), OPENBLAS_CORETYPE (when OpenBLAS would use generic kernels on this CPU),
-TORCH_NCCL_ASYNC_ERROR_HANDLING=1. Workers connect to the store as clients under
+TORCH_NCCL_ASYNC_ERROR_HANDLING=1; with --store file, FSDP_STORE_FILE (the FileStore's path).
+Workers connect to the store as clients under
 PrefixStore("/worker/attempt_<TORCHELASTIC_RESTART_COUNT>").
+
+network: a single-node job with --store file (the default) opens nothing beyond this
+machine. A multi-node job's store and the workers' collectives (Gloo) are unauthenticated:
+anyone who can reach node 0's store port can read and write its keys, and the Gloo ports accept
+any peer. Run multi-node jobs only on a trusted network, as PyTorch's torchrun requires. The TCP
+store listens on --master-addr only where LibTorch allows choosing the address (2.x); LibTorch
+1.13's listens on every interface (fsdprun then says so): firewall the port, or run on a private
+network. GLOO_SOCKET_IFNAME picks Gloo's interface.
 
 exit status: 0 when every worker on every node exited 0; 1 when workers failed (the first failure
 is named) or the job could not start; 2 for a wrong command line; 128+N after signal N

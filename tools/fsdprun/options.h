@@ -21,6 +21,10 @@ struct Options {
   int master_port = 29500;  // 0: node 0 picks a free port (single node only)
   int max_restarts = 0;
   bool standalone = false;
+  // Where the store lives: "file" (a FileStore in a private folder, nothing on the network; the
+  // default for one node), "tcp" (node 0 hosts a TCPStore at --master-addr:--master-port; the only
+  // choice for several nodes). "" until parse_options picks the default.
+  std::string store;
   bool no_python = false;     // accepted for torchrun compatibility; programs always run directly
   double grace_period_s = 30;  // SIGTERM -> SIGKILL delay when stopping workers (torchrun: 30 s)
   double rdzv_timeout_s = 300;  // bound on every cross-node wait (connect, rendezvous, exit barrier)

@@ -10,12 +10,12 @@
 #include <future>
 #include <thread>
 
-#include "fsdp/compat/c10d.h"
+#include "fsdp/compat/store.h"
 
 namespace fsdprun {
 
 struct StoreClient::Impl {
-  c10::intrusive_ptr<c10d::TCPStore> store;
+  fsdp::compat::StorePtr store;  // a TCPStore, or a FileStore for a single-node job
 };
 
 namespace {
@@ -45,13 +45,30 @@ StoreClient::~StoreClient() = default;  // a hung call's thread keeps its own re
 
 std::unique_ptr<StoreClient> StoreClient::host(const std::string& addr, int port, std::chrono::milliseconds op_timeout) {
   auto impl = std::make_shared<Impl>();
+  int real_port = 0;
+  bool bound = false;
   try {
-    impl->store = c10::make_intrusive<c10d::TCPStore>(addr, options(port, true, op_timeout));
+    c10d::TCPStoreOptions opts = options(port, true, op_timeout);
+    bound = fsdp::compat::listen_only_on(opts, addr);  // 2.x; 1.13 listens on every interface
+    auto tcp = c10::make_intrusive<c10d::TCPStore>(addr, opts);
+    real_port = tcp->getPort();
+    impl->store = tcp;
   } catch (const std::exception& e) {
     throw std::runtime_error(message_of(e));
   }
-  int real_port = impl->store->getPort();
-  return std::unique_ptr<StoreClient>(new StoreClient(std::move(impl), real_port, op_timeout));
+  auto client = std::unique_ptr<StoreClient>(new StoreClient(std::move(impl), real_port, op_timeout));
+  client->listens_everywhere_ = !bound;
+  return client;
+}
+
+std::unique_ptr<StoreClient> StoreClient::file(const std::string& path, std::chrono::milliseconds op_timeout) {
+  auto impl = std::make_shared<Impl>();
+  try {
+    impl->store = fsdp::compat::file_store(path, op_timeout);
+  } catch (const std::exception& e) {
+    throw std::runtime_error(message_of(e));
+  }
+  return std::unique_ptr<StoreClient>(new StoreClient(std::move(impl), 0, op_timeout));
 }
 
 std::unique_ptr<StoreClient> StoreClient::connect(const std::string& addr, int port, std::chrono::milliseconds connect_timeout,
@@ -118,22 +135,22 @@ T StoreClient::call(const char* what, const std::string& key, F fn) {
 }
 
 int64_t StoreClient::add(const std::string& key, int64_t delta) {
-  return call<int64_t>("add", key, [key, delta](c10d::TCPStore& s) { return s.add(key, delta); });
+  return call<int64_t>("add", key, [key, delta](c10d::Store& s) { return s.add(key, delta); });
 }
 
 bool StoreClient::check(const std::string& key) {
-  return call<bool>("check", key, [key](c10d::TCPStore& s) { return s.check({key}); });
+  return call<bool>("check", key, [key](c10d::Store& s) { return s.check({key}); });
 }
 
 void StoreClient::set(const std::string& key, const std::string& value) {
-  call<int>("set", key, [key, value](c10d::TCPStore& s) {
+  call<int>("set", key, [key, value](c10d::Store& s) {
     s.set(key, std::vector<uint8_t>(value.begin(), value.end()));
     return 0;
   });
 }
 
 std::string StoreClient::get(const std::string& key) {
-  return call<std::string>("get", key, [key](c10d::TCPStore& s) {
+  return call<std::string>("get", key, [key](c10d::Store& s) {
     auto v = s.get(key);
     return std::string(v.begin(), v.end());
   });

@@ -86,6 +86,10 @@ LoadResult set_items(std::vector<LocalItem> items, const StateDict& dict, const 
   const bool full = options.full_state_dict || options.broadcast_from_rank0;
   auto world = broadcast ? dist::world_comm() : nullptr;
   const bool root = global_rank() == 0;
+  // The small status broadcasts travel on the model's device: NCCL (a CUDA model's world group)
+  // takes only CUDA tensors, Gloo takes either.
+  const at::TensorOptions code_options =
+      at::TensorOptions(at::kLong).device(items.empty() ? at::Device(at::kCPU) : items.front().local.device());
   for (auto& item : items) {
     const std::string name = strip(item.key, prefix);
     auto found = dict.find(name);
@@ -93,7 +97,7 @@ LoadResult set_items(std::vector<LocalItem> items, const StateDict& dict, const 
     // 0: absent, 1: present, 2: wrong shape. With broadcast, rank 0's dict decides for everyone.
     int64_t status = found == dict.end() ? 0 : (found->second.sizes() == want ? 1 : 2);
     if (broadcast) {
-      at::Tensor code = at::full({1}, root ? status : 0, at::kLong);
+      at::Tensor code = at::full({1}, root ? status : 0, code_options);
       world->broadcast(code, 0);
       status = code[0].item<int64_t>();
     }
@@ -118,7 +122,7 @@ LoadResult set_items(std::vector<LocalItem> items, const StateDict& dict, const 
   for (const auto& [name, value] : dict)
     if (!used.count(name)) result.unexpected_keys.push_back(name);
   if (broadcast) {  // only rank 0's dict counts: everyone agrees on whether to fail
-    at::Tensor unexpected = at::full({1}, root ? static_cast<int64_t>(result.unexpected_keys.size()) : 0, at::kLong);
+    at::Tensor unexpected = at::full({1}, root ? static_cast<int64_t>(result.unexpected_keys.size()) : 0, code_options);
     world->broadcast(unexpected, 0);
     if (!root && unexpected[0].item<int64_t>() > 0)
       result.unexpected_keys.push_back("(" + std::to_string(unexpected[0].item<int64_t>()) + " keys of rank 0's dict)");

@@ -45,7 +45,6 @@ std::map<std::string, std::string> snapshot(const fs::path& dir) {
   return files;
 }
 
-bool trained(const std::string& output) { return output.find("\nstep ") != std::string::npos || output.rfind("step ", 0) == 0; }
 
 TEST(TrainGptCheckpoints, HelpDocumentsTheCheckpointOptions) {
   auto r = run_process(spec_of({kTrainGpt, "--help"}, 30s));

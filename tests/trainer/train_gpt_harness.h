@@ -8,6 +8,7 @@
 #include <cmath>
 #include <filesystem>
 #include <fstream>
+#include <regex>
 #include <string>
 #include <vector>
 
@@ -123,6 +124,13 @@ inline void expect_close(const std::vector<double>& a, const std::vector<double>
   for (size_t i = 0; i < a.size(); ++i) {
     EXPECT_LE(std::abs(a[i] - b[i]), rel * std::abs(b[i])) << "step " << i + 1 << ": " << a[i] << " vs " << b[i];
   }
+}
+
+// True when the output holds a progress line ("step N/M ..."), alone or under fsdprun's
+// "[rankK]: " prefix; other lines that mention a step (e.g. the stop-signal notice) do not count.
+inline bool trained(const std::string& output) {
+  static const std::regex progress(R"((^|\n)(\[rank[0-9]+\]: )?step +[0-9]+/[0-9]+)");
+  return std::regex_search(output, progress);
 }
 
 inline size_t count(const std::string& s, const std::string& what) {

@@ -34,12 +34,16 @@
 #include <string>
 #include <vector>
 
+#include "bench_support.h"
 #include "fsdp/fsdp.h"
 #include "models/gpt.h"
 
-extern char** environ;
 
 namespace {
+
+using fsdp_bench::median;
+using fsdp_bench::peak_rss_bytes;
+using fsdp_bench::spawn_and_wait;
 
 struct Options {
   int steps = 3, warmup = 1, rounds = 1;
@@ -84,17 +88,6 @@ Options parse(int argc, char** argv) {
   }
   if (o.steps < 1 || o.warmup < 0) usage("--steps must be positive, --warmup not negative");
   return o;
-}
-
-double median(std::vector<double> v) {
-  std::sort(v.begin(), v.end());
-  return v.empty() ? 0 : v[v.size() / 2];
-}
-
-double peak_rss_bytes() {
-  rusage u{};
-  getrusage(RUSAGE_SELF, &u);
-  return static_cast<double>(u.ru_maxrss) * 1024.0;
 }
 
 double cpu_seconds() {  // this process's user + system time, all threads
@@ -194,23 +187,6 @@ int run_worker(const Options& o) {
   }
   if (sharded) fsdp::dist::destroy_distributed();
   return 0;
-}
-
-int spawn_and_wait(const std::vector<std::string>& args, const std::vector<std::string>& extra_env) {
-  std::vector<char*> argv;
-  for (const auto& a : args) argv.push_back(const_cast<char*>(a.c_str()));
-  argv.push_back(nullptr);
-  std::vector<std::string> env_strings;
-  for (char** e = environ; *e; ++e) env_strings.emplace_back(*e);
-  for (const auto& kv : extra_env) env_strings.push_back(kv);
-  std::vector<char*> envp;
-  for (auto& s : env_strings) envp.push_back(s.data());
-  envp.push_back(nullptr);
-  pid_t pid;
-  if (posix_spawn(&pid, argv[0], nullptr, nullptr, argv.data(), envp.data()) != 0) return 127;
-  int status = 0;
-  waitpid(pid, &status, 0);
-  return WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
 }
 
 std::map<std::string, double> read_result(const std::string& path) {

@@ -24,12 +24,16 @@
 #include <string>
 #include <vector>
 
+#include "bench_support.h"
 #include "fsdp/fsdp.h"
 #include "models/gpt.h"
 
-extern char** environ;
 
 namespace {
+
+using fsdp_bench::median;
+using fsdp_bench::spawn_and_wait;
+using fsdp_bench::peak_rss_bytes;
 
 struct Options {
   int nproc = 2, steps = 20, warmup = 3, rounds = 2;
@@ -90,11 +94,6 @@ fsdp::models::GPTConfig config_of(const Options& o) {
   return c;
 }
 
-double median(std::vector<double> v) {
-  std::sort(v.begin(), v.end());
-  return v.empty() ? 0 : v[v.size() / 2];
-}
-
 double state_bytes(torch::nn::Module& model, torch::optim::AdamW& opt) {
   double bytes = 0;
   for (const auto& p : model.parameters()) bytes += p.nbytes() + (p.grad().defined() ? p.grad().nbytes() : 0);
@@ -103,12 +102,6 @@ double state_bytes(torch::nn::Module& model, torch::optim::AdamW& opt) {
     bytes += st.exp_avg().nbytes() + st.exp_avg_sq().nbytes();
   }
   return bytes;
-}
-
-double max_rss_bytes() {
-  rusage u{};
-  getrusage(RUSAGE_SELF, &u);
-  return static_cast<double>(u.ru_maxrss) * 1024.0;
 }
 
 // One worker: trains `local_batch` sequences per step, sharded or not; writes one result line.
@@ -162,29 +155,12 @@ int run_worker(const Options& o, bool sharded) {
   if (rank == 0 && !o.result.empty()) {
     std::ofstream out(o.result, std::ios::app);
     out << "median_step_s " << median(times) << " state_bytes " << state_bytes(*model, opt) << " max_rss "
-        << max_rss_bytes() << " comm_bytes_per_step " << comm.total_bytes() / static_cast<double>(o.steps)
+        << peak_rss_bytes() << " comm_bytes_per_step " << comm.total_bytes() / static_cast<double>(o.steps)
         << " param_bytes " << param_bytes << " world " << world << " all_reduce_bytes_per_step "
         << comm[fsdp::comm::OpKind::AllReduce].bytes_sent / static_cast<double>(o.steps) << "\n";
   }
   if (sharded) fsdp::dist::destroy_distributed();
   return 0;
-}
-
-int spawn_and_wait(const std::vector<std::string>& args, const std::vector<std::string>& extra_env) {
-  std::vector<char*> argv;
-  for (const auto& a : args) argv.push_back(const_cast<char*>(a.c_str()));
-  argv.push_back(nullptr);
-  std::vector<std::string> env_strings;
-  for (char** e = environ; *e; ++e) env_strings.emplace_back(*e);
-  for (const auto& kv : extra_env) env_strings.push_back(kv);
-  std::vector<char*> envp;
-  for (auto& s : env_strings) envp.push_back(s.data());
-  envp.push_back(nullptr);
-  pid_t pid;
-  if (posix_spawn(&pid, argv[0], nullptr, nullptr, argv.data(), envp.data()) != 0) return 127;
-  int status = 0;
-  waitpid(pid, &status, 0);
-  return WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
 }
 
 std::map<std::string, double> read_results(const std::string& path, std::vector<double>& medians) {

@@ -23,10 +23,13 @@
 #include <string>
 #include <vector>
 
+#include "bench_support.h"
 #include "fsdp/fsdp.h"
 #include "models/gpt.h"
 
 namespace {
+
+using fsdp_bench::median;
 
 struct Options {
   int64_t layers = 12, dim = 1024, heads = 16, seq = 1024, batch = 8;
@@ -91,11 +94,6 @@ fsdp::models::GPTConfig config_of(const Options& o) {
 struct Result {
   double step_s = 0, peak = 0, wait_s = 0, loss = 0;
 };
-
-double median(std::vector<double> v) {
-  std::sort(v.begin(), v.end());
-  return v.empty() ? 0 : v[v.size() / 2];
-}
 
 template <typename StepFn>
 Result time_steps(const Options& o, StepFn step) {

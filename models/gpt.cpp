@@ -120,6 +120,13 @@ void GPTImpl::reset_parameters() {
 }
 
 torch::Tensor GPTImpl::forward(const torch::Tensor& idx) {
+  // Through fsdp::call, so ln_f and lm_head may be sharded as groups of their own.
+  return fsdp::call(lm_head, encode(idx));
+}
+
+torch::Tensor GPTImpl::next_token_logits(const torch::Tensor& idx) { return forward(idx).select(1, -1); }
+
+torch::Tensor GPTImpl::encode(const torch::Tensor& idx) {
   const int64_t T = idx.size(1);
   if (T > config.block_size) {
     throw std::invalid_argument("GPT: sequence length " + std::to_string(T) + " exceeds block_size " +
@@ -128,8 +135,7 @@ torch::Tensor GPTImpl::forward(const torch::Tensor& idx) {
   auto pos = torch::arange(T, idx.options().dtype(torch::kLong));
   auto x = wte(idx) + wpe(pos);
   for (auto& block : blocks) x = fsdp::call(block, x);
-  // Through fsdp::call too, so ln_f and lm_head may be sharded as a group of their own.
-  return fsdp::call(lm_head, fsdp::call(ln_f, x));
+  return fsdp::call(ln_f, x);
 }
 
 torch::Tensor gpt_loss(const torch::Tensor& logits, const torch::Tensor& targets) {

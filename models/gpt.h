@@ -87,6 +87,11 @@ struct GPTImpl : torch::nn::Module {
   explicit GPTImpl(const GPTConfig& c);
   // idx: [B, T] int64 token ids -> logits [B, T, vocab]
   torch::Tensor forward(const torch::Tensor& idx);
+  // Entry points besides forward; on a sharded model call them through fsdp::call_method
+  // (fsdp/sharding/forward_method.h). encode: the final hidden states [B, T, n_embd] (after ln_f,
+  // an encoder-only pass); next_token_logits: the last position's logits [B, vocab] (sampling).
+  torch::Tensor encode(const torch::Tensor& idx);
+  torch::Tensor next_token_logits(const torch::Tensor& idx);
   // Weights as GPT-2 initialises them: N(0, 0.02), zero biases, unit LayerNorm. Drawn row by row
   // from streams keyed by (init_seed, parameter name, row) (fsdp::init), so a sharded model
   // initialises its shards to exactly the values of the unsharded model.

@@ -2,6 +2,7 @@
 // FSDP for LibTorch: everything a training program needs, in one include.
 #include "fsdp/checkpoint/checkpoint.h"
 #include "fsdp/checkpoint/lock.h"
+#include "fsdp/checkpoint/optimizer_state.h"
 #include "fsdp/checkpoint/safetensors.h"
 #include "fsdp/checkpoint/state_dict.h"
 #include "fsdp/comm/backend.h"
@@ -15,6 +16,7 @@
 #include "fsdp/activation/checkpoint.h"
 #include "fsdp/sharding/call.h"
 #include "fsdp/sharding/clip_grad.h"
+#include "fsdp/sharding/forward_method.h"
 #include "fsdp/sharding/fully_shard.h"
 #include "fsdp/sharding/gpu_stats.h"
 #include "fsdp/sharding/materialize.h"

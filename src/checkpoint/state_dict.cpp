@@ -11,6 +11,7 @@
 
 #include "fsdp/checkpoint/safetensors.h"
 #include "fsdp/dist/runtime.h"
+#include "state_dict_selection.h"
 #include "state_items.h"
 
 namespace fsdp::checkpoint {
@@ -134,11 +135,17 @@ LoadResult set_items(std::vector<LocalItem> items, const StateDict& dict, const 
 }  // namespace
 
 StateDict get_model_state_dict(torch::nn::Module& model, const StateDictOptions& options) {
-  return get_items(detail::model_items(model, global_rank()), "model.", options);
+  auto selected = detail::select_model_items(detail::model_items(model, global_rank()), model, options);
+  return get_items(std::move(selected.items), "model.", options);
 }
 
 LoadResult set_model_state_dict(torch::nn::Module& model, const StateDict& state_dict, const StateDictOptions& options) {
-  return set_items(detail::model_items(model, global_rank()), state_dict, "model.", options, "set_model_state_dict");
+  auto selected = detail::select_model_items(detail::model_items(model, global_rank()), model, options);
+  if (selected.ignored.empty())
+    return set_items(std::move(selected.items), state_dict, "model.", options, "set_model_state_dict");
+  StateDict kept = state_dict;  // frozen parameters' keys are ignored (ignore_frozen_params)
+  for (const auto& name : selected.ignored) kept.erase(name);
+  return set_items(std::move(selected.items), kept, "model.", options, "set_model_state_dict");
 }
 
 StateDict get_optimizer_state_dict(torch::nn::Module& model, torch::optim::Optimizer& optimizer,
@@ -154,10 +161,7 @@ LoadResult set_optimizer_state_dict(torch::nn::Module& model, torch::optim::Opti
   };
   std::set<std::string> present;
   if (options.broadcast_from_rank0 && dist::is_initialized() && dist::world_size() > 1) {
-    std::vector<std::string> candidates;
-    for (const auto& entry : model.named_parameters())
-      for (const char* field : {"exp_avg", "exp_avg_sq", "max_exp_avg_sq", "step", "momentum_buffer"})
-        candidates.push_back("optim." + entry.key() + "." + field);
+    const std::vector<std::string> candidates = detail::optimizer_candidate_keys(optimizer, model);
     at::Tensor mask = at::zeros({static_cast<int64_t>(candidates.size())}, at::kLong);
     if (global_rank() == 0)
       for (size_t i = 0; i < candidates.size(); ++i) mask[i] = has_key(candidates[i]) ? 1 : 0;

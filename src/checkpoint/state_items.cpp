@@ -1,12 +1,5 @@
 #include "state_items.h"
 
-#include <torch/optim/adam.h>
-#include <torch/optim/adamw.h>
-#include <torch/optim/sgd.h>
-
-#include <unordered_set>
-
-#include "fsdp/compat/optim.h"
 #include "fsdp/dist/runtime.h"
 #include "fsdp/sharding/fully_shard.h"
 
@@ -37,8 +30,6 @@ int64_t row_numel(const std::vector<int64_t>& shape) {
   return n;
 }
 
-namespace {
-
 // Geometry of a tensor shaped like parameter `param` (the parameter itself or its optimizer
 // state): sharded rows when fully_shard manages it, else the whole tensor from rank 0.
 LocalItem like_param(std::string key, const at::Tensor& param, const at::Tensor& local, int global_rank) {
@@ -68,55 +59,6 @@ LocalItem whole(std::string key, const at::Tensor& t, int global_rank) {
   return item;
 }
 
-std::unordered_set<const void*> optimizer_params(const torch::optim::Optimizer& optimizer) {
-  std::unordered_set<const void*> params;
-  for (const auto& group : optimizer.param_groups())
-    for (const auto& p : group.params()) params.insert(p.unsafeGetTensorImpl());
-  return params;
-}
-
-enum class OptimizerKind { Adam, AdamW, SGD, Other };
-
-OptimizerKind kind_of(torch::optim::Optimizer& optimizer) {
-  if (dynamic_cast<torch::optim::AdamW*>(&optimizer)) return OptimizerKind::AdamW;
-  if (dynamic_cast<torch::optim::Adam*>(&optimizer)) return OptimizerKind::Adam;
-  if (dynamic_cast<torch::optim::SGD*>(&optimizer)) return OptimizerKind::SGD;
-  return OptimizerKind::Other;
-}
-
-[[noreturn]] void unsupported_optimizer() {
-  throw CheckpointError(
-      "checkpoint: this optimizer's state cannot be saved or loaded by name (supported: Adam, AdamW, SGD); "
-      "leave State::optimizer unset and save its state yourself");
-}
-
-// Adam and AdamW keep the same fields under different types.
-template <typename AdamState>
-void adam_items(const std::string& prefix, const at::Tensor& p, AdamState& s, int rank, std::vector<LocalItem>& out) {
-  out.push_back(like_param(prefix + "exp_avg", p, s.exp_avg(), rank));
-  out.push_back(like_param(prefix + "exp_avg_sq", p, s.exp_avg_sq(), rank));
-  if (s.max_exp_avg_sq().defined()) out.push_back(like_param(prefix + "max_exp_avg_sq", p, s.max_exp_avg_sq(), rank));
-  out.push_back(whole(prefix + "step", at::scalar_tensor(s.step(), at::kLong), rank));
-}
-
-template <typename AdamState>
-void adam_load_items(const std::string& prefix, const at::Tensor& p, AdamState& s,
-                     const std::function<bool(const std::string&)>& has_key, std::vector<LocalItem>& out) {
-  if (!s.exp_avg().defined()) s.exp_avg(at::zeros_like(p, at::MemoryFormat::Preserve));
-  if (!s.exp_avg_sq().defined()) s.exp_avg_sq(at::zeros_like(p, at::MemoryFormat::Preserve));
-  if (has_key(prefix + "max_exp_avg_sq") && !s.max_exp_avg_sq().defined())
-    s.max_exp_avg_sq(at::zeros_like(p, at::MemoryFormat::Preserve));
-  out.push_back(like_param(prefix + "exp_avg", p, s.exp_avg(), -1));
-  out.push_back(like_param(prefix + "exp_avg_sq", p, s.exp_avg_sq(), -1));
-  if (s.max_exp_avg_sq().defined()) out.push_back(like_param(prefix + "max_exp_avg_sq", p, s.max_exp_avg_sq(), -1));
-  at::Tensor step_value = at::scalar_tensor(s.step(), at::kLong);
-  LocalItem item = whole(prefix + "step", step_value, -1);
-  item.on_loaded = [&s, step_value] { s.step(step_value.template item<int64_t>()); };
-  out.push_back(std::move(item));
-}
-
-}  // namespace
-
 std::vector<LocalItem> model_items(torch::nn::Module& model, int global_rank) {
   std::vector<LocalItem> items;
   for (const auto& entry : model.named_parameters(/*recurse=*/true))
@@ -126,66 +68,7 @@ std::vector<LocalItem> model_items(torch::nn::Module& model, int global_rank) {
   return items;
 }
 
-std::vector<LocalItem> optimizer_save_items(torch::optim::Optimizer& optimizer, torch::nn::Module& model,
-                                            int global_rank) {
-  std::vector<LocalItem> items;
-  if (optimizer.state().empty()) return items;
-  const OptimizerKind kind = kind_of(optimizer);
-  if (kind == OptimizerKind::Other) unsupported_optimizer();
-  const auto in_optimizer = optimizer_params(optimizer);
-  for (const auto& entry : model.named_parameters(/*recurse=*/true)) {
-    const at::Tensor& p = entry.value();
-    if (!in_optimizer.count(p.unsafeGetTensorImpl())) continue;
-    auto found = optimizer.state().find(compat::optimizer_state_key(p));
-    if (found == optimizer.state().end()) continue;
-    const std::string prefix = "optim." + entry.key() + ".";
-    auto& state = *found->second;
-    if (kind == OptimizerKind::AdamW) {
-      adam_items(prefix, p, static_cast<torch::optim::AdamWParamState&>(state), global_rank, items);
-    } else if (kind == OptimizerKind::Adam) {
-      adam_items(prefix, p, static_cast<torch::optim::AdamParamState&>(state), global_rank, items);
-    } else {
-      auto& s = static_cast<torch::optim::SGDParamState&>(state);
-      if (s.momentum_buffer().defined()) items.push_back(like_param(prefix + "momentum_buffer", p, s.momentum_buffer(), global_rank));
-    }
-  }
-  return items;
-}
-
-std::vector<LocalItem> optimizer_load_items(torch::optim::Optimizer& optimizer, torch::nn::Module& model,
-                                            const std::function<bool(const std::string&)>& has_key) {
-  std::vector<LocalItem> items;
-  const OptimizerKind kind = kind_of(optimizer);
-  const auto in_optimizer = optimizer_params(optimizer);
-  for (const auto& entry : model.named_parameters(/*recurse=*/true)) {
-    const at::Tensor& p = entry.value();
-    if (!in_optimizer.count(p.unsafeGetTensorImpl())) continue;
-    const std::string prefix = "optim." + entry.key() + ".";
-    const bool adam_like = has_key(prefix + "exp_avg") || has_key(prefix + "step");
-    const bool sgd_like = has_key(prefix + "momentum_buffer");
-    if (!adam_like && !sgd_like) continue;
-    if (kind == OptimizerKind::Other) unsupported_optimizer();
-    if ((adam_like && kind == OptimizerKind::SGD) || (sgd_like && kind != OptimizerKind::SGD))
-      throw CheckpointError("checkpoint: optimizer state of '" + entry.key() + "' was saved by " +
-                            (adam_like ? "Adam/AdamW" : "SGD") +
-                            " but the optimizer given is not one; build the same optimizer type or load with "
-                            "LoadOptions::load_optimizer = false");
-    auto& slot = optimizer.state()[compat::optimizer_state_key(p)];
-    if (kind == OptimizerKind::AdamW) {
-      if (!slot) slot = std::make_unique<torch::optim::AdamWParamState>();
-      adam_load_items(prefix, p, static_cast<torch::optim::AdamWParamState&>(*slot), has_key, items);
-    } else if (kind == OptimizerKind::Adam) {
-      if (!slot) slot = std::make_unique<torch::optim::AdamParamState>();
-      adam_load_items(prefix, p, static_cast<torch::optim::AdamParamState&>(*slot), has_key, items);
-    } else {
-      if (!slot) slot = std::make_unique<torch::optim::SGDParamState>();
-      auto& s = static_cast<torch::optim::SGDParamState&>(*slot);
-      if (!s.momentum_buffer().defined()) s.momentum_buffer(at::zeros_like(p, at::MemoryFormat::Preserve));
-      items.push_back(like_param(prefix + "momentum_buffer", p, s.momentum_buffer(), -1));
-    }
-  }
-  return items;
-}
+// optimizer_save_items / optimizer_load_items: optimizer_state.cpp (the codec registry).
 
 std::vector<LocalItem> extra_save_items(const std::map<std::string, Stateful*>& extras, int global_rank) {
   std::vector<LocalItem> items;

@@ -43,17 +43,27 @@ std::string key_list(const std::vector<std::string>& keys);
 int64_t global_rows(const std::vector<int64_t>& shape);
 int64_t row_numel(const std::vector<int64_t>& shape);
 
+// Geometry of a tensor shaped like parameter `param` (the parameter itself or its optimizer
+// state): sharded rows when fully_shard manages it, else the whole tensor from global rank 0.
+LocalItem like_param(std::string key, const at::Tensor& param, const at::Tensor& local, int global_rank);
+// A whole tensor written by global rank 0 (scalars, buffers, hyperparameters).
+LocalItem whole(std::string key, const at::Tensor& t, int global_rank);
+
 // Parameters and buffers: "model.<name>". Sharded parameters give their shard; everything else is
 // whole and written by global rank 0.
 std::vector<LocalItem> model_items(torch::nn::Module& model, int global_rank);
 
-// Optimizer state for save: "optim.<param name>.<field>" for each parameter that has state.
+// Optimizer state (optimizer_state.cpp, through the codec registry of fsdp/checkpoint/optimizer_state.h).
+// For save: "optim.<param name>.<field>" for each parameter that has state, and
+// "optim.param_groups.<g>.<hyperparameter>".
 std::vector<LocalItem> optimizer_save_items(torch::optim::Optimizer& optimizer, torch::nn::Module& model,
                                             int global_rank);
 // Optimizer state for load: items for every such key the checkpoint has (`has_key`), creating the
 // optimizer's per-parameter state when it has none yet (a fresh optimizer).
 std::vector<LocalItem> optimizer_load_items(torch::optim::Optimizer& optimizer, torch::nn::Module& model,
                                             const std::function<bool(const std::string&)>& has_key);
+// Every key optimizer_load_items may ask `has_key` about (to broadcast rank 0's answers).
+std::vector<std::string> optimizer_candidate_keys(torch::optim::Optimizer& optimizer, torch::nn::Module& model);
 
 // Stateful values: "extra.<name>.<key>", written by rank 0.
 std::vector<LocalItem> extra_save_items(const std::map<std::string, Stateful*>& extras, int global_rank);

@@ -83,6 +83,10 @@ at::Tensor FSDPParam::unsharded_alias() const {
 
 void FSDPParam::alloc_unsharded() {
   if (unsharded_) return;
+  // Frozen parameters (requires_grad false on the shard, e.g. set after fully_shard for
+  // fine-tuning): forward computes with a tensor that asks for no gradient, so none is reduced.
+  if (unsharded_param_.requires_grad() != sharded_param_.requires_grad())
+    unsharded_param_.set_requires_grad(sharded_param_.requires_grad());
   auto* impl = unsharded_param_.unsafeGetTensorImpl();
   const size_t nbytes = static_cast<size_t>(rows_ * row_numel_) * c10::elementSize(compute_dtype_);
   set_storage_bytes(impl->storage().unsafeGetStorageImpl(), nbytes);

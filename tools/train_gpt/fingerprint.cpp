@@ -53,6 +53,7 @@ std::vector<std::pair<std::string, std::string>> rank_agreed_options(const Optio
       {"--lr", num(o.lr)},
       {"--warmup", i(o.warmup)},
       {"--weight-decay", num(o.weight_decay)},
+      {"--optimizer", o.optimizer},
       {"--clip", num(o.clip)},
       {"--seed", std::to_string(o.seed)},
       {"--parallel", o.parallel},

@@ -3,7 +3,7 @@
 //   1. init_distributed()    the process group (none with --parallel none)
 //   2. build_model_meta()    GPT on the meta device -> fully_shard blocks, then the root ->
 //                            materialise this rank's shards -> deterministic init
-//   3. build_optimizer()     AdamW over the local shards
+//   3. build_optimizer()     AdamW (--optimizer) over the local shards
 //   4. train_step()          micro-batches (gradient sync on the last), clip, step
 //   5. checkpoint_save() / checkpoint_load()   sharded checkpoints, resumable at any world size
 //
@@ -44,6 +44,7 @@
 #include "lr_schedule.h"
 #include "metrics.h"
 #include "models/gpt.h"
+#include "optimizer.h"
 #include "options.h"
 #include "preflight.h"
 #include "stop_signal.h"
@@ -179,11 +180,10 @@ Model build_model_meta(const Run& run, const std::function<void(const Shapes&)>&
 }
 
 // ======================================================================================== 3
-// build_optimizer(): AdamW over model->parameters(), which after fully_shard are the local shards.
-std::unique_ptr<torch::optim::AdamW> build_optimizer(const Run& run, Model& m) {
-  auto opt = std::make_unique<torch::optim::AdamW>(
-      m.gpt->parameters(),
-      torch::optim::AdamWOptions(run.opt.lr).betas({0.9, 0.95}).weight_decay(run.opt.weight_decay));
+// build_optimizer(): AdamW (or --optimizer, optimizer.h) over model->parameters(), which after
+// fully_shard are the local shards.
+std::unique_ptr<torch::optim::Optimizer> build_optimizer(const Run& run, Model& m) {
+  auto opt = make_optimizer(run.opt, m.gpt->parameters());
   if (run.sharded()) fsdp::check_optimizer_params(*opt);
   return opt;
 }
@@ -197,10 +197,10 @@ struct StepResult {
   double grad_norm = 0;   // global, before clipping
 };
 
-StepResult train_step(const Run& run, Model& m, torch::optim::AdamW& opt, const TokenSource& data, int64_t step,
+StepResult train_step(const Run& run, Model& m, torch::optim::Optimizer& opt, const TokenSource& data, int64_t step,
                       double lr) {
   const Options& o = run.opt;
-  for (auto& group : opt.param_groups()) static_cast<torch::optim::AdamWOptions&>(group.options()).lr(lr);
+  set_lr(opt, lr);
   opt.zero_grad();
   const at::Tensor global = data.train_batch(step, o.batch_size);
   StepResult r;
@@ -241,7 +241,7 @@ std::string step_dir(const std::string& root, int64_t step) {
   return (std::filesystem::path(root) / name).string();
 }
 
-std::string checkpoint_save(const Run& run, Model& m, torch::optim::AdamW& opt, int64_t step) {
+std::string checkpoint_save(const Run& run, Model& m, torch::optim::Optimizer& opt, int64_t step) {
   const std::string dir = step_dir(run.opt.checkpoint_dir, step);
   TrainerScalars scalars;
   scalars.ints["step"] = step;
@@ -251,7 +251,7 @@ std::string checkpoint_save(const Run& run, Model& m, torch::optim::AdamW& opt, 
 }
 
 // Returns the number of steps the checkpoint had completed.
-int64_t checkpoint_load(const Run& run, Model& m, torch::optim::AdamW& opt, const std::string& dir) {
+int64_t checkpoint_load(const Run& run, Model& m, torch::optim::Optimizer& opt, const std::string& dir) {
   TrainerScalars scalars;
   fsdp::checkpoint::load(dir, fsdp::checkpoint::State{m.gpt.ptr(), &opt, {{"trainer", &scalars}}});
   if (scalars.ints["seed"] != static_cast<int64_t>(run.opt.seed) && run.rank == 0) {
@@ -334,8 +334,9 @@ std::string sample_text(const Run& run, Model& m, const TokenSource& data) {
     }
     const int64_t len = ctx.size(1);
     at::Tensor window = ctx.narrow(1, std::max<int64_t>(0, len - o.seq_len), std::min(len, o.seq_len));
-    auto logits = fsdp::call(m.gpt, window.to(run.device)).to(at::kCPU, at::kFloat);
-    auto probs = at::softmax(logits[0][-1] / 0.8, -1);
+    // A forward method (fsdp/sharding/forward_method.h): gathered, then resharded on return.
+    auto logits = fsdp::call_method(m.gpt, &fsdp::models::GPTImpl::next_token_logits, window.to(run.device));
+    auto probs = at::softmax(logits.to(at::kCPU, at::kFloat)[0] / 0.8, -1);
     at::Tensor next = at::multinomial(probs, 1, false, gen).to(at::kLong);
     if (run.distributed()) {
       at::Tensor on_device = next.to(run.device);  // NCCL takes CUDA tensors
@@ -353,15 +354,6 @@ int64_t tensor_bytes(const std::vector<at::Tensor>& ts) {
   int64_t n = 0;
   for (const auto& t : ts) {
     if (t.defined()) n += t.numel() * static_cast<int64_t>(t.element_size());
-  }
-  return n;
-}
-
-int64_t optimizer_bytes(torch::optim::AdamW& opt) {
-  int64_t n = 0;
-  for (const auto& [key, state] : opt.state()) {
-    auto& s = static_cast<torch::optim::AdamWParamState&>(*state);
-    n += tensor_bytes({s.exp_avg(), s.exp_avg_sq(), s.max_exp_avg_sq()}) + static_cast<int64_t>(sizeof(int64_t));
   }
   return n;
 }
@@ -515,7 +507,7 @@ int run_training(const Options& options) {
                                 for (const auto& p : m.gpt->parameters()) g.push_back(p.grad());
                                 return tensor_bytes(g);
                               }()},
-                             {"optim_bytes", optimizer_bytes(*opt)},
+                             {"optim_bytes", optimizer_state_bytes(*opt)},
                              {"peak_rss_bytes", static_cast<int64_t>(mem[0][1].item<double>())},
                              {"max_peak_rss_bytes", static_cast<int64_t>(max_peak)}};
       if (val) line["val_loss"] = *val;

@@ -29,8 +29,10 @@
 //     trainer takes a DirectoryLock on its checkpoint root, see lock.h).
 //
 // Keys: "model.<fqn>" for parameters and buffers, "optim.<fqn>.<state>" for optimizer state
-// (exp_avg, exp_avg_sq, max_exp_avg_sq, step, momentum_buffer) — by parameter name, never by
-// position — and "extra.<name>.<key>" for Stateful values.
+// (exp_avg, exp_avg_sq, step, momentum_buffer, sum, square_avg, ...) — by parameter name, never by
+// position — "optim.param_groups.<g>.<hyperparameter>" for each param group's lr, betas, ...
+// (fsdp/checkpoint/optimizer_state.h: the optimizers supported and how to register another), and
+// "extra.<name>.<key>" for Stateful values.
 #include <torch/nn/module.h>
 
 #include <functional>
@@ -84,7 +86,7 @@ class CpuRngState : public Stateful {
 
 struct State {
   std::shared_ptr<torch::nn::Module> model;       // sharded by fully_shard or not
-  torch::optim::Optimizer* optimizer = nullptr;    // optional: Adam, AdamW, SGD
+  torch::optim::Optimizer* optimizer = nullptr;    // optional: see optimizer_state.h
   std::map<std::string, Stateful*> extras;         // optional
 };
 

@@ -11,7 +11,8 @@
 //   fsdp::checkpoint::load_safetensors(*model, "out/model.safetensors");   // each rank reads its rows
 //
 // Model keys are parameter/buffer names (as model.named_parameters()); optimizer keys are
-// "<parameter name>.<field>" (exp_avg, exp_avg_sq, max_exp_avg_sq, step, momentum_buffer).
+// "<parameter name>.<field>" (exp_avg, exp_avg_sq, step, momentum_buffer, ...) and
+// "param_groups.<g>.<hyperparameter>" (fsdp/checkpoint/optimizer_state.h).
 #include <torch/nn/module.h>
 
 #include <cstdint>
@@ -29,6 +30,8 @@ namespace fsdp::checkpoint {
 
 using StateDict = std::map<std::string, at::Tensor>;
 
+// Example: get_model_state_dict(*model, {.full_state_dict = true, .ignore_frozen_params = true});
+//          get_model_state_dict(*model, {.submodules = {"blocks.0"}, .keep_submodule_prefixes = false});
 struct StateDictOptions {
   // get: full tensors gathered from the shards (collective) instead of this rank's shards.
   // set: the dict holds full tensors (each rank takes its rows) instead of shards.
@@ -40,6 +43,17 @@ struct StateDictOptions {
   bool broadcast_from_rank0 = false;
   // set: missing or unexpected keys are an error (otherwise only reported).
   bool strict = true;
+  // Model state dicts: leave out parameters with requires_grad false (fine-tuning: the frozen
+  // base weights come from elsewhere). set: they are neither loaded nor required, and keys for
+  // them in the dict are ignored. (Frozen parameters never have optimizer state.)
+  bool ignore_frozen_params = false;
+  // Model state dicts: only the parameters and buffers of these submodules (names as
+  // model.named_modules() gives them, e.g. "blocks.0"); empty: the whole model. A name that is no
+  // submodule is an error listing the submodules.
+  std::vector<std::string> submodules;
+  // With submodules: keys keep the submodule's name in front ("blocks.0.attn.w"), or, false, are
+  // relative to it ("attn.w"; two selected submodules must then not share a relative key).
+  bool keep_submodule_prefixes = true;
 };
 
 struct LoadResult {
@@ -56,6 +70,21 @@ StateDict get_optimizer_state_dict(torch::nn::Module& model, torch::optim::Optim
                                    const StateDictOptions& options = {});
 LoadResult set_optimizer_state_dict(torch::nn::Module& model, torch::optim::Optimizer& optimizer,
                                     const StateDict& state_dict, const StateDictOptions& options = {});
+
+// Model and optimizer together (torch.distributed.checkpoint.state_dict's get_state_dict /
+// set_state_dict): the two dicts of get_model_state_dict and get_optimizer_state_dict.
+//
+//   auto [model_sd, optim_sd] = fsdp::checkpoint::get_state_dict(*model, optimizer);
+//   fsdp::checkpoint::set_state_dict(*model, optimizer, {model_sd, optim_sd});
+struct ModelOptimizerStateDict {
+  StateDict model;
+  StateDict optimizer;
+};
+ModelOptimizerStateDict get_state_dict(torch::nn::Module& model, torch::optim::Optimizer& optimizer,
+                                       const StateDictOptions& options = {});
+// Missing / unexpected keys of both (optimizer keys prefixed "optim.").
+LoadResult set_state_dict(torch::nn::Module& model, torch::optim::Optimizer& optimizer,
+                          const ModelOptimizerStateDict& state_dict, const StateDictOptions& options = {});
 
 struct ExportOptions {
   // Split into files of at most this many bytes (0: one file). Split files are named

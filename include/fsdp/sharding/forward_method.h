@@ -1,0 +1,77 @@
+#pragma once
+// FSDP2's register_fsdp_forward_method in C++: entry points other than forward (sampling,
+// generate, an encoder-only pass) run with the unit's parameters gathered, like fsdp::call.
+//
+// Python patches the method on the module object; C++ cannot, so the method is called through
+// fsdp (a member function pointer of the module's Impl class):
+//
+// Example:
+//   struct GPTImpl : torch::nn::Module { at::Tensor forward(const at::Tensor&); at::Tensor encode(const at::Tensor&); };
+//   at::Tensor h = fsdp::call_method(model, &GPTImpl::encode, tokens);         // one call
+//   auto encode = fsdp::register_fsdp_forward_method(model, &GPTImpl::encode); // or a callable,
+//   at::Tensor h2 = encode(tokens);                                            // the same thing
+//
+// The method runs between the unit's pre-forward (all-gather, prefetch, backward hooks on its
+// tensor arguments) and post-forward (reshard as after forward, hooks on its tensor outputs), so
+// gradients through it are reduce-scattered as after forward. Sharded submodules the method
+// enters through fsdp::call gather and reshard themselves as usual. Under no-grad (sampling,
+// evaluation: no backward follows to reshard what forward kept) the unit and every sharded unit
+// inside it are resharded when the method returns, so parameters are back to shards. For a module
+// that is not sharded it is exactly (module.get()->*method)(args...). A call wrapper (activation
+// checkpointing) applies to fsdp::call only, not to methods.
+#include <ATen/core/grad_mode.h>
+
+#include <utility>
+
+#include "fsdp/sharding/call.h"
+
+namespace fsdp {
+
+namespace detail {
+// Reshards the unit of `module` and every sharded unit below it (no-grad forward methods).
+void reshard_subtree(torch::nn::Module& module);
+}  // namespace detail
+
+template <typename M, typename Method, typename... Args>
+auto call_method(M& module, Method method, Args&&... args) {
+  torch::nn::Module* base = detail::module_pointer(module);
+  auto* self = [&] {
+    if constexpr (std::is_pointer_v<std::decay_t<M>>) return module;
+    else return module.get();
+  }();
+  detail::FSDPState* state = detail::find_state(base);
+  if (state == nullptr) return (self->*method)(std::forward<Args>(args)...);
+
+  std::vector<at::Tensor> tensors;
+  (detail::collect_tensor(args, tensors), ...);
+  tensors = detail::pre_forward(state, std::move(tensors));
+  auto next = tensors.begin();
+  // Braced initialisation evaluates left to right, so tensors are substituted in order.
+  std::tuple<decltype(detail::substitute(std::forward<Args>(args), next))...> forwarded{
+      detail::substitute(std::forward<Args>(args), next)...};
+  try {
+    auto output = std::apply([&](auto&&... a) { return (self->*method)(std::forward<decltype(a)>(a)...); },
+                             std::move(forwarded));
+    std::vector<at::Tensor*> outputs;
+    detail::collect_outputs(output, outputs);
+    std::vector<at::Tensor> out_tensors;
+    for (auto* t : outputs) out_tensors.push_back(*t);
+    detail::post_forward(state, out_tensors);
+    for (size_t i = 0; i < outputs.size(); ++i) *outputs[i] = out_tensors[i];
+    if (!at::GradMode::is_enabled()) detail::reshard_subtree(*base);
+    return output;
+  } catch (...) {
+    detail::abort_forward(state);
+    throw;
+  }
+}
+
+// A callable that runs `method` of `module` through call_method (it holds the module handle).
+template <typename M, typename Method>
+auto register_fsdp_forward_method(M module, Method method) {
+  return [module, method](auto&&... args) mutable {
+    return call_method(module, method, std::forward<decltype(args)>(args)...);
+  };
+}
+
+}  // namespace fsdp

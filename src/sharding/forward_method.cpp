@@ -1,0 +1,14 @@
+// fsdp::call_method's no-grad reshard (see fsdp/sharding/forward_method.h).
+#include "fsdp/sharding/forward_method.h"
+
+#include "fsdp/sharding/fully_shard.h"
+
+namespace fsdp::detail {
+
+void reshard_subtree(torch::nn::Module& module) {
+  if (auto unit = fsdp_module(module)) unit->reshard();
+  for (const auto& child : module.modules(/*include_self=*/false))
+    if (auto unit = fsdp_module(*child)) unit->reshard();
+}
+
+}  // namespace fsdp::detail

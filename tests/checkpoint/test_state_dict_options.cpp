@@ -170,8 +170,8 @@ FSDP_RANK_WORKER(submodule_state_dicts) {
   ckpt::set_model_state_dict(*model, relative, {.full_state_dict = true, .submodules = {"h.1"}, .keep_submodule_prefixes = false});
   const auto after = ckpt::get_model_state_dict(*model, {.full_state_dict = true});
   for (const auto& [k, t] : after) {
-    if (k.rfind("h.1.", 0) == 0) TORCH_CHECK(at::equal(t, before.at("h.0." + k.substr(4))), k, " not copied from h.0");
-    else TORCH_CHECK(at::equal(t, before.at(k)), k, " changed");
+    const std::string source = k.rfind("h.1.", 0) == 0 ? "h.0." + k.substr(4) : k;
+    TORCH_CHECK(at::equal(t, before.at(source)), k, source == k ? " changed" : " not copied from h.0");
   }
   // Two submodules, prefixes kept; sharded (local) dicts too.
   auto both = ckpt::get_model_state_dict(*model, {.submodules = {"h.0", "ln_f"}});

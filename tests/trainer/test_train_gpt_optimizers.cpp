@@ -1,0 +1,67 @@
+// train_gpt --optimizer adamw|adam|sgd|adagrad|rmsprop, end to end: each trains, saves at 2 ranks
+// and resumes in one process (another world size) to the same losses as an uninterrupted run;
+// resuming with another optimizer stops with one line naming both.
+#include <gtest/gtest.h>
+
+#include "subprocess.h"
+#include "train_gpt_harness.h"
+
+namespace {
+
+using namespace train_gpt_test;
+using namespace std::chrono_literals;
+
+std::vector<std::string> with_optimizer(const std::string& metrics, const std::string& optimizer, const std::string& ckpt,
+                                        const std::vector<std::string>& extra = {}) {
+  // SGD and Adagrad need a larger step than the Adam family's default to move in 6 steps.
+  const std::string lr = optimizer == "sgd" || optimizer == "adagrad" ? "0.05" : "0.003";
+  return apply(tiny(metrics, {"--optimizer", optimizer, "--lr", lr, "--checkpoint-dir", ckpt, "--checkpoint-every", "2"}), extra);
+}
+
+class TrainGptOptimizer : public ::testing::TestWithParam<std::string> {};
+
+TEST_P(TrainGptOptimizer, SavedAtTwoRanksResumesInOneProcessLikeAnUninterruptedRun) {
+  TempDir dir;
+  const std::string opt = GetParam();
+  auto reference = alone(with_optimizer(dir / "ref.jsonl", opt, ""), 90s);
+  ASSERT_TRUE(reference.ok()) << reference.output;
+  const auto want = losses(dir / "ref.jsonl");
+  ASSERT_EQ(want.size(), 6u);
+  EXPECT_LT(want.back(), want.front()) << opt << " did not train";
+
+  auto first = ranks(2, with_optimizer(dir / "a.jsonl", opt, dir / "ckpt", {"--steps", "4"}), 120s);
+  ASSERT_TRUE(first.ok()) << first.output;
+  auto resumed = alone(with_optimizer(dir / "b.jsonl", opt, dir / "ckpt", {"--resume"}), 90s);
+  ASSERT_TRUE(resumed.ok()) << resumed.output;
+  EXPECT_NE(resumed.output.find("at step 4"), std::string::npos) << resumed.output;
+  const auto got = losses(dir / "b.jsonl");
+  ASSERT_EQ(got.size(), 2u) << resumed.output;
+  // Another world size sums in another order: equal within float rounding, as
+  // TrainGpt.NoneAndFsdpTwoRanksGiveTheSameLosses.
+  expect_close(got, {want[4], want[5]}, 1e-5);
+}
+
+INSTANTIATE_TEST_SUITE_P(Every, TrainGptOptimizer, ::testing::Values("adamw", "adam", "sgd", "adagrad", "rmsprop"),
+                         [](const auto& info) { return info.param; });
+
+TEST(TrainGptOptimizers, ResumingWithAnotherOptimizerStopsWithOneLine) {
+  TempDir dir;
+  auto first = alone(with_optimizer(dir / "a.jsonl", "sgd", dir / "ckpt", {"--steps", "2"}), 90s);
+  ASSERT_TRUE(first.ok()) << first.output;
+  auto other = alone(with_optimizer(dir / "b.jsonl", "rmsprop", dir / "ckpt", {"--resume"}), 90s);
+  EXPECT_FALSE(other.ok()) << other.output;
+  EXPECT_NE(other.output.find("saved by SGD"), std::string::npos) << other.output;
+  EXPECT_NE(other.output.find("the optimizer given is RMSprop"), std::string::npos) << other.output;
+  EXPECT_FALSE(trained(other.output)) << other.output;
+}
+
+TEST(TrainGptOptimizers, HelpNamesEveryOptimizerAndABadOneIsRefused) {
+  auto help = run_process(spec_of({kTrainGpt, "--help"}, 30s));
+  ASSERT_TRUE(help.ok()) << help.output;
+  EXPECT_NE(help.output.find("adamw | adam | sgd"), std::string::npos) << help.output;
+  auto bad = run_process(spec_of({kTrainGpt, "--optimizer", "lbfgs", "--checkpoint-dir", "", "--metrics", ""}, 30s));
+  EXPECT_FALSE(bad.ok());
+  EXPECT_NE(bad.output.find("--optimizer: lbfgs not in"), std::string::npos) << bad.output;
+}
+
+}  // namespace

@@ -31,6 +31,7 @@
 // Tensor fields must be elementwise, shaped like the parameter (Adam-like optimizers). State of
 // another shape (factored second moments, LBFGS's flat history) cannot be sharded by parameter
 // rows: keep such an optimizer out of State::optimizer and save its state yourself.
+#include <ATen/ATen.h>
 #include <torch/optim/optimizer.h>
 
 #include <functional>

@@ -206,14 +206,38 @@ std::vector<LocalItem> optimizer_load_items(torch::optim::Optimizer& optimizer, 
   for (const auto& h : codec.hyperparameters) own_hypers.insert(h.name);
   const auto every_field = all_names(/*fields=*/true), every_hyper = all_names(/*fields=*/false);
 
-  std::vector<LocalItem> items;
+  // Every check first: a refused load leaves the optimizer as it was (no half-made state).
   const auto in_optimizer = optimizer_params(optimizer);
-  for (const auto& entry : model.named_parameters(/*recurse=*/true)) {
-    const at::Tensor& p = entry.value();
-    if (!in_optimizer.count(p.unsafeGetTensorImpl())) continue;
-    const std::string prefix = "optim." + entry.key() + ".";
+  std::vector<std::pair<std::string, at::Tensor>> params;  // (fqn, parameter) in the optimizer
+  for (const auto& entry : model.named_parameters(/*recurse=*/true))
+    if (in_optimizer.count(entry.value().unsafeGetTensorImpl())) params.emplace_back(entry.key(), entry.value());
+  for (const auto& [fqn, p] : params)
     for (const auto& [name, owners] : every_field)
-      if (!own_fields.count(name) && has_key(prefix + name)) saved_by_another(prefix + name, owners, codec);
+      if (!own_fields.count(name) && has_key("optim." + fqn + "." + name)) saved_by_another("optim." + fqn + "." + name, owners, codec);
+  auto& groups = optimizer.param_groups();
+  for (const auto& [name, owners] : every_hyper)
+    if (!own_hypers.count(name) && has_key(group_prefix(0) + name)) saved_by_another(group_prefix(0) + name, owners, codec);
+  // Hyperparameters: all or nothing per checkpoint (older checkpoints have none).
+  bool with_hyperparameters = false;
+  for (const auto& h : codec.hyperparameters) with_hyperparameters = with_hyperparameters || has_key(group_prefix(0) + h.name);
+  if (with_hyperparameters) {
+    const std::string first = codec.hyperparameters.front().name;
+    size_t saved_groups = 0;
+    while (has_key(group_prefix(saved_groups) + first)) ++saved_groups;
+    if (saved_groups != groups.size())
+      throw CheckpointError("checkpoint: the optimizer state has " + std::to_string(saved_groups) +
+                            " param group(s) but the optimizer given has " + std::to_string(groups.size()) +
+                            "; build its param groups as when it was saved");
+    for (size_t g = 0; g < groups.size(); ++g)
+      for (const auto& h : codec.hyperparameters)
+        if (!has_key(group_prefix(g) + h.name))
+          throw CheckpointError("checkpoint: the optimizer state has no '" + group_prefix(g) + h.name +
+                                "' (saved by another optimizer than " + codec.name + "?); build the optimizer it was saved with");
+  }
+
+  std::vector<LocalItem> items;
+  for (const auto& [fqn, p] : params) {
+    const std::string prefix = "optim." + fqn + ".";
     std::vector<const OptimizerCodec::Field*> present;
     for (const auto& f : codec.fields)
       if (has_key(prefix + f.name)) present.push_back(&f);
@@ -229,29 +253,11 @@ std::vector<LocalItem> optimizer_load_items(torch::optim::Optimizer& optimizer, 
       items.push_back(std::move(item));
     }
   }
-
-  // Hyperparameters: all or nothing per checkpoint (older checkpoints have none).
-  auto& groups = optimizer.param_groups();
-  for (const auto& [name, owners] : every_hyper)
-    if (!own_hypers.count(name) && has_key(group_prefix(0) + name)) saved_by_another(group_prefix(0) + name, owners, codec);
-  bool any = false;
-  for (const auto& h : codec.hyperparameters) any = any || has_key(group_prefix(0) + h.name);
-  if (!any || codec.hyperparameters.empty()) return items;
-  const std::string first = codec.hyperparameters.front().name;
-  size_t saved_groups = 0;
-  while (has_key(group_prefix(saved_groups) + first)) ++saved_groups;
-  if (saved_groups != groups.size())
-    throw CheckpointError("checkpoint: the optimizer state has " + std::to_string(saved_groups) +
-                          " param group(s) but the optimizer given has " + std::to_string(groups.size()) +
-                          "; build its param groups as when it was saved");
+  if (!with_hyperparameters) return items;
   for (size_t g = 0; g < groups.size(); ++g) {
     for (const auto& h : codec.hyperparameters) {
-      const std::string key = group_prefix(g) + h.name;
-      if (!has_key(key))
-        throw CheckpointError("checkpoint: the optimizer state has no '" + key + "' (saved by another optimizer " +
-                              "than " + codec.name + "?); build the optimizer it was saved with");
       at::Tensor value = at::zeros({h.size}, at::kDouble);
-      LocalItem item = whole(key, value, -1);
+      LocalItem item = whole(group_prefix(g) + h.name, value, -1);
       OptimizerOptions* options = &groups[g].options();
       item.on_loaded = [options, set = h.set, value] { set(*options, value); };
       items.push_back(std::move(item));

@@ -245,6 +245,7 @@ FSDP_RANK_WORKER(optimizer_load_into_another) {
   auto model = sharded_model(7);
   auto opt = make_opt(env("OTHER"), *model);
   expect_error([&] { ckpt::load(env("CKPT_DIR"), ckpt::State{model.ptr(), opt.get()}); }, env("EXPECT"));
+  TORCH_CHECK(opt->state().empty(), "a refused load left optimizer state behind");
 }
 
 // Through the state-dict API too: full dicts at 2 ranks carry hyperparameters and RMSprop state.

@@ -72,3 +72,23 @@ TEST(TrainGptOptimizers, HelpNamesEveryOptimizerAndABadOneIsRefused) {
 }
 
 }  // namespace
+
+namespace {
+
+// --optimizer is among the options every rank must agree on (fingerprint.h): rank 1 with sgd
+// while rank 0 has adamw fails before the first step, naming the option.
+TEST(TrainGptOptimizers, RanksWithDifferentOptimizersFailBeforeTheFirstStep) {
+  TempDir dir;
+  std::vector<std::string> argv = {kFsdprun, "--nproc-per-node", "2", "--master-port", "0", "--", "/bin/sh", "-c",
+                                   "if [ \"$RANK\" = 1 ]; then exec \"$0\" \"$@\" --optimizer sgd; else exec \"$0\" \"$@\"; fi",
+                                   kTrainGpt};
+  const auto args = tiny(dir / "m.jsonl");
+  argv.insert(argv.end(), args.begin(), args.end());
+  auto r = run_process(spec_of(argv, 120s));
+  EXPECT_FALSE(r.timed_out) << r.output;
+  EXPECT_NE(r.exit_code, 0) << r.output;
+  EXPECT_NE(r.output.find("--optimizer is 'adamw' on rank 0 and 'sgd' on rank 1"), std::string::npos) << r.output;
+  EXPECT_FALSE(trained(r.output)) << r.output;
+}
+
+}  // namespace

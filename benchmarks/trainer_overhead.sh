@@ -2,7 +2,7 @@
 # What train_gpt adds per step beyond forward, backward and the optimizer step, in instructions
 # (callgrind: repeatable on a loaded machine, unlike timings).
 #
-#   benchmarks/trainer_overhead.sh [BUILD_DIR] [-- extra train_gpt options]
+#   benchmarks/trainer_overhead.sh [BUILD_DIR] [-- extra train_gpt options]     (S1=2 S2=4 steps by default)
 #
 # Runs `train_gpt --parallel none` (one thread, default model unless overridden, metrics on, no
 # checkpoints, validation or sample) under callgrind twice, for S1 and S2 steps; the difference is
@@ -15,23 +15,31 @@ set -euo pipefail
 BUILD="${1:-build}"
 [ $# -gt 0 ] && shift
 [ "${1:-}" = "--" ] && shift
-S1="${S1:-2}" S2="${S2:-5}"
+S1="${S1:-2}" S2="${S2:-4}"
 TRAIN="$BUILD/bin/train_gpt"
 [ -x "$TRAIN" ] || { echo "trainer_overhead: no $TRAIN (build it: cmake --build $BUILD --target train_gpt)" >&2; exit 2; }
 command -v valgrind >/dev/null || { echo "trainer_overhead: valgrind is not installed (apt-get install valgrind)" >&2; exit 2; }
 TMP="$(mktemp -d /tmp/trainer-overhead-XXXXXX)"
 trap 'rm -rf "$TMP"' EXIT
-run() {  # steps -> callgrind output file
-  OMP_NUM_THREADS=1 OPENBLAS_NUM_THREADS=1 FSDP_NO_REEXEC=1 valgrind --tool=callgrind --callgrind-out-file="$TMP/cg.$1" \
-    "$TRAIN" --parallel none --steps "$1" --eval-every 0 --checkpoint-dir '' --sample-tokens 0 \
-    --metrics "$TMP/metrics.$1.jsonl" "$@" >"$TMP/log.$1" 2>&1 ||
-    { tail -n 20 "$TMP/log.$1" >&2; echo "trainer_overhead: train_gpt failed under callgrind" >&2; exit 1; }
-  callgrind_annotate --inclusive=yes --threshold=100 "$TMP/cg.$1" >"$TMP/inc.$1" 2>/dev/null
+# Valgrind runs AVX2 but not AVX-512 and shows its own CPU model, on which OpenBLAS would fall back
+# to generic kernels (and train_gpt's re-exec cannot run under valgrind): force its AVX2 kernels.
+CORE=Prescott
+grep -qw avx2 /proc/cpuinfo && CORE=Haswell
+run() {  # steps [train_gpt options] -> callgrind output file
+  local steps=$1
+  shift
+  OMP_NUM_THREADS=1 OPENBLAS_NUM_THREADS=1 OPENBLAS_CORETYPE=$CORE FSDP_NO_REEXEC=1 valgrind --tool=callgrind --callgrind-out-file="$TMP/cg.$steps" \
+    "$TRAIN" --parallel none --steps "$steps" --eval-every 0 --checkpoint-dir '' --sample-tokens 0 \
+    --metrics "$TMP/metrics.$steps.jsonl" "$@" >"$TMP/log.$steps" 2>&1 ||
+    { tail -n 20 "$TMP/log.$steps" >&2; echo "trainer_overhead: train_gpt failed under callgrind" >&2; exit 1; }
+  callgrind_annotate --inclusive=yes --threshold=100 "$TMP/cg.$steps" >"$TMP/inc.$steps" 2>/dev/null
 }
-shift_args=("$@")
-run_steps() { local s=$1; shift; run "$s" "${shift_args[@]}"; }
-run_steps "$S1"
-run_steps "$S2"
+# Both at once (two processes: callgrind runs one thread at a time, so this halves the wall time).
+run "$S1" "$@" &
+p1=$!
+run "$S2" "$@" &
+p2=$!
+wait "$p1" && wait "$p2"
 grep -m1 'train_gpt: GPT' "$TMP/log.$S2" || true
 python3 - "$TMP/inc.$S1" "$TMP/inc.$S2" "$((S2 - S1))" <<'EOF'
 import re, sys

@@ -68,7 +68,7 @@ def classify(path):
 (c1, i1), (c2, i2), n = classify(sys.argv[1]), classify(sys.argv[2]), int(sys.argv[3])
 d = {k: c2[k] - c1[k] for k in set(c1) | set(c2)}
 work = d.get("forward", 0) + d.get("backward", 0) + d.get("step", 0)
-print(f"cpu-clock samples (1 ms each) over {n} steps (difference of a {sys.argv[3]}-step gap):")
+print(f"cpu-clock samples (1 ms each) over {n} steady steps (the {n}-step difference of the two runs):")
 for k in ["forward", "backward", "step", "trainer", "unattributed", "startup"]:
     print(f"  {k:14s} {d.get(k, 0):6d}  ({100 * d.get(k, 0) / max(work, 1):5.2f}% of forward + backward + step)")
 print("trainer samples by what main/train_step called (run with more steps; frees of the step's autograd graph")

@@ -137,6 +137,7 @@ int run_worker(const Options& o, bool sharded) {
   torch::optim::AdamW opt(model->parameters(), torch::optim::AdamWOptions(1e-3));
   auto gen = at::detail::createCPUGenerator(1234 + rank);
   std::vector<double> times;
+  double first_loss = 0;
   auto stats0 = fsdp::comm::process_comm_stats().snapshot();
   for (int s = 0; s < o.warmup + o.steps; ++s) {
     if (s == o.warmup) stats0 = fsdp::comm::process_comm_stats().snapshot();
@@ -148,7 +149,8 @@ int run_worker(const Options& o, bool sharded) {
     auto loss = fsdp::models::gpt_loss(logits, data.narrow(1, 1, c.block_size));
     loss.backward();
     opt.step();
-    loss.item<float>();
+    const double value = loss.item<float>();
+    if (s == 0) first_loss = value;
     if (s >= o.warmup) times.push_back(std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
   }
   auto comm = fsdp::comm::process_comm_stats().snapshot() - stats0;
@@ -157,7 +159,8 @@ int run_worker(const Options& o, bool sharded) {
     out << "median_step_s " << median(times) << " state_bytes " << state_bytes(*model, opt) << " max_rss "
         << peak_rss_bytes() << " comm_bytes_per_step " << comm.total_bytes() / static_cast<double>(o.steps)
         << " param_bytes " << param_bytes << " world " << world << " all_reduce_bytes_per_step "
-        << comm[fsdp::comm::OpKind::AllReduce].bytes_sent / static_cast<double>(o.steps) << "\n";
+        << comm[fsdp::comm::OpKind::AllReduce].bytes_sent / static_cast<double>(o.steps) << " first_loss "
+        << first_loss << "\n";
   }
   if (sharded) fsdp::dist::destroy_distributed();
   return 0;

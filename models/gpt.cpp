@@ -3,6 +3,7 @@
 #include <cmath>
 #include <stdexcept>
 
+#include "fsdp/compat/attention.h"
 #include "fsdp/sharding/call.h"
 #include "fsdp/sharding/materialize.h"
 
@@ -44,7 +45,8 @@ torch::Tensor LayerNormImpl::forward(const torch::Tensor& x) {
   return torch::layer_norm(x, {weight.size(0)}, weight, bias, 1e-5);
 }
 
-CausalSelfAttentionImpl::CausalSelfAttentionImpl(const GPTConfig& c) : n_head(c.n_head) {
+CausalSelfAttentionImpl::CausalSelfAttentionImpl(const GPTConfig& c)
+    : n_head(c.n_head), fused(c.fused_attention && fsdp::compat::kHasFusedAttention) {
   c_attn = register_module("c_attn", Linear(c.n_embd, 3 * c.n_embd, true, c.device));
   c_proj = register_module("c_proj", Linear(c.n_embd, c.n_embd, true, c.device));
 }
@@ -54,6 +56,7 @@ torch::Tensor CausalSelfAttentionImpl::forward(const torch::Tensor& x) {
   auto qkv = c_attn(x).split(C, /*dim=*/2);
   auto heads = [&](const torch::Tensor& t) { return t.view({B, T, n_head, hd}).transpose(1, 2); };
   auto q = heads(qkv[0]), k = heads(qkv[1]), v = heads(qkv[2]);
+  if (fused) return c_proj(fsdp::compat::fused_causal_attention(q, k, v).transpose(1, 2).contiguous().view({B, T, C}));
   auto att = torch::matmul(q, k.transpose(-2, -1)) * (1.0 / std::sqrt(static_cast<double>(hd)));
   auto causal = torch::ones({T, T}, x.options().dtype(torch::kBool)).tril();
   att = F::softmax(att.masked_fill(causal.logical_not(), -INFINITY), F::SoftmaxFuncOptions(-1));

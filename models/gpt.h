@@ -22,6 +22,10 @@ struct GPTConfig {
   int64_t n_embd = 256;
   bool tie_weights = false;  // head shares the token embedding (GPT-2 style)
   double dropout = 0.0;      // residual dropout in every block while training (0: none, no RNG drawn)
+  // Attention through LibTorch's fused scaled_dot_product_attention where this LibTorch has it
+  // (fsdp::compat::kHasFusedAttention: 2.x; on a GPU that is FlashAttention); false, or on 1.13:
+  // the written-out softmax(QK^T / sqrt(d), causal mask) V. Same numbers within fp32 rounding.
+  bool fused_attention = true;
   torch::Device device = torch::kCPU;  // torch::kMeta: build without memory, initialise later
   uint64_t init_seed = 0;              // reset_parameters' seed (same values for any sharding)
   void validate() const;     // throws std::invalid_argument naming the bad field
@@ -54,6 +58,7 @@ struct CausalSelfAttentionImpl : torch::nn::Module {
   torch::Tensor forward(const torch::Tensor& x);
   Linear c_attn{nullptr}, c_proj{nullptr};
   int64_t n_head;
+  bool fused = false;  // config.fused_attention && this LibTorch has the fused op
 };
 TORCH_MODULE(CausalSelfAttention);
 

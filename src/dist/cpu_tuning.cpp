@@ -3,7 +3,10 @@
 #include <dlfcn.h>
 #include <unistd.h>
 
+#include <ATen/Parallel.h>
+
 #include <cstdlib>
+#include <stdexcept>
 #include <fstream>
 #include <thread>
 #include <vector>
@@ -72,6 +75,19 @@ int default_omp_threads(int local_world_size) {
   if (local_world_size <= 0) local_world_size = 1;
   long threads = cores / local_world_size;
   return threads < 1 ? 1 : static_cast<int>(threads);
+}
+
+int openblas_num_threads() {
+  using GetFn = int (*)();
+  auto fn = reinterpret_cast<GetFn>(dlsym(RTLD_DEFAULT, "openblas_get_num_threads"));
+  return fn == nullptr ? -1 : fn();
+}
+
+void set_num_threads(int n) {
+  if (n < 1) throw std::invalid_argument("fsdp::dist::set_num_threads: " + std::to_string(n) + " threads; use 1 or more");
+  at::set_num_threads(n);
+  using SetFn = void (*)(int);
+  if (auto fn = reinterpret_cast<SetFn>(dlsym(RTLD_DEFAULT, "openblas_set_num_threads")); fn != nullptr) fn(n);
 }
 
 void tune_cpu_or_reexec(int argc, char** argv) {

@@ -3,6 +3,7 @@
 #include <torch/torch.h>
 
 #include <algorithm>
+#include <vector>
 
 #include "autograd_hooks.h"
 
@@ -48,7 +49,6 @@ void Reducer::reset() {
   ready_.assign(params_.size(), false);
   for (auto& b : buckets_) {
     b.pending = b.params.size();
-    b.flat = at::Tensor();
     b.work = comm::Work();
     b.launched = false;
   }
@@ -72,14 +72,30 @@ void Reducer::on_grad_ready(size_t index) {
 }
 
 void Reducer::launch(Bucket& b) {
-  const at::Tensor& first = params_[b.params.front()];
-  b.flat = at::empty({b.numel}, first.options().requires_grad(false));
   torch::NoGradGuard no_grad;
+  if (!b.flat.defined()) {
+    const at::Tensor& first = params_[b.params.front()];
+    b.flat = at::empty({b.numel}, first.options().requires_grad(false));
+    for (size_t j = 0; j < b.params.size(); ++j) {
+      // set_ rather than narrow().view(): the same memory without an autograd view, which
+      // LibTorch 1.13's Optimizer::zero_grad() could not detach_().
+      const at::Tensor& p = params_[b.params[j]];
+      at::Tensor slot = at::empty({0}, b.flat.options());
+      std::vector<int64_t> strides(p.dim(), 1);  // contiguous
+      for (int64_t d = p.dim() - 1; d > 0; --d) strides[d - 1] = strides[d] * p.size(d);
+      slot.set_(b.flat.storage(), b.flat.storage_offset() + b.offsets[j], p.sizes(), strides);
+      b.slots.push_back(slot);
+    }
+  }
   for (size_t j = 0; j < b.params.size(); ++j) {
-    const at::Tensor& g = params_[b.params[j]].grad();
-    at::Tensor slot = b.flat.narrow(0, b.offsets[j], params_[b.params[j]].numel());
-    if (g.defined()) slot.copy_(g.reshape(-1));
+    at::Tensor& g = params_[b.params[j]].mutable_grad();
+    const at::Tensor& slot = b.slots[j];
+    if (g.defined() && g.data_ptr() == slot.data_ptr() && g.sizes() == slot.sizes() && g.strides() == slot.strides()) {
+      continue;  // already the slot: backward accumulated into the bucket
+    }
+    if (g.defined()) slot.copy_(g);
     else slot.zero_();  // unused here this time; another rank may have a gradient
+    if (g.defined()) g = slot;
   }
   b.work = comm_->all_reduce(b.flat, comm::ReduceOp::Avg, /*async_op=*/true);
   b.launched = true;
@@ -89,13 +105,12 @@ void Reducer::finalize() {
   while (next_bucket_ < buckets_.size()) launch(buckets_[next_bucket_++]);
   torch::NoGradGuard no_grad;
   for (auto& b : buckets_) {
-    b.work.wait();
+    b.work.wait();  // averaged in place: the gradients that are slots hold the result already
     for (size_t j = 0; j < b.params.size(); ++j) {
-      at::Tensor& p = params_[b.params[j]];
-      at::Tensor avg = b.flat.narrow(0, b.offsets[j], p.numel()).view(p.sizes());
-      at::Tensor& g = p.mutable_grad();
-      if (g.defined()) g.copy_(avg);
-      else if (avg.ne(0).any().item<bool>()) g = avg.clone();  // the same decision on every rank
+      at::Tensor& g = params_[b.params[j]].mutable_grad();
+      // No gradient here this time: take the average only if some rank had one (the same
+      // decision on every rank).
+      if (!g.defined() && b.slots[j].ne(0).any().item<bool>()) g = b.slots[j];
     }
   }
   reset();

@@ -8,8 +8,16 @@
 // ready, its gradients are copied into one flat buffer and all-reduced asynchronously. Buckets are
 // launched strictly in index order, so every rank issues the same collectives in the same order.
 // The final callback (queued on the autograd engine by the first hook, as FSDP's state does)
-// launches what is left (parameters without a gradient this time contribute zeros), waits, and
-// copies the averages back into .grad.
+// launches what is left (parameters without a gradient this time contribute zeros) and waits.
+//
+// Gradients as bucket views (DDP's gradient_as_bucket_view): each bucket's flat buffer lives as
+// long as the reducer, and once a parameter's gradient has been copied into its slot, .grad *is*
+// that slot (a tensor on the bucket's storage; not an autograd view, so LibTorch 1.13's
+// zero_grad() may detach_() it). Later backwards accumulate straight into the bucket, the
+// all-reduce averages in place, and nothing is copied back: one buffer per bucket for the whole
+// run, no copy-in while zero_grad() zeroes in place (1.13), no copy-out, no allocation per step.
+// A gradient that is not the slot (set_to_none, the first step, a user's assignment) is copied in
+// and replaced by the slot.
 #include <torch/csrc/autograd/function.h>
 #include <torch/nn/module.h>
 
@@ -37,7 +45,8 @@ class Reducer : public std::enable_shared_from_this<Reducer> {
     std::vector<int64_t> offsets;  // each parameter's start in the flat buffer
     int64_t numel = 0;
     size_t pending = 0;  // parameters not ready yet this backward
-    at::Tensor flat;
+    at::Tensor flat;  // allocated on first use, kept: the gradients are slots of it
+    std::vector<at::Tensor> slots;  // each parameter's gradient as a tensor on flat's storage
     comm::Work work;
     bool launched = false;
   };

@@ -106,7 +106,7 @@ Run init_distributed(const Options& o) {
   if (o.parallel == "none") {
     // One process, no process group: a plain module (fsdp::call is forward). Threads: the
     // launcher's OMP_NUM_THREADS when set, else every core.
-    if (std::getenv("OMP_NUM_THREADS") == nullptr) at::set_num_threads(fsdp::dist::default_omp_threads(1));
+    if (std::getenv("OMP_NUM_THREADS") == nullptr) fsdp::dist::set_num_threads(fsdp::dist::default_omp_threads(1));
     return run;
   }
   fsdp::dist::InitOptions init;
@@ -129,7 +129,7 @@ Run init_distributed(const Options& o) {
     run.mesh = fsdp::init_device_mesh({run.world / shard, shard}, {"replicate", "shard"});
   }
   if (std::getenv("OMP_NUM_THREADS") == nullptr) {
-    at::set_num_threads(fsdp::dist::default_omp_threads(fsdp::dist::local_world_size()));
+    fsdp::dist::set_num_threads(fsdp::dist::default_omp_threads(fsdp::dist::local_world_size()));
   }
   return run;
 }

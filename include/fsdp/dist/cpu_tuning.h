@@ -27,6 +27,16 @@ std::string recommended_openblas_coretype();
 // Intra-op threads per rank: the cores divided among the local workers (at least 1).
 int default_omp_threads(int local_world_size);
 
+// Sets this process's compute threads to n in both pools that do the work: LibTorch's intra-op
+// (OpenMP) threads and OpenBLAS's own pthread pool. at::set_num_threads() alone leaves OpenBLAS
+// at what it read when it was loaded (OPENBLAS_NUM_THREADS, else OMP_NUM_THREADS, else every
+// core), so ranks started without OMP_NUM_THREADS would each run one GEMM thread per core.
+// Example: set_num_threads(default_omp_threads(local_world_size()));
+void set_num_threads(int n);
+
+// OpenBLAS's thread count in this process; -1 when the BLAS LibTorch loaded is not OpenBLAS.
+int openblas_num_threads();
+
 // For programs started without fsdprun: when OPENBLAS_CORETYPE is unset and OpenBLAS fell back
 // to generic kernels, set it and re-execute this program once (argv unchanged). Returns normally
 // when nothing needs to change. FSDP_NO_REEXEC=1 disables it.

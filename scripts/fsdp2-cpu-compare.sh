@@ -1,0 +1,114 @@
+#!/usr/bin/env bash
+# Ours (fully_shard, built against Debian sid's LibTorch 2.x) next to PyTorch's own FSDP2 (Python,
+# sid's python3-torch: the same LibTorch), on the same GPT, batch and threads, in one run with
+# alternating repetitions, inside the sid chroot that scripts/libtorch2-check.sh makes.
+#
+#   scripts/fsdp2-cpu-compare.sh [--rounds 2] [--steps 8] [--warmup 2] [--rows ROWS]
+#
+# ROWS: space-separated NAME:LAYERS:DIM:HEADS:SEQ:BATCH_PER_RANK:RANKS entries (default: bench's
+# GPT at 2 ranks, "3M:4:256:4:128:4:2"); --rows all adds ~3M at 3 and 4 ranks, ~25M and ~85M at 2.
+# Per row and round: ours one process (the per-rank share: the limit), ours FSDP (fsdprun + bench
+# --role fsdp), theirs one process, theirs FSDP2 (benchmarks/fsdp2_cpu_bench.py). Every run gets
+# OMP_NUM_THREADS = cores / ranks. Prints median step times and the ratios. It also builds and runs
+# tests/models/test_attention (fused attention against the written-out one) against that LibTorch.
+#
+#   FSDP_SID_CHROOT   the chroot (default /var/cache/fsdp/chroot-sid; run libtorch2-check.sh once to
+#                     make it). python3-torch is installed into it when missing.
+# Needs root (mount, chroot). Holds the chroot's lock (the one libtorch2-check.sh takes) throughout.
+set -euo pipefail
+main() {
+REPO="$(cd "$(dirname "$0")/.." && pwd)"
+CHROOT="${FSDP_SID_CHROOT:-/var/cache/fsdp/chroot-sid}"
+CHROOT="${CHROOT%/}"
+ROUNDS=2 STEPS=8 WARMUP=2 ROWS="3M:4:256:4:128:4:2"
+while (($#)); do
+  case "$1" in
+    --rounds) ROUNDS="$2"; shift 2 ;;
+    --steps) STEPS="$2"; shift 2 ;;
+    --warmup) WARMUP="$2"; shift 2 ;;
+    --rows) ROWS="$2"; shift 2 ;;
+    -h|--help) sed -n '2,17p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+    *) echo "fsdp2-cpu-compare: unknown argument '$1' (see --help)" >&2; exit 2 ;;
+  esac
+done
+[ "$ROWS" = all ] && ROWS="3M:4:256:4:128:4:2 3M:4:256:4:128:4:3 3M:4:256:4:128:4:4 25M:8:512:8:128:4:2 85M:12:768:12:256:2:2"
+log() { printf 'fsdp2-cpu-compare: %s\n' "$*"; }
+die() { printf 'fsdp2-cpu-compare: %s\n' "$*" >&2; exit 1; }
+[ "$(id -u)" -eq 0 ] || die "needs root (mount, chroot)"
+[ -f "$CHROOT/.fsdp-chroot-complete" ] || die "no chroot at $CHROOT: make it with FSDP_SID_CHROOT=$CHROOT scripts/libtorch2-check.sh"
+
+exec 9>"$CHROOT.lock"
+if ! flock -n 9; then log "waiting for another run using $CHROOT"; flock 9; fi
+mounts_under() {
+  awk -v root="$1" '{ p = $5; gsub(/\\040/, " ", p); if (p == root || index(p, root "/") == 1) print p }' \
+    /proc/self/mountinfo | sort -r
+}
+unmount_all() { local m; for m in $(mounts_under "$CHROOT"); do umount "$m" 2>/dev/null || umount -l "$m" 2>/dev/null || true; done; }
+trap unmount_all EXIT
+unmount_all
+mkdir -p "$CHROOT/proc" "$CHROOT/sys" "$CHROOT/dev" "$CHROOT/src"
+mount -t proc proc "$CHROOT/proc"
+mount -t sysfs sysfs "$CHROOT/sys"
+mount --bind /dev "$CHROOT/dev"
+mount --bind /dev/pts "$CHROOT/dev/pts"
+if mountpoint -q /dev/shm; then mount --bind /dev/shm "$CHROOT/dev/shm"; fi
+mount --bind "$REPO" "$CHROOT/src"
+mount -o remount,bind,ro "$CHROOT/src"
+cp -L /etc/resolv.conf "$CHROOT/etc/resolv.conf" 2>/dev/null || true
+in_chroot() {
+  env -i PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin HOME=/root LANG=C.UTF-8 USE_LIBUV=0 \
+    DEBIAN_FRONTEND=noninteractive chroot "$CHROOT" "$@"
+}
+if ! in_chroot python3 -c 'import torch.distributed.fsdp' 2>/dev/null; then
+  log "installing python3-torch into $CHROOT"
+  in_chroot apt-get update -q >/dev/null || die "apt-get update failed in $CHROOT"
+  in_chroot apt-get install -y -q --no-install-recommends python3-torch python3-numpy >"$CHROOT/var/log/fsdp-apt.log" 2>&1 ||
+    { tail -n 20 "$CHROOT/var/log/fsdp-apt.log" >&2; die "apt-get install python3-torch failed"; }
+fi
+BUILD=/build-fsdp2-compare
+log "torch $(in_chroot python3 -c 'import torch; print(torch.__version__)'); building bench, fsdprun, test_attention in $BUILD (chroot)"
+[ -f "$CHROOT$BUILD/build.ninja" ] || in_chroot cmake -S /src -B "$BUILD" -G Ninja -DCMAKE_BUILD_TYPE=Release >/dev/null
+in_chroot cmake --build "$BUILD" --target bench fsdprun test_attention -- -j2 | tail -n 1
+in_chroot timeout 300 "$BUILD/bin/test_attention" --gtest_brief=1 || die "test_attention failed against this LibTorch"
+
+CORES=$(nproc)
+printf '\nfsdp2-cpu-compare: %s rounds x %s steps after %s warm-up; %s cores; load average at start: %s\n' \
+  "$ROUNDS" "$STEPS" "$WARMUP" "$CORES" "$(cut -d' ' -f1-3 /proc/loadavg)"
+printf '\n| model | params | ranks | threads/rank | ours 1 proc | ours FSDP | ours / limit | theirs 1 proc | theirs FSDP2 | theirs / limit | ours FSDP / theirs FSDP2 | first loss ours / theirs |\n'
+printf '|---|---|---|---|---|---|---|---|---|---|---|---|\n'
+for row in $ROWS; do
+  IFS=: read -r name layers dim heads seq per_rank nproc <<<"$row"
+  batch=$((per_rank * nproc)) threads=$((CORES / nproc)); ((threads >= 1)) || threads=1
+  out="/tmp/fsdp2-compare-$name-$nproc"
+  in_chroot rm -rf "$out" && in_chroot mkdir -p "$out"
+  shape=(--layers "$layers" --dim "$dim" --heads "$heads" --seq "$seq" --batch "$batch" --nproc "$nproc"
+         --steps "$STEPS" --warmup "$WARMUP")
+  for ((r = 0; r < ROUNDS; ++r)); do
+    in_chroot env OMP_NUM_THREADS="$threads" timeout 3600 "$BUILD/bin/bench" --role single --result "$out/ours_single" "${shape[@]}"
+    in_chroot env OMP_NUM_THREADS="$threads" timeout 3600 "$BUILD/bin/fsdprun" --nproc-per-node "$nproc" --master-port 0 -- \
+      "$BUILD/bin/bench" --role fsdp --result "$out/ours_fsdp" "${shape[@]}" >/dev/null
+    in_chroot env OMP_NUM_THREADS="$threads" timeout 3600 python3 /src/benchmarks/fsdp2_cpu_bench.py --role single \
+      --threads "$threads" --result "$out/theirs_single" "${shape[@]}"
+    in_chroot env OMP_NUM_THREADS="$threads" timeout 3600 python3 /src/benchmarks/fsdp2_cpu_bench.py --role fsdp2 \
+      --threads "$threads" --result "$out/theirs_fsdp" "${shape[@]}"
+  done
+  # Median over rounds of each run's median step; first losses and parameter counts from the files.
+  in_chroot python3 - "$out" "$name" "$nproc" "$threads" <<'EOF'
+import statistics, sys
+out, name, nproc, threads = sys.argv[1:]
+def read(f):
+    rows = [dict(zip(l.split()[0::2], map(float, l.split()[1::2]))) for l in open(f"{out}/{f}") if l.strip()]
+    return statistics.median(r["median_step_s"] for r in rows), rows[-1]
+os_, osr = read("ours_single"); of, ofr = read("ours_fsdp"); ts, tsr = read("theirs_single"); tf, tfr = read("theirs_fsdp")
+params = int(tsr["params"])
+ours_params = int(ofr["param_bytes"] / 4)  # bench prints 6 significant digits
+if abs(ours_params - params) > 1e-5 * params:
+    sys.exit(f"fsdp2-cpu-compare: the models differ: ours {ours_params} parameters, theirs {params}")
+print(f"| {name} | {params / 1e6:.2f}M | {nproc} | {threads} | {os_ * 1e3:.1f} ms | {of * 1e3:.1f} ms | {of / os_:.2f}x "
+      f"| {ts * 1e3:.1f} ms | {tf * 1e3:.1f} ms | {tf / ts:.2f}x | {of / tf:.2f}x | {ofr['first_loss']:.4f} / {tfr['first_loss']:.4f} |")
+EOF
+done
+printf '\nfsdp2-cpu-compare: load average at the end: %s\n' "$(cut -d' ' -f1-3 /proc/loadavg)"
+}
+main "$@"
+exit

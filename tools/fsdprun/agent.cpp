@@ -28,6 +28,7 @@ using ms = std::chrono::milliseconds;
 
 const std::string kConfigKey = "/fsdprun/config";
 const std::string kAbortKey = "/fsdprun/abort";
+const std::string kCurrentAttemptKey = "/fsdprun/current_attempt";
 
 void log(const std::string& msg) {
   const std::string line = "fsdprun: " + msg + "\n";
@@ -82,7 +83,11 @@ int free_port_number() {
 
 }  // namespace
 
-Agent::Agent(Options opts, std::string exe) : opts_(std::move(opts)), exe_(std::move(exe)), signals_(Signals::get()) {
+Agent::Agent(Options opts, std::string exe)
+    : opts_(std::move(opts)),
+      exe_(std::move(exe)),
+      signals_(Signals::get()),
+      peers_(opts_.nnodes, to_ms(opts_.heartbeat_timeout_s)) {
   for (char** e = environ; *e != nullptr; ++e) {
     std::string kv(*e);
     auto eq = kv.find('=');
@@ -105,6 +110,7 @@ Agent::Agent(Options opts, std::string exe) : opts_(std::move(opts)), exe_(std::
 }
 
 Agent::~Agent() {
+  heartbeat_.reset();
   store_.reset();
   if (!store_dir_.empty()) {
     std::error_code ec;  // best effort: the folder holds only the store's file
@@ -112,7 +118,7 @@ Agent::~Agent() {
   }
 }
 
-bool Agent::store_hung() const { return store_ && store_->hung(); }
+bool Agent::store_hung() const { return (store_ && store_->hung()) || (heartbeat_ && heartbeat_->hung()); }
 
 std::string Agent::endpoint() const {
   return opts_.master_addr + ":" + std::to_string(port_ != 0 ? port_ : opts_.master_port);
@@ -154,6 +160,20 @@ std::vector<WorkerSpec> Agent::worker_specs(int attempt) const {
     WorkerSpec spec;
     spec.global_rank = rank;
     spec.local_rank = local;
+    // Output routing: torchrun's --redirects/--tee/--local-ranks-filter semantics.
+    const int redirected = std_streams_for(opts_.redirects, local);
+    const bool shown = opts_.local_ranks_filter.empty() ||
+                       std::find(opts_.local_ranks_filter.begin(), opts_.local_ranks_filter.end(), local) !=
+                           opts_.local_ranks_filter.end();
+    spec.console_out = shown && !(redirected & 1);
+    spec.console_err = shown && !(redirected & 2);
+    if (!log_base_.empty()) {
+      const int to_files = opts_.redirects.empty() && opts_.tee.empty() ? 3 : (redirected | std_streams_for(opts_.tee, local));
+      const std::string dir = log_base_ + "/attempt_" + std::to_string(attempt) + "/" + std::to_string(local);
+      if (to_files != 0) std::filesystem::create_directories(dir);  // throws: the attempt cannot start
+      if (to_files & 1) spec.stdout_log = dir + "/stdout.log";
+      if (to_files & 2) spec.stderr_log = dir + "/stderr.log";
+    }
     spec.exe = exe_;
     spec.argv = opts_.program;
     for (const auto& [k, v] : env) spec.env.push_back(k + "=" + v);
@@ -162,9 +182,46 @@ std::vector<WorkerSpec> Agent::worker_specs(int attempt) const {
   return specs;
 }
 
+int Agent::setup_logs() {
+  if (opts_.log_dir.empty() && opts_.redirects.empty() && opts_.tee.empty()) return 0;
+  std::string base = opts_.log_dir;
+  if (base.empty()) {  // torchrun: --redirects/--tee without --log-dir write to a new temporary folder
+    const char* tmp = std::getenv("TMPDIR");
+    std::string templ = std::string(tmp != nullptr && *tmp != '\0' ? tmp : "/tmp") + "/fsdprun_logs_XXXXXX";
+    if (mkdtemp(templ.data()) == nullptr) {
+      log("cannot make a folder for the worker logs (" + templ + "): " + std::strerror(errno) + "; give --log-dir DIR");
+      return 1;
+    }
+    base = templ;
+  }
+  log_base_ = base + "/" + opts_.run_id + "_node" + std::to_string(opts_.node_rank);
+  std::error_code ec;
+  std::filesystem::create_directories(log_base_, ec);
+  if (ec) {
+    log("cannot create the log folder " + log_base_ + ": " + ec.message() + "; give a writable --log-dir");
+    return 1;
+  }
+  log("worker logs in " + log_base_ + "/attempt_<n>/<local rank>/{stdout,stderr}.log");
+  return 0;
+}
+
+void Agent::print_last_lines(const WorkerGroup& group, int global_rank) const {
+  const auto lines = group.last_lines(global_rank);
+  if (lines.empty()) {
+    log("rank " + std::to_string(global_rank) + " wrote no output");
+    return;
+  }
+  std::string text = "fsdprun: last " + std::to_string(lines.size()) + " output line" + (lines.size() == 1 ? "" : "s") +
+                     " of rank " + std::to_string(global_rank) + ":\n";
+  for (const auto& l : lines) text += "  " + l + "\n";
+  ssize_t ignored = write(STDERR_FILENO, text.data(), text.size());  // one write: not interleaved
+  (void)ignored;
+}
+
 int Agent::setup_store() {
   // Store calls answer in microseconds; the bound only matters when node 0 goes silent.
-  const ms op_timeout = std::min(to_ms(opts_.rdzv_timeout_s), ms(60000));
+  // Node 0 silent for the heartbeat timeout is lost to the other nodes.
+  const ms op_timeout = std::min({to_ms(opts_.rdzv_timeout_s), ms(60000), to_ms(opts_.heartbeat_timeout_s)});
   const std::string config = "nnodes=" + std::to_string(opts_.nnodes) + " nproc_per_node=" + std::to_string(opts_.nproc_per_node) +
                              " max_restarts=" + std::to_string(opts_.max_restarts) + " rdzv_id=" + opts_.run_id;
   if (opts_.store == "file") {
@@ -247,17 +304,79 @@ int Agent::setup_store() {
       log(msg);
       return 2;
     }
-    const std::string claim = "/fsdprun/node_" + std::to_string(opts_.node_rank) + "/claimed";
-    if (store_->add(claim, 1) > 1) {
-      log("another fsdprun already joined as --node-rank " + std::to_string(opts_.node_rank) +
-          "; give every node its own --node-rank 0.." + std::to_string(opts_.nnodes - 1));
-      return 2;
-    }
-  } catch (const StoreLost& e) {
+    if (int rc = claim_node_rank(); rc != 0) return rc;
+    // The heartbeat has a connection of its own: it goes on while this loop waits on something.
+    auto left = std::chrono::duration_cast<ms>(deadline - Clock::now());
+    heartbeat_ = std::make_unique<Heartbeat>(
+        StoreClient::connect(opts_.master_addr, opts_.master_port, std::max(left, ms(5000)), op_timeout), opts_.node_rank,
+        std::max(to_ms(opts_.heartbeat_timeout_s) / 5, ms(50)));
+    if (int rc = find_first_attempt(); rc != 0) return rc;
+  } catch (const std::runtime_error& e) {  // StoreLost, or the heartbeat's connection failing
     log("lost node 0's store at " + endpoint() + ": " + e.what());
     return 1;
   }
   return 0;
+}
+
+int Agent::claim_node_rank() {
+  const std::string k = std::to_string(opts_.node_rank);
+  const std::string claim = "/fsdprun/node_" + k + "/claimed";
+  if (store_->add(claim, 1) == 1) return 0;
+  // Another fsdprun took this node rank: a second agent given the same --node-rank, or this node's
+  // previous fsdprun that is gone (its host died), whose heartbeat has stopped. Watch it.
+  const ms window = to_ms(opts_.heartbeat_timeout_s) + ms(500);
+  log("--node-rank " + k + " was taken by another fsdprun; watching its heartbeat for " +
+      seconds_text(static_cast<double>(window.count()) / 1000.0) + " (a node that comes back replaces one that is gone)");
+  const int64_t before = store_->counter(beat_key(opts_.node_rank));
+  const auto until = Clock::now() + window;
+  while (Clock::now() < until) {
+    if (wait_for_signal(signals_, ms(100))) return 128 + signals_.termination();
+  }
+  if (store_->counter(beat_key(opts_.node_rank)) != before) {
+    store_->add(claim, -1);
+    log("another fsdprun already joined as --node-rank " + k + " and is alive; give every node its own --node-rank 0.." +
+        std::to_string(opts_.nnodes - 1));
+    return 2;
+  }
+  log("node " + k + "'s previous fsdprun sent no heartbeat for " + seconds_text(static_cast<double>(window.count()) / 1000.0) +
+      ": this one replaces it");
+  return 0;
+}
+
+int Agent::find_first_attempt() {
+  // A node that comes back into a running job joins the attempt node 0 is in, once the one it
+  // left has failed (node 0 then restarts the group, if restarts remain, and waits for it).
+  const auto deadline = Clock::now() + to_ms(opts_.rdzv_timeout_s);
+  bool said = false;
+  while (true) {
+    if (store_->check(kAbortKey)) {
+      log("not starting workers: " + store_->get(kAbortKey));
+      return 1;
+    }
+    const int current = store_->check(kCurrentAttemptKey) ? std::atoi(store_->get(kCurrentAttemptKey).c_str()) : 0;
+    const bool started = store_->counter(attempt_key(current, "joined")) >= opts_.nnodes;
+    const bool failed = store_->check(attempt_key(current, "failed"));
+    if (!started && !failed) {
+      first_attempt_ = current;
+      if (current > 0) log("joining the running job at attempt " + std::to_string(current));
+      return 0;
+    }
+    if (!said) {
+      log("the job is running attempt " + std::to_string(current) + " without this node; waiting for node 0 to restart it");
+      said = true;
+    }
+    if (Clock::now() >= deadline) {
+      log("node 0 did not restart the job within " + seconds_text(opts_.rdzv_timeout_s) +
+          " (no restarts left?); start every node again with the same flags, or raise --max-restarts");
+      return 1;
+    }
+    if (wait_for_signal(signals_, ms(250))) return 128 + signals_.termination();
+  }
+}
+
+void Agent::watch_peers(const char* when) {
+  if (opts_.node_rank != 0 || opts_.nnodes == 1) return;
+  for (int n : peers_.poll(*store_)) log(peers_.describe(n) + " " + when);
 }
 
 void Agent::publish_failure(int attempt, const std::string& reason, bool abort) {
@@ -283,8 +402,10 @@ int Agent::rendezvous(int attempt) {
   const std::string key = attempt_key(attempt, "joined");
   const auto deadline = Clock::now() + to_ms(opts_.rdzv_timeout_s);
   try {
+    if (opts_.node_rank == 0 && opts_.nnodes > 1) store_->set(kCurrentAttemptKey, std::to_string(attempt));
     int64_t joined = store_->add(key, 1);
     while (joined < opts_.nnodes) {
+      watch_peers("(waiting for it to come back until the rendezvous timeout)");
       if (store_->check(kAbortKey)) {
         log("not starting workers: " + store_->get(kAbortKey));
         return 1;
@@ -337,8 +458,15 @@ Agent::Outcome Agent::monitor(WorkerGroup& group, int attempt, std::string& reas
           reason = store_->get(failed_key);
           return Outcome::RemoteFailure;
         }
+        if (opts_.node_rank == 0) {
+          if (auto lost = peers_.poll(*store_); !lost.empty()) {
+            reason = peers_.describe(lost.front());
+            return Outcome::NodeLost;
+          }
+        }
       } catch (const StoreLost& e) {
-        reason = "lost the store at " + endpoint() + " (" + e.what() + "); did node 0's fsdprun exit?";
+        reason = "node 0 lost: lost its store at " + endpoint() + " (" + e.what() +
+                 "); node 0's host or link is down, or its fsdprun exited";
         return Outcome::StoreLost;
       }
       next_check = Clock::now() + interval;
@@ -359,6 +487,13 @@ int Agent::exit_barrier(int attempt, std::string& failure) {
       if (store_->check(failed_key)) {
         failure = store_->get(failed_key);
         return -1;
+      }
+      if (opts_.node_rank == 0) {
+        if (auto lost = peers_.poll(*store_); !lost.empty()) {
+          failure = peers_.describe(lost.front());
+          publish_failure(attempt, failure, false);
+          return -1;
+        }
       }
       if (Clock::now() >= deadline) {
         log("this node's workers all exited 0, but after " + seconds_text(opts_.rdzv_timeout_s) + " only " +
@@ -406,8 +541,16 @@ int Agent::finish_failed_attempt(int attempt, const std::string& reason, bool& r
       return 0;
     }
     // Node 0's exit takes the store down: first let the other nodes see the failure and stop.
+    // A lost node never reports: stop waiting for it once the heartbeat says so.
     if (opts_.node_rank == 0 && opts_.nnodes > 1) {
-      wait_counter(attempt_key(attempt, "stopped"), opts_.nnodes, to_ms(opts_.grace_period_s) + ms(30000));
+      const auto deadline = Clock::now() + to_ms(opts_.grace_period_s) + ms(30000);
+      while (store_->counter(attempt_key(attempt, "stopped")) + peers_.lost_count() < opts_.nnodes && Clock::now() < deadline) {
+        watch_peers("(after the failure)");
+        if (wait_for_signal(signals_, ms(50)) && signals_.termination_count() > 1) break;  // asked twice: leave
+      }
+      if (const std::string lost = peers_.summary(); !lost.empty() && final_reason.find(lost) == std::string::npos) {
+        final_reason += "; " + lost;
+      }
     }
   } catch (const StoreLost& e) {
     log("lost the store at " + endpoint() + ": " + e.what());
@@ -421,9 +564,10 @@ int Agent::finish_failed_attempt(int attempt, const std::string& reason, bool& r
 }
 
 int Agent::run() {
+  if (int rc = setup_logs(); rc != 0) return rc;
   if (int rc = setup_store(); rc != 0) return rc;
   const ms grace = to_ms(opts_.grace_period_s);
-  for (int attempt = 0;; ++attempt) {
+  for (int attempt = first_attempt_;; ++attempt) {
     if (int rc = rendezvous(attempt); rc >= 0) return rc;
     std::string reason;
     Outcome outcome;
@@ -453,10 +597,16 @@ int Agent::run() {
               "; stopping all workers (SIGTERM, SIGKILL after " + seconds_text(opts_.grace_period_s) + ")");
           publish_failure(attempt, reason, false);
           group.stop(SIGTERM, grace, signals_);
+          print_last_lines(group, f.global_rank);
           break;
         }
         case Outcome::RemoteFailure:
           log("another node failed (" + reason + "); stopping this node's workers");
+          group.stop(SIGTERM, grace, signals_);
+          break;
+        case Outcome::NodeLost:
+          log(reason + "; stopping this node's workers (SIGTERM, SIGKILL after " + seconds_text(opts_.grace_period_s) + ")");
+          publish_failure(attempt, reason, false);
           group.stop(SIGTERM, grace, signals_);
           break;
         case Outcome::StoreLost:

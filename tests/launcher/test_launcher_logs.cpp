@@ -145,4 +145,13 @@ TEST(LauncherLogs, BadValuesGetOneClearLine) {
   }
 }
 
+TEST(LauncherLogs, HelpDocumentsTheLogAndHeartbeatFlags) {
+  auto r = fsdprun({"--help"}, 30s);
+  ASSERT_TRUE(r.ok()) << r.output;
+  for (const char* flag : {"--log-dir", "-r, --redirects", "-t, --tee", "--local-ranks-filter", "--heartbeat-timeout-s",
+                           "{stdout,stderr}.log", "last output lines"}) {
+    EXPECT_TRUE(has(r.output, flag)) << flag;
+  }
+}
+
 }  // namespace

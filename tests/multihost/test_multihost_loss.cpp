@@ -116,6 +116,25 @@ TEST(MultiHostLoss, UnpluggedHostAndNode0NameEachOtherWithinTheBound) {
   EXPECT_LT(r.lost_s, kHeartbeatS + kGraceS + kSlackS) << both;
 }
 
+// A second fsdprun given a --node-rank whose holder is alive (its heartbeat moves) is refused; the
+// heartbeat watch is what lets a node that comes back replace one that is gone. On loopback.
+TEST(MultiHostLoss, SecondLiveAgentWithTheSameNodeRankIsRefused) {
+  TempDir dir;
+  const std::string port = std::to_string(fsdp::testing::pick_free_port());
+  auto node = [&](int k) {
+    return spec_of({kFsdprun, "--nnodes", "2", "--node-rank", std::to_string(k), "--master-port", port, "--heartbeat-timeout-s",
+                    "1", "--rdzv-timeout-s", "60", "--", PROBE_PATH, "sleep", dir.path},
+                   90s);
+  };
+  Child n0(node(0)), n1(node(1));
+  ASSERT_TRUE(wait_until({&n0, &n1}, [&] { return fs::exists(dir / "pid_1"); }, 60s)) << n0.result().output << n1.result().output;
+  auto dup = run_process(node(1));
+  EXPECT_EQ(dup.exit_code, 2) << dup.output;
+  EXPECT_NE(dup.output.find("another fsdprun already joined as --node-rank 1 and is alive"), std::string::npos) << dup.output;
+  n0.send_signal(SIGTERM);
+  n1.send_signal(SIGTERM);
+}
+
 std::map<std::string, std::string> data_files(const std::string& dir) {
   std::map<std::string, std::string> out;
   for (const auto& e : fs::directory_iterator(dir)) {  // keyed by the "-rank..." part of the name

@@ -10,6 +10,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <filesystem>
+#include <optional>
 
 #include <torch/version.h>
 
@@ -131,20 +132,22 @@ std::string Agent::failure_text(const WorkerExit& e) const {
 }
 
 std::vector<WorkerSpec> Agent::worker_specs(int attempt) const {
-  const int world = opts_.nnodes * opts_.nproc_per_node;
+  // Over the nodes of this attempt (all of them unless elastic): torchrun renumbers them too.
+  const int group_size = static_cast<int>(members_.size());
+  const int world = group_size * opts_.nproc_per_node;
   std::vector<WorkerSpec> specs;
   for (int local = 0; local < opts_.nproc_per_node; ++local) {
-    const int rank = opts_.node_rank * opts_.nproc_per_node + local;
+    const int rank = group_rank_ * opts_.nproc_per_node + local;
     std::map<std::string, std::string> env = base_env_;
     // torchrun's names and meanings (torch/distributed/elastic/agent/server/local_elastic_agent.py).
     env["RANK"] = std::to_string(rank);
     env["LOCAL_RANK"] = std::to_string(local);
-    env["GROUP_RANK"] = std::to_string(opts_.node_rank);
+    env["GROUP_RANK"] = std::to_string(group_rank_);
     env["ROLE_RANK"] = std::to_string(rank);
     env["ROLE_NAME"] = opts_.role;
     env["LOCAL_WORLD_SIZE"] = std::to_string(opts_.nproc_per_node);
     env["WORLD_SIZE"] = std::to_string(world);
-    env["GROUP_WORLD_SIZE"] = std::to_string(opts_.nnodes);
+    env["GROUP_WORLD_SIZE"] = std::to_string(group_size);
     env["ROLE_WORLD_SIZE"] = std::to_string(world);
     env["MASTER_ADDR"] = opts_.master_addr;
     env["MASTER_PORT"] = std::to_string(port_);
@@ -222,7 +225,9 @@ int Agent::setup_store() {
   // Store calls answer in microseconds; the bound only matters when node 0 goes silent.
   // Node 0 silent for the heartbeat timeout is lost to the other nodes.
   const ms op_timeout = std::min({to_ms(opts_.rdzv_timeout_s), ms(60000), to_ms(opts_.heartbeat_timeout_s)});
-  const std::string config = "nnodes=" + std::to_string(opts_.nnodes) + " nproc_per_node=" + std::to_string(opts_.nproc_per_node) +
+  const std::string nodes_text =
+      opts_.min_nodes == opts_.nnodes ? std::to_string(opts_.nnodes) : std::to_string(opts_.min_nodes) + ":" + std::to_string(opts_.nnodes);
+  const std::string config = "nnodes=" + nodes_text + " nproc_per_node=" + std::to_string(opts_.nproc_per_node) +
                              " max_restarts=" + std::to_string(opts_.max_restarts) + " rdzv_id=" + opts_.run_id;
   if (opts_.store == "file") {
     // A single node: a FileStore in a folder only this user can enter, removed at exit (~Agent).
@@ -354,7 +359,7 @@ int Agent::find_first_attempt() {
       return 1;
     }
     const int current = store_->check(kCurrentAttemptKey) ? std::atoi(store_->get(kCurrentAttemptKey).c_str()) : 0;
-    const bool started = store_->counter(attempt_key(current, "joined")) >= opts_.nnodes;
+    const bool started = store_->check(attempt_key(current, "members"));
     const bool failed = store_->check(attempt_key(current, "failed"));
     if (!started && !failed) {
       first_attempt_ = current;
@@ -398,13 +403,42 @@ void Agent::wait_counter(const std::string& key, int64_t target, ms limit) {
   }
 }
 
+bool Agent::is_member(int node) const { return std::find(members_.begin(), members_.end(), node) != members_.end(); }
+
+int Agent::lost_members() const {
+  int n = 0;
+  for (int m : members_) n += m != 0 && peers_.lost(m) ? 1 : 0;
+  return n;
+}
+
 int Agent::rendezvous(int attempt) {
+  members_ = {opts_.node_rank};
+  group_rank_ = 0;
+  if (opts_.nnodes == 1) return -1;
   const std::string key = attempt_key(attempt, "joined");
+  const std::string members_key = attempt_key(attempt, "members");
+  auto node_key = [&](int n) { return attempt_key(attempt, ("node_" + std::to_string(n)).c_str()); };
   const auto deadline = Clock::now() + to_ms(opts_.rdzv_timeout_s);
+  std::optional<Clock::time_point> min_reached;
   try {
-    if (opts_.node_rank == 0 && opts_.nnodes > 1) store_->set(kCurrentAttemptKey, std::to_string(attempt));
+    if (opts_.node_rank == 0) store_->set(kCurrentAttemptKey, std::to_string(attempt));
+    store_->set(node_key(opts_.node_rank), "1");  // before the counter: node 0 lists whoever it counted
     int64_t joined = store_->add(key, 1);
-    while (joined < opts_.nnodes) {
+    while (true) {
+      if (opts_.node_rank == 0) {
+        // Node 0 closes the rendezvous: every node, or (elastic) MIN and the last call passed.
+        if (joined >= opts_.min_nodes && !min_reached) min_reached = Clock::now();
+        if (joined >= opts_.nnodes || (min_reached && Clock::now() - *min_reached >= to_ms(opts_.rdzv_last_call_s))) {
+          std::string list;
+          for (int n = 0; n < opts_.nnodes; ++n) {
+            if (store_->check(node_key(n))) list += (list.empty() ? "" : ",") + std::to_string(n);
+          }
+          store_->set(members_key, list);
+          break;
+        }
+      } else if (store_->check(members_key)) {
+        break;
+      }
       watch_peers("(waiting for it to come back until the rendezvous timeout)");
       if (store_->check(kAbortKey)) {
         log("not starting workers: " + store_->get(kAbortKey));
@@ -412,7 +446,7 @@ int Agent::rendezvous(int attempt) {
       }
       if (Clock::now() >= deadline) {
         const std::string msg = "timed out after " + seconds_text(opts_.rdzv_timeout_s) + " waiting for the other nodes (" +
-                                std::to_string(joined) + " of " + std::to_string(opts_.nnodes) + " joined attempt " +
+                                std::to_string(joined) + " of " + std::to_string(opts_.min_nodes) + " joined attempt " +
                                 std::to_string(attempt) + "); start every node with the same --nnodes, --master-addr and "
                                 "--master-port and its own --node-rank, or raise --rdzv-timeout-s";
         publish_failure(attempt, "node " + std::to_string(opts_.node_rank) + " " + msg, true);
@@ -427,9 +461,31 @@ int Agent::rendezvous(int attempt) {
       }
       joined = store_->counter(key);
     }
+    const std::string list = store_->get(members_key);
+    members_.clear();
+    for (size_t start = 0; start < list.size();) {
+      size_t end = list.find(',', start);
+      if (end == std::string::npos) end = list.size();
+      members_.push_back(std::atoi(list.substr(start, end - start).c_str()));
+      start = end + 1;
+    }
   } catch (const StoreLost& e) {
     log("lost the store at " + endpoint() + " while waiting for the other nodes: " + e.what());
     return 1;
+  }
+  const auto me = std::find(members_.begin(), members_.end(), opts_.node_rank);
+  if (me == members_.end()) {
+    log("attempt " + std::to_string(attempt) + " started without this node (it joined after node 0 closed the rendezvous); "
+        "waiting for the next attempt");
+    return -2;
+  }
+  group_rank_ = static_cast<int>(me - members_.begin());
+  if (static_cast<int>(members_.size()) != opts_.nnodes) {
+    std::string list;
+    for (int m : members_) list += (list.empty() ? "" : ", ") + std::to_string(m);
+    log("attempt " + std::to_string(attempt) + " runs on " + std::to_string(members_.size()) + " of " + std::to_string(opts_.nnodes) +
+        " nodes (" + list + "): WORLD_SIZE " + std::to_string(members_.size() * static_cast<size_t>(opts_.nproc_per_node)) +
+        ", this node is group rank " + std::to_string(group_rank_));
   }
   return -1;
 }
@@ -459,8 +515,9 @@ Agent::Outcome Agent::monitor(WorkerGroup& group, int attempt, std::string& reas
           return Outcome::RemoteFailure;
         }
         if (opts_.node_rank == 0) {
-          if (auto lost = peers_.poll(*store_); !lost.empty()) {
-            reason = peers_.describe(lost.front());
+          for (int n : peers_.poll(*store_)) {
+            if (!is_member(n)) continue;  // a node waiting for the next attempt
+            reason = peers_.describe(n);
             return Outcome::NodeLost;
           }
         }
@@ -483,21 +540,23 @@ int Agent::exit_barrier(int attempt, std::string& failure) {
   const auto deadline = Clock::now() + to_ms(opts_.rdzv_timeout_s);
   try {
     int64_t done = store_->add(done_key, 1);
-    while (done < opts_.nnodes) {
+    const int group_size = static_cast<int>(members_.size());
+    while (done < group_size) {
       if (store_->check(failed_key)) {
         failure = store_->get(failed_key);
         return -1;
       }
       if (opts_.node_rank == 0) {
-        if (auto lost = peers_.poll(*store_); !lost.empty()) {
-          failure = peers_.describe(lost.front());
+        for (int n : peers_.poll(*store_)) {
+          if (!is_member(n)) continue;
+          failure = peers_.describe(n);
           publish_failure(attempt, failure, false);
           return -1;
         }
       }
       if (Clock::now() >= deadline) {
         log("this node's workers all exited 0, but after " + seconds_text(opts_.rdzv_timeout_s) + " only " +
-            std::to_string(done) + " of " + std::to_string(opts_.nnodes) + " nodes had finished; exiting anyway" +
+            std::to_string(done) + " of " + std::to_string(group_size) + " nodes had finished; exiting anyway" +
             (opts_.node_rank == 0 ? " (this takes the store down)" : ""));
         return 0;
       }
@@ -512,7 +571,7 @@ int Agent::exit_barrier(int attempt, std::string& failure) {
     if (opts_.node_rank != 0) {
       store_->add(ack_key, 1);  // this node's last store call: node 0 may now take the store down
     } else {
-      wait_counter(ack_key, opts_.nnodes - 1, ms(30000));
+      wait_counter(ack_key, group_size - 1, ms(30000));
     }
   } catch (const StoreLost& e) {
     log("lost the store at " + endpoint() + " after this node's workers succeeded: " + e.what());
@@ -544,7 +603,8 @@ int Agent::finish_failed_attempt(int attempt, const std::string& reason, bool& r
     // A lost node never reports: stop waiting for it once the heartbeat says so.
     if (opts_.node_rank == 0 && opts_.nnodes > 1) {
       const auto deadline = Clock::now() + to_ms(opts_.grace_period_s) + ms(30000);
-      while (store_->counter(attempt_key(attempt, "stopped")) + peers_.lost_count() < opts_.nnodes && Clock::now() < deadline) {
+      while (store_->counter(attempt_key(attempt, "stopped")) + lost_members() < static_cast<int>(members_.size()) &&
+             Clock::now() < deadline) {
         watch_peers("(after the failure)");
         if (wait_for_signal(signals_, ms(50)) && signals_.termination_count() > 1) break;  // asked twice: leave
       }
@@ -568,7 +628,13 @@ int Agent::run() {
   if (int rc = setup_store(); rc != 0) return rc;
   const ms grace = to_ms(opts_.grace_period_s);
   for (int attempt = first_attempt_;; ++attempt) {
-    if (int rc = rendezvous(attempt); rc >= 0) return rc;
+    if (int rc = rendezvous(attempt); rc == -2) {  // elastic: the attempt started without this node
+      if (int r = find_first_attempt(); r != 0) return r;
+      attempt = first_attempt_ - 1;
+      continue;
+    } else if (rc >= 0) {
+      return rc;
+    }
     std::string reason;
     Outcome outcome;
     {

@@ -58,20 +58,22 @@ int parse_nproc(const std::string& value) {
                                      "a positive number of workers per node, e.g. --nproc-per-node 2"));
 }
 
-int parse_nnodes(const std::string& value) {
-  // torchrun's MIN:MAX form; only a fixed size (N or N:N) is supported.
+// torchrun's N or MIN:MAX; sets nnodes (the most) and min_nodes.
+void parse_nnodes(Options& o, const std::string& value) {
   auto colon = value.find(':');
   if (colon == std::string::npos) {
-    return static_cast<int>(parse_long("--nnodes", value, 1, 65536, "a positive number of nodes, e.g. --nnodes 2"));
+    o.nnodes = o.min_nodes =
+        static_cast<int>(parse_long("--nnodes", value, 1, 65536, "a positive number of nodes, e.g. --nnodes 2"));
+    return;
   }
   const std::string lo = value.substr(0, colon), hi = value.substr(colon + 1);
-  long min_nodes = parse_long("--nnodes", lo, 1, 65536, "a positive number of nodes, e.g. --nnodes 2");
-  long max_nodes = parse_long("--nnodes", hi, 1, 65536, "a positive number of nodes, e.g. --nnodes 2");
-  if (min_nodes != max_nodes) {
-    throw UsageError("--nnodes " + value + " asks for an elastic job, which fsdprun does not support; give a fixed "
-                     "number of nodes, e.g. --nnodes " + hi);
+  long min_nodes = parse_long("--nnodes", lo, 1, 65536, "a positive number of nodes, e.g. --nnodes 2 or --nnodes 2:3");
+  long max_nodes = parse_long("--nnodes", hi, 1, 65536, "a positive number of nodes, e.g. --nnodes 2 or --nnodes 2:3");
+  if (min_nodes > max_nodes) {
+    throw UsageError("--nnodes " + value + " has MIN above MAX; give MIN:MAX with MIN <= MAX, e.g. --nnodes " + hi + ":" + lo);
   }
-  return static_cast<int>(min_nodes);
+  o.min_nodes = static_cast<int>(min_nodes);
+  o.nnodes = static_cast<int>(max_nodes);
 }
 
 // torchrun's Std values: 0 (none), 1 (stdout), 2 (stderr), 3 (both), or per local rank "0:1,1:3".
@@ -114,7 +116,9 @@ std::vector<int> parse_rank_list(const std::string& v) {
 const std::vector<Spec>& specs() {
   static const std::vector<Spec> table = {
       {"--nproc-per-node", true, [](Options& o, const std::string& v) { o.nproc_per_node = parse_nproc(v); }},
-      {"--nnodes", true, [](Options& o, const std::string& v) { o.nnodes = parse_nnodes(v); }},
+      {"--nnodes", true, [](Options& o, const std::string& v) { parse_nnodes(o, v); }},
+      {"--rdzv-last-call-s", true,
+       [](Options& o, const std::string& v) { o.rdzv_last_call_s = parse_seconds("--rdzv-last-call-s", v, true); }},
       {"--node-rank", true,
        [](Options& o, const std::string& v) {
          o.node_rank = static_cast<int>(parse_long("--node-rank", v, 0, 65535, "a node rank of 0 or more, e.g. --node-rank 0"));
@@ -319,8 +323,11 @@ Every flag also accepts underscores (--nproc_per_node) and the --flag=value form
 
 options:
   --nproc-per-node N     workers on this node (default 1; "cpu"/"auto": one per core)
-  --nnodes N             number of nodes, each running its own fsdprun (default 1; N:N accepted,
-                         elastic MIN:MAX is not supported)
+  --nnodes N|MIN:MAX     number of nodes, each running its own fsdprun (default 1). MIN:MAX is
+                         elastic: an attempt starts with every node that joined, at least MIN,
+                         once MAX joined or --rdzv-last-call-s after the MIN-th; node ranks and
+                         RANK/WORLD_SIZE are renumbered over the nodes present (node 0 must be)
+  --rdzv-last-call-s S   elastic: how long node 0 waits for more nodes once MIN joined (30)
   --node-rank K          this node's rank, 0..nnodes-1 (default 0); node 0 hosts the store
   --master-addr A        node 0's address, where its TCP store listens (default 127.0.0.1): an
                          address the other nodes reach this machine by

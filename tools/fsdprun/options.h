@@ -15,7 +15,9 @@ class UsageError : public std::runtime_error {
 
 struct Options {
   int nproc_per_node = 1;
-  int nnodes = 1;
+  int nnodes = 1;     // the most nodes (torchrun's MAX of --nnodes MIN:MAX)
+  int min_nodes = 1;  // the fewest nodes an attempt may start with (MIN; = nnodes unless elastic)
+  double rdzv_last_call_s = 30;  // elastic: once MIN nodes joined, wait this long for more
   int node_rank = 0;
   std::string master_addr = "127.0.0.1";
   int master_port = 29500;  // 0: node 0 picks a free port (single node only)

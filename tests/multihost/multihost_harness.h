@@ -1,7 +1,9 @@
 #pragma once
 // What the multi-host suites share: fsdprun on each test host (netns_hosts.h) and waiting for all.
 #include <chrono>
+#include <functional>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "netns_hosts.h"
@@ -49,6 +51,17 @@ inline std::vector<ProcessResult> run_on_hosts(const NetnsHosts& hosts, int npro
   std::vector<ProcessResult> out;
   for (auto& n : nodes) out.push_back(n.wait());
   return out;
+}
+
+// Polls `children` (collecting their output) until `done` or the limit; false on timeout.
+inline bool wait_until(std::vector<Child*> children, const std::function<bool()>& done, std::chrono::seconds limit) {
+  const auto deadline = std::chrono::steady_clock::now() + limit;
+  while (std::chrono::steady_clock::now() < deadline) {
+    for (auto* c : children) c->try_wait();
+    if (done()) return true;
+    std::this_thread::sleep_for(20ms);
+  }
+  return false;
 }
 
 inline bool all_ok(const std::vector<ProcessResult>& rs) {

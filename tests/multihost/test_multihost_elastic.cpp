@@ -14,16 +14,6 @@ using namespace multihost_test;
 namespace fs = std::filesystem;
 using Clock = std::chrono::steady_clock;
 
-bool wait_until(std::vector<Child*> children, const std::function<bool()>& done, std::chrono::seconds limit) {
-  const auto deadline = Clock::now() + limit;
-  while (Clock::now() < deadline) {
-    for (auto* c : children) c->try_wait();
-    if (done()) return true;
-    std::this_thread::sleep_for(20ms);
-  }
-  return false;
-}
-
 TEST(MultiHostElastic, ThreeHostsLoseOneAndContinueAsTwoFromTheLastCheckpoint) {
   SKIP_WITHOUT_NETNS();
   TempDir dir;

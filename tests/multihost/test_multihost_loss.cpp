@@ -32,17 +32,6 @@ std::vector<std::string> trainer(const std::vector<std::string>& args) {
   return p;
 }
 
-// Polls `children` (collecting their output) until `done` or the deadline; false on timeout.
-bool wait_until(std::vector<Child*> children, const std::function<bool()>& done, std::chrono::seconds limit) {
-  const auto deadline = Clock::now() + limit;
-  while (Clock::now() < deadline) {
-    for (auto* c : children) c->try_wait();
-    if (done()) return true;
-    std::this_thread::sleep_for(20ms);
-  }
-  return false;
-}
-
 double seconds_since(Clock::time_point t0) { return std::chrono::duration<double>(Clock::now() - t0).count(); }
 
 struct Loss {

@@ -117,8 +117,8 @@ TEST(LauncherLogs, LocalRanksFilterShowsOnlyThoseRanksOnTheConsole) {
   EXPECT_EQ(read(log_file(dir.path, 2, "stdout")), "out-line\npartial-no-newline\n");  // files keep everything
 }
 
-// The failed worker's output was redirected away from the console: its last 20 lines are still
-// printed, with its rank, after the failure line.
+// The failed worker's output was redirected away from the console: its last 20 lines are
+// printed, with its rank, after the failure line (and not when they reached the console).
 TEST(LauncherLogs, FailedWorkersLastLinesArePrintedWithItsRank) {
   fsdp::testing::TempDir dir("fsdprun_logs");
   auto r = fsdprun({"--nproc-per-node", "2", "--rdzv-id", "job", "--log-dir", dir.path, "--redirects", "3", "--", kProbe, "lines",
@@ -130,6 +130,11 @@ TEST(LauncherLogs, FailedWorkersLastLinesArePrintedWithItsRank) {
   EXPECT_FALSE(has(r.output, "r0 line")) << r.output;  // rank 0 succeeded: its output stays in its files
   EXPECT_TRUE(has(r.output, "worker rank 1 (pid")) << r.output;
   EXPECT_TRUE(has(read(log_file(dir.path, 1, "stdout")), "r1 line 1\n"));
+  // Output that reached the console is not repeated.
+  auto shown = fsdprun({"--nproc-per-node", "2", "--", kProbe, "lines", "30", "7"});
+  EXPECT_EQ(shown.exit_code, 1) << shown.output;
+  EXPECT_TRUE(has(shown.output, "[rank1]: r1 line 30\n")) << shown.output;
+  EXPECT_FALSE(has(shown.output, "output lines of rank")) << shown.output;
 }
 
 TEST(LauncherLogs, BadValuesGetOneClearLine) {

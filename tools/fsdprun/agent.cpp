@@ -209,6 +209,13 @@ int Agent::setup_logs() {
 }
 
 void Agent::print_last_lines(const WorkerGroup& group, int global_rank) const {
+  // Only for a worker whose output did not all reach the console (--redirects, --local-ranks-filter):
+  // otherwise its lines are already there, with its rank.
+  const int local = global_rank % opts_.nproc_per_node;
+  const bool shown = opts_.local_ranks_filter.empty() ||
+                     std::find(opts_.local_ranks_filter.begin(), opts_.local_ranks_filter.end(), local) !=
+                         opts_.local_ranks_filter.end();
+  if (shown && std_streams_for(opts_.redirects, local) == 0) return;
   const auto lines = group.last_lines(global_rank);
   if (lines.empty()) {
     log("rank " + std::to_string(global_rank) + " wrote no output");

@@ -365,7 +365,8 @@ options:
                          with --log-dir and neither flag, both streams are teed. Without
                          --log-dir, --redirects/--tee write to a new folder fsdprun names
   --local-ranks-filter L only these local ranks' output reaches the console (e.g. 0 or 0,1);
-                         the log files still get everything
+                         the log files still get everything. A failed worker whose output
+                         did not all reach the console: its last output lines are printed
   -h, --help             show this help
 
 worker environment: RANK (= node_rank * nproc + LOCAL_RANK), LOCAL_RANK, GROUP_RANK (node rank),
@@ -386,7 +387,7 @@ store listens on --master-addr only where LibTorch allows choosing the address (
 network. GLOO_SOCKET_IFNAME picks Gloo's interface.
 
 exit status: 0 when every worker on every node exited 0; 1 when workers failed (the first failure
-is named, with its last output lines) or the job could not start; 2 for a wrong command line; 128+N after signal N
+is named) or the job could not start; 2 for a wrong command line; 128+N after signal N
 (SIGINT/SIGTERM/SIGHUP/SIGQUIT are forwarded to the workers).
 )";
 }

@@ -1,5 +1,9 @@
 #include "fsdp/comm/backend.h"
 
+#include <netdb.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
 #include <cstdlib>
 #include <stdexcept>
 
@@ -37,15 +41,45 @@ bool is_loopback(const std::string& host) {
   return host == "localhost" || host == "::1" || host.rfind("127.", 0) == 0;
 }
 
+// The address this machine uses to reach `host`: the source address of its route there, or "" when
+// there is none. No packet is sent: connect() on a UDP socket only picks the route. This is the
+// interface the other hosts can reach this rank on, whatever this machine's host name resolves to
+// (Debian maps it to 127.0.1.1, on which Gloo would fall back to the loopback).
+std::string local_address_towards(const std::string& host) {
+  addrinfo hints{};
+  hints.ai_family = AF_UNSPEC;
+  hints.ai_socktype = SOCK_DGRAM;
+  addrinfo* res = nullptr;
+  if (host.empty() || getaddrinfo(host.c_str(), "9", &hints, &res) != 0) return {};
+  std::string out;
+  for (addrinfo* ai = res; ai != nullptr && out.empty(); ai = ai->ai_next) {
+    int fd = socket(ai->ai_family, SOCK_DGRAM | SOCK_CLOEXEC, 0);
+    if (fd < 0) continue;
+    sockaddr_storage ss{};
+    socklen_t len = sizeof(ss);
+    char buf[NI_MAXHOST];
+    if (connect(fd, ai->ai_addr, ai->ai_addrlen) == 0 && getsockname(fd, reinterpret_cast<sockaddr*>(&ss), &len) == 0 &&
+        getnameinfo(reinterpret_cast<sockaddr*>(&ss), len, buf, sizeof(buf), nullptr, 0, NI_NUMERICHOST) == 0) {
+      out = buf;
+    }
+    close(fd);
+  }
+  freeaddrinfo(res);
+  return out;
+}
+
 compat::BackendPtr make_gloo(const compat::StorePtr& store, int rank, int size, std::chrono::milliseconds timeout,
                              const std::string& hostname_hint) {
   auto opts = c10d::ProcessGroupGloo::Options::create();
   opts->timeout = timeout;
-  // GLOO_SOCKET_IFNAME wins, as in PyTorch; a single-host job stays on the loopback interface.
+  // GLOO_SOCKET_IFNAME wins, as in PyTorch; a single-host job stays on the loopback interface; a
+  // multi-host one binds the address on the route to the master (hint), which the other hosts reach.
   if (const char* ifname = std::getenv("GLOO_SOCKET_IFNAME"); ifname && *ifname) {
     opts->devices.push_back(c10d::ProcessGroupGloo::createDeviceForInterface(ifname));
   } else if (is_loopback(hostname_hint)) {
     opts->devices.push_back(c10d::ProcessGroupGloo::createDeviceForHostname("127.0.0.1"));
+  } else if (const std::string local = local_address_towards(hostname_hint); !local.empty() && !is_loopback(local)) {
+    opts->devices.push_back(c10d::ProcessGroupGloo::createDeviceForHostname(local));
   } else {
     opts->devices.push_back(c10d::ProcessGroupGloo::createDefaultDevice());
   }

@@ -15,6 +15,8 @@
 //                           prints store=file|tcp, then OK rank=<R> ...
 //   store-fail-once CODE    store, then on attempt 0 the last rank exits with CODE (others sleep)
 //   sleep DIR               writes DIR/pid_<RANK>, prints pid=<pid>, sleeps 60 s
+//   lines N CODE            prints "r<R> line <i>" for i = 1..N; the last rank exits with CODE,
+//                           the others with 0
 // DIR is a directory shared by all ranks for a file barrier: a failure must not come before the
 // other ranks have printed what the test checks, however loaded the machine is.
 // Output is flushed line by line: the worker's stdout is a pipe to fsdprun.
@@ -172,6 +174,11 @@ int main(int argc, char** argv) {
     say("pid=" + std::to_string(getpid()));
     sleep_s(60);
     return 0;
+  }
+  if (mode == "lines" && argc >= 4) {
+    const int n = std::atoi(argv[2]);
+    for (int i = 1; i <= n; ++i) say("r" + std::to_string(rank) + " line " + std::to_string(i));
+    return rank == world - 1 ? std::atoi(argv[3]) : 0;
   }
   std::fprintf(stderr, "launcher_probe: unknown mode or missing arguments: %s\n", mode.c_str());
   return 64;

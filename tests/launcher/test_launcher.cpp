@@ -375,7 +375,7 @@ INSTANTIATE_TEST_SUITE_P(
                       BadInput{{"--bogus", "PROBE"}, "unknown option '--bogus'"},
                       BadInput{{"--master-port", "70000", "PROBE"}, "--master-port '70000' is not valid"},
                       BadInput{{"--max-restarts", "-1", "PROBE"}, "--max-restarts '-1' is not valid"},
-                      BadInput{{"--nnodes", "1:4", "PROBE"}, "elastic"},
+                      BadInput{{"--nnodes", "3:2", "PROBE"}, "--nnodes 3:2 has MIN above MAX"},
                       BadInput{{"--nnodes", "2", "--master-port", "0", "PROBE"}, "only works with one node"},
                       BadInput{{"--standalone", "--nnodes", "2", "PROBE"}, "--standalone runs a single node"},
                       BadInput{{"-m", "train"}, "drop -m"},

@@ -10,6 +10,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <filesystem>
+#include <optional>
 
 #include <torch/version.h>
 
@@ -28,6 +29,7 @@ using ms = std::chrono::milliseconds;
 
 const std::string kConfigKey = "/fsdprun/config";
 const std::string kAbortKey = "/fsdprun/abort";
+const std::string kCurrentAttemptKey = "/fsdprun/current_attempt";
 
 void log(const std::string& msg) {
   const std::string line = "fsdprun: " + msg + "\n";
@@ -82,7 +84,11 @@ int free_port_number() {
 
 }  // namespace
 
-Agent::Agent(Options opts, std::string exe) : opts_(std::move(opts)), exe_(std::move(exe)), signals_(Signals::get()) {
+Agent::Agent(Options opts, std::string exe)
+    : opts_(std::move(opts)),
+      exe_(std::move(exe)),
+      signals_(Signals::get()),
+      peers_(opts_.nnodes, to_ms(opts_.heartbeat_timeout_s)) {
   for (char** e = environ; *e != nullptr; ++e) {
     std::string kv(*e);
     auto eq = kv.find('=');
@@ -105,6 +111,7 @@ Agent::Agent(Options opts, std::string exe) : opts_(std::move(opts)), exe_(std::
 }
 
 Agent::~Agent() {
+  heartbeat_.reset();
   store_.reset();
   if (!store_dir_.empty()) {
     std::error_code ec;  // best effort: the folder holds only the store's file
@@ -112,7 +119,7 @@ Agent::~Agent() {
   }
 }
 
-bool Agent::store_hung() const { return store_ && store_->hung(); }
+bool Agent::store_hung() const { return (store_ && store_->hung()) || (heartbeat_ && heartbeat_->hung()); }
 
 std::string Agent::endpoint() const {
   return opts_.master_addr + ":" + std::to_string(port_ != 0 ? port_ : opts_.master_port);
@@ -125,20 +132,22 @@ std::string Agent::failure_text(const WorkerExit& e) const {
 }
 
 std::vector<WorkerSpec> Agent::worker_specs(int attempt) const {
-  const int world = opts_.nnodes * opts_.nproc_per_node;
+  // Over the nodes of this attempt (all of them unless elastic): torchrun renumbers them too.
+  const int group_size = static_cast<int>(members_.size());
+  const int world = group_size * opts_.nproc_per_node;
   std::vector<WorkerSpec> specs;
   for (int local = 0; local < opts_.nproc_per_node; ++local) {
-    const int rank = opts_.node_rank * opts_.nproc_per_node + local;
+    const int rank = group_rank_ * opts_.nproc_per_node + local;
     std::map<std::string, std::string> env = base_env_;
     // torchrun's names and meanings (torch/distributed/elastic/agent/server/local_elastic_agent.py).
     env["RANK"] = std::to_string(rank);
     env["LOCAL_RANK"] = std::to_string(local);
-    env["GROUP_RANK"] = std::to_string(opts_.node_rank);
+    env["GROUP_RANK"] = std::to_string(group_rank_);
     env["ROLE_RANK"] = std::to_string(rank);
     env["ROLE_NAME"] = opts_.role;
     env["LOCAL_WORLD_SIZE"] = std::to_string(opts_.nproc_per_node);
     env["WORLD_SIZE"] = std::to_string(world);
-    env["GROUP_WORLD_SIZE"] = std::to_string(opts_.nnodes);
+    env["GROUP_WORLD_SIZE"] = std::to_string(group_size);
     env["ROLE_WORLD_SIZE"] = std::to_string(world);
     env["MASTER_ADDR"] = opts_.master_addr;
     env["MASTER_PORT"] = std::to_string(port_);
@@ -154,6 +163,20 @@ std::vector<WorkerSpec> Agent::worker_specs(int attempt) const {
     WorkerSpec spec;
     spec.global_rank = rank;
     spec.local_rank = local;
+    // Output routing: torchrun's --redirects/--tee/--local-ranks-filter semantics.
+    const int redirected = std_streams_for(opts_.redirects, local);
+    const bool shown = opts_.local_ranks_filter.empty() ||
+                       std::find(opts_.local_ranks_filter.begin(), opts_.local_ranks_filter.end(), local) !=
+                           opts_.local_ranks_filter.end();
+    spec.console_out = shown && !(redirected & 1);
+    spec.console_err = shown && !(redirected & 2);
+    if (!log_base_.empty()) {
+      const int to_files = opts_.redirects.empty() && opts_.tee.empty() ? 3 : (redirected | std_streams_for(opts_.tee, local));
+      const std::string dir = log_base_ + "/attempt_" + std::to_string(attempt) + "/" + std::to_string(local);
+      if (to_files != 0) std::filesystem::create_directories(dir);  // throws: the attempt cannot start
+      if (to_files & 1) spec.stdout_log = dir + "/stdout.log";
+      if (to_files & 2) spec.stderr_log = dir + "/stderr.log";
+    }
     spec.exe = exe_;
     spec.argv = opts_.program;
     for (const auto& [k, v] : env) spec.env.push_back(k + "=" + v);
@@ -162,10 +185,56 @@ std::vector<WorkerSpec> Agent::worker_specs(int attempt) const {
   return specs;
 }
 
+int Agent::setup_logs() {
+  if (opts_.log_dir.empty() && opts_.redirects.empty() && opts_.tee.empty()) return 0;
+  std::string base = opts_.log_dir;
+  if (base.empty()) {  // torchrun: --redirects/--tee without --log-dir write to a new temporary folder
+    const char* tmp = std::getenv("TMPDIR");
+    std::string templ = std::string(tmp != nullptr && *tmp != '\0' ? tmp : "/tmp") + "/fsdprun_logs_XXXXXX";
+    if (mkdtemp(templ.data()) == nullptr) {
+      log("cannot make a folder for the worker logs (" + templ + "): " + std::strerror(errno) + "; give --log-dir DIR");
+      return 1;
+    }
+    base = templ;
+  }
+  log_base_ = base + "/" + opts_.run_id + "_node" + std::to_string(opts_.node_rank);
+  std::error_code ec;
+  std::filesystem::create_directories(log_base_, ec);
+  if (ec) {
+    log("cannot create the log folder " + log_base_ + ": " + ec.message() + "; give a writable --log-dir");
+    return 1;
+  }
+  log("worker logs in " + log_base_ + "/attempt_<n>/<local rank>/{stdout,stderr}.log");
+  return 0;
+}
+
+void Agent::print_last_lines(const WorkerGroup& group, int global_rank) const {
+  // Only for a worker whose output did not all reach the console (--redirects, --local-ranks-filter):
+  // otherwise its lines are already there, with its rank.
+  const int local = global_rank % opts_.nproc_per_node;
+  const bool shown = opts_.local_ranks_filter.empty() ||
+                     std::find(opts_.local_ranks_filter.begin(), opts_.local_ranks_filter.end(), local) !=
+                         opts_.local_ranks_filter.end();
+  if (shown && std_streams_for(opts_.redirects, local) == 0) return;
+  const auto lines = group.last_lines(global_rank);
+  if (lines.empty()) {
+    log("rank " + std::to_string(global_rank) + " wrote no output");
+    return;
+  }
+  std::string text = "fsdprun: last " + std::to_string(lines.size()) + " output line" + (lines.size() == 1 ? "" : "s") +
+                     " of rank " + std::to_string(global_rank) + ":\n";
+  for (const auto& l : lines) text += "  " + l + "\n";
+  ssize_t ignored = write(STDERR_FILENO, text.data(), text.size());  // one write: not interleaved
+  (void)ignored;
+}
+
 int Agent::setup_store() {
   // Store calls answer in microseconds; the bound only matters when node 0 goes silent.
-  const ms op_timeout = std::min(to_ms(opts_.rdzv_timeout_s), ms(60000));
-  const std::string config = "nnodes=" + std::to_string(opts_.nnodes) + " nproc_per_node=" + std::to_string(opts_.nproc_per_node) +
+  // Node 0 silent for the heartbeat timeout is lost to the other nodes.
+  const ms op_timeout = std::min({to_ms(opts_.rdzv_timeout_s), ms(60000), to_ms(opts_.heartbeat_timeout_s)});
+  const std::string nodes_text =
+      opts_.min_nodes == opts_.nnodes ? std::to_string(opts_.nnodes) : std::to_string(opts_.min_nodes) + ":" + std::to_string(opts_.nnodes);
+  const std::string config = "nnodes=" + nodes_text + " nproc_per_node=" + std::to_string(opts_.nproc_per_node) +
                              " max_restarts=" + std::to_string(opts_.max_restarts) + " rdzv_id=" + opts_.run_id;
   if (opts_.store == "file") {
     // A single node: a FileStore in a folder only this user can enter, removed at exit (~Agent).
@@ -247,17 +316,79 @@ int Agent::setup_store() {
       log(msg);
       return 2;
     }
-    const std::string claim = "/fsdprun/node_" + std::to_string(opts_.node_rank) + "/claimed";
-    if (store_->add(claim, 1) > 1) {
-      log("another fsdprun already joined as --node-rank " + std::to_string(opts_.node_rank) +
-          "; give every node its own --node-rank 0.." + std::to_string(opts_.nnodes - 1));
-      return 2;
-    }
-  } catch (const StoreLost& e) {
+    if (int rc = claim_node_rank(); rc != 0) return rc;
+    // The heartbeat has a connection of its own: it goes on while this loop waits on something.
+    auto left = std::chrono::duration_cast<ms>(deadline - Clock::now());
+    heartbeat_ = std::make_unique<Heartbeat>(
+        StoreClient::connect(opts_.master_addr, opts_.master_port, std::max(left, ms(5000)), op_timeout), opts_.node_rank,
+        std::max(to_ms(opts_.heartbeat_timeout_s) / 5, ms(50)));
+    if (int rc = find_first_attempt(); rc != 0) return rc;
+  } catch (const std::runtime_error& e) {  // StoreLost, or the heartbeat's connection failing
     log("lost node 0's store at " + endpoint() + ": " + e.what());
     return 1;
   }
   return 0;
+}
+
+int Agent::claim_node_rank() {
+  const std::string k = std::to_string(opts_.node_rank);
+  const std::string claim = "/fsdprun/node_" + k + "/claimed";
+  if (store_->add(claim, 1) == 1) return 0;
+  // Another fsdprun took this node rank: a second agent given the same --node-rank, or this node's
+  // previous fsdprun that is gone (its host died), whose heartbeat has stopped. Watch it.
+  const ms window = to_ms(opts_.heartbeat_timeout_s) + ms(500);
+  log("--node-rank " + k + " was taken by another fsdprun; watching its heartbeat for " +
+      seconds_text(static_cast<double>(window.count()) / 1000.0) + " (a node that comes back replaces one that is gone)");
+  const int64_t before = store_->counter(beat_key(opts_.node_rank));
+  const auto until = Clock::now() + window;
+  while (Clock::now() < until) {
+    if (wait_for_signal(signals_, ms(100))) return 128 + signals_.termination();
+  }
+  if (store_->counter(beat_key(opts_.node_rank)) != before) {
+    store_->add(claim, -1);
+    log("another fsdprun already joined as --node-rank " + k + " and is alive; give every node its own --node-rank 0.." +
+        std::to_string(opts_.nnodes - 1));
+    return 2;
+  }
+  log("node " + k + "'s previous fsdprun sent no heartbeat for " + seconds_text(static_cast<double>(window.count()) / 1000.0) +
+      ": this one replaces it");
+  return 0;
+}
+
+int Agent::find_first_attempt() {
+  // A node that comes back into a running job joins the attempt node 0 is in, once the one it
+  // left has failed (node 0 then restarts the group, if restarts remain, and waits for it).
+  const auto deadline = Clock::now() + to_ms(opts_.rdzv_timeout_s);
+  bool said = false;
+  while (true) {
+    if (store_->check(kAbortKey)) {
+      log("not starting workers: " + store_->get(kAbortKey));
+      return 1;
+    }
+    const int current = store_->check(kCurrentAttemptKey) ? std::atoi(store_->get(kCurrentAttemptKey).c_str()) : 0;
+    const bool started = store_->check(attempt_key(current, "members"));
+    const bool failed = store_->check(attempt_key(current, "failed"));
+    if (!started && !failed) {
+      first_attempt_ = current;
+      if (current > 0) log("joining the running job at attempt " + std::to_string(current));
+      return 0;
+    }
+    if (!said) {
+      log("the job is running attempt " + std::to_string(current) + " without this node; waiting for node 0 to restart it");
+      said = true;
+    }
+    if (Clock::now() >= deadline) {
+      log("node 0 did not restart the job within " + seconds_text(opts_.rdzv_timeout_s) +
+          " (no restarts left?); start every node again with the same flags, or raise --max-restarts");
+      return 1;
+    }
+    if (wait_for_signal(signals_, ms(250))) return 128 + signals_.termination();
+  }
+}
+
+void Agent::watch_peers(const char* when) {
+  if (opts_.node_rank != 0 || opts_.nnodes == 1) return;
+  for (int n : peers_.poll(*store_)) log(peers_.describe(n) + " " + when);
 }
 
 void Agent::publish_failure(int attempt, const std::string& reason, bool abort) {
@@ -279,19 +410,50 @@ void Agent::wait_counter(const std::string& key, int64_t target, ms limit) {
   }
 }
 
+bool Agent::is_member(int node) const { return std::find(members_.begin(), members_.end(), node) != members_.end(); }
+
+int Agent::lost_members() const {
+  int n = 0;
+  for (int m : members_) n += m != 0 && peers_.lost(m) ? 1 : 0;
+  return n;
+}
+
 int Agent::rendezvous(int attempt) {
+  members_ = {opts_.node_rank};
+  group_rank_ = 0;
+  if (opts_.nnodes == 1) return -1;
   const std::string key = attempt_key(attempt, "joined");
+  const std::string members_key = attempt_key(attempt, "members");
+  auto node_key = [&](int n) { return attempt_key(attempt, ("node_" + std::to_string(n)).c_str()); };
   const auto deadline = Clock::now() + to_ms(opts_.rdzv_timeout_s);
+  std::optional<Clock::time_point> min_reached;
   try {
+    if (opts_.node_rank == 0) store_->set(kCurrentAttemptKey, std::to_string(attempt));
+    store_->set(node_key(opts_.node_rank), "1");  // before the counter: node 0 lists whoever it counted
     int64_t joined = store_->add(key, 1);
-    while (joined < opts_.nnodes) {
+    while (true) {
+      if (opts_.node_rank == 0) {
+        // Node 0 closes the rendezvous: every node, or (elastic) MIN and the last call passed.
+        if (joined >= opts_.min_nodes && !min_reached) min_reached = Clock::now();
+        if (joined >= opts_.nnodes || (min_reached && Clock::now() - *min_reached >= to_ms(opts_.rdzv_last_call_s))) {
+          std::string list;
+          for (int n = 0; n < opts_.nnodes; ++n) {
+            if (store_->check(node_key(n))) list += (list.empty() ? "" : ",") + std::to_string(n);
+          }
+          store_->set(members_key, list);
+          break;
+        }
+      } else if (store_->check(members_key)) {
+        break;
+      }
+      watch_peers("(waiting for it to come back until the rendezvous timeout)");
       if (store_->check(kAbortKey)) {
         log("not starting workers: " + store_->get(kAbortKey));
         return 1;
       }
       if (Clock::now() >= deadline) {
         const std::string msg = "timed out after " + seconds_text(opts_.rdzv_timeout_s) + " waiting for the other nodes (" +
-                                std::to_string(joined) + " of " + std::to_string(opts_.nnodes) + " joined attempt " +
+                                std::to_string(joined) + " of " + std::to_string(opts_.min_nodes) + " joined attempt " +
                                 std::to_string(attempt) + "); start every node with the same --nnodes, --master-addr and "
                                 "--master-port and its own --node-rank, or raise --rdzv-timeout-s";
         publish_failure(attempt, "node " + std::to_string(opts_.node_rank) + " " + msg, true);
@@ -306,9 +468,31 @@ int Agent::rendezvous(int attempt) {
       }
       joined = store_->counter(key);
     }
+    const std::string list = store_->get(members_key);
+    members_.clear();
+    for (size_t start = 0; start < list.size();) {
+      size_t end = list.find(',', start);
+      if (end == std::string::npos) end = list.size();
+      members_.push_back(std::atoi(list.substr(start, end - start).c_str()));
+      start = end + 1;
+    }
   } catch (const StoreLost& e) {
     log("lost the store at " + endpoint() + " while waiting for the other nodes: " + e.what());
     return 1;
+  }
+  const auto me = std::find(members_.begin(), members_.end(), opts_.node_rank);
+  if (me == members_.end()) {
+    log("attempt " + std::to_string(attempt) + " started without this node (it joined after node 0 closed the rendezvous); "
+        "waiting for the next attempt");
+    return -2;
+  }
+  group_rank_ = static_cast<int>(me - members_.begin());
+  if (static_cast<int>(members_.size()) != opts_.nnodes) {
+    std::string list;
+    for (int m : members_) list += (list.empty() ? "" : ", ") + std::to_string(m);
+    log("attempt " + std::to_string(attempt) + " runs on " + std::to_string(members_.size()) + " of " + std::to_string(opts_.nnodes) +
+        " nodes (" + list + "): WORLD_SIZE " + std::to_string(members_.size() * static_cast<size_t>(opts_.nproc_per_node)) +
+        ", this node is group rank " + std::to_string(group_rank_));
   }
   return -1;
 }
@@ -337,8 +521,16 @@ Agent::Outcome Agent::monitor(WorkerGroup& group, int attempt, std::string& reas
           reason = store_->get(failed_key);
           return Outcome::RemoteFailure;
         }
+        if (opts_.node_rank == 0) {
+          for (int n : peers_.poll(*store_)) {
+            if (!is_member(n)) continue;  // a node waiting for the next attempt
+            reason = peers_.describe(n);
+            return Outcome::NodeLost;
+          }
+        }
       } catch (const StoreLost& e) {
-        reason = "lost the store at " + endpoint() + " (" + e.what() + "); did node 0's fsdprun exit?";
+        reason = "node 0 lost: lost its store at " + endpoint() + " (" + e.what() +
+                 "); node 0's host or link is down, or its fsdprun exited";
         return Outcome::StoreLost;
       }
       next_check = Clock::now() + interval;
@@ -355,14 +547,23 @@ int Agent::exit_barrier(int attempt, std::string& failure) {
   const auto deadline = Clock::now() + to_ms(opts_.rdzv_timeout_s);
   try {
     int64_t done = store_->add(done_key, 1);
-    while (done < opts_.nnodes) {
+    const int group_size = static_cast<int>(members_.size());
+    while (done < group_size) {
       if (store_->check(failed_key)) {
         failure = store_->get(failed_key);
         return -1;
       }
+      if (opts_.node_rank == 0) {
+        for (int n : peers_.poll(*store_)) {
+          if (!is_member(n)) continue;
+          failure = peers_.describe(n);
+          publish_failure(attempt, failure, false);
+          return -1;
+        }
+      }
       if (Clock::now() >= deadline) {
         log("this node's workers all exited 0, but after " + seconds_text(opts_.rdzv_timeout_s) + " only " +
-            std::to_string(done) + " of " + std::to_string(opts_.nnodes) + " nodes had finished; exiting anyway" +
+            std::to_string(done) + " of " + std::to_string(group_size) + " nodes had finished; exiting anyway" +
             (opts_.node_rank == 0 ? " (this takes the store down)" : ""));
         return 0;
       }
@@ -377,7 +578,7 @@ int Agent::exit_barrier(int attempt, std::string& failure) {
     if (opts_.node_rank != 0) {
       store_->add(ack_key, 1);  // this node's last store call: node 0 may now take the store down
     } else {
-      wait_counter(ack_key, opts_.nnodes - 1, ms(30000));
+      wait_counter(ack_key, group_size - 1, ms(30000));
     }
   } catch (const StoreLost& e) {
     log("lost the store at " + endpoint() + " after this node's workers succeeded: " + e.what());
@@ -406,8 +607,17 @@ int Agent::finish_failed_attempt(int attempt, const std::string& reason, bool& r
       return 0;
     }
     // Node 0's exit takes the store down: first let the other nodes see the failure and stop.
+    // A lost node never reports: stop waiting for it once the heartbeat says so.
     if (opts_.node_rank == 0 && opts_.nnodes > 1) {
-      wait_counter(attempt_key(attempt, "stopped"), opts_.nnodes, to_ms(opts_.grace_period_s) + ms(30000));
+      const auto deadline = Clock::now() + to_ms(opts_.grace_period_s) + ms(30000);
+      while (store_->counter(attempt_key(attempt, "stopped")) + lost_members() < static_cast<int>(members_.size()) &&
+             Clock::now() < deadline) {
+        watch_peers("(after the failure)");
+        if (wait_for_signal(signals_, ms(50)) && signals_.termination_count() > 1) break;  // asked twice: leave
+      }
+      if (const std::string lost = peers_.summary(); !lost.empty() && final_reason.find(lost) == std::string::npos) {
+        final_reason += "; " + lost;
+      }
     }
   } catch (const StoreLost& e) {
     log("lost the store at " + endpoint() + ": " + e.what());
@@ -421,10 +631,17 @@ int Agent::finish_failed_attempt(int attempt, const std::string& reason, bool& r
 }
 
 int Agent::run() {
+  if (int rc = setup_logs(); rc != 0) return rc;
   if (int rc = setup_store(); rc != 0) return rc;
   const ms grace = to_ms(opts_.grace_period_s);
-  for (int attempt = 0;; ++attempt) {
-    if (int rc = rendezvous(attempt); rc >= 0) return rc;
+  for (int attempt = first_attempt_;; ++attempt) {
+    if (int rc = rendezvous(attempt); rc == -2) {  // elastic: the attempt started without this node
+      if (int r = find_first_attempt(); r != 0) return r;
+      attempt = first_attempt_ - 1;
+      continue;
+    } else if (rc >= 0) {
+      return rc;
+    }
     std::string reason;
     Outcome outcome;
     {
@@ -453,10 +670,16 @@ int Agent::run() {
               "; stopping all workers (SIGTERM, SIGKILL after " + seconds_text(opts_.grace_period_s) + ")");
           publish_failure(attempt, reason, false);
           group.stop(SIGTERM, grace, signals_);
+          print_last_lines(group, f.global_rank);
           break;
         }
         case Outcome::RemoteFailure:
           log("another node failed (" + reason + "); stopping this node's workers");
+          group.stop(SIGTERM, grace, signals_);
+          break;
+        case Outcome::NodeLost:
+          log(reason + "; stopping this node's workers (SIGTERM, SIGKILL after " + seconds_text(opts_.grace_period_s) + ")");
+          publish_failure(attempt, reason, false);
           group.stop(SIGTERM, grace, signals_);
           break;
         case Outcome::StoreLost:

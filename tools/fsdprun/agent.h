@@ -13,6 +13,12 @@
 //   /fsdprun/attempt_<k>/stopped     counter of agents that stopped their workers after a failure
 //   /fsdprun/attempt_<k>/done        counter of agents whose workers all exited 0
 //   /fsdprun/attempt_<k>/exit_ack    counter of non-zero nodes that saw done == nnodes
+//   /fsdprun/node_<n>/beat           counter; node n's heartbeat (heartbeat.h), watched by node 0
+//   /fsdprun/current_attempt         the attempt node 0 is in; a node that comes back joins it
+//   /fsdprun/attempt_<k>/node_<n>    set by node n before it adds to .../joined
+//   /fsdprun/attempt_<k>/members     node 0's list of the attempt's nodes ("0,1,3"): it closes the
+//                                    rendezvous once nnodes joined, or (elastic MIN:MAX) once MIN
+//                                    joined and --rdzv-last-call-s passed; group ranks follow it
 // Node 0 waits for stopped / exit_ack before it exits, because its exit takes the store down.
 #include <chrono>
 #include <cstdint>
@@ -21,6 +27,7 @@
 #include <string>
 #include <vector>
 
+#include "heartbeat.h"
 #include "options.h"
 
 namespace fsdprun {
@@ -42,10 +49,12 @@ class Agent {
   bool store_hung() const;
 
  private:
-  enum class Outcome { Succeeded, LocalFailure, RemoteFailure, Signaled, StoreLost };
+  enum class Outcome { Succeeded, LocalFailure, RemoteFailure, Signaled, StoreLost, NodeLost };
 
   int setup_store();                    // 0 or an exit status
-  int rendezvous(int attempt);          // -1 when every node joined, else an exit status
+  int rendezvous(int attempt);          // -1: this node is in the attempt; -2: it started without it; else an exit status
+  bool is_member(int node) const;
+  int lost_members() const;
   Outcome monitor(WorkerGroup& group, int attempt, std::string& reason);
   int exit_barrier(int attempt, std::string& failure);  // -1: another node failed (in `failure`)
   int finish_failed_attempt(int attempt, const std::string& reason, bool& restart);
@@ -54,6 +63,11 @@ class Agent {
   std::vector<WorkerSpec> worker_specs(int attempt) const;
   std::string failure_text(const WorkerExit& e) const;
   std::string endpoint() const;
+  int setup_logs();                      // 0 or an exit status
+  int claim_node_rank();                 // 0 or an exit status (non-zero nodes)
+  int find_first_attempt();              // 0 or an exit status (non-zero nodes)
+  void watch_peers(const char* when);    // node 0: notes the nodes newly lost (log)
+  void print_last_lines(const WorkerGroup& group, int global_rank) const;
 
   Options opts_;
   std::string exe_;
@@ -63,6 +77,12 @@ class Agent {
   std::string store_dir_;   // --store file: the private folder (mode 0700) removed at exit
   std::string store_file_;  // --store file: the FileStore, FSDP_STORE_FILE for the workers
   std::map<std::string, std::string> base_env_;  // fsdprun's environment plus the defaults
+  std::unique_ptr<Heartbeat> heartbeat_;  // non-zero nodes of a multi-node job
+  PeerWatch peers_;                       // node 0 of a multi-node job
+  int first_attempt_ = 0;                 // > 0 for a node that comes back into a running job
+  std::vector<int> members_{0};           // the nodes of the current attempt (node ranks, ascending)
+  int group_rank_ = 0;                    // this node's index in members_ (GROUP_RANK)
+  std::string log_base_;  // --log-dir/<run id>_node<K>, "" when workers' output goes to no files
 };
 
 }  // namespace fsdprun

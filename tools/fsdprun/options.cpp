@@ -58,26 +58,67 @@ int parse_nproc(const std::string& value) {
                                      "a positive number of workers per node, e.g. --nproc-per-node 2"));
 }
 
-int parse_nnodes(const std::string& value) {
-  // torchrun's MIN:MAX form; only a fixed size (N or N:N) is supported.
+// torchrun's N or MIN:MAX; sets nnodes (the most) and min_nodes.
+void parse_nnodes(Options& o, const std::string& value) {
   auto colon = value.find(':');
   if (colon == std::string::npos) {
-    return static_cast<int>(parse_long("--nnodes", value, 1, 65536, "a positive number of nodes, e.g. --nnodes 2"));
+    o.nnodes = o.min_nodes =
+        static_cast<int>(parse_long("--nnodes", value, 1, 65536, "a positive number of nodes, e.g. --nnodes 2"));
+    return;
   }
   const std::string lo = value.substr(0, colon), hi = value.substr(colon + 1);
-  long min_nodes = parse_long("--nnodes", lo, 1, 65536, "a positive number of nodes, e.g. --nnodes 2");
-  long max_nodes = parse_long("--nnodes", hi, 1, 65536, "a positive number of nodes, e.g. --nnodes 2");
-  if (min_nodes != max_nodes) {
-    throw UsageError("--nnodes " + value + " asks for an elastic job, which fsdprun does not support; give a fixed "
-                     "number of nodes, e.g. --nnodes " + hi);
+  long min_nodes = parse_long("--nnodes", lo, 1, 65536, "a positive number of nodes, e.g. --nnodes 2 or --nnodes 2:3");
+  long max_nodes = parse_long("--nnodes", hi, 1, 65536, "a positive number of nodes, e.g. --nnodes 2 or --nnodes 2:3");
+  if (min_nodes > max_nodes) {
+    throw UsageError("--nnodes " + value + " has MIN above MAX; give MIN:MAX with MIN <= MAX, e.g. --nnodes " + hi + ":" + lo);
   }
-  return static_cast<int>(min_nodes);
+  o.min_nodes = static_cast<int>(min_nodes);
+  o.nnodes = static_cast<int>(max_nodes);
+}
+
+// torchrun's Std values: 0 (none), 1 (stdout), 2 (stderr), 3 (both), or per local rank "0:1,1:3".
+std::string check_std(const std::string& flag, const std::string& v) {
+  const std::string fix = "; give 0 (none), 1 (stdout), 2 (stderr), 3 (both), or per local rank, e.g. " + flag + " 0:3,1:2";
+  auto digit = [&](const std::string& d) {
+    if (d.size() != 1 || d[0] < '0' || d[0] > '3') throw UsageError(flag + " '" + v + "' is not valid" + fix);
+  };
+  if (v.find(':') == std::string::npos) {
+    digit(v);
+    return v;
+  }
+  size_t start = 0;
+  while (start <= v.size()) {
+    size_t end = v.find(',', start);
+    if (end == std::string::npos) end = v.size();
+    const std::string item = v.substr(start, end - start);
+    auto colon = item.find(':');
+    if (colon == std::string::npos) throw UsageError(flag + " '" + v + "' is not valid" + fix);
+    parse_long(flag, item.substr(0, colon), 0, 4095, "a local rank 0 or more before ':', e.g. " + flag + " 0:3,1:2");
+    digit(item.substr(colon + 1));
+    start = end + 1;
+  }
+  return v;
+}
+
+std::vector<int> parse_rank_list(const std::string& v) {
+  std::vector<int> out;
+  size_t start = 0;
+  while (start <= v.size()) {
+    size_t end = v.find(',', start);
+    if (end == std::string::npos) end = v.size();
+    out.push_back(static_cast<int>(parse_long("--local-ranks-filter", v.substr(start, end - start), 0, 4095,
+                                              "local ranks separated by commas, e.g. --local-ranks-filter 0,1")));
+    start = end + 1;
+  }
+  return out;
 }
 
 const std::vector<Spec>& specs() {
   static const std::vector<Spec> table = {
       {"--nproc-per-node", true, [](Options& o, const std::string& v) { o.nproc_per_node = parse_nproc(v); }},
-      {"--nnodes", true, [](Options& o, const std::string& v) { o.nnodes = parse_nnodes(v); }},
+      {"--nnodes", true, [](Options& o, const std::string& v) { parse_nnodes(o, v); }},
+      {"--rdzv-last-call-s", true,
+       [](Options& o, const std::string& v) { o.rdzv_last_call_s = parse_seconds("--rdzv-last-call-s", v, true); }},
       {"--node-rank", true,
        [](Options& o, const std::string& v) {
          o.node_rank = static_cast<int>(parse_long("--node-rank", v, 0, 65535, "a node rank of 0 or more, e.g. --node-rank 0"));
@@ -109,6 +150,8 @@ const std::vector<Spec>& specs() {
       {"--rdzv-timeout-s", true, [](Options& o, const std::string& v) { o.rdzv_timeout_s = parse_seconds("--rdzv-timeout-s", v, false); }},
       {"--monitor-interval", true,
        [](Options& o, const std::string& v) { o.monitor_interval_s = parse_seconds("--monitor-interval", v, false); }},
+      {"--heartbeat-timeout-s", true,
+       [](Options& o, const std::string& v) { o.heartbeat_timeout_s = parse_seconds("--heartbeat-timeout-s", v, false); }},
       {"--rdzv-id", true,
        [](Options& o, const std::string& v) {
          if (v.empty()) throw UsageError("--rdzv-id is empty; give the job's id, e.g. --rdzv-id job42");
@@ -126,6 +169,14 @@ const std::vector<Spec>& specs() {
          if (v.empty()) throw UsageError("--role is empty; give a role name, e.g. --role trainer");
          o.role = v;
        }},
+      {"--log-dir", true,
+       [](Options& o, const std::string& v) {
+         if (v.empty()) throw UsageError("--log-dir is empty; give a folder for the workers' log files, e.g. --log-dir logs");
+         o.log_dir = v;
+       }},
+      {"--redirects", true, [](Options& o, const std::string& v) { o.redirects = check_std("--redirects", v); }},
+      {"--tee", true, [](Options& o, const std::string& v) { o.tee = check_std("--tee", v); }},
+      {"--local-ranks-filter", true, [](Options& o, const std::string& v) { o.local_ranks_filter = parse_rank_list(v); }},
       {"--help", false, [](Options& o, const std::string&) { o.help = true; }},
   };
   return table;
@@ -139,11 +190,6 @@ std::string unsupported_hint(const std::string& name) {
   if (name == "--rdzv-endpoint" || name == "--rdzv-conf" || name == "--local-addr") {
     return name + " is not supported; fsdprun uses static rendezvous: give every node --nnodes, its own --node-rank, "
                   "and node 0's --master-addr/--master-port";
-  }
-  if (name == "--log-dir" || name == "-r" || name == "--redirects" || name == "-t" || name == "--tee" ||
-      name == "--local-ranks-filter") {
-    return name + " is not supported; worker output is always forwarded with [rank<R>]: prefixes (stdout to stdout, "
-                  "stderr to stderr): redirect fsdprun's own output instead";
   }
   return {};
 }
@@ -162,6 +208,7 @@ const Spec* find_spec(const std::string& name) {
     if (name == s.name) return &s;
   }
   if (name == "-h") return &table.back();
+  if (name == "-r" || name == "-t") return find_spec(name == "-r" ? "--redirects" : "--tee");
   // argparse (and so torchrun) accepts unambiguous prefixes such as --nproc.
   const Spec* match = nullptr;
   std::vector<std::string> candidates;
@@ -180,6 +227,21 @@ const Spec* find_spec(const std::string& name) {
 }
 
 }  // namespace
+
+int std_streams_for(const std::string& spec, int local_rank) {
+  if (spec.empty()) return 0;
+  if (spec.find(':') == std::string::npos) return spec[0] - '0';
+  size_t start = 0;
+  while (start <= spec.size()) {
+    size_t end = spec.find(',', start);
+    if (end == std::string::npos) end = spec.size();
+    const std::string item = spec.substr(start, end - start);
+    const auto colon = item.find(':');
+    if (std::atoi(item.substr(0, colon).c_str()) == local_rank) return item[colon + 1] - '0';
+    start = end + 1;
+  }
+  return 0;
+}
 
 Options parse_options(const std::vector<std::string>& args) {
   Options o;
@@ -261,8 +323,11 @@ Every flag also accepts underscores (--nproc_per_node) and the --flag=value form
 
 options:
   --nproc-per-node N     workers on this node (default 1; "cpu"/"auto": one per core)
-  --nnodes N             number of nodes, each running its own fsdprun (default 1; N:N accepted,
-                         elastic MIN:MAX is not supported)
+  --nnodes N|MIN:MAX     number of nodes, each running its own fsdprun (default 1). MIN:MAX is
+                         elastic: an attempt starts with every node that joined, at least MIN,
+                         once MAX joined or --rdzv-last-call-s after the MIN-th; node ranks and
+                         RANK/WORLD_SIZE are renumbered over the nodes present (node 0 must be)
+  --rdzv-last-call-s S   elastic: how long node 0 waits for more nodes once MIN joined (30)
   --node-rank K          this node's rank, 0..nnodes-1 (default 0); node 0 hosts the store
   --master-addr A        node 0's address, where its TCP store listens (default 127.0.0.1): an
                          address the other nodes reach this machine by
@@ -281,10 +346,27 @@ options:
   --rdzv-timeout-s S     bound on waits for other nodes: store connect, rendezvous before each
                          attempt, the final exit barrier (default 300)
   --monitor-interval S   how often the store is polled for failures on other nodes (default 0.1)
+  --heartbeat-timeout-s S  several nodes: a node whose fsdprun sends no heartbeat for S seconds
+                         (host down, link down, agent killed) is lost: node 0 stops the job, or
+                         restarts it when restarts remain and the node comes back (start fsdprun
+                         there again with the same flags); a node 0 whose store does not answer
+                         for S seconds is lost to the others (default 15). A lost node is named
+                         within S + --grace-period-s seconds (docs/multihost.md)
   --rdzv-id ID           job id, passed as TORCHELASTIC_RUN_ID (default "none")
   --rdzv-backend static  accepted for compatibility; rendezvous is always static
   --role NAME            ROLE_NAME of the workers (default "default")
   --no-python            accepted for torchrun compatibility (programs always run directly)
+  --log-dir DIR          also write each worker's stdout and stderr to files, in
+                         DIR/<rdzv-id>_node<K>/attempt_<n>/<local rank>/{stdout,stderr}.log
+                         (torchrun's layout, the node rank in place of its random suffix)
+  -r, --redirects S      streams that go to the log files only, not the console: 0 none,
+                         1 stdout, 2 stderr, 3 both, or per local rank (0:3,1:2)
+  -t, --tee S            streams that go to the log files and the console (same values);
+                         with --log-dir and neither flag, both streams are teed. Without
+                         --log-dir, --redirects/--tee write to a new folder fsdprun names
+  --local-ranks-filter L only these local ranks' output reaches the console (e.g. 0 or 0,1);
+                         the log files still get everything. A failed worker whose output
+                         did not all reach the console: its last output lines are printed
   -h, --help             show this help
 
 worker environment: RANK (= node_rank * nproc + LOCAL_RANK), LOCAL_RANK, GROUP_RANK (node rank),

@@ -40,6 +40,15 @@ void write_all(int fd, const std::string& data) {
   }
 }
 
+// A worker's log file (--log-dir), created or truncated; -1 (and a note) when it cannot be opened:
+// the output still reaches the console and the tail kept for failures.
+int open_log(const std::string& path) {
+  if (path.empty()) return -1;
+  int fd = open(path.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+  if (fd < 0) write_all(STDERR_FILENO, "fsdprun: cannot write the log file " + path + ": " + std::strerror(errno) + "\n");
+  return fd;
+}
+
 bool is_executable_file(const std::string& path) {
   struct stat st {};
   return stat(path.c_str(), &st) == 0 && S_ISREG(st.st_mode) && access(path.c_str(), X_OK) == 0;
@@ -75,6 +84,7 @@ WorkerGroup::~WorkerGroup() {
     if (!w.exited && w.pid > 0) waitpid(w.pid, nullptr, 0);
     for (Stream* s : {&w.out, &w.err}) {
       if (s->fd >= 0) close(s->fd);
+      if (s->file_fd >= 0) close(s->file_fd);
     }
   }
 }
@@ -151,8 +161,8 @@ void WorkerGroup::start(const std::vector<WorkerSpec>& specs) {
     Worker w;
     w.spec = spec;
     w.pid = pid;
-    w.out = Stream{out[0], STDOUT_FILENO, {}};
-    w.err = Stream{err[0], STDERR_FILENO, {}};
+    w.out = Stream{out[0], STDOUT_FILENO, spec.console_out, open_log(spec.stdout_log), {}};
+    w.err = Stream{err[0], STDERR_FILENO, spec.console_err, open_log(spec.stderr_log), {}};
     for (int fd : {out[0], err[0]}) fcntl(fd, F_SETFL, fcntl(fd, F_GETFL) | O_NONBLOCK);
     workers_.push_back(std::move(w));
   }
@@ -160,22 +170,46 @@ void WorkerGroup::start(const std::vector<WorkerSpec>& specs) {
 
 void WorkerGroup::forward(Worker& w, Stream& s, bool eof) {
   const std::string prefix = "[rank" + std::to_string(w.spec.global_rank) + "]: ";
-  std::string lines;
+  std::string lines, raw;
+  auto keep = [&](std::string line) {  // line without its newline
+    if (w.tail.size() < kTailLines) {
+      w.tail.push_back(prefix + line);
+    } else {
+      w.tail[w.tail_next] = prefix + line;
+    }
+    w.tail_next = (w.tail_next + 1) % kTailLines;
+  };
   size_t begin = 0;
   while (true) {
     size_t nl = s.partial.find('\n', begin);
     if (nl == std::string::npos) break;
     lines += prefix;
     lines.append(s.partial, begin, nl + 1 - begin);
+    raw.append(s.partial, begin, nl + 1 - begin);
+    keep(s.partial.substr(begin, nl - begin));
     begin = nl + 1;
   }
   s.partial.erase(0, begin);
   // At EOF (or when a line gets too long) the rest goes out as a line of its own.
   if (!s.partial.empty() && (eof || s.partial.size() >= kMaxLine)) {
     lines += prefix + s.partial + "\n";
+    raw += s.partial + "\n";
+    keep(s.partial);
     s.partial.clear();
   }
-  if (!lines.empty()) write_all(s.target, lines);
+  if (!lines.empty() && s.console) write_all(s.target, lines);
+  if (!raw.empty() && s.file_fd >= 0) write_all(s.file_fd, raw);
+}
+
+std::vector<std::string> WorkerGroup::last_lines(int global_rank) const {
+  std::vector<std::string> out;
+  for (const auto& w : workers_) {
+    if (w.spec.global_rank != global_rank) continue;
+    const size_t n = w.tail.size();
+    const size_t first = n < kTailLines ? 0 : w.tail_next;
+    for (size_t i = 0; i < n; ++i) out.push_back(w.tail[(first + i) % n]);
+  }
+  return out;
 }
 
 bool WorkerGroup::read_stream(Worker& w, Stream& s) {

@@ -20,6 +20,11 @@ struct WorkerSpec {
   std::string exe;                // resolved path that is executed
   std::vector<std::string> argv;  // argv[0] as the user wrote it
   std::vector<std::string> env;   // complete environment, "KEY=VALUE"
+  // Output routing (--log-dir, --redirects, --tee, --local-ranks-filter): a stream goes to the
+  // console with the rank prefix when its console flag is set, and, unprefixed, to its log file
+  // when a path is given (created, truncated).
+  bool console_out = true, console_err = true;
+  std::string stdout_log, stderr_log;
 };
 
 struct WorkerExit {
@@ -56,6 +61,10 @@ class WorkerGroup {
   // The earliest failure observed (a non-zero exit or death by signal), if any.
   const std::optional<WorkerExit>& first_failure() const { return first_failure_; }
   std::vector<int> pids() const;
+  // The last lines (at most kTailLines, both streams, prefixed "[rank<R>]: ") a worker wrote,
+  // whether or not they reached the console: what fsdprun prints for a failed worker.
+  static constexpr size_t kTailLines = 20;
+  std::vector<std::string> last_lines(int global_rank) const;
 
   // Sends `sig` to every worker's process group, waits up to `grace` for the workers to exit
   // (forwarding their output; a further termination signal to fsdprun cuts the wait short), then
@@ -66,6 +75,8 @@ class WorkerGroup {
   struct Stream {
     int fd = -1;      // read end of the worker's pipe, -1 once closed
     int target = 1;   // fsdprun's fd the lines go to
+    bool console = true;
+    int file_fd = -1;  // log file, -1 when none
     std::string partial;
   };
   struct Worker {
@@ -74,6 +85,8 @@ class WorkerGroup {
     bool exited = false;
     WorkerExit exit;
     Stream out, err;
+    std::vector<std::string> tail;  // ring of the last kTailLines lines
+    size_t tail_next = 0;
   };
 
   void forward(Worker& w, Stream& s, bool eof);

@@ -17,7 +17,8 @@ BackendKind backend_for_device(const std::string& device_type);
 
 // Creates the backend for a group whose members rendezvous through `store` (already prefixed so
 // that groups do not collide). Collective among the members only. `hostname_hint` picks Gloo's
-// network interface: the loopback when every rank is on this host.
+// network interface: the loopback when every rank is on this host, else the address on this
+// machine's route to the hint (MASTER_ADDR), which the other hosts reach; GLOO_SOCKET_IFNAME wins.
 std::shared_ptr<Comm> make_comm(BackendKind kind, const compat::StorePtr& store, std::vector<int> global_ranks,
                                 int group_rank, std::chrono::milliseconds timeout, const std::string& name,
                                 const std::string& hostname_hint);

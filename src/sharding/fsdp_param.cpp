@@ -98,37 +98,6 @@ void FSDPParam::free_unsharded() {
   unsharded_ = false;
 }
 
-void FSDPParam::copy_out(const at::Tensor& gathered, int64_t offset) {
-  at::Tensor dst = unsharded_alias().view({rows_, row_numel_});
-  for (int r = 0; r < shard_size_; ++r) {
-    const int64_t first = static_cast<int64_t>(r) * padded_rows_;
-    const int64_t n = std::max<int64_t>(0, std::min<int64_t>(padded_rows_, rows_ - first));
-    if (n == 0) continue;
-    dst.narrow(0, first, n).copy_(gathered[r].narrow(0, offset, n * row_numel_).view({n, row_numel_}));
-  }
-}
-
-namespace {
-// out[i] at column `offset` gets shard rank (first_rank + i)'s padded rows of `full` (flat).
-void split_rows(const at::Tensor& full, const at::Tensor& out, int64_t offset, int first_rank, int64_t rows,
-                int64_t row_numel, int64_t padded_rows) {
-  for (int64_t i = 0; i < out.size(0); ++i) {
-    const int64_t first = (first_rank + i) * padded_rows;
-    const int64_t n = std::max<int64_t>(0, std::min<int64_t>(padded_rows, rows - first));
-    if (n > 0) out[i].narrow(0, offset, n * row_numel).copy_(full.narrow(0, first * row_numel, n * row_numel));
-    if (n < padded_rows) out[i].narrow(0, offset + n * row_numel, (padded_rows - n) * row_numel).zero_();
-  }
-}
-}  // namespace
-
-void FSDPParam::copy_in_grad(const at::Tensor& grad, const at::Tensor& rs_input, int64_t offset) const {
-  split_rows(grad.contiguous().view(-1), rs_input, offset, 0, rows_, row_numel_, padded_rows_);
-}
-
-void FSDPParam::copy_in_post_forward(const at::Tensor& out, int64_t offset, int first_rank) const {
-  split_rows(unsharded_alias().view(-1), out, offset, first_rank, rows_, row_numel_, padded_rows_);
-}
-
 void FSDPParam::stash_partial_reduce(const at::Tensor& reduced, int64_t offset) {
   at::Tensor mine = reduced.narrow(0, offset, shard_numel());
   if (partial_reduce_.defined()) partial_reduce_.add_(mine);

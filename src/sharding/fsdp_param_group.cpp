@@ -5,6 +5,8 @@
 
 #include <optional>
 
+#include "collectives.h"
+
 namespace fsdp::detail {
 
 namespace {
@@ -68,12 +70,7 @@ void FSDPParamGroup::unshard(bool async_op, const c10::Event* after) {
     return;
   }
   at::Tensor input = at::empty({total_shard_numel_}, options);
-  auto copy_in = [&] {
-    torch::NoGradGuard no_grad;
-    for (size_t i = 0; i < params_.size(); ++i) {
-      input.narrow(0, offsets_[i], params_[i]->shard_numel()).copy_(params_[i]->padded_shard(), /*non_blocking=*/true);
-    }
-  };
+  auto copy_in = [&] { copy_in_all_gather_input(params_, offsets_, input); };
   if (s) {
     // The shards may have just been updated on the current stream (the optimizer): copy after it,
     // or after the post-optim event when the root was given one.
@@ -109,11 +106,7 @@ void FSDPParamGroup::wait_for_unshard() {
   } else {
     all_gather_work_.wait();
   }
-  torch::NoGradGuard no_grad;
-  for (size_t i = 0; i < params_.size(); ++i) {
-    params_[i]->alloc_unsharded();
-    params_[i]->copy_out(all_gather_output_, offsets_[i]);
-  }
+  copy_out_all_gather_output(params_, offsets_, all_gather_output_, total_shard_numel_);
   // Freed: only the unsharded parameters hold the data now. On a GPU the current stream has waited
   // for every stream that used these buffers, and they were allocated on it.
   all_gather_output_ = at::Tensor();
@@ -139,10 +132,7 @@ void FSDPParamGroup::reshard_post_forward() {
   const int first_rank = static_cast<int>(post_forward_comm->rank() * m);
   const auto& p0 = params_.front();
   at::Tensor kept = at::empty({m, total_shard_numel_}, p0->padded_shard().options().device(p0->device()).dtype(p0->compute_dtype()));
-  {
-    torch::NoGradGuard no_grad;
-    for (size_t i = 0; i < params_.size(); ++i) params_[i]->copy_in_post_forward(kept, offsets_[i], first_rank);
-  }
+  copy_in_post_forward(params_, offsets_, kept, first_rank);
   reshard();
   post_forward_shard_ = std::move(kept);
 }
@@ -168,21 +158,10 @@ void FSDPParamGroup::post_backward() {
     if (reshard_after_backward) reshard();
     return;
   }
-  const int n = comm_->size();
-  // The reduce-scatter runs in reduce_dtype (copy_in_grad casts each gradient into it).
+  // The reduce-scatter runs in reduce_dtype (the input is cast to it); the unsharded gradients
+  // are consumed: freed now, as FSDP2 does.
   const auto reduce_dtype = with_grad.front().first->reduce_dtype();
-  at::Tensor input = at::empty({n, total}, with_grad.front().second.options().dtype(reduce_dtype).requires_grad(false));
-  reduced_params_.clear();
-  int64_t offset = 0;
-  {
-    torch::NoGradGuard no_grad;
-    for (auto& [p, g] : with_grad) {
-      p->copy_in_grad(g, input, offset);
-      reduced_params_.emplace_back(p, offset);
-      offset += p->shard_numel();
-    }
-    with_grad.clear();  // the unsharded gradients are consumed: free them now, as FSDP2 does
-  }
+  at::Tensor input = build_reduce_scatter_input(with_grad, comm_->size(), reduce_dtype, reduced_params_);
   if (reshard_after_backward) reshard();
   reduce_output_ = at::empty({total}, input.options());
   // Default: average over the data-parallel ranks. A custom factor: sum, then divide by it.

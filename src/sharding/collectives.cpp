@@ -4,6 +4,8 @@
 
 #include <algorithm>
 
+#include "../memory/buffer_pool.h"
+
 namespace fsdp::detail {
 
 namespace {
@@ -59,9 +61,15 @@ void copy_in_post_forward(const FSDPParams& params, const std::vector<int64_t>& 
 
 at::Tensor build_reduce_scatter_input(std::vector<std::pair<FSDPParam*, at::Tensor>>& grads, int n,
                                       at::ScalarType dtype, std::vector<std::pair<FSDPParam*, int64_t>>& placed) {
-  int64_t total = 0;
-  for (const auto& [p, g] : grads) total += p->shard_numel();
-  at::Tensor input = at::empty({n, total}, grads.front().second.options().dtype(dtype).requires_grad(false));
+  int64_t total = 0, grad_bytes = 0;
+  for (const auto& [p, g] : grads) {
+    total += p->shard_numel();
+    grad_bytes += static_cast<int64_t>(g.nbytes());
+  }
+  // The unsharded gradients are FSDP's to free from here on: counted until they are.
+  count_buffer(BufferOwner::UnshardedGrads, grad_bytes);
+  at::Tensor input =
+      empty_buffer({n, total}, grads.front().second.options().dtype(dtype).requires_grad(false), BufferOwner::ReduceScatterInput);
   placed.clear();
   int64_t offset = 0;
   torch::NoGradGuard no_grad;
@@ -69,6 +77,8 @@ at::Tensor build_reduce_scatter_input(std::vector<std::pair<FSDPParam*, at::Tens
     split_rows(g.contiguous().view(-1), input, offset, 0, p->rows(), p->row_numel(), p->padded_rows());
     placed.emplace_back(p, offset);
     offset += p->shard_numel();
+    count_buffer(BufferOwner::UnshardedGrads, -static_cast<int64_t>(g.nbytes()));
+    g = at::Tensor();  // freed now (the last reference), before the next one is copied
   }
   grads.clear();
   return input;

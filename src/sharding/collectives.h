@@ -35,9 +35,9 @@ void copy_out_all_gather_output(const FSDPParams& params, const std::vector<int6
 void copy_in_post_forward(const FSDPParams& params, const std::vector<int64_t>& offsets, const at::Tensor& out,
                           int first_rank);
 
-// The reduce-scatter input of the gradients in `grads` (consumed: `grads` is cleared, so the
-// unsharded gradients are freed once they are in the input, as FSDP2 does), [n, total] in `dtype`;
-// `placed` gets each parameter with its column.
+// The reduce-scatter input of the gradients in `grads` (consumed: each unsharded gradient is freed
+// once it is in the input, as FSDP2 does; `grads` is left empty), [n, total] in `dtype`, from the
+// buffer pool; `placed` gets each parameter with its column.
 at::Tensor build_reduce_scatter_input(std::vector<std::pair<FSDPParam*, at::Tensor>>& grads, int n,
                                       at::ScalarType dtype, std::vector<std::pair<FSDPParam*, int64_t>>& placed);
 

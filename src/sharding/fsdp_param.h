@@ -78,6 +78,12 @@ class FSDPParam {
   // The unsharded storage as a tensor of the full shape in the compute dtype, with its own version
   // counter: collectives.cpp copies rows in and out through it (see the note above).
   at::Tensor unsharded_alias() const;
+  // A shard group of one (no all-gather needed): copies the shard into the allocated unsharded
+  // parameter, casting to the compute dtype.
+  void copy_shard_to_unsharded();
+  // A shard group of one without replicas (no reduce-scatter needed): `g` (the unsharded gradient,
+  // the full parameter's) becomes or is added to the sharded gradient, divided by `divide`.
+  void accumulate_full_grad(at::Tensor g, std::optional<double> divide);
   // HSDP with the all-reduce skipped: keeps this parameter's reduce-scatter output (the sum of
   // the shard group only) until the next all-reduce, which add_partial_reduce() folds it into.
   void stash_partial_reduce(const at::Tensor& reduced, int64_t offset);

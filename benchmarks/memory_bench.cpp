@@ -176,6 +176,14 @@ int run_worker(const Options& o, bool sharded) {
       std::this_thread::sleep_for(std::chrono::milliseconds(1));
     }
   });
+  struct JoinAtExit {  // an exception in training must not leave a joinable thread behind
+    std::atomic<bool>& stop;
+    std::thread& t;
+    ~JoinAtExit() {
+      stop = true;
+      if (t.joinable()) t.join();
+    }
+  } join_at_exit{stop, sampler};
   auto gen = at::detail::createCPUGenerator(1234 + rank);
   double loss_value = 0;
   for (int s = 0; s < o.steps; ++s) {

@@ -61,6 +61,9 @@ void FSDPParamGroup::unshard(bool async_op, const c10::Event* after) {
       p->alloc_unsharded();
       p->copy_shard_to_unsharded();
     }
+    // Counted as the all-gather it stands for (0 bytes), as a group of one's collective is.
+    comm_->stats().record(comm::OpKind::AllGather, 0);
+    comm::process_comm_stats().record(comm::OpKind::AllGather, 0);
     state_ = State::Unsharded;
     return;
   }
@@ -176,6 +179,8 @@ void FSDPParamGroup::post_backward() {
   if (direct_world_of_one()) {
     // Nothing to reduce: each gradient becomes (or is added to) the sharded gradient as it is.
     for (auto& [p, g] : with_grad) p->accumulate_full_grad(std::move(g), gradient_divide_factor);
+    comm_->stats().record(comm::OpKind::ReduceScatter, 0);
+    comm::process_comm_stats().record(comm::OpKind::ReduceScatter, 0);
     return;
   }
   // The reduce-scatter runs in reduce_dtype (the input is cast to it); the unsharded gradients

@@ -4,6 +4,8 @@
 #include <sstream>
 #include <stdexcept>
 
+#include "../memory/buffer_pool.h"
+
 namespace fsdp::comm {
 
 const char* backend_name(BackendKind kind) {
@@ -86,6 +88,19 @@ at::Tensor reduce_chunks(const at::Tensor& chunks, ReduceOp op, int n) {
   at::Tensor sum = acc.sum(0, /*keepdim=*/false, acc.scalar_type());
   if (op == ReduceOp::Avg) sum.div_(n);
   return sum;
+}
+
+// reduce_chunks written into `out` (S elements, contiguous): one pass, no temporary, when the
+// chunks need no wider accumulator.
+void reduce_chunks_into(const at::Tensor& out, const at::Tensor& chunks, ReduceOp op, int n) {
+  if (op == ReduceOp::Max || chunks.scalar_type() == at::kBFloat16 || chunks.scalar_type() == at::kHalf) {
+    out.view(-1).copy_(reduce_chunks(chunks, op, n));
+    return;
+  }
+  at::Tensor flat = out.view(-1);
+  const int64_t first_dim[] = {0};
+  at::sum_out(flat, chunks, at::IntArrayRef(first_dim));
+  if (op == ReduceOp::Avg) flat.div_(n);
 }
 
 void check_avg_dtype(const std::string& op, ReduceOp rop, const at::Tensor& t) {
@@ -201,11 +216,16 @@ Work Comm::all_gather_into_tensor(const at::Tensor& out, const at::Tensor& in, b
   }
   // Empty tensors: nothing to move (and Gloo divides by the element count). Sizes agree on every
   // rank, so every rank skips alike.
+  // In place: `in` is already this rank's chunk of `out` (FSDP's all-gather input).
+  const bool in_place = in.numel() > 0 && in.data_ptr() == static_cast<char*>(out.data_ptr()) + rank_ * in.nbytes();
   if (size() == 1 || in.numel() == 0) {
-    out.view(-1).copy_(in.view(-1).repeat({size()}));
+    if (in.numel() > 0 && !in_place) out.view(-1).copy_(in.view(-1));  // a group of one: one copy
     return finish(OpKind::AllGather, 0, compat::WorkPtr(), nullptr, async_op, op.c_str());
   }
-  auto work = backend_all_gather(out, in);
+  // The list form (Gloo on 1.13) gathers through c10d's own flat buffer, so an input inside the
+  // output is safe there, as it is for NCCL; Gloo's native one gets a separate input.
+  const bool separate = in_place && caps_.all_gather_base && kind_ == BackendKind::Gloo;
+  auto work = backend_all_gather(out, separate ? in.clone() : in);
   return finish(OpKind::AllGather, ring_share(out.nbytes(), size()), std::move(work), nullptr, async_op, op.c_str());
 }
 
@@ -234,13 +254,12 @@ Work Comm::reduce_scatter_tensor(const at::Tensor& out, const at::Tensor& in, Re
     return finish(OpKind::ReduceScatter, bytes, std::move(work), nullptr, async_op, op.c_str());
   }
   // all_to_all brings every rank's chunk [rank()] here (ring bytes); then sum locally.
-  at::Tensor received = at::empty_like(in);
+  // The all_to_all's output: scratch from the buffer pool (reused call after call); the chunks
+  // are then summed straight into `out`.
+  at::Tensor received = fsdp::detail::empty_buffer(in.sizes(), in.options(), BufferOwner::CommScratch);
   auto work = backend_all_to_all(received, in);
   const int n = size();
-  auto after = [received, out, rop, n]() {
-    at::Tensor chunks = received.view({n, -1});
-    out.view(-1).copy_(reduce_chunks(chunks, rop, n));
-  };
+  auto after = [received, out, rop, n]() { reduce_chunks_into(out, received.view({n, -1}), rop, n); };
   return finish(OpKind::ReduceScatter, bytes, std::move(work), after, async_op, op.c_str());
 }
 

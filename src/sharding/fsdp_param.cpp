@@ -4,6 +4,7 @@
 
 #include <stdexcept>
 
+#include "../memory/buffer_pool.h"
 #include "module_access.h"
 #include "registry.h"
 
@@ -12,12 +13,14 @@ namespace fsdp::detail {
 namespace {
 
 // Frees or re-allocates a storage in place: the StorageImpl object (which autograd's saved views
-// hold) stays the same. Works for any device through the storage's own allocator.
+// hold) stays the same. On the CPU the memory comes from FSDP's buffer pool (reused unit after unit
+// and step after step, see fsdp/memory/buffer_pool.h); elsewhere from the storage's own allocator.
 void set_storage_bytes(c10::StorageImpl* storage, size_t nbytes) {
   if (nbytes == 0) {
     storage->set_data_ptr_noswap(at::DataPtr(nullptr, storage->device()));
   } else {
-    storage->set_data_ptr_noswap(storage->allocator()->allocate(nbytes));
+    c10::Allocator* allocator = storage->allocator() ? storage->allocator() : c10::GetAllocator(storage->device_type());
+    storage->set_data_ptr_noswap(allocate_buffer(nbytes, storage->device(), allocator, BufferOwner::UnshardedParams));
   }
   storage->set_nbytes(nbytes);
 }
@@ -102,35 +105,28 @@ void FSDPParam::free_unsharded() {
   unsharded_ = false;
 }
 
-void FSDPParam::copy_out(const at::Tensor& gathered, int64_t offset) {
-  at::Tensor dst = unsharded_alias().view({rows_, row_numel_});
-  for (int r = 0; r < shard_size_; ++r) {
-    const int64_t first = static_cast<int64_t>(r) * padded_rows_;
-    const int64_t n = std::max<int64_t>(0, std::min<int64_t>(padded_rows_, rows_ - first));
-    if (n == 0) continue;
-    dst.narrow(0, first, n).copy_(gathered[r].narrow(0, offset, n * row_numel_).view({n, row_numel_}));
+void FSDPParam::copy_shard_to_unsharded() {
+  // A shard group of one: padded_rows == rows, the shard is the whole parameter.
+  unsharded_alias().view(-1).copy_(padded_shard_);
+}
+
+void FSDPParam::accumulate_full_grad(at::Tensor g, std::optional<double> divide) {
+  // A shard group of one: the gradient is the sharded gradient (same shape), in reduce_dtype as
+  // the reduce-scatter would have had it, divided by a custom factor.
+  g = g.to(reduce_dtype_);
+  if (divide) g = g.div(*divide);
+  g = g.to(sharded_param_.device(), sharded_param_.scalar_type());
+  // Not a view (optimizers detach_() gradients): a 0-dim parameter's shard is [1], a copy.
+  if (g.sizes() != at::IntArrayRef(local_shape_)) g = g.reshape(local_shape_).clone();
+  at::Tensor& grad = sharded_param_.mutable_grad();
+  torch::NoGradGuard no_grad;
+  if (grad.defined()) {
+    grad.add_(g);
+  } else {
+    const bool pinned = placement_.offload_to_cpu && placement_.pin_memory && !device().is_cpu();
+    // Autograd's gradient is ours alone now (take_unsharded_grad released it): kept as it is.
+    grad = pinned ? at::empty(g.sizes(), g.options().pinned_memory(true)).copy_(g) : g.contiguous();
   }
-}
-
-namespace {
-// out[i] at column `offset` gets shard rank (first_rank + i)'s padded rows of `full` (flat).
-void split_rows(const at::Tensor& full, const at::Tensor& out, int64_t offset, int first_rank, int64_t rows,
-                int64_t row_numel, int64_t padded_rows) {
-  for (int64_t i = 0; i < out.size(0); ++i) {
-    const int64_t first = (first_rank + i) * padded_rows;
-    const int64_t n = std::max<int64_t>(0, std::min<int64_t>(padded_rows, rows - first));
-    if (n > 0) out[i].narrow(0, offset, n * row_numel).copy_(full.narrow(0, first * row_numel, n * row_numel));
-    if (n < padded_rows) out[i].narrow(0, offset + n * row_numel, (padded_rows - n) * row_numel).zero_();
-  }
-}
-}  // namespace
-
-void FSDPParam::copy_in_grad(const at::Tensor& grad, const at::Tensor& rs_input, int64_t offset) const {
-  split_rows(grad.contiguous().view(-1), rs_input, offset, 0, rows_, row_numel_, padded_rows_);
-}
-
-void FSDPParam::copy_in_post_forward(const at::Tensor& out, int64_t offset, int first_rank) const {
-  split_rows(unsharded_alias().view(-1), out, offset, first_rank, rows_, row_numel_, padded_rows_);
 }
 
 void FSDPParam::stash_partial_reduce(const at::Tensor& reduced, int64_t offset) {

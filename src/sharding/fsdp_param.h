@@ -75,16 +75,15 @@ class FSDPParam {
   bool is_unsharded() const { return unsharded_; }
   void alloc_unsharded();
   void free_unsharded();
-  // gathered: the all-gather output viewed as [N, group_shard_numel]; this parameter's chunk of
-  // every rank starts at column `offset`. The unsharded parameter must be allocated.
-  void copy_out(const at::Tensor& gathered, int64_t offset);
-  // Writes the unsharded gradient, split by rank (padding rows zeroed), into the reduce-scatter
-  // input viewed as [N, S], at column `offset`.
-  void copy_in_grad(const at::Tensor& grad, const at::Tensor& rs_input, int64_t offset) const;
-  // Integer reshard_after_forward: writes the padded shards of shard ranks first_rank ..
-  // first_rank + out.size(0) - 1, taken from the unsharded parameter, into out[i] at column
-  // `offset` (out: [count, group_shard_numel], the flat layout of an all-gather input).
-  void copy_in_post_forward(const at::Tensor& out, int64_t offset, int first_rank) const;
+  // The unsharded storage as a tensor of the full shape in the compute dtype, with its own version
+  // counter: collectives.cpp copies rows in and out through it (see the note above).
+  at::Tensor unsharded_alias() const;
+  // A shard group of one (no all-gather needed): copies the shard into the allocated unsharded
+  // parameter, casting to the compute dtype.
+  void copy_shard_to_unsharded();
+  // A shard group of one without replicas (no reduce-scatter needed): `g` (the unsharded gradient,
+  // the full parameter's) becomes or is added to the sharded gradient, divided by `divide`.
+  void accumulate_full_grad(at::Tensor g, std::optional<double> divide);
   // HSDP with the all-reduce skipped: keeps this parameter's reduce-scatter output (the sum of
   // the shard group only) until the next all-reduce, which add_partial_reduce() folds it into.
   void stash_partial_reduce(const at::Tensor& reduced, int64_t offset);
@@ -104,7 +103,6 @@ class FSDPParam {
   void check_unchanged() const;
 
  private:
-  at::Tensor unsharded_alias() const;  // same storage, own version counter, full shape
 
   std::vector<ParamSlot> slots_;
   std::string fqn_;

@@ -5,6 +5,9 @@
 
 #include <optional>
 
+#include "../memory/buffer_pool.h"
+#include "collectives.h"
+
 namespace fsdp::detail {
 
 namespace {
@@ -43,14 +46,28 @@ void FSDPParamGroup::unshard(bool async_op, const c10::Event* after) {
   }
   const int n = comm_->size();
   const auto& first = params_.front()->padded_shard();
-  // Copy-in: every padded shard side by side in one flat input (Gloo needs input and output apart).
+  // Copy-in: every padded shard side by side in one flat input, this rank's row of the output.
   // Copy-in casts to the compute dtype: with bf16 params the all-gather moves half the bytes.
   // On the compute device (a CPU-offloaded shard is copied there here).
   // On a GPU both buffers are allocated here, on the current stream, before the side streams wait
   // on it ([Note: FSDP streams]).
   const auto options = first.options().device(params_.front()->device()).dtype(params_.front()->compute_dtype());
   DeviceStreams* s = streams();
-  all_gather_output_ = at::empty({n, total_shard_numel_}, options);
+  if (direct_world_of_one()) {
+    // Nothing to gather: each shard is copied (cast) straight into its unsharded storage, one pass,
+    // no all-gather buffers. Synchronous: it is a local copy, and a prefetch only moves it earlier.
+    torch::NoGradGuard no_grad;
+    for (auto& p : params_) {
+      p->alloc_unsharded();
+      p->copy_shard_to_unsharded();
+    }
+    // Counted as the all-gather it stands for (0 bytes), as a group of one's collective is.
+    comm_->stats().record(comm::OpKind::AllGather, 0);
+    comm::process_comm_stats().record(comm::OpKind::AllGather, 0);
+    state_ = State::Unsharded;
+    return;
+  }
+  all_gather_output_ = empty_buffer({n, total_shard_numel_}, options, BufferOwner::AllGatherOutput);
   if (post_forward_shard_.defined()) {
     // Backward after an integer reshard: the k ranks of the post-forward group hold, together,
     // every row of the [S, total] output (see the header).
@@ -67,13 +84,9 @@ void FSDPParamGroup::unshard(bool async_op, const c10::Event* after) {
     if (!async_op) wait_for_unshard();
     return;
   }
-  at::Tensor input = at::empty({total_shard_numel_}, options);
-  auto copy_in = [&] {
-    torch::NoGradGuard no_grad;
-    for (size_t i = 0; i < params_.size(); ++i) {
-      input.narrow(0, offsets_[i], params_[i]->shard_numel()).copy_(params_[i]->padded_shard(), /*non_blocking=*/true);
-    }
-  };
+  // In place: the input is this rank's row of the output (FSDP2's layout), no buffer of its own.
+  at::Tensor input = all_gather_output_[comm_->rank()];
+  auto copy_in = [&] { copy_in_all_gather_input(params_, offsets_, input); };
   if (s) {
     // The shards may have just been updated on the current stream (the optimizer): copy after it,
     // or after the post-optim event when the root was given one.
@@ -109,11 +122,7 @@ void FSDPParamGroup::wait_for_unshard() {
   } else {
     all_gather_work_.wait();
   }
-  torch::NoGradGuard no_grad;
-  for (size_t i = 0; i < params_.size(); ++i) {
-    params_[i]->alloc_unsharded();
-    params_[i]->copy_out(all_gather_output_, offsets_[i]);
-  }
+  copy_out_all_gather_output(params_, offsets_, all_gather_output_, total_shard_numel_);
   // Freed: only the unsharded parameters hold the data now. On a GPU the current stream has waited
   // for every stream that used these buffers, and they were allocated on it.
   all_gather_output_ = at::Tensor();
@@ -138,11 +147,10 @@ void FSDPParamGroup::reshard_post_forward() {
   const int64_t m = comm_->size() / post_forward_comm->size();
   const int first_rank = static_cast<int>(post_forward_comm->rank() * m);
   const auto& p0 = params_.front();
-  at::Tensor kept = at::empty({m, total_shard_numel_}, p0->padded_shard().options().device(p0->device()).dtype(p0->compute_dtype()));
-  {
-    torch::NoGradGuard no_grad;
-    for (size_t i = 0; i < params_.size(); ++i) params_[i]->copy_in_post_forward(kept, offsets_[i], first_rank);
-  }
+  at::Tensor kept = empty_buffer({m, total_shard_numel_},
+                                 p0->padded_shard().options().device(p0->device()).dtype(p0->compute_dtype()),
+                                 BufferOwner::PostForwardShards);
+  copy_in_post_forward(params_, offsets_, kept, first_rank);
   reshard();
   post_forward_shard_ = std::move(kept);
 }
@@ -164,27 +172,22 @@ void FSDPParamGroup::post_backward() {
     with_grad.emplace_back(p.get(), g);
     total += p->shard_numel();
   }
-  if (with_grad.empty()) {
-    if (reshard_after_backward) reshard();
+  // The parameters are no longer needed once their gradients exist: freed before the
+  // reduce-scatter input is allocated, so the two are never alive together.
+  if (reshard_after_backward) reshard();
+  if (with_grad.empty()) return;
+  if (direct_world_of_one()) {
+    // Nothing to reduce: each gradient becomes (or is added to) the sharded gradient as it is.
+    for (auto& [p, g] : with_grad) p->accumulate_full_grad(std::move(g), gradient_divide_factor);
+    comm_->stats().record(comm::OpKind::ReduceScatter, 0);
+    comm::process_comm_stats().record(comm::OpKind::ReduceScatter, 0);
     return;
   }
-  const int n = comm_->size();
-  // The reduce-scatter runs in reduce_dtype (copy_in_grad casts each gradient into it).
+  // The reduce-scatter runs in reduce_dtype (the input is cast to it); the unsharded gradients
+  // are consumed: each is freed once it is in the input, as FSDP2 does.
   const auto reduce_dtype = with_grad.front().first->reduce_dtype();
-  at::Tensor input = at::empty({n, total}, with_grad.front().second.options().dtype(reduce_dtype).requires_grad(false));
-  reduced_params_.clear();
-  int64_t offset = 0;
-  {
-    torch::NoGradGuard no_grad;
-    for (auto& [p, g] : with_grad) {
-      p->copy_in_grad(g, input, offset);
-      reduced_params_.emplace_back(p, offset);
-      offset += p->shard_numel();
-    }
-    with_grad.clear();  // the unsharded gradients are consumed: free them now, as FSDP2 does
-  }
-  if (reshard_after_backward) reshard();
-  reduce_output_ = at::empty({total}, input.options());
+  at::Tensor input = build_reduce_scatter_input(with_grad, comm_->size(), reduce_dtype, reduced_params_);
+  reduce_output_ = empty_buffer({total}, input.options(), BufferOwner::ReduceScatterOutput);
   // Default: average over the data-parallel ranks. A custom factor: sum, then divide by it.
   pending_divide_ = gradient_divide_factor;
   const auto op = gradient_divide_factor ? comm::ReduceOp::Sum : comm::ReduceOp::Avg;
@@ -263,6 +266,8 @@ void FSDPParamGroup::finish_reduce() {
     }
   } else {
     reduce_work_.wait();
+    reduce_work_ = comm::Work();  // the input and the backend's scratch are freed now
+    reduce_input_ = at::Tensor();
     if (pending_divide_) reduced.div_(*pending_divide_);
   }
   reduce_work_ = comm::Work();

@@ -105,6 +105,9 @@ class FSDPParamGroup {
   DeviceStreams* streams() const;
   bool offloaded_grads() const;  // gradients go back to (pinned) host memory
 
+  // A shard group of one on the CPU, no replicas: unshard copies each shard straight into its
+  // unsharded storage and post_backward hands the gradients over without a reduce-scatter.
+  bool direct_world_of_one() const { return comm_->size() == 1 && !replicate_comm_ && !post_forward_comm && !streams(); }
   bool needs_all_reduce_start() const { return replicate_comm_ && has_pending_reduce() && !all_reduce_started_; }
   void start_all_reduce();
 };

@@ -193,12 +193,19 @@ void FSDPState::queue_reduce(FSDPParamGroup* group) {
   // older result is ready by the time the next unit's backward is done.
   // Under HSDP an older reduce-scatter moves on to its all-reduce here, which then stays in
   // flight during the next unit's backward (FSDP2's separate all-reduce stream).
+  // group == nullptr: only the older ones move on (before a new reduce-scatter is issued).
+  if (group) {
+    auto& pending = ctx_->pending_reduces;
+    if (group->has_pending_reduce() && std::find(pending.begin(), pending.end(), group) == pending.end()) {
+      pending.push_back(group);
+    }
+    return;
+  }
   std::vector<FSDPParamGroup*> still_pending;
   for (FSDPParamGroup* g : ctx_->pending_reduces) {
     g->advance_reduce();
     if (g->has_pending_reduce()) still_pending.push_back(g);
   }
-  if (group->has_pending_reduce()) still_pending.push_back(group);
   ctx_->pending_reduces = std::move(still_pending);
 }
 
@@ -206,6 +213,9 @@ void FSDPState::post_backward() {
   if (training_ == Training::PostBackward) return;
   training_ = Training::PostBackward;
   if (!group_) return;
+  // The older reductions move on first, so their buffers are released before this unit's
+  // reduce-scatter input is allocated (one unit's reduce-scatter buffers alive at a time).
+  queue_reduce(nullptr);
   group_->post_backward();
   queue_reduce(group_.get());
 }

@@ -1,0 +1,363 @@
+// memory_bench: where a rank's memory goes under fully_shard, against one process (issue 16).
+//
+//   build/bin/memory_bench                       # GPT 12 x 768, 12 heads, seq 256 (85.6M), 1 vs 2 and 4 ranks
+//   build/bin/memory_bench --small               # GPT 4 x 256, 4 heads, seq 128 (3.2M)
+//   build/bin/memory_bench --ranks 2 --steps 3 --batch 2 --layers 12 --dim 768 --heads 12 --seq 256
+//   [--malloc default|tuned] [--pool on|off] [--threads 1]
+//
+// Every configuration runs in a fresh process (under fsdprun for FSDP), with the same per-rank
+// batch (--batch sequences), one intra-op thread per rank, AdamW, float32, synthetic tokens. The
+// model is built on the meta device and only this rank's shards are allocated (train_gpt's recipe).
+// Each worker samples, every millisecond, its resident set (/proc/self/statm), glibc's heap
+// (mallinfo2) and FSDP's own buffers by owner (fsdp/memory/buffer_pool.h); the breakdown printed
+// is the sample with the largest RSS; "peak RSS" is the kernel's high-water mark (VmHWM).
+//
+// The saving: the training state (parameters + gradients + AdamW state) of one process is S, so
+// N ranks should save S x (N-1)/N per rank; "realized" is (peak RSS of one process - peak RSS of
+// a rank) divided by that.
+//
+// --malloc tuned: the workers fix glibc's mmap threshold at 1 MiB (mallopt M_MMAP_THRESHOLD): large
+// freed blocks go back to the kernel instead of staying in the heap. --pool off: FSDP's buffers come
+// from LibTorch's allocator instead of FSDP's caching pool.
+#include <malloc.h>
+#include <unistd.h>
+
+#include <atomic>
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <fstream>
+#include <map>
+#include <mutex>
+#include <sstream>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "bench_support.h"
+#include "fsdp/fsdp.h"
+#include "fsdp/memory/buffer_pool.h"
+#include "models/gpt.h"
+
+namespace {
+
+using fsdp_bench::spawn_and_wait;
+
+struct Options {
+  int64_t layers = 12, dim = 768, heads = 12, seq = 256, batch = 2;
+  int steps = 3, threads = 1;
+  std::vector<int> ranks = {2, 4};
+  std::string malloc_mode = "default";  // default | tuned
+  std::string pool = "on";
+  std::string role = "driver";  // driver | single | fsdp
+  std::string result;
+};
+
+[[noreturn]] void usage(const std::string& why) {
+  std::fprintf(stderr,
+               "memory_bench: %s\nusage: memory_bench [--small] [--ranks 2,4] [--steps N] [--batch N] [--layers N] "
+               "[--dim N] [--heads N] [--seq N] [--threads N] [--malloc default|tuned] [--pool on|off]\n",
+               why.c_str());
+  std::exit(2);
+}
+
+Options parse(int argc, char** argv) {
+  Options o;
+  std::map<std::string, int64_t*> ints = {{"--layers", &o.layers}, {"--dim", &o.dim}, {"--heads", &o.heads},
+                                          {"--seq", &o.seq},       {"--batch", &o.batch}};
+  for (int i = 1; i < argc; ++i) {
+    std::string a = argv[i];
+    if (a == "--small") {
+      o.layers = 4, o.dim = 256, o.heads = 4, o.seq = 128, o.batch = 4;
+      continue;
+    }
+    if (i + 1 >= argc) usage("missing value for " + a);
+    std::string v = argv[++i];
+    if (a == "--role") o.role = v;
+    else if (a == "--result") o.result = v;
+    else if (a == "--malloc") o.malloc_mode = v;
+    else if (a == "--pool") o.pool = v;
+    else if (a == "--steps") o.steps = std::stoi(v);
+    else if (a == "--threads") o.threads = std::stoi(v);
+    else if (a == "--ranks") {
+      o.ranks.clear();
+      std::stringstream ss(v);
+      std::string item;
+      while (std::getline(ss, item, ',')) o.ranks.push_back(std::stoi(item));
+    } else if (ints.count(a)) *ints[a] = std::stoll(v);
+    else usage("unknown option " + a);
+  }
+  if (o.malloc_mode != "default" && o.malloc_mode != "tuned") usage("--malloc takes default or tuned");
+  if (o.pool != "on" && o.pool != "off") usage("--pool takes on or off");
+  if (o.steps < 1 || o.batch < 1 || o.threads < 1) usage("--steps, --batch and --threads must be positive");
+  for (int r : o.ranks) {
+    if (r < 2) usage("--ranks lists world sizes of at least 2 (one process always runs)");
+  }
+  return o;
+}
+
+double rss_bytes() {
+  std::ifstream in("/proc/self/statm");
+  long size = 0, resident = 0;
+  in >> size >> resident;
+  return static_cast<double>(resident) * static_cast<double>(sysconf(_SC_PAGESIZE));
+}
+
+double vm_hwm_bytes() {
+  std::ifstream in("/proc/self/status");
+  std::string line;
+  while (std::getline(in, line)) {
+    if (line.rfind("VmHWM:", 0) == 0) return std::stod(line.substr(6)) * 1024.0;
+  }
+  return 0;
+}
+
+// One sample: RSS, glibc's view, FSDP's buffers.
+struct Sample {
+  double rss = 0, heap_in_use = 0, heap_free = 0, mmapped = 0;
+  fsdp::BufferMemoryStats fsdp;
+};
+
+Sample take_sample() {
+  Sample s;
+  s.rss = rss_bytes();
+  struct mallinfo2 mi = mallinfo2();
+  s.heap_in_use = static_cast<double>(mi.uordblks);  // allocated from the heap (arenas)
+  s.heap_free = static_cast<double>(mi.fordblks);    // free but kept in the heap
+  s.mmapped = static_cast<double>(mi.hblkhd);        // allocated with mmap by malloc
+  s.fsdp = fsdp::buffer_memory_stats();
+  return s;
+}
+
+int run_worker(const Options& o, bool sharded) {
+  if (o.malloc_mode == "tuned") mallopt(M_MMAP_THRESHOLD, 1 << 20);
+  if (o.pool == "off") {
+    fsdp::BufferPoolOptions pool;
+    pool.enabled = false;
+    fsdp::set_buffer_pool_options(pool);
+  }
+  at::set_num_threads(o.threads);
+  int rank = 0, world = 1;
+  if (sharded) {
+    fsdp::dist::init_distributed();
+    rank = fsdp::dist::rank();
+    world = fsdp::dist::world_size();
+  }
+  fsdp::models::GPTConfig c;
+  c.vocab_size = 256;
+  c.block_size = o.seq;
+  c.n_layer = o.layers;
+  c.n_head = o.heads;
+  c.n_embd = o.dim;
+  c.device = torch::kMeta;
+  fsdp::models::GPT model(c);
+  double block_param_bytes = 0, total_param_bytes = 0;
+  for (const auto& p : model->blocks.front()->parameters()) block_param_bytes += p.numel() * 4.0;
+  for (const auto& p : model->parameters()) total_param_bytes += p.numel() * 4.0;
+  if (sharded) {
+    for (auto& b : model->blocks) fsdp::fully_shard(b);
+    fsdp::fully_shard(model);
+  }
+  fsdp::to_empty(*model, torch::kCPU);
+  model->reset_parameters();
+  torch::optim::AdamW opt(model->parameters(), torch::optim::AdamWOptions(1e-4));
+  const double rss_setup = rss_bytes();
+
+  std::atomic<bool> stop{false};
+  std::mutex mu;
+  Sample peak;
+  std::thread sampler([&] {
+    while (!stop.load()) {
+      Sample s = take_sample();
+      {
+        std::lock_guard<std::mutex> lock(mu);
+        if (s.rss > peak.rss) peak = s;
+      }
+      std::this_thread::sleep_for(std::chrono::milliseconds(1));
+    }
+  });
+  struct JoinAtExit {  // an exception in training must not leave a joinable thread behind
+    std::atomic<bool>& stop;
+    std::thread& t;
+    ~JoinAtExit() {
+      stop = true;
+      if (t.joinable()) t.join();
+    }
+  } join_at_exit{stop, sampler};
+  auto gen = at::detail::createCPUGenerator(1234 + rank);
+  double loss_value = 0;
+  for (int s = 0; s < o.steps; ++s) {
+    auto data = at::randint(c.vocab_size, {o.batch, c.block_size + 1}, gen, at::kLong);
+    opt.zero_grad();
+    auto input = data.narrow(1, 0, c.block_size);
+    auto logits = sharded ? fsdp::call(model, input) : model->forward(input);
+    auto loss = fsdp::models::gpt_loss(logits, data.narrow(1, 1, c.block_size));
+    loss.backward();
+    opt.step();
+    loss_value = loss.item<double>();
+  }
+  stop = true;
+  sampler.join();
+  double params = 0, grads = 0, optim = 0;
+  for (const auto& p : model->parameters()) {
+    params += p.nbytes();
+    if (p.grad().defined()) grads += p.grad().nbytes();
+  }
+  for (const auto& item : opt.state()) {
+    auto& st = static_cast<torch::optim::AdamWParamState&>(*item.second);
+    optim += st.exp_avg().nbytes() + st.exp_avg_sq().nbytes();
+  }
+  const auto fsdp_stats = fsdp::buffer_memory_stats();
+  std::ostringstream line;
+  line << "rank " << rank << " world " << world << " hwm " << vm_hwm_bytes() << " rss_setup " << rss_setup
+       << " params " << params << " grads " << grads << " optim " << optim << " block_param_bytes "
+       << block_param_bytes << " total_param_bytes " << total_param_bytes << " loss " << loss_value
+       << " s_rss " << peak.rss << " s_heap_in_use " << peak.heap_in_use << " s_heap_free " << peak.heap_free
+       << " s_mmapped " << peak.mmapped << " s_fsdp " << peak.fsdp.total << " s_pool_cached "
+       << peak.fsdp.pool_cached << " s_pool_live " << peak.fsdp.pool_live << " fsdp_peak " << fsdp_stats.peak << " pool_peak_mapped "
+       << fsdp_stats.pool_peak_mapped << " pool_hits " << fsdp_stats.pool_hits << " pool_misses "
+       << fsdp_stats.pool_misses;
+  for (int k = 0; k < fsdp::kBufferOwners; ++k) line << " at_peak_" << k << " " << fsdp_stats.at_peak[k];
+  for (int k = 0; k < fsdp::kBufferOwners; ++k) line << " s_owner_" << k << " " << peak.fsdp.current[k];
+  {
+    std::ofstream out(o.result + "." + std::to_string(rank));
+    out << line.str() << "\n";
+  }
+  if (sharded) fsdp::dist::destroy_distributed();
+  return 0;
+}
+
+std::map<std::string, double> read_line(const std::string& path) {
+  std::ifstream in(path);
+  std::map<std::string, double> kv;
+  std::string k;
+  double v;
+  while (in >> k >> v) kv[k] = v;
+  return kv;
+}
+
+double mb(double bytes) { return bytes / 1e6; }
+
+int run_driver(const Options& o) {
+  char self[4096];
+  ssize_t n = readlink("/proc/self/exe", self, sizeof(self) - 1);
+  if (n <= 0) usage("cannot find this program's path");
+  self[n] = '\0';
+  const std::string exe = self;
+  const std::string fsdprun = exe.substr(0, exe.rfind('/')) + "/fsdprun";
+  if (access(fsdprun.c_str(), X_OK) != 0) usage("fsdprun not found next to memory_bench: " + fsdprun);
+  char tmpl[] = "/tmp/fsdp-memory-bench-XXXXXX";
+  if (!mkdtemp(tmpl)) usage("cannot create a temporary folder");
+  const std::string dir = tmpl;
+  std::vector<std::string> common = {"--layers", std::to_string(o.layers), "--dim",     std::to_string(o.dim),
+                                     "--heads",  std::to_string(o.heads),  "--seq",     std::to_string(o.seq),
+                                     "--batch",  std::to_string(o.batch),  "--steps",   std::to_string(o.steps),
+                                     "--threads", std::to_string(o.threads), "--malloc", o.malloc_mode,
+                                     "--pool",   o.pool};
+  std::printf("memory_bench: GPT %lld layers, d=%lld, %lld heads, seq %lld; %lld sequences per rank, %d steps, "
+              "fp32, AdamW, %d thread(s) per rank; malloc %s, FSDP pool %s\n",
+              static_cast<long long>(o.layers), static_cast<long long>(o.dim), static_cast<long long>(o.heads),
+              static_cast<long long>(o.seq), static_cast<long long>(o.batch), o.steps, o.threads,
+              o.malloc_mode.c_str(), o.pool.c_str());
+  std::fflush(stdout);
+  struct Run {
+    std::string name;
+    int world;
+    std::map<std::string, double> r;  // the rank with the largest peak
+  };
+  std::vector<Run> runs;
+  {
+    std::vector<std::string> cmd = {exe, "--role", "single", "--result", dir + "/single"};
+    cmd.insert(cmd.end(), common.begin(), common.end());
+    if (spawn_and_wait(cmd, {"OMP_NUM_THREADS=" + std::to_string(o.threads)}) != 0) usage("the one-process run failed");
+    runs.push_back({"one process (plain LibTorch)", 1, read_line(dir + "/single.0")});
+  }
+  for (int w : std::vector<int>{1}) {
+    std::vector<std::string> cmd = {fsdprun, "--nproc-per-node", std::to_string(w), "--master-port", "0", "--", exe,
+                                    "--role", "fsdp", "--result", dir + "/fsdp1"};
+    cmd.insert(cmd.end(), common.begin(), common.end());
+    if (spawn_and_wait(cmd, {}) != 0) usage("the FSDP world-of-one run failed");
+    runs.push_back({"fully_shard, world of one", 1, read_line(dir + "/fsdp1.0")});
+  }
+  for (int w : o.ranks) {
+    const std::string out = dir + "/fsdp" + std::to_string(w) + "r";
+    std::vector<std::string> cmd = {fsdprun, "--nproc-per-node", std::to_string(w), "--master-port", "0", "--", exe,
+                                    "--role", "fsdp", "--result", out};
+    cmd.insert(cmd.end(), common.begin(), common.end());
+    if (spawn_and_wait(cmd, {}) != 0) usage("the FSDP run on " + std::to_string(w) + " ranks failed");
+    Run run{"FSDP", w, {}};
+    for (int r = 0; r < w; ++r) {
+      auto kv = read_line(out + "." + std::to_string(r));
+      if (run.r.empty() || kv["hwm"] > run.r["hwm"]) run.r = kv;
+    }
+    runs.push_back(run);
+  }
+  const auto& one = runs.front().r;
+  const double state1 = one.at("params") + one.at("grads") + one.at("optim");
+  const double unit = one.at("block_param_bytes");
+  std::printf("\none transformer block (a unit): %.1f MB of fp32 parameters; target for FSDP's buffers at peak: "
+              "2 units' parameters + gradients + one prefetched unit = %.1f MB\n",
+              mb(unit), mb(5 * unit));
+  std::printf("\n| run | ranks | state / rank (params + grads + AdamW) | peak RSS / rank | saved vs one process | "
+              "theoretical saving S(N-1)/N | realized | FSDP buffers at their peak | vs target |\n");
+  std::printf("|---|---|---|---|---|---|---|---|---|\n");
+  for (const auto& run : runs) {
+    const auto& r = run.r;
+    const double state = r.at("params") + r.at("grads") + r.at("optim");
+    const double saved = one.at("hwm") - r.at("hwm");
+    const double theory = state1 * (run.world - 1) / run.world;
+    const bool fsdp = run.name != runs.front().name;
+    std::printf("| %s | %d | %.0f MB (%.0f + %.0f + %.0f) | %.0f MB | %.0f MB | %.0f MB | %s | %s | %s |\n",
+                run.name.c_str(), run.world, mb(state), mb(r.at("params")), mb(r.at("grads")), mb(r.at("optim")),
+                mb(r.at("hwm")), mb(saved), mb(theory),
+                run.world > 1 ? (std::to_string(static_cast<int>(100 * saved / theory + 0.5)) + "%").c_str() : "-",
+                fsdp ? (std::to_string(static_cast<int>(mb(r.at("fsdp_peak")) + 0.5)) + " MB").c_str() : "-",
+                fsdp ? (std::to_string(r.at("fsdp_peak") / (5 * unit)).substr(0, 4) + "x").c_str() : "-");
+  }
+  std::printf("\nAt each run's largest sampled RSS (MB): what it is made of\n\n");
+  std::printf("| run | ranks | RSS | training state | FSDP buffers alive (pool cached) | glibc heap in use | glibc heap free, kept "
+              "| glibc mmapped | rest (LibTorch, code, activations outside glibc) |\n");
+  std::printf("|---|---|---|---|---|---|---|---|---|\n");
+  for (const auto& run : runs) {
+    const auto& r = run.r;
+    const double state = r.at("params") + r.at("grads") + r.at("optim");
+    const double accounted = r.at("s_heap_in_use") + r.at("s_heap_free") + r.at("s_mmapped") + r.at("s_pool_live") +
+                             r.at("s_pool_cached");
+    std::printf("| %s | %d | %.0f | %.0f | %.0f (%.0f) | %.0f | %.0f | %.0f | %.0f |\n", run.name.c_str(), run.world,
+                mb(r.at("s_rss")), mb(state), mb(r.at("s_fsdp")), mb(r.at("s_pool_cached")), mb(r.at("s_heap_in_use")),
+                mb(r.at("s_heap_free")), mb(r.at("s_mmapped")), mb(r.at("s_rss") - accounted));
+  }
+  std::printf("\nFSDP's buffers by owner (MB) at their own peak [and at the largest sampled RSS]\n\n| run | ranks |");
+  for (int k = 0; k < fsdp::kBufferOwners; ++k) std::printf(" %s |", fsdp::buffer_owner_name(static_cast<fsdp::BufferOwner>(k)));
+  std::printf(" pool: peak mapped, hits / misses |\n|---|---|");
+  for (int k = 0; k <= fsdp::kBufferOwners; ++k) std::printf("---|");
+  std::printf("\n");
+  for (size_t i = 1; i < runs.size(); ++i) {
+    const auto& r = runs[i].r;
+    std::printf("| %s | %d |", runs[i].name.c_str(), runs[i].world);
+    for (int k = 0; k < fsdp::kBufferOwners; ++k) {
+      std::printf(" %.1f [%.1f] |", mb(r.at("at_peak_" + std::to_string(k))), mb(r.at("s_owner_" + std::to_string(k))));
+    }
+    std::printf(" %.0f MB, %.0f / %.0f |\n", mb(r.at("pool_peak_mapped")), r.at("pool_hits"), r.at("pool_misses"));
+  }
+  std::printf("\nlosses of the last step:");
+  for (const auto& run : runs) std::printf(" %.5f", run.r.at("loss"));
+  std::printf("\n");
+  return 0;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  fsdp::dist::tune_cpu_or_reexec(argc, argv);
+  Options o = parse(argc, argv);
+  try {
+    if (o.role == "single") return run_worker(o, false);
+    if (o.role == "fsdp") return run_worker(o, true);
+    if (o.role == "driver") return run_driver(o);
+    usage("unknown --role " + o.role);
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "memory_bench: %s\n", e.what());
+    return 1;
+  }
+}

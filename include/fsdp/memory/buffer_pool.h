@@ -1,0 +1,70 @@
+#pragma once
+// FSDP's own memory: the bytes of the buffers fully_shard and its collectives allocate (our
+// counting, by owner), and the caching pool they come from on the CPU. The lowest layer: comm and
+// sharding both allocate from it.
+//
+// Owners: the unsharded parameters (re-allocated at each unshard), the all-gather input and
+// output, the reduce-scatter input and output, the unsharded gradients from the moment
+// post_backward takes them until they are in the reduce-scatter input, and the post-forward
+// shards of an integer reshard_after_forward, and the scratch buffers of Comm's Gloo fallbacks
+// (the reduce-scatter's all_to_all output). Sharded parameters, sharded gradients and the
+// optimizer state are the training state, not FSDP's buffers (count them from the module and the
+// optimizer).
+//
+// The pool: on the CPU every FSDP buffer of at least BufferPoolOptions::min_bytes comes from a
+// cache of page-aligned blocks mapped with mmap, kept when freed and handed out again to a request
+// of the same size: the transformer blocks of a model ask for the same sizes unit after unit and
+// step after step, so after the first step nothing is mapped, faulted in or returned to the
+// kernel. The cache never holds more than the largest set of blocks that were alive at once
+// (before it maps a new block it unmaps cached ones until live + cached + new <= that high-water
+// mark), so the pool's footprint is the live set's peak. Smaller buffers and other devices use
+// LibTorch's allocator (a GPU's caching allocator already pools).
+#include <array>
+#include <cstddef>
+#include <cstdint>
+
+namespace fsdp {
+
+enum class BufferOwner : int {
+  UnshardedParams = 0,
+  AllGatherInput,
+  AllGatherOutput,
+  ReduceScatterInput,
+  ReduceScatterOutput,
+  UnshardedGrads,
+  PostForwardShards,
+  CommScratch,
+};
+inline constexpr int kBufferOwners = 8;
+const char* buffer_owner_name(BufferOwner owner);
+
+struct BufferMemoryStats {
+  std::array<uint64_t, kBufferOwners> current{};  // bytes alive now, by owner
+  std::array<uint64_t, kBufferOwners> at_peak{};  // by owner, at the moment `peak` was reached
+  uint64_t total = 0;  // alive now, all owners
+  uint64_t peak = 0;   // the most alive at once since the last reset
+  // The pool (CPU): blocks alive, blocks cached (freed, kept for reuse), the most mapped at once,
+  // and how many requests a cached block served (hits) or needed a new mapping (misses).
+  uint64_t pool_live = 0, pool_cached = 0, pool_peak_mapped = 0, pool_hits = 0, pool_misses = 0;
+  uint64_t pool_unmapped = 0;  // blocks given back to the kernel to keep the footprint at the peak
+};
+
+// This process's figures (all fully_shard units together).
+BufferMemoryStats buffer_memory_stats();
+// Starts a new peak (and new pool hit/miss counts) from what is alive now.
+void reset_buffer_memory_peak();
+
+// Example:
+//   fsdp::BufferPoolOptions pool;
+//   pool.enabled = false;                  // every buffer from LibTorch's allocator (for comparison)
+//   fsdp::set_buffer_pool_options(pool);   // before the first forward
+struct BufferPoolOptions {
+  bool enabled = true;
+  size_t min_bytes = 64 * 1024;  // smaller buffers come from LibTorch's allocator
+};
+void set_buffer_pool_options(const BufferPoolOptions& options);
+BufferPoolOptions buffer_pool_options();
+// Unmaps every cached block (the live ones stay); returns the bytes given back.
+uint64_t release_cached_buffers();
+
+}  // namespace fsdp

@@ -1,0 +1,120 @@
+// FSDP's buffer pool (fsdp/memory/buffer_pool.h): reusing blocks across units and steps changes no
+// number (bit-equal to the same run without the pool), nothing stays alive between steps (no
+// leak), the pool's footprint stays at the live set's peak, the steady state maps nothing new,
+// and FSDP's buffers at their peak stay within a few units' parameters. Parity with one process
+// is test_fully_shard's (the pool is on by default there).
+#include <gtest/gtest.h>
+
+#include <iostream>
+#include <sstream>
+
+#include "fsdp/fsdp.h"
+#include "fsdp/memory/buffer_pool.h"
+#include "models/gpt.h"
+#include "multiprocess.h"
+#include "parity.h"
+
+using fsdp::models::GPT;
+using fsdp::testing::global_batch;
+using fsdp::testing::uneven_config;
+
+namespace {
+
+struct PoolRun {
+  std::vector<double> losses;
+  std::map<std::string, at::Tensor> shards;
+  std::vector<fsdp::BufferMemoryStats> after_step;
+  double largest_unit_bytes = 0;  // the largest fully_shard unit's unsharded parameters
+};
+
+PoolRun train(bool pool, int steps) {
+  fsdp::BufferPoolOptions options;
+  options.enabled = pool;
+  options.min_bytes = 1;  // every buffer through the pool: the test model is small
+  fsdp::set_buffer_pool_options(options);
+  fsdp::release_cached_buffers();
+  fsdp::reset_buffer_memory_peak();
+  const auto c = uneven_config();
+  auto world = fsdp::dist::world_comm();
+  const int n = world->size(), rank = world->rank();
+  const int64_t batch = 2 * n;
+  GPT model = fsdp::testing::parity_model(c);
+  PoolRun r;
+  double rest = 0;
+  for (auto& block : model->blocks) {
+    double unit = 0;
+    for (const auto& p : block->parameters()) unit += p.nbytes();
+    r.largest_unit_bytes = std::max(r.largest_unit_bytes, unit);
+    fsdp::fully_shard(block);
+  }
+  for (const auto& p : model->parameters()) {
+    if (!fsdp::shard_info(p)) rest += p.nbytes();
+  }
+  r.largest_unit_bytes = std::max(r.largest_unit_bytes, rest);
+  fsdp::fully_shard(model);
+  auto opt = fsdp::testing::parity_optimizer(*model);
+  for (int s = 0; s < steps; ++s) {
+    opt.zero_grad();
+    auto data = global_batch(c, batch, s, 0).narrow(0, rank * 2, 2);
+    auto logits = fsdp::call(model, data.narrow(1, 0, c.block_size));
+    auto loss = fsdp::models::gpt_loss(logits, data.narrow(1, 1, c.block_size));
+    loss.backward();
+    opt.step();
+    r.losses.push_back(loss.item<double>());
+    r.after_step.push_back(fsdp::buffer_memory_stats());
+  }
+  for (const auto& p : model->named_parameters()) r.shards[p.key()] = p.value().detach().clone();
+  return r;
+}
+
+std::string describe(const fsdp::BufferMemoryStats& s) {
+  std::ostringstream os;
+  os << "alive " << s.total << " B, peak " << s.peak << " B, pool live " << s.pool_live << " cached " << s.pool_cached
+     << " peak mapped " << s.pool_peak_mapped << " hits " << s.pool_hits << " misses " << s.pool_misses;
+  return os.str();
+}
+
+}  // namespace
+
+FSDP_RANK_WORKER(pool_reuse_exact_and_bounded) {
+  const int steps = 5;
+  const PoolRun without = train(/*pool=*/false, steps);
+  const PoolRun with = train(/*pool=*/true, steps);
+  const int n = fsdp::dist::world_size();
+  // Reuse changes no number: losses and every shard bit for bit equal to the run without pool.
+  for (int s = 0; s < steps; ++s) {
+    TORCH_CHECK(with.losses[s] == without.losses[s], "step ", s, ": loss ", with.losses[s], " with the pool, ",
+                without.losses[s], " without");
+  }
+  for (const auto& [name, t] : without.shards) {
+    TORCH_CHECK(torch::equal(with.shards.at(name), t), "parameter ", name, " differs with the pool");
+  }
+  for (int s = 0; s < steps; ++s) {
+    const auto& st = with.after_step[s];
+    // No leak: between steps FSDP holds no buffer, and every pooled block is back in the cache.
+    TORCH_CHECK(st.total == 0 && st.pool_live == 0, "after step ", s, ": ", describe(st));
+    // The pool's footprint stays at the live set's peak: a block serves requests down to half its
+    // size, and blocks are whole pages, hence 2x plus a page per block.
+    TORCH_CHECK(st.pool_cached <= st.pool_peak_mapped && st.pool_peak_mapped <= 2 * st.peak + 64 * 4096,
+                "after step ", s, ": ", describe(st));
+  }
+  // Reuse: from the third step on (the second is the first with forward prefetching) every block
+  // comes from the cache.
+  const auto& last = with.after_step.back();
+  const auto& third = with.after_step[2];
+  TORCH_CHECK(last.pool_misses == with.after_step[1].pool_misses && last.pool_hits > third.pool_hits,
+              "the pool keeps mapping new blocks in the steady state: step 2: ", describe(with.after_step[1]),
+              "; last: ", describe(last));
+  // FSDP's buffers at their peak: within a handful of units (params + grads of the unit in backward,
+  // the prefetched unit, the reduce-scatter in flight), whatever the depth.
+  const double bound = 6.0 * with.largest_unit_bytes;
+  TORCH_CHECK(last.peak <= bound, "FSDP's buffers peaked at ", last.peak, " B, over 6 units (", bound, " B)");
+  if (fsdp::dist::rank() == 0) {
+    std::cout << "world " << n << ": " << describe(last) << "; largest unit " << with.largest_unit_bytes
+              << " B; peak = " << last.peak / with.largest_unit_bytes << " units" << std::endl;
+  }
+}
+
+TEST(BufferPool, TwoRanksReuseIsExactAndBounded) { EXPECT_RANKS_PASS(2, "pool_reuse_exact_and_bounded"); }
+
+TEST(BufferPool, WorldOfOneReuseIsExactAndBounded) { EXPECT_RANKS_PASS(1, "pool_reuse_exact_and_bounded"); }

@@ -6,9 +6,14 @@
 
 #include <algorithm>
 #include <cstring>
+#include <cstdio>
 #include <filesystem>
+#include <fstream>
+#include <limits>
 #include <memory>
 #include <set>
+
+#include <nlohmann/json.hpp>
 
 #include "checkpoint_index.h"
 #include "fsdp/checkpoint/safetensors.h"
@@ -63,7 +68,10 @@ uint64_t box_start_element(const std::vector<int64_t>& shape, const ChunkInfo& b
 
 std::string shape_text(const std::vector<int64_t>& shape) {
   std::string out = "[";
-  for (size_t i = 0; i < shape.size(); ++i) out += (i ? ", " : "") + std::to_string(shape[i]);
+  for (size_t i = 0; i < shape.size(); ++i) {
+    if (i) out += ", ";
+    out += std::to_string(shape[i]);
+  }
   return out + "]";
 }
 
@@ -304,6 +312,122 @@ VerifyReport verify_checkpoint(const std::string& dir, const VerifyOptions& opti
     }
     ++report.tensors_checked;
     if (options.on_tensor) options.on_tensor(key, t.bytes);
+  }
+  return report;
+}
+
+std::vector<std::string> consolidate_checkpoint(const std::string& dir, const std::string& out,
+                                                const ConsolidateOptions& options) {
+  CheckpointReader reader(dir);
+  const std::string prefix = "model.";
+  struct Item {
+    const TensorInfo* tensor;
+    std::string name;  // in the output
+  };
+  std::vector<Item> items;
+  for (const auto& t : reader.info().tensors) {
+    if (options.all_tensors) items.push_back({&t, t.key});
+    else if (t.key.rfind(prefix, 0) == 0) items.push_back({&t, t.key.substr(prefix.size())});
+  }
+  if (items.empty())
+    throw CheckpointError("consolidate: '" + dir + "' holds no model tensors (\"model.\" keys); pass all_tensors "
+                          "(fsdp-ckpt consolidate --all) to write every tensor");
+  // Files planned from the sizes, as export_safetensors plans them.
+  std::vector<std::vector<size_t>> plan(1);
+  uint64_t in_file = 0;
+  for (size_t i = 0; i < items.size(); ++i) {
+    const uint64_t bytes = items[i].tensor->bytes;
+    if (options.max_shard_bytes && in_file > 0 && in_file + bytes > options.max_shard_bytes) {
+      plan.emplace_back();
+      in_file = 0;
+    }
+    plan.back().push_back(i);
+    in_file += bytes;
+  }
+  const fs::path target(out);
+  auto file_name = [&](size_t f) {
+    if (plan.size() == 1) return target.filename().string();
+    char buf[64];
+    std::snprintf(buf, sizeof(buf), "-%05zu-of-%05zu.safetensors", f + 1, plan.size());
+    return target.stem().string() + buf;
+  };
+  std::error_code ec;
+  if (!target.parent_path().empty()) fs::create_directories(target.parent_path(), ec);
+  std::vector<std::string> written;
+  std::map<std::string, std::string> weight_map;
+  uint64_t total = 0;
+  for (size_t f = 0; f < plan.size(); ++f) {
+    const fs::path path = target.parent_path() / file_name(f);
+    const std::string tmp = path.string() + ".tmp";
+    try {
+      std::vector<safetensors::TensorSpec> specs;
+      for (size_t i : plan[f])
+        specs.push_back({items[i].name, safetensors::dtype_from_name(items[i].tensor->dtype), items[i].tensor->shape});
+      safetensors::StreamWriter writer(tmp, specs, {{"format", "pt"}});
+      for (size_t i : plan[f]) {
+        writer.append(reader.read(items[i].tensor->key));  // one full tensor in memory at a time
+        weight_map[items[i].name] = file_name(f);
+        total += items[i].tensor->bytes;
+      }
+      writer.finish();
+    } catch (const std::exception& e) {
+      fs::remove(tmp, ec);
+      const std::string what = e.what();
+      throw CheckpointError(what.rfind("checkpoint: ", 0) == 0 ? what : "consolidate: writing '" + path.string() + "' failed: " + what);
+    }
+    fs::rename(tmp, path, ec);
+    if (ec) throw CheckpointError("consolidate: cannot rename '" + tmp + "' to '" + path.string() + "': " + ec.message());
+    written.push_back(path.string());
+  }
+  if (plan.size() > 1) {
+    // The Hugging Face index: {"metadata": {"total_size": N}, "weight_map": {name: file}}.
+    const std::string json = nlohmann::json{{"metadata", {{"total_size", total}}}, {"weight_map", weight_map}}.dump(2);
+    const fs::path index_path = target.parent_path() / (target.filename().string() + ".index.json");
+    const std::string tmp = index_path.string() + ".tmp";
+    {
+      std::ofstream o(tmp, std::ios::trunc | std::ios::binary);
+      o << json;
+      o.flush();
+      if (!o) throw CheckpointError("consolidate: cannot write '" + tmp + "'");
+    }
+    fs::rename(tmp, index_path, ec);
+    if (ec) throw CheckpointError("consolidate: cannot rename '" + tmp + "': " + ec.message());
+    written.push_back(index_path.string());
+  }
+  return written;
+}
+
+DiffReport diff_checkpoints(const std::string& dir_a, const std::string& dir_b, const DiffOptions& options) {
+  CheckpointReader a(dir_a), b(dir_b);
+  std::set<std::string> keys;
+  for (const auto& t : a.info().tensors) keys.insert(t.key);
+  for (const auto& t : b.info().tensors) keys.insert(t.key);
+  DiffReport report;
+  for (const auto& key : keys) {
+    TensorDiff d;
+    d.key = key;
+    const TensorInfo* ta = a.info().find(key);
+    const TensorInfo* tb = b.info().find(key);
+    if (!ta) d.mismatch = "only in B";
+    else if (!tb) d.mismatch = "only in A";
+    else if (ta->shape != tb->shape) d.mismatch = "shape " + shape_text(ta->shape) + " vs " + shape_text(tb->shape);
+    else if (ta->dtype != tb->dtype) d.mismatch = "dtype " + ta->dtype + " vs " + tb->dtype;
+    if (d.mismatch.empty()) {
+      const at::Tensor va = a.read(key).flatten(), vb = b.read(key).flatten();
+      constexpr int64_t kSlice = 1 << 20;  // elements converted to double at a time
+      for (int64_t at = 0; at < va.numel(); at += kSlice) {
+        const int64_t n = std::min(kSlice, va.numel() - at);
+        const at::Tensor x = va.narrow(0, at, n).to(at::kDouble), y = vb.narrow(0, at, n).to(at::kDouble);
+        at::Tensor diff = (x - y).abs();
+        diff.masked_fill_(at::isnan(x) & at::isnan(y), 0.0);
+        diff.masked_fill_(at::isnan(x) ^ at::isnan(y), std::numeric_limits<double>::infinity());
+        diff.masked_fill_(at::isnan(diff), 0.0);  // inf - inf of the same sign
+        d.max_abs_diff = std::max(d.max_abs_diff, diff.max().item<double>());
+      }
+    }
+    d.differs = !d.mismatch.empty() || d.max_abs_diff > options.atol;
+    report.differing += d.differs ? 1 : 0;
+    report.tensors.push_back(std::move(d));
   }
   return report;
 }

@@ -103,4 +103,44 @@ struct VerifyOptions {
 // each tensor, and every CRC-32. A damaged or missing index is one problem naming index.json.
 VerifyReport verify_checkpoint(const std::string& dir, const VerifyOptions& options = {});
 
+// Example: ConsolidateOptions o; o.max_shard_bytes = 5ull << 30;   // Hugging Face shards of 5 GiB
+struct ConsolidateOptions {
+  // Split into files of at most this many bytes (0: one file), named like export_safetensors's:
+  // <stem>-00001-of-0000N.safetensors beside <out name>.index.json (the Hugging Face layout);
+  // a tensor larger than the limit gets a file of its own.
+  uint64_t max_shard_bytes = 0;
+  // false: the model's tensors only ("model." keys, written without the prefix, as
+  // export_safetensors names them). true: every tensor (optimizer state, extras) under its
+  // checkpoint key.
+  bool all_tensors = false;
+};
+// Writes the checkpoint's tensors in full to `out` (a .safetensors path), streaming: one tensor
+// in memory at a time, each verified against its CRC-32s; each file through a temporary name and
+// a rename. Returns the files written (the index last when split). The result loads with
+// load_safetensors and any safetensors reader. Throws CheckpointError.
+std::vector<std::string> consolidate_checkpoint(const std::string& dir, const std::string& out,
+                                                const ConsolidateOptions& options = {});
+
+// Per-tensor comparison of two checkpoints.
+struct TensorDiff {
+  std::string key;
+  // "" when both hold it with the same dtype and shape (then max_abs_diff is meaningful), else
+  // e.g. "only in A", "only in B", "shape [2, 3] vs [3, 2]", "dtype F32 vs BF16".
+  std::string mismatch;
+  double max_abs_diff = 0;  // NaN against a number counts as infinity; NaN against NaN as 0
+  bool differs = false;     // a mismatch, or max_abs_diff above DiffOptions::atol
+};
+// Example: DiffOptions o; o.atol = 1e-6;   // differences up to 1e-6 count as equal
+struct DiffOptions {
+  double atol = 0;
+};
+struct DiffReport {
+  std::vector<TensorDiff> tensors;  // the union of both key sets, sorted
+  int differing = 0;
+  bool same() const { return differing == 0; }
+};
+// Reads one tensor pair at a time (both verified against their CRC-32s). Throws CheckpointError
+// when either checkpoint cannot be read.
+DiffReport diff_checkpoints(const std::string& dir_a, const std::string& dir_b, const DiffOptions& options = {});
+
 }  // namespace fsdp::checkpoint

@@ -2,6 +2,7 @@
 // Full and sharded state dicts (torch.distributed.checkpoint.state_dict for LibTorch), and
 // safetensors export / pretrained import.
 //
+// Example:
 //   // Consolidated weights on rank 0 only, gathered one parameter at a time:
 //   auto sd = fsdp::checkpoint::get_model_state_dict(*model, {.full_state_dict = true, .cpu_offload = true});
 //   // Rank 0 read a file; every rank gets its rows:
@@ -29,6 +30,7 @@ namespace fsdp::checkpoint {
 
 using StateDict = std::map<std::string, at::Tensor>;
 
+// Example: auto sd = get_model_state_dict(*model, StateDictOptions{.full_state_dict = true, .cpu_offload = true});
 struct StateDictOptions {
   // get: full tensors gathered from the shards (collective) instead of this rank's shards.
   // set: the dict holds full tensors (each rank takes its rows) instead of shards.
@@ -57,6 +59,7 @@ StateDict get_optimizer_state_dict(torch::nn::Module& model, torch::optim::Optim
 LoadResult set_optimizer_state_dict(torch::nn::Module& model, torch::optim::Optimizer& optimizer,
                                     const StateDict& state_dict, const StateDictOptions& options = {});
 
+// Example: export_safetensors(*model, "out/model.safetensors", ExportOptions{.max_file_bytes = 5ull << 30});
 struct ExportOptions {
   // Split into files of at most this many bytes (0: one file). Split files are named
   // <stem>-00001-of-0000N.safetensors next to <stem>.safetensors.index.json (the Hugging Face

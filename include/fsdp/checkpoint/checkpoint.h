@@ -104,7 +104,7 @@ struct SaveOptions {
   int fail_after_files = -1;
 };
 
-// Example: load("ckpt/step_000100", state, LoadOptions{.strict = false, .load_optimizer = false});
+// Example: load("ckpt/step_000100", State{model.ptr()}, LoadOptions{.strict = false, .load_optimizer = false});
 struct LoadOptions {
   // Keys in the checkpoint absent from the state, or the reverse, are errors.
   bool strict = true;

@@ -132,6 +132,8 @@ std::string generate(const std::vector<Example>& examples) {
     out << "  }\n}\n}  // namespace ex" << n << "\n";
   }
   out << "\n// Every example, so that none is discarded unseen (never called: the examples are not run).\n"
+         "extern void (*const all[])(ExampleContext&);\n"
+         "extern const int count;\n"
          "void (*const all[])(ExampleContext&) = {";
   for (size_t n = 0; n < examples.size(); ++n) out << (n ? ", " : "") << "&ex" << n << "::run";
   out << "};\nconst int count = " << examples.size() << ";\n\n}  // namespace fsdp_header_examples\n";

@@ -62,13 +62,16 @@ void scan(const std::string& header, const std::string& include, std::vector<Exa
           std::vector<MissingExample>& missing) {
   const auto lines = read_lines(header);
   static const std::regex open_ns(R"(^namespace ([A-Za-z_][A-Za-z0-9_:]*) \{)");
-  static const std::regex close_ns(R"(^\}  // namespace)");
   static const std::regex options_type(R"(^\s*(struct|class) ([A-Za-z0-9_]*(Options|Policy))\b[^;]*$)");
-  std::vector<std::string> namespaces;
+  // Open namespaces and the brace depth at which each opened (braces counted outside comments).
+  std::vector<std::pair<std::string, int>> namespaces;
+  int depth = 0;
   for (size_t i = 0; i < lines.size(); ++i) {
     std::smatch m;
-    if (std::regex_search(lines[i], m, open_ns)) namespaces.push_back(m[1].str());
-    else if (std::regex_search(lines[i], close_ns) && !namespaces.empty()) namespaces.pop_back();
+    const std::string code = lines[i].substr(0, lines[i].find("//"));
+    if (std::regex_search(code, m, open_ns)) namespaces.emplace_back(m[1].str(), depth);
+    depth += static_cast<int>(std::count(code.begin(), code.end(), '{') - std::count(code.begin(), code.end(), '}'));
+    while (!namespaces.empty() && depth <= namespaces.back().second) namespaces.pop_back();
     if (std::regex_search(lines[i], m, options_type)) {
       // The comment block right above, or the body, must hold an Example.
       bool found = false;
@@ -90,7 +93,7 @@ void scan(const std::string& header, const std::string& include, std::vector<Exa
     Example ex;
     ex.header = header;
     ex.include = include;
-    ex.ns = namespaces.empty() ? "" : namespaces.back();
+    ex.ns = namespaces.empty() ? "" : namespaces.back().first;
     const std::string inline_code = text.substr(8);
     if (inline_code.find_first_not_of(' ') != std::string::npos) {
       ex.line = static_cast<int>(i + 1);

@@ -104,7 +104,7 @@ struct SaveOptions {
   int fail_after_files = -1;
 };
 
-// Example: load("ckpt/step_000100", State{model.ptr()}, LoadOptions{.strict = false, .load_optimizer = false});
+// Example: LoadOptions o; o.strict = false; o.load_optimizer = false;   // the weights, of the keys both have
 struct LoadOptions {
   // Keys in the checkpoint absent from the state, or the reverse, are errors.
   bool strict = true;

@@ -5,8 +5,8 @@
 #include "fsdp/checkpoint/inspect.h"
 
 #include <algorithm>
-#include <cstring>
 #include <cstdio>
+#include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <limits>
@@ -30,9 +30,7 @@ uint64_t numel_of(const std::vector<int64_t>& shape) {
   return n;
 }
 
-uint64_t element_bytes(const std::string& dtype) {
-  return c10::elementSize(safetensors::dtype_from_name(dtype));
-}
+uint64_t element_bytes(const std::string& dtype) { return c10::elementSize(safetensors::dtype_from_name(dtype)); }
 
 // Format v1 (checkpoint_index.h): a chunk is rows [row_offset, row_offset + rows) of dim 0, whole
 // in every other dim; a 0-d tensor is one chunk of one "row". The only place that reads
@@ -62,7 +60,8 @@ bool box_is_contiguous(const std::vector<int64_t>& shape, const ChunkInfo& box) 
 
 uint64_t box_start_element(const std::vector<int64_t>& shape, const ChunkInfo& box) {
   uint64_t index = 0;
-  for (size_t d = 0; d < shape.size(); ++d) index = index * static_cast<uint64_t>(shape[d]) + static_cast<uint64_t>(box.offsets[d]);
+  for (size_t d = 0; d < shape.size(); ++d)
+    index = index * static_cast<uint64_t>(shape[d]) + static_cast<uint64_t>(box.offsets[d]);
   return index;
 }
 
@@ -108,7 +107,8 @@ class Files {
     auto& slot = readers_[file];
     if (!slot) {
       if (file.empty() || file.find('/') != std::string::npos || file.find("..") != std::string::npos)
-        throw CheckpointError("checkpoint: the index of '" + dir_ + "' names a file outside the directory: '" + file + "'");
+        throw CheckpointError("checkpoint: the index of '" + dir_ + "' names a file outside the directory: '" + file +
+                              "'");
       const fs::path path = fs::path(dir_) / file;
       std::error_code ec;
       if (!fs::exists(path, ec))
@@ -134,11 +134,13 @@ void read_chunk(Files& files, const std::string& dir, const std::string& key, co
   safetensors::Reader& reader = files.open(box.file);
   const safetensors::TensorEntry* entry = reader.header().find(key);
   if (entry == nullptr)
-    throw CheckpointError("checkpoint: " + reader.path() + ": '" + key + "' is not in the file, but the index says it is");
+    throw CheckpointError("checkpoint: " + reader.path() + ": '" + key +
+                          "' is not in the file, but the index says it is");
   if (safetensors::dtype_name(entry->dtype) != dtype || entry->nbytes() != box.bytes)
-    throw CheckpointError("checkpoint: " + reader.path() + ": '" + key + "' is " + safetensors::dtype_name(entry->dtype) +
-                          ", " + std::to_string(entry->nbytes()) + " bytes, but the index describes " + dtype + ", " +
-                          std::to_string(box.bytes) + " bytes; the file does not belong to this index");
+    throw CheckpointError("checkpoint: " + reader.path() + ": '" + key + "' is " +
+                          safetensors::dtype_name(entry->dtype) + ", " + std::to_string(entry->nbytes()) +
+                          " bytes, but the index describes " + dtype + ", " + std::to_string(box.bytes) +
+                          " bytes; the file does not belong to this index");
   const uint64_t B = detail::kChecksumBlockBytes;
   if (crcs.size() != (box.bytes + B - 1) / B)
     throw CheckpointError("checkpoint: " + dir + "/index.json: '" + key + "' lists " + std::to_string(crcs.size()) +
@@ -181,13 +183,15 @@ at::Tensor assemble(Files& files, const std::string& dir, const TensorInfo& t, c
     const ChunkInfo& box = t.chunks[i];
     if (box.bytes == 0) continue;
     if (box_is_contiguous(t.shape, box)) {
-      read_chunk(files, dir, t.key, t.dtype, box, record.chunks[i].block_crc32, base + box_start_element(t.shape, box) * elem);
+      read_chunk(files, dir, t.key, t.dtype, box, record.chunks[i].block_crc32,
+                 base + box_start_element(t.shape, box) * elem);
       continue;
     }
     at::Tensor part = at::empty(box.sizes, full.options());
     read_chunk(files, dir, t.key, t.dtype, box, record.chunks[i].block_crc32, static_cast<uint8_t*>(part.data_ptr()));
     at::Tensor view = full;
-    for (size_t d = 0; d < t.shape.size(); ++d) view = view.narrow(static_cast<int64_t>(d), box.offsets[d], box.sizes[d]);
+    for (size_t d = 0; d < t.shape.size(); ++d)
+      view = view.narrow(static_cast<int64_t>(d), box.offsets[d], box.sizes[d]);
     view.copy_(part);
   }
   return full;
@@ -326,11 +330,14 @@ std::vector<std::string> consolidate_checkpoint(const std::string& dir, const st
   };
   std::vector<Item> items;
   for (const auto& t : reader.info().tensors) {
-    if (options.all_tensors) items.push_back({&t, t.key});
-    else if (t.key.rfind(prefix, 0) == 0) items.push_back({&t, t.key.substr(prefix.size())});
+    if (options.all_tensors)
+      items.push_back({&t, t.key});
+    else if (t.key.rfind(prefix, 0) == 0)
+      items.push_back({&t, t.key.substr(prefix.size())});
   }
   if (items.empty())
-    throw CheckpointError("consolidate: '" + dir + "' holds no model tensors (\"model.\" keys); pass all_tensors "
+    throw CheckpointError("consolidate: '" + dir +
+                          "' holds no model tensors (\"model.\" keys); pass all_tensors "
                           "(fsdp-ckpt consolidate --all) to write every tensor");
   // Files planned from the sizes, as export_safetensors plans them.
   std::vector<std::vector<size_t>> plan(1);
@@ -373,10 +380,12 @@ std::vector<std::string> consolidate_checkpoint(const std::string& dir, const st
     } catch (const std::exception& e) {
       fs::remove(tmp, ec);
       const std::string what = e.what();
-      throw CheckpointError(what.rfind("checkpoint: ", 0) == 0 ? what : "consolidate: writing '" + path.string() + "' failed: " + what);
+      throw CheckpointError(
+          what.rfind("checkpoint: ", 0) == 0 ? what : "consolidate: writing '" + path.string() + "' failed: " + what);
     }
     fs::rename(tmp, path, ec);
-    if (ec) throw CheckpointError("consolidate: cannot rename '" + tmp + "' to '" + path.string() + "': " + ec.message());
+    if (ec)
+      throw CheckpointError("consolidate: cannot rename '" + tmp + "' to '" + path.string() + "': " + ec.message());
     written.push_back(path.string());
   }
   if (plan.size() > 1) {
@@ -408,10 +417,14 @@ DiffReport diff_checkpoints(const std::string& dir_a, const std::string& dir_b, 
     d.key = key;
     const TensorInfo* ta = a.info().find(key);
     const TensorInfo* tb = b.info().find(key);
-    if (!ta) d.mismatch = "only in B";
-    else if (!tb) d.mismatch = "only in A";
-    else if (ta->shape != tb->shape) d.mismatch = "shape " + shape_text(ta->shape) + " vs " + shape_text(tb->shape);
-    else if (ta->dtype != tb->dtype) d.mismatch = "dtype " + ta->dtype + " vs " + tb->dtype;
+    if (!ta)
+      d.mismatch = "only in B";
+    else if (!tb)
+      d.mismatch = "only in A";
+    else if (ta->shape != tb->shape)
+      d.mismatch = "shape " + shape_text(ta->shape) + " vs " + shape_text(tb->shape);
+    else if (ta->dtype != tb->dtype)
+      d.mismatch = "dtype " + ta->dtype + " vs " + tb->dtype;
     if (d.mismatch.empty()) {
       const at::Tensor va = a.read(key).flatten(), vb = b.read(key).flatten();
       constexpr int64_t kSlice = 1 << 20;  // elements converted to double at a time

@@ -25,7 +25,7 @@
 namespace {
 
 struct Example {
-  std::string header;  // as given on the command line
+  std::string header;   // as given on the command line
   std::string include;  // relative to the include root
   int line = 0;         // 1-based line of the first code line
   std::string ns;       // enclosing namespace ("" at file scope)

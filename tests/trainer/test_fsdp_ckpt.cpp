@@ -179,7 +179,8 @@ TEST_F(FsdpCkpt, VerifyAndDescribeNameADamagedIndex) {
 TEST_F(FsdpCkpt, ConsolidateEqualsExportSafetensorsOfTheSameModel) {
   // The reference: the model loaded from the checkpoint in this process, exported by the library.
   auto model = tiny_model();
-  ckpt::load(step(6), ckpt::State{model.ptr(), nullptr, {}}, ckpt::LoadOptions{.strict = true, .load_optimizer = false});
+  ckpt::load(step(6), ckpt::State{model.ptr(), nullptr, {}},
+             ckpt::LoadOptions{.strict = true, .load_optimizer = false});
   const std::string expected = *dir_ / "export/model.safetensors";
   ckpt::export_safetensors(*model, expected);
 
@@ -215,13 +216,15 @@ TEST_F(FsdpCkpt, ConsolidateEqualsExportSafetensorsOfTheSameModel) {
     uint64_t bytes = 0;
     for (const auto& e : fsdp::safetensors::Reader((fs::path(split).parent_path() / f).string()).header().tensors)
       bytes += e.nbytes();
-    EXPECT_TRUE(bytes <= 40000 || fsdp::safetensors::Reader((fs::path(split).parent_path() / f).string()).header().tensors.size() == 1)
+    EXPECT_TRUE(bytes <= 40000 ||
+                fsdp::safetensors::Reader((fs::path(split).parent_path() / f).string()).header().tensors.size() == 1)
         << f << " holds " << bytes << " bytes";
   }
   auto reloaded = tiny_model();
   const auto result = ckpt::load_safetensors(*reloaded, split + ".index.json");
   EXPECT_TRUE(result.missing_keys.empty() && result.unexpected_keys.empty());
-  for (const auto& p : model->named_parameters()) EXPECT_TRUE(at::equal(p.value(), reloaded->named_parameters()[p.key()])) << p.key();
+  for (const auto& p : model->named_parameters())
+    EXPECT_TRUE(at::equal(p.value(), reloaded->named_parameters()[p.key()])) << p.key();
 }
 
 TEST_F(FsdpCkpt, ConsolidateAllKeepsOptimizerStateUnderItsKeys) {
@@ -231,7 +234,8 @@ TEST_F(FsdpCkpt, ConsolidateAllKeepsOptimizerStateUnderItsKeys) {
   const fsdp::safetensors::Reader reader(out);
   const auto info = ckpt::inspect_checkpoint(step(6));
   ASSERT_EQ(reader.header().tensors.size(), info.tensors.size());
-  for (const auto& t : info.tensors) EXPECT_TRUE(at::equal(reader.read(t.key), ckpt::read_full_tensor(step(6), t.key))) << t.key;
+  for (const auto& t : info.tensors)
+    EXPECT_TRUE(at::equal(reader.read(t.key), ckpt::read_full_tensor(step(6), t.key))) << t.key;
   EXPECT_EQ(reader.read("extra.trainer.step").item<int64_t>(), 6);
 }
 
@@ -262,8 +266,10 @@ TEST_F(FsdpCkpt, DiffReportsPerTensorMaxAbsoluteDifference) {
 }
 
 TEST_F(FsdpCkpt, BadCommandLinesExitTwoWithOneLine) {
-  for (const std::vector<std::string>& args :
-       {std::vector<std::string>{}, {"frobnicate"}, {"verify"}, {"consolidate", "x", "y", "--max-shard-size", "lots"}}) {
+  for (const std::vector<std::string>& args : {std::vector<std::string>{},
+                                               {"frobnicate"},
+                                               {"verify"},
+                                               {"consolidate", "x", "y", "--max-shard-size", "lots"}}) {
     const auto r = fsdp_ckpt(args);
     EXPECT_EQ(r.exit_code, 2) << r.output;
     EXPECT_EQ(count(r.output, "\n"), 1u) << r.output;

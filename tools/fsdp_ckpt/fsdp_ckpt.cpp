@@ -125,7 +125,8 @@ int describe(const std::string& dir) {
     if (!info.file_bytes.count(file)) std::printf("  MISSING data file %s\n", file.c_str());
   const auto extras = scalar_extras(reader);
   for (const auto& [key, value] : extras)
-    if (key.size() >= 5 && key.compare(key.size() - 5, 5, ".step") == 0) std::printf("  step %s (extra.%s)\n", value.c_str(), key.c_str());
+    if (key.size() >= 5 && key.compare(key.size() - 5, 5, ".step") == 0)
+      std::printf("  step %s (extra.%s)\n", value.c_str(), key.c_str());
   if (!info.extras.empty()) {
     std::string line;
     for (const auto& name : info.extras) line += (line.empty() ? "" : ", ") + name;
@@ -157,7 +158,8 @@ int describe(const std::string& dir) {
                 static_cast<unsigned long long>(g.elements), human_bytes(g.bytes).c_str());
     first = false;
   }
-  std::printf(")\n  layout: %d tensor%s split over files, %d whole in one file\n\n", sharded, sharded == 1 ? "" : "s", whole);
+  std::printf(")\n  layout: %d tensor%s split over files, %d whole in one file\n\n", sharded, sharded == 1 ? "" : "s",
+              whole);
   const int w = static_cast<int>(key_width);
   std::printf("  %-*s  %-5s  %-16s  %10s  %s\n", w, "key", "dtype", "shape", "size", "layout (chunk: box, file)");
   for (const auto& t : info.tensors)
@@ -238,9 +240,11 @@ int main(int argc, char** argv) {
   std::string dir, dir_b, out, max_shard_size;
   bool quiet = false, all = false, all_tensors = false;
   double atol = 0;
-  auto* describe_cmd = app.add_subcommand("describe", "step, world size and layout saved, tensors with shapes, dtypes and sizes");
+  auto* describe_cmd =
+      app.add_subcommand("describe", "step, world size and layout saved, tensors with shapes, dtypes and sizes");
   describe_cmd->add_option("DIR", dir, "checkpoint folder (holds index.json)")->required();
-  auto* verify_cmd = app.add_subcommand("verify", "check every byte against its CRC-32; exit 1 naming the first bad file and tensor");
+  auto* verify_cmd =
+      app.add_subcommand("verify", "check every byte against its CRC-32; exit 1 naming the first bad file and tensor");
   verify_cmd->add_option("DIR", dir, "checkpoint folder")->required();
   verify_cmd->add_flag("-q,--quiet", quiet, "only the verdict line");
   auto* consolidate_cmd = app.add_subcommand(
@@ -253,7 +257,8 @@ int main(int argc, char** argv) {
   consolidate_cmd->add_flag("--all", all_tensors,
                             "every tensor (optimizer state, extras) under its checkpoint key; default: the model's "
                             "tensors, named as export_safetensors names them");
-  auto* diff_cmd = app.add_subcommand("diff", "per-tensor max absolute difference; exit 0 same, 1 different, 2 trouble");
+  auto* diff_cmd =
+      app.add_subcommand("diff", "per-tensor max absolute difference; exit 0 same, 1 different, 2 trouble");
   diff_cmd->add_option("DIR1", dir, "checkpoint folder A")->required();
   diff_cmd->add_option("DIR2", dir_b, "checkpoint folder B")->required();
   diff_cmd->add_option("--atol", atol, "differences up to this count as equal (default 0: bit-equal values)")

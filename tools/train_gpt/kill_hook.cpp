@@ -20,8 +20,8 @@ KillHook KillHook::from_env() {
 
 void KillHook::before_step(int64_t step, int rank) const {
   if (step != kill_at_ || rank != kill_rank_) return;
-  std::fprintf(stderr, "train_gpt: FSDP_TEST_KILL_AT_STEP=%lld: rank %d kills itself\n", static_cast<long long>(kill_at_),
-               rank);
+  std::fprintf(stderr, "train_gpt: FSDP_TEST_KILL_AT_STEP=%lld: rank %d kills itself\n",
+               static_cast<long long>(kill_at_), rank);
   std::fflush(stderr);
   raise(SIGKILL);
 }

@@ -96,8 +96,8 @@ void Reporter::step(const StepReport& s) {
   }
   std::printf("step %5lld/%lld  loss %.4f%s  lr %.2e  %6.0f tok/s  %.3f s/step  ETA %s  mem %s MB\n",
               static_cast<long long>(s.step), static_cast<long long>(o_.steps), s.loss,
-              s.val_loss ? ("  val " + std::to_string(*s.val_loss).substr(0, 6)).c_str() : "", s.lr, tps,
-              s.step_time_s, format_duration(eta).c_str(), memory.c_str());
+              s.val_loss ? ("  val " + std::to_string(*s.val_loss).substr(0, 6)).c_str() : "", s.lr, tps, s.step_time_s,
+              format_duration(eta).c_str(), memory.c_str());
   std::fflush(stdout);
 }
 

@@ -21,9 +21,9 @@ namespace train_gpt {
 struct BannerInfo {
   int world = 1;
   int threads = 1;
-  int64_t n_params = 0;       // the whole model's
-  int64_t local_params = 0;   // this rank's
-  std::string data;           // TokenSource::describe()
+  int64_t n_params = 0;      // the whole model's
+  int64_t local_params = 0;  // this rank's
+  std::string data;          // TokenSource::describe()
   std::optional<std::string> resumed_dir;
 };
 

@@ -54,7 +54,8 @@ int64_t RankMemory::max_peak_bytes() const {
 }
 
 RankMemory gather_memory(fsdp::comm::Comm* comm, const torch::Device& device) {
-  at::Tensor local = at::tensor({static_cast<double>(current_rss_bytes()), static_cast<double>(peak_rss_bytes())}, at::kDouble);
+  at::Tensor local =
+      at::tensor({static_cast<double>(current_rss_bytes()), static_cast<double>(peak_rss_bytes())}, at::kDouble);
   at::Tensor all = local;
   if (comm != nullptr) {
     at::Tensor out = at::empty({comm->size() * 2}, local.options().device(device));

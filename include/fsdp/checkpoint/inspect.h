@@ -38,8 +38,8 @@ struct ChunkInfo {
 };
 
 struct TensorInfo {
-  std::string key;  // "model.<fqn>", "optim.<fqn>.<field>", "extra.<entry>.<key>"
-  std::string dtype;  // safetensors dtype name ("F32", "BF16", "I64", ...)
+  std::string key;             // "model.<fqn>", "optim.<fqn>.<field>", "extra.<entry>.<key>"
+  std::string dtype;           // safetensors dtype name ("F32", "BF16", "I64", ...)
   std::vector<int64_t> shape;  // global
   uint64_t bytes = 0;          // of the full tensor
   std::vector<ChunkInfo> chunks;
@@ -50,9 +50,9 @@ struct CheckpointInfo {
   std::string save_id;
   int world_size = 0;  // ranks that saved it
   std::vector<std::string> files;
-  std::map<std::string, uint64_t> file_bytes;  // size on disk; absent: the file is missing
-  std::vector<std::string> extras;             // Stateful entries saved
-  std::vector<TensorInfo> tensors;             // sorted by key
+  std::map<std::string, uint64_t> file_bytes;            // size on disk; absent: the file is missing
+  std::vector<std::string> extras;                       // Stateful entries saved
+  std::vector<TensorInfo> tensors;                       // sorted by key
   const TensorInfo* find(const std::string& key) const;  // nullptr when absent
 };
 

@@ -1,6 +1,7 @@
 #pragma once
 // FSDP for LibTorch: everything a training program needs, in one include.
 #include "fsdp/checkpoint/checkpoint.h"
+#include "fsdp/checkpoint/inspect.h"
 #include "fsdp/checkpoint/lock.h"
 #include "fsdp/checkpoint/optimizer_state.h"
 #include "fsdp/checkpoint/safetensors.h"

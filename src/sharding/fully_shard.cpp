@@ -49,7 +49,12 @@ std::string module_name(const torch::nn::Module& m) { return m.name(); }
 
 std::string join_ranks(const std::vector<int>& ranks) {
   std::string out;
-  for (size_t i = 0; i < ranks.size(); ++i) out += (i ? "-" : "") + std::to_string(ranks[i]);
+  for (size_t i = 0; i < ranks.size(); ++i) {
+    // Two appends, not `(i ? "-" : "") + to_string(...)`: GCC 12 warns a false
+    // -Wstringop-overflow on that operator+ once inlined here (GCC bug 105651).
+    if (i) out += '-';
+    out += std::to_string(ranks[i]);
+  }
   return out;
 }
 

@@ -246,7 +246,9 @@ TORCH_MODULE(ProbeBlock);
 
 struct ProbeNetImpl : torch::nn::Module {
   ProbeNetImpl() {
-    for (int i = 0; i < 6; ++i) blocks.push_back(register_module("b" + std::to_string(i), ProbeBlock()));
+    // std::string("b").append(...), not "b" + to_string(i): GCC 12 at -O3 warns a false
+    // -Wstringop-overflow on that operator+ (GCC bug 105651).
+    for (int i = 0; i < 6; ++i) blocks.push_back(register_module(std::string("b").append(std::to_string(i)), ProbeBlock()));
   }
   torch::Tensor forward(torch::Tensor x) {
     for (auto& b : blocks) x = fsdp::call(b, x);

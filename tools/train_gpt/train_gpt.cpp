@@ -10,20 +10,13 @@
 //   fsdprun --nproc-per-node 2 -- build/bin/train_gpt            # the README's first command
 //   build/bin/train_gpt --parallel none                          # one process, no process group
 //
-// main() at the bottom wires them into the loop: progress on rank 0, validation, metrics file,
-// periodic checkpoints, a clean stop on SIGINT/SIGTERM (stop_signal.h: exit at once before the
-// first step, save at the next step or batch after it), a text sample at the end. Before any
-// work: the memory preflight (preflight.h); once the ranks have joined, the check that they all
-// got the same options (fingerprint.h).
-//
-// Test hook (documented in tools/train_gpt/README.md): FSDP_TEST_KILL_AT_STEP=k makes rank
-// FSDP_TEST_KILL_RANK (default 1) SIGKILL itself before step k+1 on the first attempt
-// (TORCHELASTIC_RESTART_COUNT unset or 0), to check the restart-from-checkpoint path.
-#include <signal.h>
-
-#include <chrono>
+// run_training() at the bottom only wires them into the loop (step, evaluate, report, save);
+// the helpers live in files of their own: rank 0's output and the metrics file (report.h), what
+// a step measures (step_stats.h), a clean stop on SIGINT/SIGTERM (stop_signal.h: exit at once
+// before the first step, save at the next step or batch after it), the test kill hook
+// (kill_hook.h), the memory preflight (preflight.h), the check that every rank got the same
+// options (fingerprint.h) and the checkpoint policy (checkpoints.h).
 #include <cmath>
-#include <csignal>
 #include <cstdio>
 #include <cstdlib>
 #include <filesystem>
@@ -41,18 +34,19 @@
 #include "fingerprint.h"
 #include "fsdp/checkpoint/checkpoint.h"
 #include "fsdp/fsdp.h"
+#include "kill_hook.h"
 #include "lr_schedule.h"
-#include "metrics.h"
 #include "models/gpt.h"
 #include "optimizer.h"
 #include "options.h"
 #include "preflight.h"
+#include "report.h"
+#include "step_stats.h"
 #include "stop_signal.h"
 
 namespace {
 
 using namespace train_gpt;
-using Clock = std::chrono::steady_clock;
 using fsdp::models::GPT;
 using fsdp::models::GPTConfig;
 using Shapes = std::map<std::string, std::vector<int64_t>>;
@@ -76,8 +70,6 @@ struct Model {
   Shapes full_shapes;                   // "model.<fqn>" -> unsharded shape (checkpoint keys)
   int64_t n_params = 0;
 };
-
-double seconds_since(Clock::time_point t) { return std::chrono::duration<double>(Clock::now() - t).count(); }
 
 // Sum over ranks, in place (a no-op in one process). Through the device: NCCL takes CUDA tensors.
 void all_reduce_sum(const Run& run, at::Tensor& t) {
@@ -350,22 +342,18 @@ std::string sample_text(const Run& run, Model& m, const TokenSource& data) {
   return out;
 }
 
-int64_t tensor_bytes(const std::vector<at::Tensor>& ts) {
-  int64_t n = 0;
-  for (const auto& t : ts) {
-    if (t.defined()) n += t.numel() * static_cast<int64_t>(t.element_size());
-  }
-  return n;
+// Global loss and the stop flag in one all-reduce: every rank must agree to stop together.
+struct Agreed {
+  double loss = 0;
+  bool stop = false;
+};
+Agreed agree_loss_and_stop(const Run& run, double local_loss) {
+  at::Tensor red = at::tensor({local_loss, stop_signal::requested() ? 1.0 : 0.0}, at::kDouble);
+  all_reduce_sum(run, red);
+  return {red[0].item<double>() / run.world, red[1].item<double>() > 0};
 }
 
-std::string fmt_duration(double s) {
-  char buf[32];
-  const long t = std::lround(s);
-  if (t >= 3600) std::snprintf(buf, sizeof buf, "%ldh%02ldm", t / 3600, (t / 60) % 60);
-  else std::snprintf(buf, sizeof buf, "%ldm%02lds", t / 60, t % 60);
-  return buf;
-}
-
+// main()'s body: set-up, then the loop that wires blocks 4 and 5 with evaluation and reporting.
 int run_training(const Options& options) {
   check_checkpoint_dir(options);  // every rank, before any work: a directory it cannot write stops it here
   // Memory preflight (preflight.h), before the process group and any allocation. Every rank
@@ -413,135 +401,43 @@ int run_training(const Options& options) {
   }
   check_save_targets(o, start_step);  // a scheduled save into a damaged folder: refused now, not after training
 
-  const int64_t local_params = tensor_bytes(m.gpt->parameters()) / 4;
-  MetricsWriter metrics;
-  if (r0) {
-    std::printf("train_gpt: GPT %lld layers, dim %lld, %lld heads, seq %lld: %.2fM parameters (%.0f%% on this rank)\n",
-                static_cast<long long>(o.layers), static_cast<long long>(o.dim), static_cast<long long>(o.heads),
-                static_cast<long long>(o.seq_len), m.n_params / 1e6, 100.0 * local_params / m.n_params);
-    std::printf("train_gpt: --parallel %s, %d rank%s x %d thread%s, %s, batch %lld x %lld tokens (grad-accum %lld)\n",
-                o.parallel.c_str(), run.world, run.world > 1 ? "s" : "", at::get_num_threads(),
-                at::get_num_threads() > 1 ? "s" : "", o.mixed_precision.c_str(), static_cast<long long>(o.batch_size),
-                static_cast<long long>(o.seq_len), static_cast<long long>(o.grad_accum));
-    std::printf("train_gpt: data %s\n", data.describe().c_str());
-    if (o.resume || resume_dir) {
-      std::printf("train_gpt: %s\n", resume_dir ? ("resumed " + *resume_dir + " at step " + std::to_string(start_step)).c_str()
-                                                  : ("no checkpoint in " + o.checkpoint_dir + ": starting from scratch").c_str());
-    }
-    if (!o.metrics.empty()) {
-      stop_signal::Deferred rewriting;  // a signal now would cut the rewritten file short
-      metrics.open(o.metrics, o.resume || resume_dir, start_step);
-      std::printf("train_gpt: metrics -> %s\n", o.metrics.c_str());
-    }
-    if (!o.checkpoint_dir.empty()) std::printf("train_gpt: checkpoints -> %s/step_NNNNNN\n", o.checkpoint_dir.c_str());
-    std::fflush(stdout);
-  }
+  Reporter report(o, r0, start_step);  // rank 0's banner, progress lines, metrics file (report.h)
+  report.banner({run.world, at::get_num_threads(), m.n_params, tensor_bytes(m.gpt->parameters()) / 4,
+                 data.describe(), resume_dir});
+  const KillHook kill_hook = KillHook::from_env();  // tests only (kill_hook.h)
 
-  // Test hook: see the header comment.
-  int64_t kill_at = -1;
-  int kill_rank = 1;
-  if (const char* k = std::getenv("FSDP_TEST_KILL_AT_STEP")) {
-    const char* restart = std::getenv("TORCHELASTIC_RESTART_COUNT");
-    if (restart == nullptr || std::string(restart) == "0") kill_at = std::atoll(k);
-    if (const char* kr = std::getenv("FSDP_TEST_KILL_RANK")) kill_rank = std::atoi(kr);
-  }
-
-  const int64_t tokens_per_step = o.batch_size * o.seq_len;
   std::string last_saved;
-  double first_loss = std::nan(""), last_loss = std::nan(""), last_val = std::nan("");
-  auto t_train = Clock::now(), t_print = Clock::now() - std::chrono::hours(1);
   int64_t step = start_step;
   bool stopped = false;
   while (step < o.steps) {
-    if (step == kill_at && run.rank == kill_rank) {
-      std::fprintf(stderr, "train_gpt: FSDP_TEST_KILL_AT_STEP=%lld: rank %d kills itself\n", static_cast<long long>(kill_at), run.rank);
-      std::fflush(stderr);
-      raise(SIGKILL);
-    }
+    kill_hook.before_step(step, run.rank);
     // -- 4
     const double lr = lr_at(step, o.steps, o.lr, o.warmup);
-    const auto comm0 = fsdp::comm::process_comm_stats().snapshot();
-    const auto t0 = Clock::now();
-    StepResult r = train_step(run, m, *opt, data, step, lr);
+    const StepTimer timer;
+    const StepResult r = train_step(run, m, *opt, data, step, lr);
     stop_signal::set_phase(stop_signal::kTraining);  // from now on a signal saves a checkpoint
-    const double step_time = seconds_since(t0);
-    const uint64_t comm_bytes = (fsdp::comm::process_comm_stats().snapshot() - comm0).total_bytes();
+    const StepCost cost = timer.finish();
     ++step;
 
-    // Global loss and the stop flag in one all-reduce (every rank must agree to stop together),
-    // then each rank's memory.
-    at::Tensor red = at::tensor({r.local_loss, stop_signal::requested() ? 1.0 : 0.0}, at::kDouble);
-    all_reduce_sum(run, red);
-    const double loss = red[0].item<double>() / run.world;
-    bool stop = red[1].item<double>() > 0;
-    at::Tensor mem_local = at::tensor({static_cast<double>(current_rss_bytes()), static_cast<double>(peak_rss_bytes())}, at::kDouble);
-    at::Tensor mem = mem_local;
-    if (run.distributed()) {
-      mem = at::empty({run.world * 2}, at::kDouble);
-      run.comm->all_gather_into_tensor(mem, mem_local);
-    }
-    mem = mem.view({run.world, 2});
-    const double max_peak = mem.select(1, 1).max().item<double>();
-    if (std::isnan(first_loss)) first_loss = loss;
-    last_loss = loss;
-
+    auto [loss, stop] = agree_loss_and_stop(run, r.local_loss);
+    const RankMemory memory_now = gather_memory(run.comm.get(), run.device);
     std::optional<double> val;
     if (!stop && o.eval_every > 0 && (step % o.eval_every == 0 || step == o.steps)) {
       val = evaluate(run, m, data);
-      if (val) last_val = *val;
-      else stop = true;  // interrupted: save this step's state and exit
+      if (!val) stop = true;  // interrupted: save this step's state and exit
     }
-
     if (r0) {
-      const double tps = tokens_per_step / step_time;
-      nlohmann::json line = {{"step", step},
-                             {"loss", loss},
-                             {"lr", lr},
-                             {"grad_norm", r.grad_norm},
-                             {"step_time_s", step_time},
-                             {"tokens_per_s", tps},
-                             {"comm_bytes", comm_bytes},
-                             {"param_bytes", tensor_bytes(m.gpt->parameters())},
-                             {"grad_bytes", [&] {
-                                std::vector<at::Tensor> g;
-                                for (const auto& p : m.gpt->parameters()) g.push_back(p.grad());
-                                return tensor_bytes(g);
-                              }()},
-                             {"optim_bytes", optimizer_state_bytes(*opt)},
-                             {"peak_rss_bytes", static_cast<int64_t>(mem[0][1].item<double>())},
-                             {"max_peak_rss_bytes", static_cast<int64_t>(max_peak)}};
-      if (val) line["val_loss"] = *val;
-      metrics.step(line);
-      if (seconds_since(t_print) >= 2.0 || step == start_step + 1 || step == o.steps || val) {
-        t_print = Clock::now();
-        const double elapsed = seconds_since(t_train);
-        const double eta = elapsed / static_cast<double>(step - start_step) * static_cast<double>(o.steps - step);
-        std::string memstr;
-        for (int i = 0; i < run.world; ++i) {
-          if (i) memstr.push_back('/');
-          memstr.append(std::to_string(static_cast<long long>(mem[i][0].item<double>() / 1e6)));
-        }
-        std::printf("step %5lld/%lld  loss %.4f%s  lr %.2e  %6.0f tok/s  %.3f s/step  ETA %s  mem %s MB\n",
-                    static_cast<long long>(step), static_cast<long long>(o.steps), loss,
-                    val ? ("  val " + std::to_string(*val).substr(0, 6)).c_str() : "", lr, tps, step_time,
-                    fmt_duration(eta).c_str(), memstr.c_str());
-        std::fflush(stdout);
-      }
+      report.step({step, loss, lr, r.grad_norm, cost.seconds, cost.comm_bytes, tensor_bytes(m.gpt->parameters()),
+                   grad_bytes(m.gpt->parameters()), optimizer_state_bytes(*opt), memory_now.current_bytes,
+                   memory_now.peak_bytes.at(0), memory_now.max_peak_bytes(), val});
     }
 
     // -- 5 (save): every --checkpoint-every steps, at the end, and when asked to stop.
     const bool due = (o.checkpoint_every > 0 && step % o.checkpoint_every == 0) || step == o.steps || stop;
     if (!o.checkpoint_dir.empty() && due) {
-      const auto t_save = Clock::now();
+      const StepTimer save_timer;
       last_saved = checkpoint_save(run, m, *opt, step);
-      if (r0) {
-        std::printf("checkpoint: step %lld -> %s (%.2f s)\n", static_cast<long long>(step), last_saved.c_str(),
-                    seconds_since(t_save));
-        for (const auto& gone : apply_retention(o, last_saved))
-          std::printf("checkpoint: removed %s (--keep-checkpoints %lld)\n", gone.c_str(),
-                      static_cast<long long>(o.keep_checkpoints));
-        std::fflush(stdout);
-      }
+      if (r0) report.checkpoint_saved(step, last_saved, save_timer.finish().seconds, apply_retention(o, last_saved));
     }
     if (stop) {
       stopped = true;
@@ -549,31 +445,8 @@ int run_training(const Options& options) {
     }
   }
 
-  if (stopped) {
-    if (r0) {
-      std::printf("train_gpt: stopped by a signal after step %lld/%lld%s\n", static_cast<long long>(step),
-                  static_cast<long long>(o.steps),
-                  last_saved.empty() ? "" : ("; resume with --resume (" + last_saved + ")").c_str());
-    }
-  } else if (o.sample_tokens > 0) {
-    const std::string text = sample_text(run, m, data);
-    if (r0) std::printf("---- sample (prompt|generated) ----\n%s\n-----------------------------------\n", text.c_str());
-  }
-  if (r0) {
-    metrics.summary({{"steps", step},
-                     {"world_size", run.world},
-                     {"tokens_per_step", tokens_per_step},
-                     {"parallel", o.parallel},
-                     {"first_loss", first_loss},
-                     {"final_loss", last_loss},
-                     {"final_val_loss", last_val}});
-    if (!std::isnan(first_loss)) {
-      std::printf("train_gpt: loss %.4f -> %.4f over steps %lld..%lld in %s\n", first_loss, last_loss,
-                  static_cast<long long>(start_step + 1), static_cast<long long>(step),
-                  fmt_duration(seconds_since(t_train)).c_str());
-    }
-    std::fflush(stdout);
-  }
+  const std::string sample = !stopped && o.sample_tokens > 0 ? sample_text(run, m, data) : "";
+  report.finish(step, run.world, stopped, last_saved, sample);
   if (run.distributed()) {
     run.comm->barrier();
     fsdp::dist::destroy_distributed();

@@ -6,12 +6,13 @@
 // backward it runs again with autograd (the recompute) and its backward follows at once. Memory:
 // one unit's activations at a time instead of every unit's; cost: one more forward.
 //
+// Example:
 //   namespace act = fsdp::activation;
-//   auto y = act::checkpoint([&](const at::Tensor& x) { return mlp(x); }, x);    // one call
+//   auto y = act::checkpoint([&](const at::Tensor& x) { return block->mlp(x); }, x);   // one call
 //   act::apply_activation_checkpointing(*model, act::every_kth<BlockImpl>(1));   // every block
 //   act::apply_activation_checkpointing(*model, act::every_kth<BlockImpl>(2));   // blocks 2, 4, ...
 //   auto wrapped = act::checkpoint_wrapper(block);  wrapped(x);                  // plain calls too
-//   then fully_shard as usual; fsdp::call(block, x) runs checkpointed.
+// then fully_shard as usual; fsdp::call(block, x) runs checkpointed.
 //
 // Why a namespace of its own (fsdp::activation::checkpoint, alias fsdp::act): fsdp::checkpoint is
 // already the namespace of sharded *model* checkpoints (save/load), so a function of that name

@@ -1,10 +1,14 @@
 #pragma once
 // Sharded checkpoints (torch.distributed.checkpoint for LibTorch, on safetensors).
 //
-//   fsdp::checkpoint::State state{model, &optimizer, {{"trainer", &trainer_values}}};
+// Example:
+//   fsdp::checkpoint::ScalarState trainer_values;               // e.g. ints["step"]
+//   fsdp::checkpoint::State state{model.ptr(), &optimizer, {{"trainer", &trainer_values}}};
 //   fsdp::checkpoint::save("ckpt/step_000100", state);          // every rank, in parallel
-//   ...
-//   fsdp::checkpoint::load("ckpt/step_000100", state);          // any world size (N -> M)
+//   auto pending = fsdp::checkpoint::async_save("ckpt/step_000200", state);   // or in the background
+//   pending.wait();                                             // its errors surface here
+//   if (auto dir = fsdp::checkpoint::latest_checkpoint("ckpt"))
+//     fsdp::checkpoint::load(*dir, state);                      // any world size (N -> M)
 //
 // A checkpoint is a directory: one safetensors file per writing rank, holding that rank's rows of
 // each sharded tensor (global shape and row offset in the index), and `index.json`, written last by
@@ -102,6 +106,7 @@ struct SaveOptions {
   int fail_after_files = -1;
 };
 
+// Example: LoadOptions o; o.strict = false; o.load_optimizer = false;   // the weights, of the keys both have
 struct LoadOptions {
   // Keys in the checkpoint absent from the state, or the reverse, are errors.
   bool strict = true;

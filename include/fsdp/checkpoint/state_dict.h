@@ -2,6 +2,7 @@
 // Full and sharded state dicts (torch.distributed.checkpoint.state_dict for LibTorch), and
 // safetensors export / pretrained import.
 //
+// Example:
 //   // Consolidated weights on rank 0 only, gathered one parameter at a time:
 //   auto sd = fsdp::checkpoint::get_model_state_dict(*model, {.full_state_dict = true, .cpu_offload = true});
 //   // Rank 0 read a file; every rank gets its rows:
@@ -32,6 +33,7 @@ using StateDict = std::map<std::string, at::Tensor>;
 
 // Example: get_model_state_dict(*model, {.full_state_dict = true, .ignore_frozen_params = true});
 //          get_model_state_dict(*model, {.submodules = {"blocks.0"}, .keep_submodule_prefixes = false});
+// Example: auto sd = get_model_state_dict(*model, StateDictOptions{.full_state_dict = true, .cpu_offload = true});
 struct StateDictOptions {
   // get: full tensors gathered from the shards (collective) instead of this rank's shards.
   // set: the dict holds full tensors (each rank takes its rows) instead of shards.
@@ -71,6 +73,7 @@ StateDict get_optimizer_state_dict(torch::nn::Module& model, torch::optim::Optim
 LoadResult set_optimizer_state_dict(torch::nn::Module& model, torch::optim::Optimizer& optimizer,
                                     const StateDict& state_dict, const StateDictOptions& options = {});
 
+// Example: export_safetensors(*model, "out/model.safetensors", ExportOptions{.max_file_bytes = 5ull << 30});
 // Model and optimizer together (torch.distributed.checkpoint.state_dict's get_state_dict /
 // set_state_dict): the two dicts of get_model_state_dict and get_optimizer_state_dict.
 //

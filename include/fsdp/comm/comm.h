@@ -1,13 +1,13 @@
 #pragma once
 // Comm: the collectives FSDP needs, over one c10d process group, with fallbacks where the backend
-// lacks an operation or a dtype (see DESIGN.md, "Gloo in LibTorch 1.13"):
+// lacks an operation or a dtype (the README's `Comm` table lists what Gloo in LibTorch 1.13 lacks):
 //   - all_gather_into_tensor without _allgather_base: list all_gather into views of the output;
 //   - reduce_scatter_tensor: all_to_all + local sum, the bytes of a ring reduce-scatter (never
 //     allreduce + slice, which moves twice as much);
 //   - bfloat16 or float16 on a backend without it: moved as its bytes where only data moves,
 //     reduced locally in float32 otherwise (an all_reduce becomes reduce-scatter + all-gather);
 //   - AVG: sum, then divide.
-// Every operation has a timeout (CommOptions::timeout): a rank that never joins makes the others
+// Every operation has a timeout (InitOptions::timeout, or FSDP_COLLECTIVE_TIMEOUT_S): a rank that never joins makes the others
 // fail with an error instead of hanging.
 #include <ATen/ATen.h>
 
@@ -39,6 +39,12 @@ struct Capabilities {
 // Default timeout of every collective: FSDP_COLLECTIVE_TIMEOUT_S when set, else 5 minutes.
 std::chrono::milliseconds default_collective_timeout();
 
+// Example:
+//   auto world = fsdp::dist::world_comm();
+//   at::Tensor full = at::empty({world->size() * x.numel()});
+//   auto work = world->all_gather_into_tensor(full, x, /*async_op=*/true);
+//   work.wait();                                    // errors and timeouts surface here
+//   world->all_reduce(x, fsdp::comm::ReduceOp::Avg);
 class Comm {
  public:
   // A group of one process: every collective is a local copy (no backend, no network).

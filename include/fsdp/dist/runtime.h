@@ -1,6 +1,7 @@
 #pragma once
 // The distributed runtime: one per process, initialised from the torchrun environment contract.
 //
+// Example:
 //   fsdp::dist::init_distributed();             // reads RANK, WORLD_SIZE, MASTER_ADDR, ...
 //   auto world = fsdp::dist::world_comm();      // Comm over all ranks
 //
@@ -24,7 +25,7 @@ struct InitOptions {
   std::string device_type = "cpu";
   // Overrides the backend the device type implies. Gloo with device_type "cuda": collectives on
   // CUDA tensors through Gloo, for several ranks sharing one GPU (NCCL refuses that).
-  // Example: InitOptions{.device_type = "cuda", .backend = comm::BackendKind::Gloo}
+  // Example: init_distributed({.device_type = "cuda", .backend = fsdp::comm::BackendKind::Gloo});
   std::optional<comm::BackendKind> backend;
   // Every collective, the store connection and group creation fail after this long.
   // Default: FSDP_COLLECTIVE_TIMEOUT_S, else 5 minutes.

@@ -2,8 +2,9 @@
 // DeviceMesh: the ranks arranged as an n-D array with named dimensions, one process group per
 // dimension for the groups this rank belongs to.
 //
+// Example:
 //   auto mesh = fsdp::init_device_mesh({2, 2}, {"replicate", "shard"});
-//   mesh["shard"].comm()    // the 2 ranks that share this rank's replicate coordinate
+//   auto shard = mesh["shard"].comm();   // the 2 ranks that share this rank's replicate coordinate
 //
 // Ranks are laid out row-major: rank = coordinate[0] * size(1) + coordinate[1] for a 2-D mesh.
 // Every rank must call init_device_mesh in the same order with the same arguments.

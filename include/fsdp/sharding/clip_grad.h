@@ -1,6 +1,8 @@
 #pragma once
 // Gradient clipping for sharded parameters: the norm is taken over the full gradients (every rank's
 // shards), so clipping acts exactly as torch::nn::utils::clip_grad_norm_ would in one process.
+//
+// Example: double norm = fsdp::clip_grad_norm_(model->parameters(), 1.0);   // before optimizer.step()
 #include <ATen/ATen.h>
 
 #include <limits>

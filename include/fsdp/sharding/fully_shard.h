@@ -1,11 +1,13 @@
 #pragma once
 // fully_shard: FSDP2 for LibTorch modules.
 //
+// Example:
 //   GPT model(config);
 //   for (auto& block : model->blocks) fsdp::fully_shard(block);   // bottom-up: blocks first,
 //   fsdp::fully_shard(model);                                      // then the root
 //   torch::optim::AdamW opt(model->parameters(), 1e-3);            // the local shards
 //   auto logits = fsdp::call(model, tokens);                       // not model(tokens)
+//   fsdp::check_optimizer_params(opt);                             // built after fully_shard?
 //
 // C++ modules have no forward hooks, so a sharded unit is entered through fsdp::call(unit, args...)
 // (see call.h): inside the model, `x = fsdp::call(block, x)` instead of `x = block(x)`. Unsharded
@@ -37,6 +39,12 @@ namespace detail {
 class FSDPState;
 }
 
+// Example:
+//   fsdp::FullyShardOptions opts;
+//   opts.mesh = fsdp::init_device_mesh({2, 4}, {"replicate", "shard"});   // HSDP: 2 replicas of 4
+//   opts.reshard_after_forward = 2;               // after forward keep 1/2 of each parameter
+//   opts.mp_policy.param_dtype = at::kBFloat16;   // policies.h
+//   fsdp::fully_shard(block, opts);
 struct FullyShardOptions {
   // The data-parallel ranks (default: all ranks of the runtime, 1-D).
   //   1-D mesh: FSDP, parameters sharded over every rank of the mesh.

@@ -1,6 +1,7 @@
 #pragma once
 // Building models larger than one process's memory (FSDP2's meta-device initialisation):
 //
+// Example:
 //   GPTConfig c; c.device = torch::kMeta;          // 1. construct on meta: no memory
 //   GPT model(c);
 //   for (auto& b : model->blocks) fsdp::fully_shard(b);

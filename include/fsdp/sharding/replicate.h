@@ -2,6 +2,7 @@
 // replicate: data parallelism without sharding (DDP), the alternative FSDP2's recipe names for
 // models that fit on one device.
 //
+// Example:
 //   auto ddp = fsdp::replicate(model);                          // broadcasts rank 0's values
 //   torch::optim::AdamW opt(model->parameters(), 1e-3);         // the ordinary full parameters
 //   auto logits = fsdp::call(model, tokens);                    // or model->forward(tokens)
@@ -25,6 +26,7 @@ namespace detail {
 class Reducer;
 }
 
+// Example: ReplicateOptions o; o.bucket_cap_bytes = 50 << 20;   // DDP's bucket_cap_mb = 50
 struct ReplicateOptions {
   // 1-D mesh of the data-parallel ranks (default: all ranks of the runtime).
   std::optional<DeviceMesh> mesh;

@@ -55,6 +55,13 @@ std::string join_ranks(const std::vector<int>& ranks) {
 
 // Step 3: FSDP (1-D) or HSDP (2-D: dim 0 replicates, dim 1 shards). Throws naming the problem and the fix.
 void check_mesh(const DeviceMesh& mesh) {
+  for (const auto& name : mesh.dim_names()) {
+    if (name == "tp") {
+      throw std::invalid_argument("fsdp::fully_shard: the mesh " + mesh.to_string() +
+                                  " has a \"tp\" dimension; fully_shard shards over the data-parallel ranks: pass "
+                                  "mesh[\"dp\"] (or mesh[{\"replicate\", \"shard\"}] for HSDP)");
+    }
+  }
   if (mesh.ndim() > 2) {
     throw std::invalid_argument("fsdp::fully_shard: a " + std::to_string(mesh.ndim()) + "-D mesh (" +
                                 mesh.to_string() +
@@ -371,6 +378,7 @@ std::optional<ShardInfo> shard_info(const at::Tensor& sharded_param) {
   if (p == nullptr) return std::nullopt;
   auto* group = detail::owner_of_unsharded(p->unsharded_param())->group();
   ShardInfo info{p->global_shape(), p->dim0_offset(), p->local_rows(), p->padded_rows(), p->fqn(), group->shard_mesh()};
+  info.tp = tp::tp_placement(p->unsharded_param());
   if (group->is_hsdp()) {
     info.replica_rank = group->mesh().get_local_rank(0);
     info.num_replicas = group->mesh().size(0);

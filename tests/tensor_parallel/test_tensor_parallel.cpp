@@ -1,0 +1,172 @@
+// Tensor parallelism with real processes: TP alone at 2 ranks and FSDP + TP at dp=2 x tp=2, with
+// and without sequence parallelism and loss_parallel, trained 10 AdamW steps against one process
+// on the global batch (losses, gradient norms and every parameter within 1e-5); meta-device init
+// equal to the unsharded model's values; loss_parallel against the gathered cross-entropy.
+#include <gtest/gtest.h>
+#include <torch/torch.h>
+
+#include <cstdlib>
+#include <map>
+
+#include "fsdp/fsdp.h"
+#include "multiprocess.h"
+#include "tp_model.h"
+
+namespace {
+
+using fsdp::testing::TPModel;
+using fsdp::testing::TPModelConfig;
+namespace F = torch::nn::functional;
+namespace tp = fsdp::tp;
+
+constexpr int kSteps = 10;
+constexpr int64_t kBatch = 4;
+constexpr double kTol = 1e-5;
+
+bool env_flag(const char* name) {
+  const char* v = std::getenv(name);
+  return v != nullptr && std::string(v) == "1";
+}
+
+// Global batch of step s: [kBatch, seq + 1] token ids, the same on every rank.
+at::Tensor global_batch(const TPModelConfig& c, int step) {
+  auto gen = at::detail::createCPUGenerator(1000 + static_cast<uint64_t>(step));
+  return at::randint(c.vocab, {kBatch, c.seq + 1}, gen, at::kLong);
+}
+
+// AdamW with eps 1e-3: see tests/sharding/parity.cpp (the key bias's true gradient is zero, and
+// Adam with a tiny eps turns its rounding noise into full-size steps).
+torch::optim::AdamW make_optimizer(torch::nn::Module& m) {
+  return torch::optim::AdamW(m.parameters(), torch::optim::AdamWOptions(1e-2).weight_decay(0.1).eps(1e-3));
+}
+
+double rel_diff(double got, double want) { return std::abs(got - want) / std::max(1.0, std::abs(want)); }
+
+// Largest |local - expected slice of the full reference| over every parameter of `model`: shards
+// of fully_shard (rows of the TP-local tensor), TP-local tensors, replicated ones.
+double max_param_diff(TPModel& model, const std::map<std::string, at::Tensor>& reference, bool gather) {
+  double worst = 0;
+  for (const auto& item : model->named_parameters()) {
+    const at::Tensor& p = item.value();
+    at::Tensor want = reference.at(item.key());
+    std::optional<tp::TPPlacement> placement;
+    int64_t first = 0, rows = -1;
+    if (auto info = fsdp::shard_info(p)) {
+      placement = info->tp;
+      first = info->dim0_offset;
+      rows = info->local_rows;
+    } else {
+      placement = tp::tp_placement(p);
+    }
+    if (placement) {
+      TORCH_CHECK(placement->global_shape == want.sizes().vec(), item.key(), ": placement's global shape ",
+                  c10::IntArrayRef(placement->global_shape), " vs ", want.sizes());
+      want = want.narrow(placement->dim, placement->offset, placement->size);
+    }
+    if (rows >= 0) want = want.narrow(0, first, rows);
+    TORCH_CHECK(p.sizes() == want.sizes(), item.key(), ": local shape ", p.sizes(), " vs expected ", want.sizes());
+    const double d = p.numel() == 0 ? 0.0 : (p.detach() - want).abs().max().item<double>();
+    TORCH_CHECK(d <= kTol, item.key(), " differs by ", d);
+    worst = std::max(worst, d);
+    if (gather) {  // TP only: the all-gathered parameter is the reference's
+      at::Tensor full = tp::gather_full(p);
+      const double g = (full - reference.at(item.key())).abs().max().item<double>();
+      TORCH_CHECK(g <= kTol, item.key(), " gathered differs by ", g);
+    }
+  }
+  return worst;
+}
+
+std::map<std::string, at::Tensor> snapshot(TPModel& model) {
+  std::map<std::string, at::Tensor> out;
+  for (const auto& item : model->named_parameters()) out[item.key()] = item.value().detach().clone();
+  return out;
+}
+
+// TP_SIZE, TP_SP, TP_LOSS_PARALLEL, TP_META from the environment; dp = world / tp.
+void train_and_compare() {
+  const int world = fsdp::dist::world_size();
+  const int tp_size = std::atoi(std::getenv("TP_SIZE"));
+  const bool sp = env_flag("TP_SP"), lp = env_flag("TP_LOSS_PARALLEL"), meta = env_flag("TP_META");
+  const int dp = world / tp_size;
+  TPModelConfig c;
+
+  TPModel ref(c);
+  auto ref_opt = make_optimizer(*ref);
+
+  auto mesh = fsdp::init_device_mesh({dp, tp_size}, {"dp", "tp"});
+  TPModelConfig pc = c;
+  if (meta) pc.device = torch::kMeta;
+  TPModel model(pc);
+  tp::parallelize_module(model, mesh["tp"], fsdp::testing::tp_plan(sp, lp));
+  if (dp > 1) {
+    fsdp::FullyShardOptions opts{.mesh = mesh["dp"]};
+    for (auto& b : model->typed_blocks) fsdp::fully_shard(b, opts);
+    fsdp::fully_shard(model, opts);
+  }
+  if (meta) {
+    fsdp::to_empty(*model, torch::kCPU);
+    model->reset_parameters();
+  }
+  // Initial values: exactly the unsharded model's, whatever the (dp, tp) layout and init path.
+  TORCH_CHECK(max_param_diff(model, snapshot(ref), dp == 1) == 0.0, "initial parameters differ");
+  auto opt = make_optimizer(*model);
+  auto dp_comm = mesh["dp"].comm();
+  const int dp_rank = mesh.get_local_rank("dp");
+
+  for (int s = 0; s < kSteps; ++s) {
+    at::Tensor batch = global_batch(c, s);
+    at::Tensor x = batch.narrow(1, 0, c.seq), y = batch.narrow(1, 1, c.seq);
+    ref_opt.zero_grad();
+    at::Tensor ref_loss = F::cross_entropy(ref->forward(x).view({-1, c.vocab}), y.reshape(-1));
+    ref_loss.backward();
+    const double ref_norm = fsdp::clip_grad_norm_(ref->parameters(), 0.5);
+    ref_opt.step();
+
+    opt.zero_grad();
+    const int64_t b = kBatch / dp;
+    at::Tensor lx = x.narrow(0, dp_rank * b, b), ly = y.narrow(0, dp_rank * b, b).contiguous();
+    at::Tensor logits = fsdp::call(model, lx);
+    at::Tensor loss = lp ? tp::loss_parallel(logits, ly, mesh["tp"])
+                         : F::cross_entropy(logits.view({-1, c.vocab}), ly.reshape(-1));
+    loss.backward();
+    const double norm = fsdp::clip_grad_norm_(model->parameters(), 0.5);
+    opt.step();
+    at::Tensor global_loss = loss.detach().clone().reshape({1});
+    dp_comm->all_reduce(global_loss, fsdp::comm::ReduceOp::Avg);
+    const double l = global_loss.item<double>(), rl = ref_loss.item<double>();
+    std::cout << "step " << s << " loss " << l << " (one process " << rl << ") grad norm " << norm << " ("
+              << ref_norm << ")" << std::endl;
+    TORCH_CHECK(rel_diff(l, rl) <= kTol, "step ", s, ": loss ", l, " vs one process ", rl);
+    TORCH_CHECK(rel_diff(norm, ref_norm) <= kTol, "step ", s, ": grad norm ", norm, " vs one process ", ref_norm);
+  }
+  const double worst = max_param_diff(model, snapshot(ref), dp == 1);
+  std::cout << "largest parameter difference after " << kSteps << " steps: " << worst << std::endl;
+  auto bytes = fsdp::comm::process_comm_stats().snapshot();
+  std::cout << "bytes sent by this rank: " << bytes.to_string() << std::endl;
+  TORCH_CHECK(bytes.total_bytes() > 0);
+}
+
+FSDP_RANK_WORKER(tp_train) { train_and_compare(); }
+
+fsdp::testing::RanksOptions opts(const std::string& tp_size, bool sp, bool lp, bool meta) {
+  fsdp::testing::RanksOptions o;
+  o.timeout = std::chrono::milliseconds(300000);
+  o.env = {{"TP_SIZE", tp_size}, {"TP_SP", sp ? "1" : "0"}, {"TP_LOSS_PARALLEL", lp ? "1" : "0"},
+           {"TP_META", meta ? "1" : "0"}};
+  return o;
+}
+
+}  // namespace
+
+TEST(TensorParallel, TpTwoRanksMatchesOneProcess) { EXPECT_RANKS_PASS(2, "tp_train", opts("2", false, false, false)); }
+
+TEST(TensorParallel, TpTwoRanksSequenceParallelLossParallelMetaInit) {
+  EXPECT_RANKS_PASS(2, "tp_train", opts("2", true, true, true));
+}
+
+TEST(TensorParallel, DpTwoTpTwoMatchesOneProcess) { EXPECT_RANKS_PASS(4, "tp_train", opts("2", false, false, false)); }
+
+TEST(TensorParallel, DpTwoTpTwoSequenceParallelLossParallelMetaInit) {
+  EXPECT_RANKS_PASS(4, "tp_train", opts("2", true, true, true));
+}

@@ -126,17 +126,28 @@ struct AllReduceGradPreHook : torch::autograd::FunctionPreHook {
   std::shared_ptr<comm::Comm> comm_;
 };
 
-// The AccumulateGrad nodes must outlive every backward: the leaf holds them weakly only.
-std::shared_ptr<void> all_reduce_grads_of(torch::nn::Module& m, const std::shared_ptr<comm::Comm>& comm) {
-  auto nodes = std::make_shared<std::vector<std::shared_ptr<void>>>();
-  for (const auto& p : m.parameters(/*recurse=*/true)) {
-    if (!p.requires_grad()) continue;
-    auto node = torch::autograd::impl::grad_accumulator(p);
-    node->add_pre_hook(std::make_unique<AllReduceGradPreHook>(comm));
-    nodes->push_back(std::make_shared<decltype(node)>(std::move(node)));
+// SequenceParallel's gradient all-reduce, installed on each parameter's AccumulateGrad node after a
+// forward has made it (a node made earlier, e.g. on a meta parameter, would record the wrong
+// device or shape) and kept alive (the leaf holds it weakly only; a new node would lack the hook).
+// The tensors are the module's own (under fully_shard, the unsharded parameters forward uses).
+struct GradAllReduce {
+  std::shared_ptr<comm::Comm> comm;
+  std::vector<at::Tensor> params;
+  std::vector<std::shared_ptr<void>> nodes;  // owners of the hooked nodes
+  std::vector<const void*> hooked;           // their addresses, per parameter
+
+  void install() {
+    if (!torch::GradMode::is_enabled()) return;
+    for (size_t i = 0; i < params.size(); ++i) {
+      if (!params[i].requires_grad()) continue;
+      auto node = torch::autograd::impl::try_get_grad_accumulator(params[i]);
+      if (!node || node.get() == hooked[i]) continue;
+      node->add_pre_hook(std::make_unique<AllReduceGradPreHook>(comm));
+      hooked[i] = node.get();
+      nodes[i] = std::make_shared<decltype(node)>(std::move(node));
+    }
   }
-  return nodes;
-}
+};
 
 // Converts a local tensor from one layout to another (PrepareModuleInput/Output).
 at::Tensor convert(const at::Tensor& x, const Layout& from, const Layout& to, const std::shared_ptr<comm::Comm>& comm) {
@@ -296,7 +307,13 @@ void apply(const Target& t, const DeviceMesh& mesh) {
       };
     }
   } else if (std::holds_alternative<SequenceParallel>(*t.style)) {
-    hooks.keep_alive = all_reduce_grads_of(*m, comm);
+    auto grads = std::make_shared<GradAllReduce>();
+    grads->comm = comm;
+    grads->params = m->parameters(/*recurse=*/true);
+    grads->nodes.resize(grads->params.size());
+    grads->hooked.resize(grads->params.size(), nullptr);
+    hooks.output = [grads](std::vector<at::Tensor>&) { grads->install(); };
+    hooks.keep_alive = grads;
   } else if (const auto* pi = std::get_if<PrepareModuleInput>(t.style)) {
     const auto from = pi->input_layouts, to = pi->desired_input_layouts;
     const std::string fqn = t.fqn;

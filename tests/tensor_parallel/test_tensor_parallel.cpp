@@ -83,24 +83,31 @@ std::map<std::string, at::Tensor> snapshot(TPModel& model) {
   return out;
 }
 
-// TP_SIZE, TP_SP, TP_LOSS_PARALLEL, TP_META from the environment; dp = world / tp.
+// TP_SIZE, TP_SP, TP_LOSS_PARALLEL, TP_META, TP_HSDP from the environment; dp = world / tp.
+// TP_HSDP: a 3-D {"replicate", "shard", "tp"} mesh with shard size 1 (HSDP over the replicas).
 void train_and_compare() {
   const int world = fsdp::dist::world_size();
   const int tp_size = std::atoi(std::getenv("TP_SIZE"));
   const bool sp = env_flag("TP_SP"), lp = env_flag("TP_LOSS_PARALLEL"), meta = env_flag("TP_META");
+  const bool hsdp = env_flag("TP_HSDP");
   const int dp = world / tp_size;
   TPModelConfig c;
 
   TPModel ref(c);
   auto ref_opt = make_optimizer(*ref);
 
-  auto mesh = fsdp::init_device_mesh({dp, tp_size}, {"dp", "tp"});
+  auto mesh = hsdp ? fsdp::init_device_mesh({dp, 1, tp_size}, {"replicate", "shard", "tp"})
+                   : fsdp::init_device_mesh({dp, tp_size}, {"dp", "tp"});
+  // The data-parallel part: what fully_shard takes, and flattened, the ranks that split the batch.
+  auto fsdp_mesh = hsdp ? mesh[{"replicate", "shard"}] : mesh["dp"];
+  auto dp_mesh = fsdp_mesh.flatten("dp");
+  TORCH_CHECK(dp_mesh.size() == dp);
   TPModelConfig pc = c;
   if (meta) pc.device = torch::kMeta;
   TPModel model(pc);
   tp::parallelize_module(model, mesh["tp"], fsdp::testing::tp_plan(sp, lp));
   if (dp > 1) {
-    fsdp::FullyShardOptions opts{.mesh = mesh["dp"]};
+    fsdp::FullyShardOptions opts{.mesh = fsdp_mesh};
     for (auto& b : model->typed_blocks) fsdp::fully_shard(b, opts);
     fsdp::fully_shard(model, opts);
   }
@@ -111,8 +118,8 @@ void train_and_compare() {
   // Initial values: exactly the unsharded model's, whatever the (dp, tp) layout and init path.
   TORCH_CHECK(max_param_diff(model, snapshot(ref), dp == 1) == 0.0, "initial parameters differ");
   auto opt = make_optimizer(*model);
-  auto dp_comm = mesh["dp"].comm();
-  const int dp_rank = mesh.get_local_rank("dp");
+  auto dp_comm = dp_mesh.comm();
+  const int dp_rank = dp_mesh.get_local_rank(0);
 
   for (int s = 0; s < kSteps; ++s) {
     at::Tensor batch = global_batch(c, s);
@@ -149,11 +156,11 @@ void train_and_compare() {
 
 FSDP_RANK_WORKER(tp_train) { train_and_compare(); }
 
-fsdp::testing::RanksOptions opts(const std::string& tp_size, bool sp, bool lp, bool meta) {
+fsdp::testing::RanksOptions opts(const std::string& tp_size, bool sp, bool lp, bool meta, bool hsdp = false) {
   fsdp::testing::RanksOptions o;
   o.timeout = std::chrono::milliseconds(300000);
   o.env = {{"TP_SIZE", tp_size}, {"TP_SP", sp ? "1" : "0"}, {"TP_LOSS_PARALLEL", lp ? "1" : "0"},
-           {"TP_META", meta ? "1" : "0"}};
+           {"TP_META", meta ? "1" : "0"}, {"TP_HSDP", hsdp ? "1" : "0"}};
   return o;
 }
 
@@ -169,4 +176,9 @@ TEST(TensorParallel, DpTwoTpTwoMatchesOneProcess) { EXPECT_RANKS_PASS(4, "tp_tra
 
 TEST(TensorParallel, DpTwoTpTwoSequenceParallelLossParallelMetaInit) {
   EXPECT_RANKS_PASS(4, "tp_train", opts("2", true, true, true));
+}
+
+// HSDP + TP on a 3-D {"replicate", "shard", "tp"} mesh: fully_shard over mesh[{"replicate", "shard"}].
+TEST(TensorParallel, HsdpTimesTpThreeDimMeshMatchesOneProcess) {
+  EXPECT_RANKS_PASS(4, "tp_train", opts("2", true, false, false, /*hsdp=*/true));
 }

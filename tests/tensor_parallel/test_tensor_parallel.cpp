@@ -5,6 +5,8 @@
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
+#include <algorithm>
+#include <chrono>
 #include <cstdlib>
 #include <map>
 
@@ -119,6 +121,8 @@ void train_and_compare() {
   TORCH_CHECK(max_param_diff(model, snapshot(ref), dp == 1) == 0.0, "initial parameters differ");
   auto opt = make_optimizer(*model);
   auto dp_comm = dp_mesh.comm();
+  auto tp_comm = mesh["tp"].comm();
+  std::vector<double> step_seconds;
   const int dp_rank = dp_mesh.get_local_rank(0);
 
   for (int s = 0; s < kSteps; ++s) {
@@ -130,6 +134,9 @@ void train_and_compare() {
     const double ref_norm = fsdp::clip_grad_norm_(ref->parameters(), 0.5);
     ref_opt.step();
 
+    auto t0 = std::chrono::steady_clock::now();
+    auto tp_before = tp_comm->stats().snapshot();
+    auto dp_before = dp_comm->stats().snapshot();
     opt.zero_grad();
     const int64_t b = kBatch / dp;
     at::Tensor lx = x.narrow(0, dp_rank * b, b), ly = y.narrow(0, dp_rank * b, b).contiguous();
@@ -139,6 +146,30 @@ void train_and_compare() {
     loss.backward();
     const double norm = fsdp::clip_grad_norm_(model->parameters(), 0.5);
     opt.step();
+    step_seconds.push_back(std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
+    auto tp_bytes = tp_comm->stats().snapshot() - tp_before;
+    auto dp_bytes = dp_comm->stats().snapshot() - dp_before;
+    if (s == 0) {
+      std::cout << "step 0 bytes sent, tp group: " << tp_bytes.to_string() << "; dp group: " << dp_bytes.to_string()
+                << std::endl;
+      if (!sp && !lp && tp_size > 1) {
+        // Counted like FSDP's: every TP collective of a step, exactly. Per step (no sequence
+        // parallelism): all-reduces of a [b, T, C] activation, 1 + 2 per layer in forward (the
+        // embedding's and each row-wise output) and 1 + 4 per layer in backward (each column-wise
+        // input's gradient: the head, q, k, v, fc), the clip norm's 8-byte double; one all-gather
+        // of the [b, T, V] logits.
+        const double n = tp_size, act = static_cast<double>(b * c.seq * c.dim * 4);
+        const double want_ar = (2 + 6 * c.layers) * 2 * (n - 1) / n * act + 2 * (n - 1) / n * 8;
+        const double want_ag = (n - 1) / n * static_cast<double>(b * c.seq * c.vocab * 4);
+        const auto& ar = tp_bytes[fsdp::comm::OpKind::AllReduce];
+        const auto& ag = tp_bytes[fsdp::comm::OpKind::AllGather];
+        std::cout << "tp all-reduce bytes " << ar.bytes_sent << " (expected " << want_ar << "), all-gather "
+                  << ag.bytes_sent << " (expected " << want_ag << ")" << std::endl;
+        TORCH_CHECK(static_cast<double>(ar.bytes_sent) == want_ar && static_cast<double>(ag.bytes_sent) == want_ag,
+                    "tp bytes differ from the expected ones");
+        TORCH_CHECK(tp_bytes[fsdp::comm::OpKind::ReduceScatter].calls == 0);
+      }
+    }
     at::Tensor global_loss = loss.detach().clone().reshape({1});
     dp_comm->all_reduce(global_loss, fsdp::comm::ReduceOp::Avg);
     const double l = global_loss.item<double>(), rl = ref_loss.item<double>();
@@ -149,6 +180,8 @@ void train_and_compare() {
   }
   const double worst = max_param_diff(model, snapshot(ref), dp == 1);
   std::cout << "largest parameter difference after " << kSteps << " steps: " << worst << std::endl;
+  std::sort(step_seconds.begin(), step_seconds.end());
+  std::cout << "median step time " << step_seconds[step_seconds.size() / 2] << " s" << std::endl;
   auto bytes = fsdp::comm::process_comm_stats().snapshot();
   std::cout << "bytes sent by this rank: " << bytes.to_string() << std::endl;
   TORCH_CHECK(bytes.total_bytes() > 0);
@@ -178,7 +211,10 @@ TEST(TensorParallel, DpTwoTpTwoSequenceParallelLossParallelMetaInit) {
   EXPECT_RANKS_PASS(4, "tp_train", opts("2", true, true, true));
 }
 
-// HSDP + TP on a 3-D {"replicate", "shard", "tp"} mesh: fully_shard over mesh[{"replicate", "shard"}].
+// HSDP + TP on a 3-D {"replicate", "shard", "tp"} mesh (sequence parallel, no loss_parallel):
+// fully_shard over mesh[{"replicate", "shard"}].
 TEST(TensorParallel, HsdpTimesTpThreeDimMeshMatchesOneProcess) {
   EXPECT_RANKS_PASS(4, "tp_train", opts("2", true, false, false, /*hsdp=*/true));
 }
+
+TEST(TensorParallel, TpTwoRanksLossParallelOnly) { EXPECT_RANKS_PASS(2, "tp_train", opts("2", false, true, false)); }

@@ -91,7 +91,7 @@ void train_and_compare() {
   const int world = fsdp::dist::world_size();
   const int tp_size = std::atoi(std::getenv("TP_SIZE"));
   const bool sp = env_flag("TP_SP"), lp = env_flag("TP_LOSS_PARALLEL"), meta = env_flag("TP_META");
-  const bool hsdp = env_flag("TP_HSDP");
+  const bool hsdp = env_flag("TP_HSDP"), act = env_flag("TP_ACT");
   const int dp = world / tp_size;
   TPModelConfig c;
 
@@ -112,6 +112,9 @@ void train_and_compare() {
     fsdp::FullyShardOptions opts{.mesh = fsdp_mesh};
     for (auto& b : model->typed_blocks) fsdp::fully_shard(b, opts);
     fsdp::fully_shard(model, opts);
+  }
+  if (act) {  // every block recomputed in backward: its TP collectives run again, on every rank
+    TORCH_CHECK(fsdp::activation::apply_activation_checkpointing(*model, fsdp::activation::every_kth<fsdp::testing::TPBlockImpl>(1)) == 2);
   }
   if (meta) {
     fsdp::to_empty(*model, torch::kCPU);
@@ -189,11 +192,13 @@ void train_and_compare() {
 
 FSDP_RANK_WORKER(tp_train) { train_and_compare(); }
 
-fsdp::testing::RanksOptions opts(const std::string& tp_size, bool sp, bool lp, bool meta, bool hsdp = false) {
+fsdp::testing::RanksOptions opts(const std::string& tp_size, bool sp, bool lp, bool meta, bool hsdp = false,
+                                 bool act = false) {
   fsdp::testing::RanksOptions o;
   o.timeout = std::chrono::milliseconds(300000);
   o.env = {{"TP_SIZE", tp_size}, {"TP_SP", sp ? "1" : "0"}, {"TP_LOSS_PARALLEL", lp ? "1" : "0"},
-           {"TP_META", meta ? "1" : "0"}, {"TP_HSDP", hsdp ? "1" : "0"}};
+           {"TP_META", meta ? "1" : "0"}, {"TP_HSDP", hsdp ? "1" : "0"},
+           {"TP_ACT", act ? "1" : "0"}};
   return o;
 }
 
@@ -218,3 +223,8 @@ TEST(TensorParallel, HsdpTimesTpThreeDimMeshMatchesOneProcess) {
 }
 
 TEST(TensorParallel, TpTwoRanksLossParallelOnly) { EXPECT_RANKS_PASS(2, "tp_train", opts("2", false, true, false)); }
+
+// Activation checkpointing on every block, sequence parallel, FSDP + TP.
+TEST(TensorParallel, DpTwoTpTwoSequenceParallelActivationCheckpointing) {
+  EXPECT_RANKS_PASS(4, "tp_train", opts("2", true, false, false, false, /*act=*/true));
+}

@@ -23,3 +23,4 @@
 #include "fsdp/sharding/materialize.h"
 #include "fsdp/sharding/policies.h"
 #include "fsdp/sharding/replicate.h"
+#include "fsdp/tensor_parallel/tensor_parallel.h"

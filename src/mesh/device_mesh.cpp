@@ -1,6 +1,9 @@
 #include "fsdp/mesh/device_mesh.h"
 
+#include <algorithm>
 #include <atomic>
+#include <map>
+#include <mutex>
 #include <set>
 #include <sstream>
 #include <stdexcept>
@@ -73,6 +76,57 @@ DeviceMesh DeviceMesh::operator[](const std::string& dim) const {
     if (other != d) line = line.select(other, coordinate_[static_cast<size_t>(other)]);
   }
   return DeviceMesh(device_type_, line.contiguous(), {dim}, {dim_comms_[static_cast<size_t>(d)]}, global_rank_);
+}
+
+DeviceMesh DeviceMesh::slice(const std::vector<std::string>& dims) const {
+  if (dims.empty()) throw std::invalid_argument("fsdp::DeviceMesh: slicing needs at least one dimension name");
+  std::vector<int> keep;
+  for (const auto& name : dims) {
+    const int d = dim_index(name);
+    if (!keep.empty() && d <= keep.back()) {
+      std::string order;
+      for (const auto& n : dim_names_) order += (order.empty() ? "" : ", ") + ("\"" + n + "\"");
+      throw std::invalid_argument("fsdp::DeviceMesh: the dimensions to slice must be distinct and in the mesh's order (" +
+                                  order + "); got \"" + name + "\" out of place");
+    }
+    keep.push_back(d);
+  }
+  at::Tensor sub = mesh_;
+  for (int other = ndim() - 1; other >= 0; --other) {
+    if (std::find(keep.begin(), keep.end(), other) == keep.end()) sub = sub.select(other, coordinate_[static_cast<size_t>(other)]);
+  }
+  std::vector<std::shared_ptr<comm::Comm>> comms;
+  for (int d : keep) comms.push_back(dim_comms_[static_cast<size_t>(d)]);
+  return DeviceMesh(device_type_, sub.contiguous(), dims, comms, global_rank_);
+}
+
+DeviceMesh DeviceMesh::flatten(const std::string& requested_name) const {
+  std::string name = requested_name;
+  if (name.empty()) {
+    for (const auto& n : dim_names_) name += (name.empty() ? "" : "_") + n;
+  }
+  if (ndim() == 1) return DeviceMesh(device_type_, mesh_, {name}, dim_comms_, global_rank_);
+  std::vector<int> ranks;
+  auto flat = mesh_.reshape(-1);
+  for (int64_t i = 0; i < flat.numel(); ++i) ranks.push_back(static_cast<int>(flat[i].item<int64_t>()));
+  std::ostringstream tag;
+  tag << "flat/" << name << "/";
+  for (size_t i = 0; i < ranks.size(); ++i) tag << (i ? "-" : "") << ranks[i];
+  // One group per set of ranks and name for the runtime's life (a new world has new groups).
+  static std::mutex mu;
+  static std::map<std::string, std::pair<std::shared_ptr<comm::Comm>, std::shared_ptr<comm::Comm>>> groups;
+  std::shared_ptr<comm::Comm> group;
+  {
+    std::lock_guard<std::mutex> lock(mu);
+    auto it = groups.find(tag.str());
+    if (it != groups.end() && it->second.first == dist::world_comm()) {
+      group = it->second.second;
+    } else {
+      group = dist::new_group(ranks, tag.str());
+      groups[tag.str()] = {dist::world_comm(), group};
+    }
+  }
+  return DeviceMesh(device_type_, flat.contiguous(), {name}, {group}, global_rank_);
 }
 
 std::string DeviceMesh::to_string() const {

@@ -58,8 +58,15 @@ std::string join_ranks(const std::vector<int>& ranks) {
   return out;
 }
 
-// FSDP (1-D) or HSDP (2-D: dim 0 replicates, dim 1 shards). Throws naming the problem and the fix.
+// Step 3: FSDP (1-D) or HSDP (2-D: dim 0 replicates, dim 1 shards). Throws naming the problem and the fix.
 void check_mesh(const DeviceMesh& mesh) {
+  for (const auto& name : mesh.dim_names()) {
+    if (name == "tp") {
+      throw std::invalid_argument("fsdp::fully_shard: the mesh " + mesh.to_string() +
+                                  " has a \"tp\" dimension; fully_shard shards over the data-parallel ranks: pass "
+                                  "mesh[\"dp\"] (or mesh[{\"replicate\", \"shard\"}] for HSDP)");
+    }
+  }
   if (mesh.ndim() > 2) {
     throw std::invalid_argument("fsdp::fully_shard: a " + std::to_string(mesh.ndim()) + "-D mesh (" +
                                 mesh.to_string() +
@@ -131,17 +138,8 @@ std::pair<std::optional<bool>, int> resolve_reshard(const std::optional<std::var
   return {true, k};
 }
 
-}  // namespace
-
-}  // namespace detail
-
-FSDPModule fully_shard(const std::shared_ptr<torch::nn::Module>& module, FullyShardOptions options) {
-  return fully_shard(std::vector<std::shared_ptr<torch::nn::Module>>{module}, std::move(options));
-}
-
-FSDPModule fully_shard(const std::vector<std::shared_ptr<torch::nn::Module>>& modules, FullyShardOptions options) {
-  using namespace detail;
-  purge_dead_states();
+// Step 1: the modules themselves (non-null, not already sharded, not under fsdp::replicate).
+void validate_modules(const std::vector<std::shared_ptr<torch::nn::Module>>& modules) {
   if (modules.empty()) throw std::invalid_argument("fsdp::fully_shard: no module given");
   for (const auto& m : modules) {
     if (!m) throw std::invalid_argument("fsdp::fully_shard: a module is null");
@@ -149,15 +147,6 @@ FSDPModule fully_shard(const std::vector<std::shared_ptr<torch::nn::Module>>& mo
       throw std::invalid_argument("fsdp::fully_shard: module " + module_name(*m) +
                                   " is already sharded; call fully_shard once per module (bottom-up: children, "
                                   "then parents)");
-    }
-  }
-  for (auto [name, dtype] : {std::pair{"param_dtype", options.mp_policy.param_dtype},
-                              std::pair{"reduce_dtype", options.mp_policy.reduce_dtype},
-                              std::pair{"output_dtype", options.mp_policy.output_dtype}}) {
-    if (dtype && !at::isFloatingType(*dtype)) {
-      throw std::invalid_argument(std::string("fsdp::fully_shard: MixedPrecisionPolicy::") + name + " is " +
-                                  c10::toString(*dtype) + "; mixed precision dtypes must be floating point "
-                                  "(e.g. at::kBFloat16, at::kHalf, at::kFloat)");
     }
   }
   for (const auto& m : modules) {
@@ -168,20 +157,34 @@ FSDPModule fully_shard(const std::vector<std::shared_ptr<torch::nn::Module>>& mo
       }
     }
   }
-  DeviceMesh mesh = options.mesh ? *options.mesh : default_mesh();
-  check_mesh(mesh);
-  const int shard_dim = mesh.ndim() - 1;  // HSDP: dim 1
-  const int shard_rank = mesh.get_local_rank(shard_dim);
-  const int shard_size = static_cast<int>(mesh.size(shard_dim));
-  const auto [reshard_after_forward, post_forward_size] = resolve_reshard(options.reshard_after_forward, shard_size);
+}
 
-  std::unordered_set<const c10::TensorImpl*> ignored;
-  for (const auto& t : options.ignored_params) ignored.insert(t.unsafeGetTensorImpl());
+// Step 2: the mixed-precision dtypes are floating point.
+void validate_mp_policy(const MixedPrecisionPolicy& mp) {
+  for (auto [name, dtype] : {std::pair{"param_dtype", mp.param_dtype}, std::pair{"reduce_dtype", mp.reduce_dtype},
+                              std::pair{"output_dtype", mp.output_dtype}}) {
+    if (dtype && !at::isFloatingType(*dtype)) {
+      throw std::invalid_argument(std::string("fsdp::fully_shard: MixedPrecisionPolicy::") + name + " is " +
+                                  c10::toString(*dtype) + "; mixed precision dtypes must be floating point "
+                                  "(e.g. at::kBFloat16, at::kHalf, at::kFloat)");
+    }
+  }
+}
 
-  // Collect every registry slot of every parameter not already managed, grouped by tensor (tied
-  // weights share one tensor and become one FSDPParam with several slots).
+// The parameters one fully_shard call takes over, in registration order, with every registry
+// slot that holds each (tied weights share one tensor and become one FSDPParam with several slots).
+struct ManagedParams {
   std::vector<at::Tensor> order;
-  std::map<const c10::TensorImpl*, std::pair<std::vector<ParamSlot>, std::string>> slots;
+  std::map<const c10::TensorImpl*, std::pair<std::vector<ParamSlot>, std::string>> slots;  // slots, fqn
+  const std::string& fqn(const at::Tensor& t) const { return slots.at(t.unsafeGetTensorImpl()).second; }
+};
+
+// Step 4: every parameter not already managed by an inner call nor ignored.
+ManagedParams collect_managed_params(const std::vector<std::shared_ptr<torch::nn::Module>>& modules,
+                                     const std::vector<at::Tensor>& ignored_params) {
+  std::unordered_set<const c10::TensorImpl*> ignored;
+  for (const auto& t : ignored_params) ignored.insert(t.unsafeGetTensorImpl());
+  ManagedParams out;
   for (const auto& root : modules) {
     for (const auto& item : root->named_modules()) {
       const std::shared_ptr<torch::nn::Module>& owner = item.value();
@@ -195,27 +198,32 @@ FSDPModule fully_shard(const std::vector<std::shared_ptr<torch::nn::Module>>& mo
                                       "tied parameters must be in one group: shard the modules that share it "
                                       "together (one fully_shard call, e.g. on their common parent)");
         }
-        auto [it, inserted] = slots.try_emplace(t.unsafeGetTensorImpl());
+        auto [it, inserted] = out.slots.try_emplace(t.unsafeGetTensorImpl());
         if (inserted) {
-          order.push_back(t);
+          out.order.push_back(t);
           it->second.second = fqn;
         }
         it->second.first.push_back(ParamSlot{owner, p.key()});
       }
     }
   }
-  // Validate everything before the first parameter is replaced: a refused call changes nothing.
-  for (const auto& t : order) {
-    const std::string& fqn = slots[t.unsafeGetTensorImpl()].second;
-    const std::string& first = slots[order.front().unsafeGetTensorImpl()].second;
-    if (t.device() != order.front().device()) {
-      throw std::invalid_argument("fsdp::fully_shard: parameters '" + first + "' (" + order.front().device().str() +
+  return out;
+}
+
+// Step 5: one device and one dtype per group, on the mesh's device (or meta).
+void validate_managed_params(const ManagedParams& managed, const DeviceMesh& mesh) {
+  for (const auto& t : managed.order) {
+    const at::Tensor& front = managed.order.front();
+    const std::string& fqn = managed.fqn(t);
+    const std::string& first = managed.fqn(front);
+    if (t.device() != front.device()) {
+      throw std::invalid_argument("fsdp::fully_shard: parameters '" + first + "' (" + front.device().str() +
                                   ") and '" + fqn + "' (" + t.device().str() +
                                   ") are on different devices; move the module to one device first");
     }
-    if (t.scalar_type() != order.front().scalar_type()) {
+    if (t.scalar_type() != front.scalar_type()) {
       throw std::invalid_argument("fsdp::fully_shard: parameters '" + first + "' (" +
-                                  c10::toString(order.front().scalar_type()) + ") and '" + fqn + "' (" +
+                                  c10::toString(front.scalar_type()) + ") and '" + fqn + "' (" +
                                   c10::toString(t.scalar_type()) +
                                   ") differ in dtype; one group moves one dtype: shard them in separate calls or "
                                   "convert the module first");
@@ -227,26 +235,65 @@ FSDPModule fully_shard(const std::vector<std::shared_ptr<torch::nn::Module>>& mo
                                   "'; move the module there first (meta parameters: materialise them first)");
     }
   }
-  std::unique_ptr<FSDPParamGroup> group;
-  if (!order.empty()) {
-    std::vector<std::unique_ptr<FSDPParam>> params;
-    for (const auto& t : order) {
-      auto& [param_slots, fqn] = slots[t.unsafeGetTensorImpl()];
-      params.push_back(std::make_unique<FSDPParam>(
-          t, param_slots, fqn, shard_rank, shard_size,
-          ParamDtypes{options.mp_policy.param_dtype, options.mp_policy.reduce_dtype},
-          ParamPlacement{options.offload_policy.has_value(), options.offload_policy && options.offload_policy->pin_memory}));
-    }
-    group = std::make_unique<FSDPParamGroup>(std::move(params), mesh);
+}
+
+// Step 6: the FSDPParams (each replaces its parameter by this rank's shard) and their group;
+// null when the call manages no parameter.
+std::unique_ptr<FSDPParamGroup> build_param_group(ManagedParams& managed, const DeviceMesh& mesh,
+                                                  const FullyShardOptions& options) {
+  if (managed.order.empty()) return nullptr;
+  const int shard_dim = mesh.ndim() - 1;
+  const int shard_rank = mesh.get_local_rank(shard_dim);
+  const int shard_size = static_cast<int>(mesh.size(shard_dim));
+  std::vector<std::unique_ptr<FSDPParam>> params;
+  for (const auto& t : managed.order) {
+    auto& [param_slots, fqn] = managed.slots[t.unsafeGetTensorImpl()];
+    params.push_back(std::make_unique<FSDPParam>(
+        t, param_slots, fqn, shard_rank, shard_size,
+        ParamDtypes{options.mp_policy.param_dtype, options.mp_policy.reduce_dtype},
+        ParamPlacement{options.offload_policy.has_value(), options.offload_policy && options.offload_policy->pin_memory}));
   }
+  return std::make_unique<FSDPParamGroup>(std::move(params), mesh);
+}
+
+// Step 7: the state that fsdp::call finds for each module.
+FSDPModule register_fsdp_state(const std::vector<std::shared_ptr<torch::nn::Module>>& modules,
+                               std::unique_ptr<FSDPParamGroup> group, std::optional<bool> reshard_after_forward,
+                               const MixedPrecisionPolicy& mp_policy) {
+  auto state = std::make_shared<FSDPState>(modules, std::move(group), reshard_after_forward, mp_policy);
+  register_state(modules, state);
+  return FSDPModule(state);
+}
+
+}  // namespace
+
+}  // namespace detail
+
+FSDPModule fully_shard(const std::shared_ptr<torch::nn::Module>& module, FullyShardOptions options) {
+  return fully_shard(std::vector<std::shared_ptr<torch::nn::Module>>{module}, std::move(options));
+}
+
+FSDPModule fully_shard(const std::vector<std::shared_ptr<torch::nn::Module>>& modules, FullyShardOptions options) {
+  // FSDP2's _fsdp_init in named steps; everything is validated before the first parameter is
+  // replaced, so a refused call changes nothing.
+  using namespace detail;
+  purge_dead_states();
+  validate_modules(modules);
+  validate_mp_policy(options.mp_policy);
+  const DeviceMesh mesh = options.mesh ? *options.mesh : default_mesh();
+  check_mesh(mesh);
+  const int shard_dim = mesh.ndim() - 1;  // HSDP: dim 1
+  const int shard_size = static_cast<int>(mesh.size(shard_dim));
+  const auto [reshard_after_forward, post_forward_size] = resolve_reshard(options.reshard_after_forward, shard_size);
+  ManagedParams managed = collect_managed_params(modules, options.ignored_params);
+  validate_managed_params(managed, mesh);
+  std::unique_ptr<FSDPParamGroup> group = build_param_group(managed, mesh, options);
   // Every rank makes the post-forward group, even one without parameters here (SPMD: same calls).
   if (post_forward_size > 0) {
     auto pf = post_forward_group(*mesh.comm(shard_dim), post_forward_size);
     if (group) group->post_forward_comm = pf;
   }
-  auto state = std::make_shared<FSDPState>(modules, std::move(group), reshard_after_forward, options.mp_policy);
-  register_state(modules, state);
-  return FSDPModule(state);
+  return register_fsdp_state(modules, std::move(group), reshard_after_forward, options.mp_policy);
 }
 
 std::optional<FSDPModule> fsdp_module(const torch::nn::Module& module) {
@@ -336,6 +383,7 @@ std::optional<ShardInfo> shard_info(const at::Tensor& sharded_param) {
   if (p == nullptr) return std::nullopt;
   auto* group = detail::owner_of_unsharded(p->unsharded_param())->group();
   ShardInfo info{p->global_shape(), p->dim0_offset(), p->local_rows(), p->padded_rows(), p->fqn(), group->shard_mesh()};
+  info.tp = tp::tp_placement(p->unsharded_param());
   if (group->is_hsdp()) {
     info.replica_rank = group->mesh().get_local_rank(0);
     info.num_replicas = group->mesh().size(0);

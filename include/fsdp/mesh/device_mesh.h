@@ -40,6 +40,17 @@ class DeviceMesh {
   std::shared_ptr<comm::Comm> comm(const std::string& dim) const { return comm(dim_index(dim)); }
   // The 1-D sub-mesh along `dim` that contains this rank (with its own process group).
   DeviceMesh operator[](const std::string& dim) const;
+  // The sub-mesh of several dimensions that contains this rank, in this mesh's order, e.g.
+  // mesh[{"replicate", "shard"}] of a {"replicate", "shard", "tp"} mesh (the groups are this
+  // mesh's: no new process group). Throws for unknown, repeated or out-of-order names.
+  DeviceMesh operator[](std::initializer_list<std::string> dims) const { return slice(std::vector<std::string>(dims)); }
+  DeviceMesh slice(const std::vector<std::string>& dims) const;
+  // All dimensions of this mesh flattened into one (FSDP2's DeviceMesh._flatten): a 1-D mesh over
+  // its ranks, row-major, named `name` (default: the names joined by '_'), with a process group
+  // of its own, created on first use and reused after. Collective over this mesh's ranks: every
+  // one of them calls it in the same order.
+  //   auto dp = mesh[{"replicate", "shard"}].flatten("dp");   // all data-parallel ranks
+  DeviceMesh flatten(const std::string& name = "") const;
   int dim_index(const std::string& dim) const;  // throws naming the known dimensions
   std::string to_string() const;
 

@@ -5,6 +5,7 @@
 // here: pre-forward (lazy root init, all-gather and wait, prefetch of the next unit, hooks that
 // run the reduce-scatter after this unit's backward) and post-forward (reshard, hooks that re-
 // gather before backward). For a module that is not sharded it is exactly module->forward(args...).
+// Tensor-parallel styles (fsdp/tensor_parallel) run their input/output communication here too.
 //
 // A module may carry a call wrapper (activation checkpointing registers one, see
 // fsdp/activation/checkpoint.h): fsdp::call then hands the whole call (FSDP hooks and forward),
@@ -20,6 +21,8 @@
 #include <type_traits>
 #include <utility>
 #include <vector>
+
+#include "fsdp/tensor_parallel/hooks.h"
 
 namespace fsdp {
 
@@ -90,15 +93,20 @@ void collect_outputs(std::tuple<Ts...>& tuple, std::vector<at::Tensor*>& out) {
 template <typename T>
 void collect_outputs(T&, std::vector<at::Tensor*>&) {}  // not a tensor: nothing to hook
 
-// fsdp::call without the module's call wrapper.
+// fsdp::call without the module's call wrapper: tensor-parallel input transforms, FSDP's
+// pre-forward, forward, tensor-parallel output transforms, FSDP's post-forward (see [Note: TP
+// communication through fsdp::call] in fsdp/tensor_parallel/hooks.h).
 template <typename M, typename... Args>
 auto call_unwrapped(M& module, Args&&... args) {
-  detail::FSDPState* state = detail::find_state(detail::module_pointer(module));
-  if (state == nullptr) return module->forward(std::forward<Args>(args)...);
+  torch::nn::Module* ptr = detail::module_pointer(module);
+  detail::FSDPState* state = detail::find_state(ptr);
+  auto tp_hooks = tp::detail::find_module_hooks(ptr);
+  if (state == nullptr && tp_hooks == nullptr) return module->forward(std::forward<Args>(args)...);
 
   std::vector<at::Tensor> tensors;
   (detail::collect_tensor(args, tensors), ...);
-  tensors = detail::pre_forward(state, std::move(tensors));
+  if (tp_hooks) tensors = tp::detail::run_input_hooks(*tp_hooks, std::move(tensors));
+  if (state) tensors = detail::pre_forward(state, std::move(tensors));
   auto next = tensors.begin();
   // Braced initialisation evaluates left to right, so tensors are substituted in order.
   std::tuple<decltype(detail::substitute(std::forward<Args>(args), next))...> forwarded{
@@ -110,11 +118,12 @@ auto call_unwrapped(M& module, Args&&... args) {
     detail::collect_outputs(output, outputs);
     std::vector<at::Tensor> out_tensors;
     for (auto* t : outputs) out_tensors.push_back(*t);
-    detail::post_forward(state, out_tensors);
+    if (tp_hooks) tp::detail::run_output_hooks(*tp_hooks, out_tensors);
+    if (state) detail::post_forward(state, out_tensors);
     for (size_t i = 0; i < outputs.size(); ++i) *outputs[i] = out_tensors[i];
     return output;
   } catch (...) {
-    detail::abort_forward(state);
+    if (state) detail::abort_forward(state);
     throw;
   }
 }

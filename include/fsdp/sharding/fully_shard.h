@@ -28,6 +28,7 @@
 
 #include "fsdp/mesh/device_mesh.h"
 #include "fsdp/sharding/policies.h"
+#include "fsdp/tensor_parallel/placement.h"
 
 namespace torch::optim {
 class Optimizer;
@@ -51,6 +52,8 @@ struct FullyShardOptions {
   //   2-D mesh: HSDP, init_device_mesh({R, S}, {"replicate", "shard"}): dim 0 replicates, dim 1
   //   shards (FSDP2's order). All-gather and reduce-scatter run within the S ranks of the shard
   //   group, then the sharded gradients are all-reduced over the R replicas.
+  //   FSDP + TP: the data-parallel part of a mesh with a "tp" dimension, mesh["dp"] (or
+  //   mesh[{"replicate", "shard"}]), after tp::parallelize_module over mesh["tp"].
   std::optional<DeviceMesh> mesh;
   // Free the unsharded parameters after forward and re-gather them for backward.
   //   true / false: free them all / keep them (ZeRO-3 / ZeRO-2-like).
@@ -144,6 +147,10 @@ struct ShardInfo {
   DeviceMesh mesh;                    // the 1-D mesh the parameter is sharded over (HSDP: its "shard" dim)
   int64_t replica_rank = 0;           // this rank's index along the replicate dimension (0 for FSDP)
   int64_t num_replicas = 1;           // size of the replicate dimension (1 for FSDP)
+  // FSDP + TP: the parameter fully_shard took over was TP-local (parallelize_module ran first);
+  // global_shape and dim0_offset above then describe the TP-local tensor, and `tp` where that
+  // tensor sits in the full parameter. nullopt without tensor parallelism.
+  std::optional<tp::TPPlacement> tp = std::nullopt;
 };
 std::optional<ShardInfo> shard_info(const at::Tensor& sharded_param);
 

@@ -1,0 +1,166 @@
+#include "fsdp/tensor_parallel/comm_functions.h"
+
+#include <torch/torch.h>
+
+#include <mutex>
+#include <stdexcept>
+#include <unordered_map>
+
+#include "comm_handle.h"
+
+namespace fsdp::tp {
+
+namespace detail {
+
+namespace {
+std::mutex g_mu;
+std::unordered_map<int64_t, std::weak_ptr<comm::Comm>>& handles() {
+  static std::unordered_map<int64_t, std::weak_ptr<comm::Comm>> map;
+  return map;
+}
+}  // namespace
+
+int64_t comm_handle(const std::shared_ptr<comm::Comm>& comm) {
+  if (!comm) throw std::invalid_argument("fsdp::tp: no process group given (null Comm)");
+  const int64_t key = reinterpret_cast<int64_t>(comm.get());
+  std::lock_guard<std::mutex> lock(g_mu);
+  handles()[key] = comm;
+  return key;
+}
+
+std::shared_ptr<comm::Comm> comm_from_handle(int64_t handle) {
+  std::lock_guard<std::mutex> lock(g_mu);
+  auto it = handles().find(handle);
+  auto comm = it == handles().end() ? nullptr : it->second.lock();
+  if (!comm) {
+    throw std::logic_error("fsdp::tp: the tp process group was destroyed before backward; keep the DeviceMesh alive "
+                           "until the backward pass has run");
+  }
+  return comm;
+}
+
+int64_t normalize_dim(int64_t dim, int64_t ndim) {
+  const int64_t d = dim < 0 ? dim + ndim : dim;
+  if (d < 0 || d >= ndim) {
+    throw std::invalid_argument("fsdp::tp: dimension " + std::to_string(dim) + " is out of range for a tensor of " +
+                                std::to_string(ndim) + " dimensions");
+  }
+  return d;
+}
+
+at::Tensor all_gather_dim(const at::Tensor& x, int64_t dim, comm::Comm& comm) {
+  const int64_t d = normalize_dim(dim, x.dim());
+  at::Tensor front = x.movedim(d, 0).contiguous();
+  std::vector<int64_t> shape = front.sizes().vec();
+  shape[0] *= comm.size();
+  at::Tensor out = at::empty(shape, front.options());
+  comm.all_gather_into_tensor(out, front);
+  return out.movedim(0, d).contiguous();
+}
+
+namespace {
+void check_divisible(const at::Tensor& x, int64_t d, int n, const char* what) {
+  if (x.size(d) % n != 0) {
+    throw std::invalid_argument(std::string("fsdp::tp::") + what + ": size " + std::to_string(x.size(d)) +
+                                " along dim " + std::to_string(d) + " is not divisible by the tp size " +
+                                std::to_string(n) + "; choose sizes (e.g. the sequence length) the tp size divides");
+  }
+}
+}  // namespace
+
+at::Tensor reduce_scatter_dim(const at::Tensor& x, int64_t dim, comm::Comm& comm) {
+  const int64_t d = normalize_dim(dim, x.dim());
+  check_divisible(x, d, comm.size(), "reduce_scatter_along_dim");
+  at::Tensor front = x.movedim(d, 0).contiguous();
+  std::vector<int64_t> shape = front.sizes().vec();
+  shape[0] /= comm.size();
+  at::Tensor out = at::empty(shape, front.options());
+  comm.reduce_scatter_tensor(out, front, comm::ReduceOp::Sum);
+  return out.movedim(0, d).contiguous();
+}
+
+at::Tensor local_slice(const at::Tensor& x, int64_t dim, const comm::Comm& comm) {
+  const int64_t d = normalize_dim(dim, x.dim());
+  check_divisible(x, d, comm.size(), "split_along_dim");
+  const int64_t n = x.size(d) / comm.size();
+  return x.narrow(d, comm.rank() * n, n).contiguous();
+}
+
+at::Tensor all_reduce_sum(const at::Tensor& x, comm::Comm& comm) {
+  at::Tensor out = x.contiguous().clone();
+  comm.all_reduce(out, comm::ReduceOp::Sum);
+  return out;
+}
+
+}  // namespace detail
+
+namespace {
+
+using torch::autograd::AutogradContext;
+using torch::autograd::variable_list;
+using namespace detail;
+
+// Forward op / backward op, chosen per function.
+enum class Op { Identity, AllReduce, AllGather, ReduceScatter, Slice };
+
+at::Tensor run(Op op, const at::Tensor& x, int64_t dim, comm::Comm& comm) {
+  switch (op) {
+    case Op::Identity: return x;
+    case Op::AllReduce: return all_reduce_sum(x, comm);
+    case Op::AllGather: return all_gather_dim(x, dim, comm);
+    case Op::ReduceScatter: return reduce_scatter_dim(x, dim, comm);
+    case Op::Slice: return local_slice(x, dim, comm);
+  }
+  return x;
+}
+
+template <Op Fwd, Op Bwd>
+struct Mapping : torch::autograd::Function<Mapping<Fwd, Bwd>> {
+  static variable_list forward(AutogradContext* ctx, const at::Tensor& x, int64_t handle, int64_t dim) {
+    ctx->saved_data["comm"] = handle;
+    ctx->saved_data["dim"] = dim;
+    auto comm = comm_from_handle(handle);
+    at::NoGradGuard no_grad;
+    return {run(Fwd, x, dim, *comm)};
+  }
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    auto comm = comm_from_handle(ctx->saved_data["comm"].toInt());
+    const int64_t dim = ctx->saved_data["dim"].toInt();
+    at::Tensor g = grads[0].defined() ? run(Bwd, grads[0], dim, *comm) : at::Tensor();
+    return {g, at::Tensor(), at::Tensor()};
+  }
+};
+
+template <Op Fwd, Op Bwd>
+at::Tensor apply(const at::Tensor& x, int64_t dim, const std::shared_ptr<comm::Comm>& comm) {
+  const int64_t handle = comm_handle(comm);
+  if (comm->size() == 1) return x;  // a group of one: every mapping is the identity
+  if (!x.requires_grad() || !torch::GradMode::is_enabled()) {
+    at::NoGradGuard no_grad;
+    return run(Fwd, x, dim, *comm);
+  }
+  return Mapping<Fwd, Bwd>::apply(x, handle, dim)[0];
+}
+
+}  // namespace
+
+at::Tensor copy_to_tp_region(const at::Tensor& x, const std::shared_ptr<comm::Comm>& comm) {
+  return apply<Op::Identity, Op::AllReduce>(x, 0, comm);
+}
+at::Tensor reduce_from_tp_region(const at::Tensor& x, const std::shared_ptr<comm::Comm>& comm) {
+  return apply<Op::AllReduce, Op::Identity>(x, 0, comm);
+}
+at::Tensor gather_along_dim(const at::Tensor& x, int64_t dim, const std::shared_ptr<comm::Comm>& comm) {
+  return apply<Op::AllGather, Op::ReduceScatter>(x, dim, comm);
+}
+at::Tensor reduce_scatter_along_dim(const at::Tensor& x, int64_t dim, const std::shared_ptr<comm::Comm>& comm) {
+  return apply<Op::ReduceScatter, Op::AllGather>(x, dim, comm);
+}
+at::Tensor split_along_dim(const at::Tensor& x, int64_t dim, const std::shared_ptr<comm::Comm>& comm) {
+  return apply<Op::Slice, Op::AllGather>(x, dim, comm);
+}
+at::Tensor gather_replicated_along_dim(const at::Tensor& x, int64_t dim, const std::shared_ptr<comm::Comm>& comm) {
+  return apply<Op::AllGather, Op::Slice>(x, dim, comm);
+}
+
+}  // namespace fsdp::tp

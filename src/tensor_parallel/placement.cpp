@@ -1,0 +1,57 @@
+#include "fsdp/tensor_parallel/placement.h"
+
+#include <torch/torch.h>
+
+#include <mutex>
+#include <unordered_map>
+
+#include "comm_handle.h"
+
+namespace fsdp::tp {
+
+std::string Layout::to_string() const {
+  return kind == Kind::Replicate ? "Replicate()" : "Shard(" + std::to_string(dim) + ")";
+}
+
+namespace {
+struct Entry {
+  c10::weak_intrusive_ptr<c10::TensorImpl> tensor;  // a dead tensor's address may be reused: check it
+  TPPlacement placement;
+};
+std::mutex g_mu;
+std::unordered_map<const c10::TensorImpl*, Entry>& placements() {
+  static std::unordered_map<const c10::TensorImpl*, Entry> map;
+  return map;
+}
+}  // namespace
+
+namespace detail {
+void set_tp_placement(const at::Tensor& param, TPPlacement placement) {
+  std::lock_guard<std::mutex> lock(g_mu);
+  auto& map = placements();
+  for (auto it = map.begin(); it != map.end();) it = it->second.tensor.expired() ? map.erase(it) : std::next(it);
+  map.insert_or_assign(param.unsafeGetTensorImpl(),
+                       Entry{c10::weak_intrusive_ptr<c10::TensorImpl>(param.getIntrusivePtr()), std::move(placement)});
+}
+}  // namespace detail
+
+std::optional<TPPlacement> tp_placement(const at::Tensor& param) {
+  if (!param.defined()) return std::nullopt;
+  std::lock_guard<std::mutex> lock(g_mu);
+  auto& map = placements();
+  if (map.empty()) return std::nullopt;
+  auto it = map.find(param.unsafeGetTensorImpl());
+  if (it == map.end()) return std::nullopt;
+  auto alive = it->second.tensor.lock();
+  if (!alive || alive.get() != param.unsafeGetTensorImpl()) return std::nullopt;
+  return it->second.placement;
+}
+
+at::Tensor gather_full(const at::Tensor& param) {
+  auto placement = tp_placement(param);
+  if (!placement) return param.detach();
+  at::NoGradGuard no_grad;
+  return detail::all_gather_dim(param.detach(), placement->dim, *placement->mesh.comm(0));
+}
+
+}  // namespace fsdp::tp

@@ -52,7 +52,10 @@ struct LocalItem {
 //   Tensor parallel (ShardInfo.tp = TPPlacement{mesh, dim, global_shape, offset, size}) extends
 //   it here: global_shape = tp.global_shape, offsets[tp.dim] += tp.offset, writer also requires
 //   tp-replicas (if any) to be 0, and a GatherStep{tp.dim, tp.mesh's comm, per_rank, full}
-//   appended after FSDP's dim-0 step (FSDP shards the TP-local tensor, so its step comes first).
+//   appended after FSDP's dim-0 step (FSDP shards the TP-local tensor, so its step comes first,
+//   with full = the TP-local size along dim 0; tp.dim may be 0 too: offsets add up). A TP split
+//   that is not the even ceil chunking GatherStep assumes can use LocalItem::box_group instead
+//   (any layout, one exchange of every rank's box).
 struct ParamBox {
   std::vector<int64_t> global_shape;
   std::vector<int64_t> offsets;

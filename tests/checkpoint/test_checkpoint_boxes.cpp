@@ -92,6 +92,12 @@ at::Tensor crop(const at::Tensor& full, const Box& b) {
   return v;
 }
 
+std::string detail_text(const std::vector<int64_t>& v) {
+  std::string s = "box at [";
+  for (size_t i = 0; i < v.size(); ++i) s += (i ? ", " : "") + std::to_string(v[i]);
+  return s + "]";
+}
+
 int rank() { return fsdp::dist::is_initialized() ? fsdp::dist::rank() : 0; }
 int world() { return fsdp::dist::is_initialized() ? fsdp::dist::world_size() : 1; }
 
@@ -509,4 +515,27 @@ TEST_F(CheckpointBoxes, DamagedChunksGiveClearErrors) {
   state.tensors = entries(full_tensors(), "whole", false);
   ckpt::LoadOptions o;
   EXPECT_ERROR_CONTAINS(ckpt::load(dir, state, o), "checksum mismatch");
+}
+
+// One 18 MB chunk (18 checksum blocks: read in more than one window) loaded into part boxes in
+// one process: a column box (a run per row, runs crossing window ends) and a row box (one run
+// across windows); loads need not tile, only saves.
+TEST_F(CheckpointBoxes, LargeChunkReadsInWindows) {
+  const at::Tensor big = at::arange(4500 * 1000, at::kFloat).reshape({4500, 1000});
+  const std::string dir = tmp_ / "large";
+  ckpt::State whole;
+  whole.tensors["big"] = ckpt::ShardedTensor{big, {4500, 1000}, {0, 0}};
+  ckpt::save(dir, whole);
+  const uint64_t total = 4500ull * 1000 * 4;
+  for (const auto& [offsets, sizes] : std::vector<std::pair<std::vector<int64_t>, std::vector<int64_t>>>{
+           {{0, 250}, {4500, 500}}, {{100, 0}, {4300, 1000}}, {{4499, 999}, {1, 1}}}) {
+    ckpt::State part;
+    part.tensors["big"] = ckpt::ShardedTensor{at::zeros(sizes, at::kFloat), {4500, 1000}, offsets};
+    const auto stats = ckpt::load(dir, part);
+    EXPECT_TRUE(at::equal(part.tensors["big"].local, big.narrow(0, offsets[0], sizes[0]).narrow(1, offsets[1], sizes[1])))
+        << detail_text(offsets);
+    const uint64_t local = static_cast<uint64_t>(sizes[0] * sizes[1]) * 4;
+    EXPECT_LE(stats.bytes_read, sizes[1] == 1000 ? local + 2 * (1u << 20) : total) << detail_text(offsets);
+    EXPECT_GE(stats.bytes_read, local);
+  }
 }

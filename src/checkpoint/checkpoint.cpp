@@ -28,6 +28,7 @@
 #include <set>
 #include <thread>
 
+#include "box.h"
 #include "checkpoint_index.h"
 #include "fsdp/checkpoint/safetensors.h"
 #include "fsdp/comm/comm.h"
@@ -192,10 +193,6 @@ void write_synced_file(const fs::path& path, const std::string& text, bool fail_
                           (fail_half_way ? " (SaveOptions::fail_after_files test hook)" : ""));
 }
 
-int64_t row_bytes(const std::vector<int64_t>& shape, at::ScalarType dtype) {
-  return detail::row_numel(shape) * static_cast<int64_t>(c10::elementSize(dtype));
-}
-
 std::vector<uint32_t> block_crcs(const uint8_t* data, uint64_t bytes) {
   std::vector<uint32_t> crcs;
   for (uint64_t at = 0; at < bytes; at += detail::kChecksumBlockBytes)
@@ -213,9 +210,15 @@ struct SavePlan {
 };
 
 SavePlan make_plan(const std::string& dir, const State& state, const SaveOptions& options, bool copy) {
-  if (!state.model) throw CheckpointError("checkpoint::save: State::model is null; pass the (sharded) model");
+  if (!state.model && state.tensors.empty())
+    throw CheckpointError("checkpoint::save: State::model is null and State::tensors empty; pass the (sharded) model "
+                          "or the tensors to save");
+  if (!state.model && state.optimizer)
+    throw CheckpointError("checkpoint::save: State::optimizer needs State::model (its state is saved by parameter name)");
   const int rank = global_rank();
-  std::vector<LocalItem> all = detail::model_items(*state.model, rank);
+  std::vector<LocalItem> all = state.model ? detail::model_items(*state.model, rank) : std::vector<LocalItem>{};
+  auto tensors = detail::sharded_tensor_items(state.tensors, nullptr);
+  all.insert(all.end(), std::make_move_iterator(tensors.begin()), std::make_move_iterator(tensors.end()));
   if (state.optimizer) {
     auto optim = detail::optimizer_save_items(*state.optimizer, *state.model, rank);
     all.insert(all.end(), std::make_move_iterator(optim.begin()), std::make_move_iterator(optim.end()));
@@ -268,8 +271,8 @@ void write_rank_file(const SavePlan& plan, const std::string& save_id, int rank)
     c.key = item.key;
     c.dtype = safetensors::dtype_name(item.local.scalar_type());
     c.global_shape = item.global_shape;
-    c.row_offset = item.row_offset;
-    c.rows = detail::local_rows(item);
+    c.offsets = item.offsets;
+    c.sizes = item.local.sizes().vec();
     c.block_crc32 = block_crcs(static_cast<const uint8_t*>(item.local.data_ptr()), bytes);
     chunks.push_back(std::move(c));
     tensors.push_back({item.key, item.local});
@@ -301,21 +304,14 @@ Index build_index(const std::string& dir, const std::string& save_id, int world)
       } else if (record.dtype != c.dtype || record.global_shape != c.global_shape) {
         throw CheckpointError("checkpoint: ranks disagree on the dtype or shape of '" + c.key + "'");
       }
-      record.chunks.push_back(Chunk{name, c.row_offset, c.rows, std::move(c.block_crc32)});
+      record.chunks.push_back(Chunk{name, std::move(c.offsets), std::move(c.sizes), std::move(c.block_crc32)});
     }
   }
   for (auto& [key, record] : index.tensors) {
     std::sort(record.chunks.begin(), record.chunks.end(),
-              [](const Chunk& a, const Chunk& b) { return a.row_offset < b.row_offset; });
-    int64_t next = 0;
-    for (const auto& c : record.chunks) {
-      if (c.row_offset != next)
-        throw CheckpointError("checkpoint: the ranks' shards of '" + key + "' do not tile it (rows from " +
-                              std::to_string(next) + " missing or written twice); was the model sharded the same way on every rank?");
-      next += c.rows;
-    }
-    if (next != detail::global_rows(record.global_shape))
-      throw CheckpointError("checkpoint: rows " + std::to_string(next) + ".. of '" + key + "' were written by no rank");
+              [](const Chunk& a, const Chunk& b) { return a.offsets < b.offsets; });
+    detail::check_tiling("save to '" + dir + "'", key, record,
+                         "were the boxes the same on every rank, and each replicated box written once (ShardedTensor::write)?");
   }
   return index;
 }
@@ -440,50 +436,88 @@ class ChunkReader {
   explicit ChunkReader(std::string dir) : dir_(std::move(dir)) {}
   uint64_t bytes_read() const { return bytes_read_; }
 
-  // Copies global rows [first, first + count) of `key` into `dst` (row-major bytes).
-  void read_rows(const std::string& key, const detail::TensorRecord& record, at::ScalarType dtype, int64_t first,
-                 int64_t count, uint8_t* dst) {
-    const int64_t rb = row_bytes(record.global_shape, dtype);
-    const int64_t end = first + count;
+  // Copies the box of `key` that starts at `offsets` into `dst` (a CPU tensor of the box's sizes,
+  // any strides): from every chunk that overlaps the box, only the part inside it.
+  void read_box(const std::string& key, const detail::TensorRecord& record, const std::vector<int64_t>& offsets,
+                const at::Tensor& dst) {
+    const std::vector<int64_t> sizes = dst.sizes().vec();
+    const int64_t element = static_cast<int64_t>(dst.element_size());
     int64_t covered = 0;
+    std::vector<int64_t> lo, n;
     for (const auto& chunk : record.chunks) {
-      const int64_t lo = std::max(first, chunk.row_offset), hi = std::min(end, chunk.row_offset + chunk.rows);
-      if (lo >= hi) continue;
-      read_chunk_part(key, chunk, rb, lo - chunk.row_offset, hi - lo, dst + (lo - first) * rb);
-      covered += hi - lo;
+      if (!detail::intersect(offsets, sizes, chunk.offsets, chunk.sizes, lo, n)) continue;
+      at::Tensor target = dst;
+      std::vector<int64_t> rel(lo.size());
+      for (size_t d = 0; d < lo.size(); ++d) {
+        target = target.narrow(static_cast<int64_t>(d), lo[d] - offsets[d], n[d]);
+        rel[d] = lo[d] - chunk.offsets[d];
+      }
+      read_chunk_region(key, chunk, element, rel, n, target);
+      covered += detail::volume(n);
     }
-    if (covered != count)
-      throw CheckpointError("checkpoint: '" + dir_ + "' does not hold all rows of '" + key +
-                            "' (chunks overlap or leave gaps); the index is damaged, load an earlier checkpoint");
+    if (covered != detail::volume(sizes))
+      throw CheckpointError("checkpoint: '" + dir_ + "' does not hold all of the box at " + detail::dims_text(offsets) +
+                            " of '" + key + "' (chunks overlap or leave gaps); the index is damaged, load an earlier checkpoint");
   }
 
  private:
-  void read_chunk_part(const std::string& key, const Chunk& chunk, int64_t rb, int64_t first_row, int64_t rows,
-                       uint8_t* dst) {
+  // Reads the region (rel, n) of `chunk` (offsets relative to the chunk) into `target`: the
+  // region's contiguous byte runs, reading each touched 1 MiB checksum block once (in windows of
+  // at most kWindowBlocks) and verifying it.
+  void read_chunk_region(const std::string& key, const Chunk& chunk, int64_t element, const std::vector<int64_t>& rel,
+                         const std::vector<int64_t>& n, const at::Tensor& target) {
     safetensors::Reader& reader = open(chunk.file);
     const auto& entry = reader.entry(key);
-    const uint64_t chunk_bytes = static_cast<uint64_t>(chunk.rows * rb);
+    const uint64_t chunk_bytes = static_cast<uint64_t>(detail::volume(chunk.sizes) * element);
     const uint64_t B = detail::kChecksumBlockBytes;
     if (entry.nbytes() != chunk_bytes || chunk.block_crc32.size() != (chunk_bytes + B - 1) / B)
       throw CheckpointError("checkpoint: " + reader.path() + ": '" + key + "' holds " + std::to_string(entry.nbytes()) +
                             " bytes but the index describes " + std::to_string(chunk_bytes) +
                             "; the file does not belong to this index, load an earlier checkpoint");
-    // Read whole checksum blocks around the wanted bytes so every byte used is verified.
-    const uint64_t want_begin = first_row * rb, want_end = (first_row + rows) * rb;
-    const uint64_t block0 = want_begin / B, block1 = (want_end + B - 1) / B;
-    const uint64_t read_begin = block0 * B, read_end = std::min(block1 * B, chunk_bytes);
-    buffer_.resize(read_end - read_begin);
-    reader.read_bytes(key, read_begin, buffer_.size(), buffer_.data());
-    bytes_read_ += buffer_.size();
-    for (uint64_t b = block0; b < block1; ++b) {
-      const uint64_t off = b * B - read_begin, len = std::min(B, chunk_bytes - b * B);
-      if (safetensors::crc32(buffer_.data() + off, len) != chunk.block_crc32[b])
-        throw CheckpointError("checkpoint: " + reader.path() + ": checksum mismatch in '" + key + "' (bytes " +
-                              std::to_string(b * B) + ".." + std::to_string(b * B + len) +
-                              " of the chunk): the file is corrupt; load an earlier checkpoint");
+    const detail::Runs runs(chunk.sizes, rel, n, element);
+    const uint64_t run = runs.run_bytes();
+    // The blocks the runs touch, as ranges [first, end) of consecutive blocks.
+    std::vector<std::pair<uint64_t, uint64_t>> ranges;
+    for (int64_t j = 0; j < runs.count(); ++j) {
+      const uint64_t begin = runs.offset(j) / B, end = (runs.offset(j) + run + B - 1) / B;
+      if (!ranges.empty() && begin <= ranges.back().second)
+        ranges.back().second = std::max(ranges.back().second, end);
+      else
+        ranges.emplace_back(begin, end);
     }
-    std::memcpy(dst, buffer_.data() + (want_begin - read_begin), want_end - want_begin);
+    // Runs land in `target` directly when its region is contiguous, else in a staging copy.
+    const bool direct = target.is_contiguous();
+    at::Tensor staging = direct ? target : at::empty(n, target.options());
+    auto* out = static_cast<uint8_t*>(staging.data_ptr());
+    int64_t j = 0;  // the first run not yet copied completely
+    for (const auto& [first, end] : ranges) {
+      for (uint64_t w = first; w < end; w += kWindowBlocks) {
+        const uint64_t w_end = std::min(end, w + kWindowBlocks);
+        const uint64_t read_begin = w * B, read_end = std::min(w_end * B, chunk_bytes);
+        buffer_.resize(read_end - read_begin);
+        reader.read_bytes(key, read_begin, buffer_.size(), buffer_.data());
+        bytes_read_ += buffer_.size();
+        for (uint64_t b = w; b < w_end; ++b) {
+          const uint64_t off = b * B - read_begin, len = std::min(B, chunk_bytes - b * B);
+          if (safetensors::crc32(buffer_.data() + off, len) != chunk.block_crc32[b])
+            throw CheckpointError("checkpoint: " + reader.path() + ": checksum mismatch in '" + key + "' (bytes " +
+                                  std::to_string(b * B) + ".." + std::to_string(b * B + len) +
+                                  " of the chunk): the file is corrupt; load an earlier checkpoint");
+        }
+        // Copy the parts of runs inside this window; a run may continue into the next one.
+        for (; j < runs.count(); ++j) {
+          const uint64_t s = runs.offset(j), e = s + run;
+          if (s >= read_end) break;
+          const uint64_t from = std::max(s, read_begin), to = std::min(e, read_end);
+          std::memcpy(out + static_cast<uint64_t>(j) * run + (from - s), buffer_.data() + (from - read_begin), to - from);
+          if (e > read_end) break;
+        }
+      }
+    }
+    if (!direct) target.copy_(staging);
   }
+
+  static constexpr uint64_t kWindowBlocks = 16;  // at most 16 MiB read at once
 
   safetensors::Reader& open(const std::string& file) {
     auto& slot = readers_[file];
@@ -506,14 +540,19 @@ class ChunkReader {
 };
 
 void check_model_keys(const std::string& dir, const Index& index, const std::vector<LocalItem>& items,
-                      bool strict) {
+                      bool has_model, bool strict) {
   std::set<std::string> state_keys;
   for (const auto& item : items) state_keys.insert(item.key);
   std::vector<std::string> missing, unexpected;
   for (const auto& key : state_keys)
     if (!index.tensors.count(key)) missing.push_back(key);
-  for (const auto& [key, record] : index.tensors)
-    if (key.rfind("model.", 0) == 0 && !state_keys.count(key)) unexpected.push_back(key);
+  auto under = [](const std::string& key, const char* prefix) { return key.rfind(prefix, 0) == 0; };
+  for (const auto& [key, record] : index.tensors) {
+    if (state_keys.count(key)) continue;
+    const bool model_key = under(key, "model.");
+    if ((model_key && has_model) || (!model_key && !under(key, "optim.") && !under(key, "extra.")))
+      unexpected.push_back(key);
+  }
   if (strict && (!missing.empty() || !unexpected.empty()))
     throw CheckpointError("checkpoint: '" + dir + "' does not match the model: " +
                           (missing.empty() ? "" : "missing from the checkpoint: " + key_list(missing)) +
@@ -532,12 +571,10 @@ void load_item(ChunkReader& reader, const std::string& dir, const Index& index, 
     throw CheckpointError("checkpoint: '" + item.key + "' has shape " + shape_text(record.global_shape) + " in '" +
                           dir + "' but " + shape_text(item.global_shape) +
                           " in the model; the checkpoint is from another model configuration");
-  const int64_t rows = detail::local_rows(item);
-  if (rows == 0) return;
+  if (item.local.numel() == 0) return;
   const bool direct = item.local.device().is_cpu() && item.local.is_contiguous();
   at::Tensor staging = direct ? item.local : at::empty(item.local.sizes(), item.local.options().device(at::kCPU));
-  reader.read_rows(item.key, record, item.local.scalar_type(), item.row_offset, rows,
-                   static_cast<uint8_t*>(staging.data_ptr()));
+  reader.read_box(item.key, record, item.offsets, staging);
   if (!direct) {
     at::NoGradGuard no_grad;
     item.local.copy_(staging);
@@ -583,11 +620,28 @@ bool AsyncSave::ready() const {
 }
 
 LoadStats load(const std::string& dir, const State& state, const LoadOptions& options) {
-  if (!state.model) throw CheckpointError("checkpoint::load: State::model is null; pass the (sharded) model");
+  if (!state.model && state.tensors.empty())
+    throw CheckpointError("checkpoint::load: State::model is null and State::tensors empty; pass the (sharded) model "
+                          "or the tensors to load");
+  if (!state.model && state.optimizer)
+    throw CheckpointError("checkpoint::load: State::optimizer needs State::model (its state is loaded by parameter name)");
   wait_for_previous_save();  // loading what an in-flight save is writing would race
   const Index index = detail::read_index(dir);
-  std::vector<LocalItem> items = detail::model_items(*state.model, global_rank());
-  check_model_keys(dir, index, items, options.strict);
+  // Chunks must tile each tensor exactly (a damaged or hand-edited index must not load garbage).
+  for (const auto& [key, record] : index.tensors)
+    detail::check_tiling("'" + dir + "'", key, record, "the index is damaged, load an earlier checkpoint");
+  std::vector<LocalItem> items =
+      state.model ? detail::model_items(*state.model, global_rank()) : std::vector<LocalItem>{};
+  auto tensors = detail::sharded_tensor_items(state.tensors, nullptr);
+  items.insert(items.end(), std::make_move_iterator(tensors.begin()), std::make_move_iterator(tensors.end()));
+  {
+    std::set<std::string> seen;
+    for (const auto& item : items)
+      if (!seen.insert(item.key).second)
+        throw CheckpointError("checkpoint::load: two tensors of the state share the key '" + item.key +
+                              "' (a State::tensors key spells a model key; rename it)");
+  }
+  check_model_keys(dir, index, items, state.model != nullptr, options.strict);
   if (state.optimizer && options.load_optimizer) {
     auto optim = detail::optimizer_load_items(*state.optimizer, *state.model,
                                               [&](const std::string& key) { return index.tensors.count(key) > 0; });
@@ -608,6 +662,7 @@ LoadStats load(const std::string& dir, const State& state, const LoadOptions& op
       LocalItem item;
       item.key = key;
       item.global_shape = record.global_shape;
+      item.offsets.assign(record.global_shape.size(), 0);
       item.local = at::empty(record.global_shape, at::TensorOptions().dtype(safetensors::dtype_from_name(record.dtype)));
       load_item(reader, dir, index, item);
       values.emplace(key.substr(prefix.size()), item.local);

@@ -8,6 +8,7 @@
 #include <fstream>
 #include <sstream>
 
+#include "box.h"
 #include "fsdp/checkpoint/checkpoint.h"
 
 namespace fsdp::checkpoint::detail {
@@ -29,10 +30,37 @@ auto parse_or_throw(const std::string& source, Fn&& fn) {
   }
 }
 
-json chunk_json(const std::string& file, int64_t row_offset, int64_t rows, const std::vector<uint32_t>& crcs) {
-  json j{{"row_offset", row_offset}, {"rows", rows}, {"crc32", crcs}};
+json chunk_json(const std::string& file, const std::vector<int64_t>& offsets, const std::vector<int64_t>& sizes,
+                const std::vector<uint32_t>& crcs) {
+  json j{{"offsets", offsets}, {"sizes", sizes}, {"crc32", crcs}};
   if (!file.empty()) j["file"] = file;
   return j;
+}
+
+// A chunk's box: format 2's "offsets"/"sizes", or format 1's dim-0 row range read as the box
+// [row_offset, 0, ...] of sizes [rows, shape[1], ...] (a 0-d tensor: one row, the empty box).
+void chunk_box(const json& c, const std::vector<int64_t>& shape, std::vector<int64_t>& offsets,
+               std::vector<int64_t>& sizes, const std::string& source) {
+  if (!c.contains("row_offset")) {
+    offsets = c.at("offsets").get<std::vector<int64_t>>();
+    sizes = c.at("sizes").get<std::vector<int64_t>>();
+    return;
+  }
+  const auto row_offset = c.at("row_offset").get<int64_t>();
+  const auto rows = c.at("rows").get<int64_t>();
+  if (shape.empty()) {
+    if (row_offset != 0 || rows != 1)
+      throw CheckpointError("checkpoint: " + source + " is damaged: a chunk of a 0-d tensor has rows " +
+                            std::to_string(row_offset) + ".." + std::to_string(row_offset + rows) +
+                            "; load an earlier checkpoint");
+    offsets.clear();
+    sizes.clear();
+    return;
+  }
+  offsets.assign(shape.size(), 0);
+  sizes = shape;
+  offsets[0] = row_offset;
+  sizes[0] = rows;
 }
 
 }  // namespace
@@ -40,7 +68,7 @@ json chunk_json(const std::string& file, int64_t row_offset, int64_t rows, const
 std::string encode_file_chunks(const std::vector<FileChunk>& chunks) {
   json j = json::object();
   for (const auto& c : chunks) {
-    json entry = chunk_json("", c.row_offset, c.rows, c.block_crc32);
+    json entry = chunk_json("", c.offsets, c.sizes, c.block_crc32);
     entry["dtype"] = c.dtype;
     entry["shape"] = c.global_shape;
     j[c.key] = std::move(entry);
@@ -57,8 +85,7 @@ std::vector<FileChunk> decode_file_chunks(const std::string& text, const std::st
       c.key = key;
       c.dtype = entry.at("dtype").get<std::string>();
       c.global_shape = entry.at("shape").get<std::vector<int64_t>>();
-      c.row_offset = entry.at("row_offset").get<int64_t>();
-      c.rows = entry.at("rows").get<int64_t>();
+      chunk_box(entry, c.global_shape, c.offsets, c.sizes, source);
       c.block_crc32 = entry.at("crc32").get<std::vector<uint32_t>>();
       chunks.push_back(std::move(c));
     }
@@ -70,7 +97,7 @@ std::string encode_index(const Index& index) {
   json tensors = json::object();
   for (const auto& [key, record] : index.tensors) {
     json chunks = json::array();
-    for (const auto& c : record.chunks) chunks.push_back(chunk_json(c.file, c.row_offset, c.rows, c.block_crc32));
+    for (const auto& c : record.chunks) chunks.push_back(chunk_json(c.file, c.offsets, c.sizes, c.block_crc32));
     tensors[key] = {{"dtype", record.dtype}, {"shape", record.global_shape}, {"chunks", std::move(chunks)}};
   }
   json j{{"format", kFormat},
@@ -91,9 +118,11 @@ Index decode_index(const std::string& text, const std::string& source) {
       throw CheckpointError("checkpoint: " + source + " is not an fsdp checkpoint index (format '" +
                             j.at("format").get<std::string>() + "')");
     const int version = j.at("version").get<int>();
-    if (version != kFormatVersion)
+    if (version < kOldestFormatVersion || version > kFormatVersion)
       throw CheckpointError("checkpoint: " + source + " has format version " + std::to_string(version) +
-                            " but this library reads version " + std::to_string(kFormatVersion));
+                            " but this library reads versions " + std::to_string(kOldestFormatVersion) + " to " +
+                            std::to_string(kFormatVersion) +
+                            (version > kFormatVersion ? "; load it with a newer build of the library" : ""));
     if (j.at("checksum_block_bytes").get<uint64_t>() != kChecksumBlockBytes)
       throw CheckpointError("checkpoint: " + source + " uses another checksum block size");
     Index index;
@@ -108,8 +137,9 @@ Index decode_index(const std::string& text, const std::string& source) {
       for (const auto& c : entry.at("chunks")) {
         Chunk chunk;
         chunk.file = c.at("file").get<std::string>();
-        chunk.row_offset = c.at("row_offset").get<int64_t>();
-        chunk.rows = c.at("rows").get<int64_t>();
+        if (version == 1 && !c.contains("row_offset"))
+          throw CheckpointError("checkpoint: " + source + " (format 1) has a chunk without row_offset; load an earlier checkpoint");
+        chunk_box(c, record.global_shape, chunk.offsets, chunk.sizes, source);
         chunk.block_crc32 = c.at("crc32").get<std::vector<uint32_t>>();
         record.chunks.push_back(std::move(chunk));
       }
@@ -117,6 +147,19 @@ Index decode_index(const std::string& text, const std::string& source) {
     }
     return index;
   });
+}
+
+void check_tiling(const std::string& source, const std::string& key, const TensorRecord& record,
+                  const std::string& advice) {
+  std::vector<std::vector<int64_t>> offsets, sizes;
+  for (const auto& c : record.chunks) {
+    offsets.push_back(c.offsets);
+    sizes.push_back(c.sizes);
+  }
+  const std::string problem = tiling_problem(record.global_shape, offsets, sizes);
+  if (!problem.empty())
+    throw CheckpointError("checkpoint: " + source + ": the chunks of '" + key + "' (shape " +
+                          dims_text(record.global_shape) + ") do not tile it exactly: " + problem + "; " + advice);
 }
 
 Index read_index(const std::string& dir) {

@@ -6,20 +6,109 @@
 #include <nlohmann/json.hpp>
 
 #include <filesystem>
+#include <algorithm>
 #include <fstream>
 #include <set>
 
 #include "fsdp/checkpoint/safetensors.h"
 #include "fsdp/dist/runtime.h"
 #include "state_dict_selection.h"
+#include "box.h"
 #include "state_items.h"
 
 namespace fsdp::checkpoint {
 
+namespace detail {
+
+// One GatherStep: the tensor rebuilt along step.dim from every rank of step.comm (rank r holds
+// [r * per_rank, ...) along it, the last ranks fewer or none).
+at::Tensor gather_along(const at::Tensor& local, const GatherStep& step) {
+  auto& group = *step.comm;
+  const int64_t dim = step.dim;
+  std::vector<int64_t> padded_shape = local.sizes().vec();
+  padded_shape[dim] = step.per_rank;
+  at::Tensor padded = at::zeros(padded_shape, local.options());
+  padded.narrow(dim, 0, local.size(dim)).copy_(local);
+  if (dim == 0) {  // rank order is row order: no reordering needed
+    padded_shape[0] = step.per_rank * group.size();
+    at::Tensor gathered = at::empty(padded_shape, local.options());
+    group.all_gather_into_tensor(gathered, padded);
+    return gathered.narrow(0, 0, step.full);
+  }
+  std::vector<int64_t> stacked_shape = padded_shape;
+  stacked_shape.insert(stacked_shape.begin(), group.size());
+  at::Tensor gathered = at::empty(stacked_shape, local.options());
+  group.all_gather_into_tensor(gathered, padded);
+  std::vector<at::Tensor> pieces;
+  for (int64_t r = 0; r < group.size(); ++r) {
+    const int64_t held = std::clamp<int64_t>(step.full - r * step.per_rank, 0, step.per_rank);
+    if (held > 0) pieces.push_back(gathered[r].narrow(dim, 0, held));
+  }
+  return at::cat(pieces, dim);
+}
+
+// Any box layout (ShardedTensor entries): every rank's box (offsets, sizes) and data over `group`,
+// placed into the whole tensor; boxes held twice (replicas) hold the same values. Elements no box
+// covers are an error naming the key.
+namespace {
+at::Tensor gather_boxes(const LocalItem& item, comm::Comm& group) {
+  const int64_t nd = static_cast<int64_t>(item.global_shape.size());
+  const int world = group.size();
+  // Boxes travel on the tensor's device (NCCL takes only CUDA tensors, Gloo either).
+  std::vector<int64_t> box(item.offsets);
+  for (int64_t d = 0; d < nd; ++d) box.push_back(item.local.size(d));
+  box.push_back(item.local.numel());
+  const at::Tensor meta = at::tensor(box, at::kLong).to(item.local.device());
+  at::Tensor metas = at::empty({world * (2 * nd + 1)}, meta.options());
+  group.all_gather_into_tensor(metas, meta);
+  metas = metas.cpu().view({world, 2 * nd + 1});
+  const int64_t most = metas.select(1, 2 * nd).max().item<int64_t>();
+  const auto cpu = item.local.options();
+  at::Tensor flat = at::zeros({std::max<int64_t>(most, 1)}, cpu);
+  if (item.local.numel() > 0) flat.narrow(0, 0, item.local.numel()).copy_(item.local.reshape({-1}));
+  at::Tensor all = at::empty({world * flat.numel()}, cpu);
+  group.all_gather_into_tensor(all, flat);
+  all = all.view({world, flat.numel()});
+  at::Tensor full = at::empty(item.global_shape, cpu);
+  at::Tensor seen = at::zeros(item.global_shape, at::kBool);
+  for (int r = 0; r < world; ++r) {
+    std::vector<int64_t> sizes(nd);
+    for (int64_t d = 0; d < nd; ++d) sizes[d] = metas[r][nd + d].item<int64_t>();
+    const int64_t numel = metas[r][2 * nd].item<int64_t>();
+    if (numel == 0) continue;
+    at::Tensor dst = full, mark = seen;
+    for (int64_t d = 0; d < nd; ++d) {
+      const int64_t off = metas[r][d].item<int64_t>();
+      dst = dst.narrow(d, off, sizes[d]);
+      mark = mark.narrow(d, off, sizes[d]);
+    }
+    dst.copy_(all[r].narrow(0, 0, numel).view(sizes));
+    mark.fill_(true);
+  }
+  if (!seen.all().item<bool>())
+    throw CheckpointError("get_tensor_state_dict: the ranks' boxes of '" + item.key + "' (shape " +
+                          shape_text(item.global_shape) +
+                          ") leave elements uncovered; give every element to at least one rank");
+  return full;
+}
+
+}  // namespace
+
+// The whole tensor of `item` on every rank of its groups (collective for sharded items): each
+// GatherStep in order (FSDP's dim 0, then e.g. tensor parallel's dim), or any box layout.
+at::Tensor gather_full(const LocalItem& item) {
+  if (item.box_group) return gather_boxes(item, *item.box_group);
+  at::Tensor t = item.local;
+  for (const auto& step : item.gather) t = gather_along(t, step);
+  return t;
+}
+
+}  // namespace detail
+
 namespace fs = std::filesystem;
 using detail::global_rank;
 using detail::key_list;
-using detail::local_rows;
+using detail::gather_full;
 using detail::LocalItem;
 using detail::shape_text;
 
@@ -38,28 +127,14 @@ void throw_if_strict(const LoadResult& result, bool strict, const std::string& w
   throw CheckpointError(message + " (strict = false loads the keys both have)");
 }
 
-// The whole tensor of `item` on every rank of its shard group (collective for sharded items).
-at::Tensor gather_full(const LocalItem& item) {
-  if (!item.shard_comm) return item.local;
-  auto& group = *item.shard_comm;
-  std::vector<int64_t> padded_shape = item.global_shape;
-  padded_shape[0] = item.padded_rows;
-  at::Tensor padded = at::zeros(padded_shape, item.local.options());
-  padded.narrow(0, 0, item.local.size(0)).copy_(item.local);
-  padded_shape[0] = item.padded_rows * group.size();
-  at::Tensor gathered = at::empty(padded_shape, item.local.options());
-  group.all_gather_into_tensor(gathered, padded);
-  return gathered.narrow(0, 0, item.global_shape[0]);
-}
-
-// Copies into `item` the rows this rank holds of `source` (global shape), or all of `source` when
-// it is already this rank's shard.
+// Copies into `item` its box of `source` (global shape), or all of `source` when it is already
+// this rank's box.
 void fill(LocalItem& item, const at::Tensor& source, bool source_is_full) {
   at::NoGradGuard no_grad;
-  if (!source_is_full || item.local.dim() == 0)
+  if (!source_is_full)
     item.local.copy_(source);
-  else if (item.local.size(0) > 0)
-    item.local.copy_(source.narrow(0, item.row_offset, item.local.size(0)));
+  else if (item.local.numel() > 0)
+    item.local.copy_(detail::box_of(source, item));
   if (item.on_loaded) item.on_loaded();
 }
 
@@ -146,6 +221,23 @@ LoadResult set_model_state_dict(torch::nn::Module& model, const StateDict& state
   StateDict kept = state_dict;  // frozen parameters' keys are ignored (ignore_frozen_params)
   for (const auto& name : selected.ignored) kept.erase(name);
   return set_items(std::move(selected.items), kept, "model.", options, "set_model_state_dict");
+}
+
+namespace {
+// ShardedTensor entries gather over the world (a group of one without a process group).
+std::vector<LocalItem> tensor_items(const std::map<std::string, ShardedTensor>& tensors) {
+  auto group = dist::is_initialized() ? dist::world_comm() : comm::Comm::single_process("tensor-state-dict");
+  return detail::sharded_tensor_items(tensors, std::move(group));
+}
+}  // namespace
+
+StateDict get_tensor_state_dict(const std::map<std::string, ShardedTensor>& tensors, const StateDictOptions& options) {
+  return get_items(tensor_items(tensors), "", options);
+}
+
+LoadResult set_tensor_state_dict(const std::map<std::string, ShardedTensor>& tensors, const StateDict& state_dict,
+                                 const StateDictOptions& options) {
+  return set_items(tensor_items(tensors), state_dict, "", options, "set_tensor_state_dict");
 }
 
 StateDict get_optimizer_state_dict(torch::nn::Module& model, torch::optim::Optimizer& optimizer,
@@ -299,12 +391,14 @@ LoadResult load_safetensors(torch::nn::Module& model, const std::string& path, b
       if (entry.shape != item.global_shape)
         throw CheckpointError("'" + name + "' has shape " + shape_text(entry.shape) + " in the file but " +
                               shape_text(item.global_shape) + " in the model");
-      const int64_t rows = local_rows(item);
-      if (rows == 0) continue;
-      const uint64_t row_bytes = static_cast<uint64_t>(detail::row_numel(item.global_shape)) * c10::elementSize(entry.dtype);
+      if (item.local.numel() == 0) continue;
+      // This rank's box of the file's tensor: its contiguous runs (one for a dim-0 shard).
       at::Tensor staging = at::empty(item.local.sizes(), at::TensorOptions().dtype(entry.dtype));
-      reader.read_bytes(name, static_cast<uint64_t>(item.row_offset) * row_bytes, static_cast<uint64_t>(rows) * row_bytes,
-                        staging.data_ptr());
+      const detail::Runs runs(item.global_shape, item.offsets, item.local.sizes().vec(),
+                              static_cast<int64_t>(c10::elementSize(entry.dtype)));
+      auto* out = static_cast<uint8_t*>(staging.data_ptr());
+      for (int64_t j = 0; j < runs.count(); ++j)
+        reader.read_bytes(name, runs.offset(j), runs.run_bytes(), out + static_cast<uint64_t>(j) * runs.run_bytes());
       at::NoGradGuard no_grad;
       item.local.copy_(staging);
     } catch (const CheckpointError& e) {

@@ -1,5 +1,6 @@
 #include "state_items.h"
 
+#include "box.h"
 #include "fsdp/dist/runtime.h"
 #include "fsdp/sharding/fully_shard.h"
 
@@ -20,31 +21,43 @@ std::string key_list(const std::vector<std::string>& keys) {
 
 int global_rank() { return dist::is_initialized() ? dist::rank() : 0; }
 
-int64_t local_rows(const LocalItem& item) { return item.local.dim() == 0 ? 1 : item.local.size(0); }
+at::Tensor box_of(const at::Tensor& full, const LocalItem& item) {
+  at::Tensor view = full;
+  for (size_t d = 0; d < item.offsets.size(); ++d)
+    view = view.narrow(static_cast<int64_t>(d), item.offsets[d], item.local.size(static_cast<int64_t>(d)));
+  return view;
+}
 
-int64_t global_rows(const std::vector<int64_t>& shape) { return shape.empty() ? 1 : shape[0]; }
-
-int64_t row_numel(const std::vector<int64_t>& shape) {
-  int64_t n = 1;
-  for (size_t i = 1; i < shape.size(); ++i) n *= shape[i];
-  return n;
+std::optional<ParamBox> param_box(const at::Tensor& param) {
+  auto info = fsdp::shard_info(param);
+  if (!info) return std::nullopt;
+  ParamBox box;
+  box.global_shape = info->global_shape;
+  box.offsets.assign(info->global_shape.size(), 0);
+  if (!box.offsets.empty()) box.offsets[0] = info->dim0_offset;
+  // Replicas of a shard (HSDP) hold the same rows: the first one writes them.
+  box.writer = info->local_rows > 0 && info->replica_rank == 0;
+  // The shard dimension is the mesh's last; rank r holds rows [r * padded_rows, ...).
+  box.gather.push_back(GatherStep{0, info->mesh.comm(info->mesh.ndim() - 1), info->padded_rows,
+                                  info->global_shape.empty() ? 1 : info->global_shape[0]});
+  // Tensor parallel: extend here (see state_items.h, "the parallelism glue point").
+  return box;
 }
 
 // Geometry of a tensor shaped like parameter `param` (the parameter itself or its optimizer
-// state): sharded rows when fully_shard manages it, else the whole tensor from rank 0.
+// state): its box when it is sharded (param_box), else the whole tensor from rank 0.
 LocalItem like_param(std::string key, const at::Tensor& param, const at::Tensor& local, int global_rank) {
   LocalItem item;
   item.key = std::move(key);
   item.local = local.detach();
-  if (auto info = fsdp::shard_info(param)) {
-    item.global_shape = info->global_shape;
-    item.row_offset = info->dim0_offset;
-    // Replicas of a shard (HSDP) hold the same rows: the first one writes them.
-    item.writer = info->local_rows > 0 && info->replica_rank == 0;
-    item.shard_comm = info->mesh.comm(info->mesh.ndim() - 1);  // the shard dimension is the last
-    item.padded_rows = info->padded_rows;
+  if (auto box = param_box(param)) {
+    item.global_shape = std::move(box->global_shape);
+    item.offsets = std::move(box->offsets);
+    item.writer = box->writer;
+    item.gather = std::move(box->gather);
   } else {
     item.global_shape = local.sizes().vec();
+    item.offsets.assign(item.global_shape.size(), 0);
     item.writer = global_rank == 0;
   }
   return item;
@@ -55,6 +68,7 @@ LocalItem whole(std::string key, const at::Tensor& t, int global_rank) {
   item.key = std::move(key);
   item.local = t.detach();
   item.global_shape = t.sizes().vec();
+  item.offsets.assign(item.global_shape.size(), 0);
   item.writer = global_rank == 0;
   return item;
 }
@@ -76,6 +90,36 @@ std::vector<LocalItem> extra_save_items(const std::map<std::string, Stateful*>& 
     if (!stateful) continue;
     for (const auto& [key, value] : stateful->state_dict())
       items.push_back(whole("extra." + name + "." + key, value.contiguous(), global_rank));
+  }
+  return items;
+}
+
+std::vector<LocalItem> sharded_tensor_items(const std::map<std::string, ShardedTensor>& tensors,
+                                            std::shared_ptr<comm::Comm> group) {
+  std::vector<LocalItem> items;
+  for (const auto& [key, t] : tensors) {
+    auto bad = [&](const std::string& what) {
+      return CheckpointError("checkpoint: State::tensors['" + key + "'] " + what);
+    };
+    if (!t.local.defined()) throw bad("has no local tensor; set ShardedTensor::local (an empty box: a tensor with 0 elements)");
+    const auto sizes = t.local.sizes().vec();
+    if (t.global_shape.size() != sizes.size() || t.offsets.size() != sizes.size())
+      throw bad("has a local tensor of " + std::to_string(sizes.size()) + " dims, global_shape of " +
+                std::to_string(t.global_shape.size()) + " and offsets of " + std::to_string(t.offsets.size()) +
+                "; give one offset and one global size per dimension of the local tensor");
+    for (size_t d = 0; d < sizes.size(); ++d)
+      if (t.offsets[d] < 0 || t.global_shape[d] < 0 || t.offsets[d] + sizes[d] > t.global_shape[d])
+        throw bad("is a box at " + shape_text(t.offsets) + " of size " + shape_text(sizes) +
+                  " that does not fit in the global shape " + shape_text(t.global_shape) + "; fix its offsets or shape");
+    LocalItem item;
+    item.key = key;
+    item.local = t.local.detach();
+    item.global_shape = t.global_shape;
+    item.offsets = t.offsets;
+    // An empty box writes nothing, unless the whole tensor is empty (then its holders record it).
+    item.writer = t.write && (t.local.numel() > 0 || volume(t.global_shape) == 0);
+    item.box_group = group;
+    items.push_back(std::move(item));
   }
   return items;
 }

@@ -1,5 +1,5 @@
 #pragma once
-// The tensors of a checkpoint as one rank sees them: which rows of which global tensor it holds,
+// The tensors of a checkpoint as one rank sees them: which box of which global tensor it holds,
 // and whether it is the rank that writes them. Save and load walk the same list, so the key
 // scheme lives in one place (see include/fsdp/checkpoint/checkpoint.h for the keys).
 #include <torch/nn/module.h>
@@ -7,6 +7,7 @@
 
 #include <functional>
 #include <map>
+#include <optional>
 #include <set>
 #include <string>
 #include <vector>
@@ -16,32 +17,68 @@
 
 namespace fsdp::checkpoint::detail {
 
+// One all-gather that rebuilds a tensor along `dim` over `comm`: rank r of `comm` holds
+// [r * per_rank, min((r + 1) * per_rank, full)) along `dim` (the even chunking of FSDP and TP:
+// the last ranks may hold fewer, or none).
+struct GatherStep {
+  int64_t dim = 0;
+  std::shared_ptr<comm::Comm> comm;
+  int64_t per_rank = 0;
+  int64_t full = 0;
+};
+
 struct LocalItem {
   std::string key;
-  at::Tensor local;                    // this rank's rows (possibly none), or the whole tensor
+  at::Tensor local;                    // this rank's box (possibly empty), or the whole tensor
   std::vector<int64_t> global_shape;
-  int64_t row_offset = 0;              // global row of local's first row
+  std::vector<int64_t> offsets;        // local's box: its first index in every dimension (sizes:
+                                       // local.sizes()); empty for a 0-d tensor
   bool writer = false;                 // this rank writes `local` into its file
-  // Sharded items only: the group holding the other rows (each rank `padded_rows`, the last ones
-  // padded), for gathering full tensors.
-  std::shared_ptr<comm::Comm> shard_comm;
-  int64_t padded_rows = 0;
+  // How to gather the whole tensor (state dicts, export), applied in order: sharded parameters
+  // and their optimizer state (param_box). Empty and no box_group: `local` is whole.
+  std::vector<GatherStep> gather;
+  // ShardedTensor entries: any box layout, gathered by exchanging every rank's box over this group.
+  std::shared_ptr<comm::Comm> box_group;
   std::function<void()> on_loaded;     // runs after `local` was filled by load (may be empty)
 };
 
+// ---- the parallelism glue point --------------------------------------------------------------
+// Where a sharded model parameter (or a tensor shaped like it: its optimizer state) sits in its
+// global tensor, whether this rank writes it, and how to gather it whole. This is the only place
+// the checkpoint code learns how a parameter is split; save, load (any layout to any layout),
+// full state dicts and export all work from the box it returns.
+//   Today: fully_shard (fsdp::shard_info) splits dim 0 over the shard group; under HSDP only
+//   replica 0 writes. nullopt: the parameter is whole (written by global rank 0).
+//   Tensor parallel (ShardInfo.tp = TPPlacement{mesh, dim, global_shape, offset, size}) extends
+//   it here: global_shape = tp.global_shape, offsets[tp.dim] += tp.offset, writer also requires
+//   tp-replicas (if any) to be 0, and a GatherStep{tp.dim, tp.mesh's comm, per_rank, full}
+//   appended after FSDP's dim-0 step (FSDP shards the TP-local tensor, so its step comes first,
+//   with full = the TP-local size along dim 0; tp.dim may be 0 too: offsets add up). A TP split
+//   that is not the even ceil chunking GatherStep assumes can use LocalItem::box_group instead
+//   (any layout, one exchange of every rank's box).
+struct ParamBox {
+  std::vector<int64_t> global_shape;
+  std::vector<int64_t> offsets;
+  bool writer = false;
+  std::vector<GatherStep> gather;
+};
+std::optional<ParamBox> param_box(const at::Tensor& param);
+
+// Collective over step.comm: `local` (this rank's part along step.dim) rebuilt along step.dim.
+at::Tensor gather_along(const at::Tensor& local, const GatherStep& step);
+// The whole tensor of `item` on every rank of its groups: its GatherSteps in order, or (box_group)
+// every rank's box exchanged (any layout). `local` itself when the item is whole.
+at::Tensor gather_full(const LocalItem& item);
+
 // This process's global rank; 0 without a process group (a world of one).
 int global_rank();
-
-// Rows of `item.local` (a 0-d tensor is one row).
-int64_t local_rows(const LocalItem& item);
 
 // For error messages: "[2, 3]", and the first few of a list of keys.
 std::string shape_text(at::IntArrayRef shape);
 std::string key_list(const std::vector<std::string>& keys);
 
-// Dim 0 is the sharded dimension; a 0-d tensor is a single row of one element.
-int64_t global_rows(const std::vector<int64_t>& shape);
-int64_t row_numel(const std::vector<int64_t>& shape);
+// The sub-tensor of `full` (global shape) at the box of `item`.
+at::Tensor box_of(const at::Tensor& full, const LocalItem& item);
 
 // Geometry of a tensor shaped like parameter `param` (the parameter itself or its optimizer
 // state): sharded rows when fully_shard manages it, else the whole tensor from global rank 0.
@@ -67,5 +104,10 @@ std::vector<std::string> optimizer_candidate_keys(torch::optim::Optimizer& optim
 
 // Stateful values: "extra.<name>.<key>", written by rank 0.
 std::vector<LocalItem> extra_save_items(const std::map<std::string, Stateful*>& extras, int global_rank);
+
+// State::tensors: each ShardedTensor's box under its key, validated (dims, bounds) with one clear
+// line naming the key; `group` (may be null) is where full state dicts gather them.
+std::vector<LocalItem> sharded_tensor_items(const std::map<std::string, ShardedTensor>& tensors,
+                                            std::shared_ptr<comm::Comm> group);
 
 }  // namespace fsdp::checkpoint::detail

@@ -415,12 +415,18 @@ TEST_F(CheckpointErrors, DamagedIndex) {
   auto t = local_trainer();
   EXPECT_NE(error_of([&] { ckpt::load(good_.string(), t.state()); }).find("damaged"), std::string::npos);
   // Chunks that no longer tile the tensor (an overlapping / out-of-range offset).
+  // (Format 2: the first chunk whose offsets start with 0, "offsets": [ 0, ... ], gets 1.)
   std::string shifted = text;
-  const auto at = shifted.find("\"row_offset\": 0");
-  ASSERT_NE(at, std::string::npos);
-  shifted.replace(at, 15, "\"row_offset\": 1");
+  size_t zero = std::string::npos;
+  for (auto at = shifted.find("\"offsets\": ["); at != std::string::npos && zero == std::string::npos;
+       at = shifted.find("\"offsets\": [", at + 1)) {
+    const auto first = shifted.find_first_not_of(" \n", at + 12);
+    if (shifted[first] == '0' && (shifted[first + 1] == ',' || shifted[first + 1] == '\n')) zero = first;
+  }
+  ASSERT_NE(zero, std::string::npos);
+  shifted[zero] = '1';
   write_text(index, shifted);
-  EXPECT_NE(error_of([&] { ckpt::load(good_.string(), t.state()); }).find("does not hold all rows"), std::string::npos);
+  EXPECT_NE(error_of([&] { ckpt::load(good_.string(), t.state()); }).find("do not tile it exactly"), std::string::npos);
 }
 
 TEST_F(CheckpointErrors, AnotherModelIsRefused) {

@@ -10,12 +10,13 @@
 //   if (auto dir = fsdp::checkpoint::latest_checkpoint("ckpt"))
 //     fsdp::checkpoint::load(*dir, state);                      // any world size (N -> M)
 //
-// A checkpoint is a directory: one safetensors file per writing rank, holding that rank's rows of
-// each sharded tensor (global shape and row offset in the index), and `index.json`, written last by
+// A checkpoint is a directory: one safetensors file per writing rank, holding that rank's box of
+// each sharded tensor (global shape, and the box's offsets and sizes in every dimension, in the
+// index: format 2; format-1 checkpoints, split along dim 0 only, still load), and `index.json`, written last by
 // rank 0 through a temporary name + rename. The index is the commit: until it is renamed in, the
 // save does not exist, and a directory's previous checkpoint (its own index and files, which the
 // new save never overwrites) stays loadable. Each chunk carries CRC-32s of 1 MiB blocks, so a
-// rank that reads only the rows it needs still verifies every byte it reads.
+// rank that reads only the part of a chunk it needs still verifies every byte it reads.
 //
 // What a save may delete (never data that it did not itself write, nor data of a checkpoint it
 // cannot read):
@@ -36,7 +37,7 @@
 // (exp_avg, exp_avg_sq, step, momentum_buffer, sum, square_avg, ...) — by parameter name, never by
 // position — "optim.param_groups.<g>.<hyperparameter>" for each param group's lr, betas, ...
 // (fsdp/checkpoint/optimizer_state.h: the optimizers supported and how to register another), and
-// "extra.<name>.<key>" for Stateful values.
+// "extra.<name>.<key>" for Stateful values, and State::tensors' keys as they are.
 #include <torch/nn/module.h>
 
 #include <functional>
@@ -88,10 +89,27 @@ class CpuRngState : public Stateful {
   void load_state_dict(const std::map<std::string, at::Tensor>& state) override;
 };
 
+// A tensor split into boxes of any layout, without any parallelism library (what DCP saves for a
+// ShardedTensor or a DTensor of any placement): this rank holds `local`, the box of the global
+// tensor that starts at `offsets` (one per dimension) and has local's sizes. The boxes of all
+// ranks must tile the global tensor; a box held by several ranks (replicated) is written once:
+// `write = false` on all its holders but one. Loading fills `local` from the checkpoint whatever
+// boxes wrote it (any world size, any layout).
+// Example: columns 3..5 of an [8, 6] tensor, rows 0..3 of it replicated on two ranks:
+//   ckpt::ShardedTensor{at::zeros({4, 3}), {8, 6}, {0, 3}, /*write=*/replica == 0}
+struct ShardedTensor {
+  at::Tensor local;                   // this rank's box (any device; may be empty)
+  std::vector<int64_t> global_shape;  // the whole tensor's shape
+  std::vector<int64_t> offsets;       // the box's first index in every dimension
+  bool write = true;                  // false: another rank writes the same box
+};
+
 struct State {
-  std::shared_ptr<torch::nn::Module> model;       // sharded by fully_shard or not
-  torch::optim::Optimizer* optimizer = nullptr;    // optional: see optimizer_state.h
+  std::shared_ptr<torch::nn::Module> model;       // sharded by fully_shard or not (optional when
+                                                   // `tensors` is not empty)
+  torch::optim::Optimizer* optimizer = nullptr;    // optional (needs `model`): see optimizer_state.h
   std::map<std::string, Stateful*> extras;         // optional
+  std::map<std::string, ShardedTensor> tensors;    // optional: saved under their keys as given
 };
 
 // Example: SaveOptions o; o.fail_after_files = 0;   // this rank's data-file write fails (test)
@@ -108,7 +126,8 @@ struct SaveOptions {
 
 // Example: LoadOptions o; o.strict = false; o.load_optimizer = false;   // the weights, of the keys both have
 struct LoadOptions {
-  // Keys in the checkpoint absent from the state, or the reverse, are errors.
+  // Keys in the checkpoint absent from the state, or the reverse, are errors (the checkpoint's
+  // "model." keys when State::model is set, its keys outside "model.", "optim.", "extra." always).
   bool strict = true;
   // Load the optimizer state too when the checkpoint has it.
   bool load_optimizer = true;
@@ -117,8 +136,9 @@ struct LoadOptions {
 // Collective: every rank of the model's mesh calls it with the same directory (created if
 // needed; must be on a filesystem every rank sees).
 void save(const std::string& dir, const State& state, const SaveOptions& options = {});
-// Reads into the current sharding, whatever world size wrote the checkpoint. Not collective: each
-// rank reads only the chunks that overlap its rows (rounded out to whole 1 MiB checksum blocks).
+// Reads into the current sharding, whatever world size and layout wrote the checkpoint. Not
+// collective: each rank reads, of every chunk overlapping its box, only the contiguous byte runs
+// it needs, rounded out to whole 1 MiB checksum blocks (every byte used is verified).
 struct LoadStats {
   uint64_t bytes_read = 0;  // tensor data this rank read from the data files
 };

@@ -68,6 +68,15 @@ StateDict get_model_state_dict(torch::nn::Module& model, const StateDictOptions&
 LoadResult set_model_state_dict(torch::nn::Module& model, const StateDict& state_dict,
                                 const StateDictOptions& options = {});
 
+// ShardedTensor entries (State::tensors: any box layout, no parallelism library): this rank's
+// boxes, or with full_state_dict the whole tensors, gathered box by box over the world (every rank
+// calls it with the same keys; the boxes must cover every element). set_: each rank takes its box
+// of full tensors (or its own box when not full_state_dict; broadcast_from_rank0 as for models).
+StateDict get_tensor_state_dict(const std::map<std::string, ShardedTensor>& tensors,
+                                const StateDictOptions& options = {});
+LoadResult set_tensor_state_dict(const std::map<std::string, ShardedTensor>& tensors, const StateDict& state_dict,
+                                 const StateDictOptions& options = {});
+
 StateDict get_optimizer_state_dict(torch::nn::Module& model, torch::optim::Optimizer& optimizer,
                                    const StateDictOptions& options = {});
 LoadResult set_optimizer_state_dict(torch::nn::Module& model, torch::optim::Optimizer& optimizer,

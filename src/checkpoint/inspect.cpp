@@ -32,18 +32,14 @@ uint64_t numel_of(const std::vector<int64_t>& shape) {
 
 uint64_t element_bytes(const std::string& dtype) { return c10::elementSize(safetensors::dtype_from_name(dtype)); }
 
-// Format v1 (checkpoint_index.h): a chunk is rows [row_offset, row_offset + rows) of dim 0, whole
-// in every other dim; a 0-d tensor is one chunk of one "row". The only place that reads
-// Chunk::row_offset/rows: a format whose chunks are N-d boxes changes this function alone.
+// A chunk's box (checkpoint_index.h: offsets and sizes in every dimension, format 2; a format-1
+// row range is read as such a box; a 0-d tensor has an empty box of one element). The only place
+// that reads Chunk's geometry.
 ChunkInfo chunk_box(const detail::TensorRecord& record, const detail::Chunk& chunk) {
   ChunkInfo box;
   box.file = chunk.file;
-  box.offsets.assign(record.global_shape.size(), 0);
-  box.sizes = record.global_shape;
-  if (!box.sizes.empty()) {
-    box.offsets[0] = chunk.row_offset;
-    box.sizes[0] = chunk.rows;
-  }
+  box.offsets = chunk.offsets;
+  box.sizes = chunk.sizes;
   box.bytes = numel_of(box.sizes) * element_bytes(record.dtype);
   return box;
 }

@@ -3,6 +3,7 @@
 #include "box.h"
 #include "fsdp/dist/runtime.h"
 #include "fsdp/sharding/fully_shard.h"
+#include "fsdp/tensor_parallel/placement.h"
 
 namespace fsdp::checkpoint::detail {
 
@@ -28,20 +29,49 @@ at::Tensor box_of(const at::Tensor& full, const LocalItem& item) {
   return view;
 }
 
+namespace {
+
+// A tensor-parallel split of the (TP-local) tensor whose box is `box`: the global shape becomes
+// the full parameter's, the offset along the TP dim adds up (FSDP's dim-0 offset lies within the
+// TP-local tensor, and tp.dim may be 0 too), and the TP gather runs after FSDP's (FSDP shards the
+// TP-local tensor, so its step rebuilds that first).
+void add_tensor_parallel(ParamBox& box, const tp::TPPlacement& tp) {
+  box.global_shape = tp.global_shape;
+  box.offsets[static_cast<size_t>(tp.dim)] += tp.offset;
+  box.gather.push_back(
+      GatherStep{tp.dim, tp.mesh.comm(0), tp.size, tp.global_shape[static_cast<size_t>(tp.dim)]});
+}
+
+}  // namespace
+
 std::optional<ParamBox> param_box(const at::Tensor& param) {
-  auto info = fsdp::shard_info(param);
-  if (!info) return std::nullopt;
-  ParamBox box;
-  box.global_shape = info->global_shape;
-  box.offsets.assign(info->global_shape.size(), 0);
-  if (!box.offsets.empty()) box.offsets[0] = info->dim0_offset;
-  // Replicas of a shard (HSDP) hold the same rows: the first one writes them.
-  box.writer = info->local_rows > 0 && info->replica_rank == 0;
-  // The shard dimension is the mesh's last; rank r holds rows [r * padded_rows, ...).
-  box.gather.push_back(GatherStep{0, info->mesh.comm(info->mesh.ndim() - 1), info->padded_rows,
-                                  info->global_shape.empty() ? 1 : info->global_shape[0]});
-  // Tensor parallel: extend here (see state_items.h, "the parallelism glue point").
-  return box;
+  if (auto info = fsdp::shard_info(param)) {
+    ParamBox box;
+    box.global_shape = info->global_shape;
+    box.offsets.assign(info->global_shape.size(), 0);
+    if (!box.offsets.empty()) box.offsets[0] = info->dim0_offset;
+    // Replicas of a shard (HSDP) hold the same rows: the first one writes them.
+    box.writer = info->local_rows > 0 && info->replica_rank == 0;
+    // The shard dimension is the mesh's last; rank r holds rows [r * padded_rows, ...).
+    box.gather.push_back(GatherStep{0, info->mesh.comm(info->mesh.ndim() - 1), info->padded_rows,
+                                    info->global_shape.empty() ? 1 : info->global_shape[0]});
+    if (info->tp) add_tensor_parallel(box, *info->tp);
+    return box;
+  }
+  // Tensor parallel without fully_shard: every tp rank holds its slice. Where the tp groups are
+  // repeated (data parallel without sharding), the tp group holding global rank 0 writes.
+  if (auto tp = tp::tp_placement(param)) {
+    ParamBox box;
+    box.global_shape = tp->global_shape;  // set again by add_tensor_parallel
+    box.offsets.assign(tp->global_shape.size(), 0);
+    const at::Tensor ranks = tp->mesh.mesh().flatten();
+    bool holds_rank0 = false;
+    for (int64_t i = 0; i < ranks.numel(); ++i) holds_rank0 = holds_rank0 || ranks[i].item<int64_t>() == 0;
+    box.writer = tp->size > 0 && holds_rank0;
+    add_tensor_parallel(box, *tp);
+    return box;
+  }
+  return std::nullopt;
 }
 
 // Geometry of a tensor shaped like parameter `param` (the parameter itself or its optimizer

@@ -49,13 +49,12 @@ struct LocalItem {
 // full state dicts and export all work from the box it returns.
 //   Today: fully_shard (fsdp::shard_info) splits dim 0 over the shard group; under HSDP only
 //   replica 0 writes. nullopt: the parameter is whole (written by global rank 0).
-//   Tensor parallel (ShardInfo.tp = TPPlacement{mesh, dim, global_shape, offset, size}) extends
-//   it here: global_shape = tp.global_shape, offsets[tp.dim] += tp.offset, writer also requires
-//   tp-replicas (if any) to be 0, and a GatherStep{tp.dim, tp.mesh's comm, per_rank, full}
-//   appended after FSDP's dim-0 step (FSDP shards the TP-local tensor, so its step comes first,
-//   with full = the TP-local size along dim 0; tp.dim may be 0 too: offsets add up). A TP split
-//   that is not the even ceil chunking GatherStep assumes can use LocalItem::box_group instead
-//   (any layout, one exchange of every rank's box).
+//   Tensor parallel (ShardInfo.tp, or tp::tp_placement for a TP-only parameter:
+//   TPPlacement{mesh, dim, global_shape, offset, size}): global_shape = tp.global_shape,
+//   offsets[tp.dim] += tp.offset, and a GatherStep{tp.dim, tp mesh's comm, size, full} appended
+//   after FSDP's dim-0 step (FSDP shards the TP-local tensor, so its step comes first, with
+//   full = the TP-local size along dim 0; tp.dim may be 0 too: offsets add up). TP splits are
+//   even (parallelize_module refuses others), which is the chunking GatherStep assumes.
 struct ParamBox {
   std::vector<int64_t> global_shape;
   std::vector<int64_t> offsets;

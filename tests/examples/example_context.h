@@ -5,7 +5,8 @@
 //
 //   model       fsdp::models::GPT (a ModuleHolder: model->blocks, *model, model.ptr())
 //   block       fsdp::models::Block, one of model->blocks
-//   config      fsdp::models::GPTConfig;  GPT, GPTConfig, BlockImpl are in scope
+//   config      fsdp::models::GPTConfig;  GPT, GPTConfig, GPTImpl, BlockImpl are in scope;
+//               namespaces ckpt (fsdp::checkpoint) and tp (fsdp::tp)
 //   optimizer   torch::optim::AdamW (also `opt`)
 //   tokens, targets, x, loss   at::Tensor
 //   fn          at::Tensor(const at::Tensor&): a function to checkpoint
@@ -24,7 +25,10 @@
 
 namespace fsdp_header_examples {
 
+namespace ckpt = fsdp::checkpoint;
+namespace tp = fsdp::tp;
 using fsdp::models::BlockImpl;
+using fsdp::models::GPTImpl;
 using fsdp::models::GPT;
 using fsdp::models::GPTConfig;
 

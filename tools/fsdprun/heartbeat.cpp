@@ -71,7 +71,10 @@ int PeerWatch::lost_count() const {
 std::string PeerWatch::describe(int node) const {
   const auto ms = std::chrono::duration_cast<std::chrono::milliseconds>(timeout_).count();
   std::string secs = std::to_string(ms / 1000);
-  if (ms % 1000 != 0) secs += "." + std::to_string(ms % 1000 / 100);
+  if (ms % 1000 != 0) {  // push_back, not "." + string: GCC 12's false -Wrestrict (bug 105329)
+    secs.push_back('.');
+    secs += std::to_string(ms % 1000 / 100);
+  }
   return "node " + std::to_string(node) + " lost: no heartbeat from its fsdprun for " + secs +
          " s (its host or its link is down, or its fsdprun was killed)";
 }

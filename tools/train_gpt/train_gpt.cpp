@@ -238,14 +238,14 @@ std::string checkpoint_save(const Run& run, Model& m, torch::optim::Optimizer& o
   TrainerScalars scalars;
   scalars.ints["step"] = step;
   scalars.ints["seed"] = static_cast<int64_t>(run.opt.seed);
-  fsdp::checkpoint::save(dir, fsdp::checkpoint::State{m.gpt.ptr(), &opt, {{"trainer", &scalars}}});
+  fsdp::checkpoint::save(dir, fsdp::checkpoint::State{m.gpt.ptr(), &opt, {{"trainer", &scalars}}, {}});
   return dir;
 }
 
 // Returns the number of steps the checkpoint had completed.
 int64_t checkpoint_load(const Run& run, Model& m, torch::optim::Optimizer& opt, const std::string& dir) {
   TrainerScalars scalars;
-  fsdp::checkpoint::load(dir, fsdp::checkpoint::State{m.gpt.ptr(), &opt, {{"trainer", &scalars}}});
+  fsdp::checkpoint::load(dir, fsdp::checkpoint::State{m.gpt.ptr(), &opt, {{"trainer", &scalars}}, {}});
   if (scalars.ints["seed"] != static_cast<int64_t>(run.opt.seed) && run.rank == 0) {
     std::printf("note: %s was trained with --seed %lld; continuing with --seed %llu changes the data order\n",
                 dir.c_str(), static_cast<long long>(scalars.ints["seed"]), static_cast<unsigned long long>(run.opt.seed));

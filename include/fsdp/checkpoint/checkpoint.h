@@ -95,8 +95,11 @@ class CpuRngState : public Stateful {
 // ranks must tile the global tensor; a box held by several ranks (replicated) is written once:
 // `write = false` on all its holders but one. Loading fills `local` from the checkpoint whatever
 // boxes wrote it (any world size, any layout).
-// Example: columns 3..5 of an [8, 6] tensor, rows 0..3 of it replicated on two ranks:
-//   ckpt::ShardedTensor{at::zeros({4, 3}), {8, 6}, {0, 3}, /*write=*/replica == 0}
+// Rows 0..3 and columns 3..5 of an [8, 6] tensor, a box replicated on two ranks (one writes it):
+// Example:
+//   const int replica = 0;  // this rank's index among the box's holders
+//   ckpt::ShardedTensor box{at::zeros({4, 3}), {8, 6}, {0, 3}, /*write=*/replica == 0};
+//   ckpt::save("ckpt/step_100", ckpt::State{.tensors = {{"table", box}}});
 struct ShardedTensor {
   at::Tensor local;                   // this rank's box (any device; may be empty)
   std::vector<int64_t> global_shape;  // the whole tensor's shape

@@ -6,10 +6,18 @@
 // other class is refused with an error naming it and pointing here; register yours:
 //
 // Example:
-//   struct MyState : torch::optim::OptimizerParamState { TORCH_ARG(at::Tensor, velocity); TORCH_ARG(int64_t, step) = 0; ... };
-//   struct MyOptions : torch::optim::OptimizerOptions { TORCH_ARG(double, lr) = 0.1; TORCH_ARG(double, beta) = 0.9; ... };
-//   class MyOpt : public torch::optim::Optimizer { ... };
-//
+//   struct MyState : torch::optim::OptimizerCloneableParamState<MyState> {
+//     TORCH_ARG(at::Tensor, velocity);
+//     TORCH_ARG(int64_t, step) = 0;
+//   };
+//   struct MyOptions : torch::optim::OptimizerCloneableOptions<MyOptions> {
+//     TORCH_ARG(double, lr) = 0.1;
+//     TORCH_ARG(double, beta) = 0.9;
+//   };
+//   struct MyOpt : torch::optim::Optimizer {
+//     using torch::optim::Optimizer::Optimizer;
+//     at::Tensor step(LossClosure closure) override { return {}; }  // the update itself
+//   };
 //   fsdp::checkpoint::register_optimizer(
 //       fsdp::checkpoint::OptimizerCodecBuilder<MyOpt, MyState, MyOptions>("MyOpt")
 //           .state("velocity", [](MyState& s) -> at::Tensor& { return s.velocity(); })  // shaped like the param

@@ -6,7 +6,7 @@
 // fsdp (a member function pointer of the module's Impl class):
 //
 // Example:
-//   struct GPTImpl : torch::nn::Module { at::Tensor forward(const at::Tensor&); at::Tensor encode(const at::Tensor&); };
+//   // GPTImpl (models/gpt.h) has forward and encode(tokens) -> hidden states
 //   at::Tensor h = fsdp::call_method(model, &GPTImpl::encode, tokens);         // one call
 //   auto encode = fsdp::register_fsdp_forward_method(model, &GPTImpl::encode); // or a callable,
 //   at::Tensor h2 = encode(tokens);                                            // the same thing

@@ -56,26 +56,26 @@
 
 namespace fsdp::tp {
 
-// Example: tp::ColwiseParallel{.input_layouts = tp::Shard(1), .output_layouts = tp::Replicate()}
+// Example: tp::ColwiseParallel style{.input_layouts = tp::Shard(1), .output_layouts = tp::Replicate()};
 struct ColwiseParallel {
   std::optional<Layout> input_layouts;   // default Replicate
   std::optional<Layout> output_layouts;  // default Shard(-1)
 };
-// Example: tp::RowwiseParallel{.output_layouts = tp::Shard(1)}   (sequence parallel)
+// Example: tp::RowwiseParallel style{.output_layouts = tp::Shard(1)};  // sequence parallel
 struct RowwiseParallel {
   std::optional<Layout> input_layouts;   // default Shard(-1) (Linear), Replicate (Embedding)
   std::optional<Layout> output_layouts;  // default Replicate
 };
-// Example: tp::SequenceParallel{}   (a LayerNorm on activations sharded along dim 1)
+// Example: tp::SequenceParallel style{};  // a LayerNorm on activations sharded along dim 1
 struct SequenceParallel {
   int64_t sequence_dim = 1;
 };
-// Example: tp::PrepareModuleInput{.input_layouts = {tp::Shard(1)}, .desired_input_layouts = {tp::Replicate()}}
+// Example: tp::PrepareModuleInput style{.input_layouts = {tp::Shard(1)}, .desired_input_layouts = {tp::Replicate()}};
 struct PrepareModuleInput {
   std::vector<Layout> input_layouts;          // one per tensor argument, in order
   std::vector<Layout> desired_input_layouts;  // same count
 };
-// Example: tp::PrepareModuleOutput{.output_layouts = {tp::Replicate()}, .desired_output_layouts = {tp::Shard(1)}}
+// Example: tp::PrepareModuleOutput style{.output_layouts = {tp::Replicate()}, .desired_output_layouts = {tp::Shard(1)}};
 struct PrepareModuleOutput {
   std::vector<Layout> output_layouts;          // one per output tensor, in order
   std::vector<Layout> desired_output_layouts;  // same count

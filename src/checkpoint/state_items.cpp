@@ -42,6 +42,14 @@ void add_tensor_parallel(ParamBox& box, const tp::TPPlacement& tp) {
       GatherStep{tp.dim, tp.mesh.comm(0), tp.size, tp.global_shape[static_cast<size_t>(tp.dim)]});
 }
 
+// Whether global rank 0 is one of the mesh's ranks.
+bool holds_rank0(const DeviceMesh& mesh) {
+  const at::Tensor ranks = mesh.mesh().flatten();
+  for (int64_t i = 0; i < ranks.numel(); ++i)
+    if (ranks[i].item<int64_t>() == 0) return true;
+  return false;
+}
+
 }  // namespace
 
 std::optional<ParamBox> param_box(const at::Tensor& param) {
@@ -50,8 +58,10 @@ std::optional<ParamBox> param_box(const at::Tensor& param) {
     box.global_shape = info->global_shape;
     box.offsets.assign(info->global_shape.size(), 0);
     if (!box.offsets.empty()) box.offsets[0] = info->dim0_offset;
-    // Replicas of a shard (HSDP) hold the same rows: the first one writes them.
-    box.writer = info->local_rows > 0 && info->replica_rank == 0;
+    // Replicas of a shard (HSDP) hold the same rows: the first one writes them. A parameter that
+    // tensor parallelism leaves whole (e.g. a row-wise linear's bias) is sharded by every tp
+    // rank's FSDP group alike: only the group holding global rank 0 writes it.
+    box.writer = info->local_rows > 0 && info->replica_rank == 0 && (info->tp || holds_rank0(info->mesh));
     // The shard dimension is the mesh's last; rank r holds rows [r * padded_rows, ...).
     box.gather.push_back(GatherStep{0, info->mesh.comm(info->mesh.ndim() - 1), info->padded_rows,
                                     info->global_shape.empty() ? 1 : info->global_shape[0]});
@@ -64,10 +74,7 @@ std::optional<ParamBox> param_box(const at::Tensor& param) {
     ParamBox box;
     box.global_shape = tp->global_shape;  // set again by add_tensor_parallel
     box.offsets.assign(tp->global_shape.size(), 0);
-    const at::Tensor ranks = tp->mesh.mesh().flatten();
-    bool holds_rank0 = false;
-    for (int64_t i = 0; i < ranks.numel(); ++i) holds_rank0 = holds_rank0 || ranks[i].item<int64_t>() == 0;
-    box.writer = tp->size > 0 && holds_rank0;
+    box.writer = tp->size > 0 && holds_rank0(tp->mesh);
     add_tensor_parallel(box, *tp);
     return box;
   }

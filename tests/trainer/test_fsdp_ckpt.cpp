@@ -169,7 +169,7 @@ TEST_F(FsdpCkpt, VerifyAndDescribeNameADamagedIndex) {
   in.close();
   auto& chunks = index["tensors"]["model.wte.weight"]["chunks"];
   ASSERT_EQ(chunks.size(), 2u) << index.dump();
-  chunks[1]["row_offset"] = chunks[1]["row_offset"].get<int64_t>() + 1;
+  chunks[1]["offsets"][0] = chunks[1]["offsets"][0].get<int64_t>() + 1;  // format 2: a box per chunk
   std::ofstream(fs::path(gap) / "index.json", std::ios::trunc) << index.dump();
   const auto g = fsdp_ckpt({"verify", gap});
   EXPECT_EQ(g.exit_code, 1) << g.output;

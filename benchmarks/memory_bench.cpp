@@ -3,7 +3,7 @@
 //   build/bin/memory_bench                       # GPT 12 x 768, 12 heads, seq 256 (85.6M), 1 vs 2 and 4 ranks
 //   build/bin/memory_bench --small               # GPT 4 x 256, 4 heads, seq 128 (3.2M)
 //   build/bin/memory_bench --ranks 2 --steps 3 --batch 2 --layers 12 --dim 768 --heads 12 --seq 256
-//   [--malloc default|tuned] [--pool on|off] [--threads 1]
+//   [--malloc default|tuned] [--pool on|off] [--threads 1] [--gloo-fallback p2p|collective]
 //
 // Every configuration runs in a fresh process (under fsdprun for FSDP), with the same per-rank
 // batch (--batch sequences), one intra-op thread per rank, AdamW, float32, synthetic tokens. The
@@ -16,11 +16,13 @@
 // N ranks should save S x (N-1)/N per rank; "realized" is (peak RSS of one process - peak RSS of
 // a rank) divided by that.
 //
-// --malloc tuned: the workers fix glibc's mmap threshold at 1 MiB (mallopt M_MMAP_THRESHOLD): large
-// freed blocks go back to the kernel instead of staying in the heap. --pool off: FSDP's buffers come
-// from LibTorch's allocator instead of FSDP's caching pool.
+// --malloc tuned: the workers fix glibc's mmap threshold at 1 MiB (fsdp::tune_malloc, what train_gpt
+// does): large freed blocks go back to the kernel instead of staying in the heap. --pool off: FSDP's
+// buffers come from LibTorch's allocator instead of FSDP's caching pool. --gloo-fallback: how Comm
+// builds Gloo's reduce-scatter (and 1.13's all-gather): p2p (send/recv, 1/N scratch; the default)
+// or collective (all_to_all, a scratch as large as the input). "step" is the median step time
+// after the first step (noisy under load: say the load with it).
 #include <malloc.h>
-#include <unistd.h>
 
 #include <atomic>
 #include <chrono>
@@ -37,11 +39,12 @@
 #include "bench_support.h"
 #include "fsdp/fsdp.h"
 #include "fsdp/memory/buffer_pool.h"
+#include "fsdp/memory/malloc_tuning.h"
 #include "models/gpt.h"
 
 namespace {
 
-using fsdp_bench::spawn_and_wait;
+using fsdp_bench::resident_bytes;
 
 struct Options {
   int64_t layers = 12, dim = 768, heads = 12, seq = 256, batch = 2;
@@ -49,6 +52,7 @@ struct Options {
   std::vector<int> ranks = {2, 4};
   std::string malloc_mode = "default";  // default | tuned
   std::string pool = "on";
+  std::string gloo_fallback = "p2p";
   std::string role = "driver";  // driver | single | fsdp
   std::string result;
 };
@@ -56,7 +60,8 @@ struct Options {
 [[noreturn]] void usage(const std::string& why) {
   std::fprintf(stderr,
                "memory_bench: %s\nusage: memory_bench [--small] [--ranks 2,4] [--steps N] [--batch N] [--layers N] "
-               "[--dim N] [--heads N] [--seq N] [--threads N] [--malloc default|tuned] [--pool on|off]\n",
+               "[--dim N] [--heads N] [--seq N] [--threads N] [--malloc default|tuned] [--pool on|off] "
+               "[--gloo-fallback p2p|collective]\n",
                why.c_str());
   std::exit(2);
 }
@@ -77,6 +82,7 @@ Options parse(int argc, char** argv) {
     else if (a == "--result") o.result = v;
     else if (a == "--malloc") o.malloc_mode = v;
     else if (a == "--pool") o.pool = v;
+    else if (a == "--gloo-fallback") o.gloo_fallback = v;
     else if (a == "--steps") o.steps = std::stoi(v);
     else if (a == "--threads") o.threads = std::stoi(v);
     else if (a == "--ranks") {
@@ -89,27 +95,12 @@ Options parse(int argc, char** argv) {
   }
   if (o.malloc_mode != "default" && o.malloc_mode != "tuned") usage("--malloc takes default or tuned");
   if (o.pool != "on" && o.pool != "off") usage("--pool takes on or off");
+  if (o.gloo_fallback != "p2p" && o.gloo_fallback != "collective") usage("--gloo-fallback takes p2p or collective");
   if (o.steps < 1 || o.batch < 1 || o.threads < 1) usage("--steps, --batch and --threads must be positive");
   for (int r : o.ranks) {
     if (r < 2) usage("--ranks lists world sizes of at least 2 (one process always runs)");
   }
   return o;
-}
-
-double rss_bytes() {
-  std::ifstream in("/proc/self/statm");
-  long size = 0, resident = 0;
-  in >> size >> resident;
-  return static_cast<double>(resident) * static_cast<double>(sysconf(_SC_PAGESIZE));
-}
-
-double vm_hwm_bytes() {
-  std::ifstream in("/proc/self/status");
-  std::string line;
-  while (std::getline(in, line)) {
-    if (line.rfind("VmHWM:", 0) == 0) return std::stod(line.substr(6)) * 1024.0;
-  }
-  return 0;
 }
 
 // One sample: RSS, glibc's view, FSDP's buffers.
@@ -120,7 +111,7 @@ struct Sample {
 
 Sample take_sample() {
   Sample s;
-  s.rss = rss_bytes();
+  s.rss = resident_bytes();
   struct mallinfo2 mi = mallinfo2();
   s.heap_in_use = static_cast<double>(mi.uordblks);  // allocated from the heap (arenas)
   s.heap_free = static_cast<double>(mi.fordblks);    // free but kept in the heap
@@ -130,7 +121,9 @@ Sample take_sample() {
 }
 
 int run_worker(const Options& o, bool sharded) {
-  if (o.malloc_mode == "tuned") mallopt(M_MMAP_THRESHOLD, 1 << 20);
+  if (o.malloc_mode == "tuned") fsdp::tune_malloc();
+  fsdp::comm::set_gloo_fallback(o.gloo_fallback == "p2p" ? fsdp::comm::GlooFallback::PointToPoint
+                                                          : fsdp::comm::GlooFallback::Collective);
   if (o.pool == "off") {
     fsdp::BufferPoolOptions pool;
     pool.enabled = false;
@@ -161,7 +154,7 @@ int run_worker(const Options& o, bool sharded) {
   fsdp::to_empty(*model, torch::kCPU);
   model->reset_parameters();
   torch::optim::AdamW opt(model->parameters(), torch::optim::AdamWOptions(1e-4));
-  const double rss_setup = rss_bytes();
+  const double rss_setup = resident_bytes();
 
   std::atomic<bool> stop{false};
   std::mutex mu;
@@ -186,7 +179,9 @@ int run_worker(const Options& o, bool sharded) {
   } join_at_exit{stop, sampler};
   auto gen = at::detail::createCPUGenerator(1234 + rank);
   double loss_value = 0;
+  std::vector<double> step_s;
   for (int s = 0; s < o.steps; ++s) {
+    const auto t0 = std::chrono::steady_clock::now();
     auto data = at::randint(c.vocab_size, {o.batch, c.block_size + 1}, gen, at::kLong);
     opt.zero_grad();
     auto input = data.narrow(1, 0, c.block_size);
@@ -195,6 +190,7 @@ int run_worker(const Options& o, bool sharded) {
     loss.backward();
     opt.step();
     loss_value = loss.item<double>();
+    if (s > 0) step_s.push_back(std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
   }
   stop = true;
   sampler.join();
@@ -209,7 +205,8 @@ int run_worker(const Options& o, bool sharded) {
   }
   const auto fsdp_stats = fsdp::buffer_memory_stats();
   std::ostringstream line;
-  line << "rank " << rank << " world " << world << " hwm " << vm_hwm_bytes() << " rss_setup " << rss_setup
+  line << "rank " << rank << " world " << world << " step_s " << fsdp_bench::median(step_s) << " hwm "
+       << fsdp_bench::vm_hwm_bytes() << " rss_setup " << rss_setup
        << " params " << params << " grads " << grads << " optim " << optim << " block_param_bytes "
        << block_param_bytes << " total_param_bytes " << total_param_bytes << " loss " << loss_value
        << " s_rss " << peak.rss << " s_heap_in_use " << peak.heap_in_use << " s_heap_free " << peak.heap_free
@@ -227,38 +224,20 @@ int run_worker(const Options& o, bool sharded) {
   return 0;
 }
 
-std::map<std::string, double> read_line(const std::string& path) {
-  std::ifstream in(path);
-  std::map<std::string, double> kv;
-  std::string k;
-  double v;
-  while (in >> k >> v) kv[k] = v;
-  return kv;
-}
-
 double mb(double bytes) { return bytes / 1e6; }
 
 int run_driver(const Options& o) {
-  char self[4096];
-  ssize_t n = readlink("/proc/self/exe", self, sizeof(self) - 1);
-  if (n <= 0) usage("cannot find this program's path");
-  self[n] = '\0';
-  const std::string exe = self;
-  const std::string fsdprun = exe.substr(0, exe.rfind('/')) + "/fsdprun";
-  if (access(fsdprun.c_str(), X_OK) != 0) usage("fsdprun not found next to memory_bench: " + fsdprun);
-  char tmpl[] = "/tmp/fsdp-memory-bench-XXXXXX";
-  if (!mkdtemp(tmpl)) usage("cannot create a temporary folder");
-  const std::string dir = tmpl;
+  fsdp_bench::WorkerLauncher launcher("memory_bench");
   std::vector<std::string> common = {"--layers", std::to_string(o.layers), "--dim",     std::to_string(o.dim),
                                      "--heads",  std::to_string(o.heads),  "--seq",     std::to_string(o.seq),
                                      "--batch",  std::to_string(o.batch),  "--steps",   std::to_string(o.steps),
                                      "--threads", std::to_string(o.threads), "--malloc", o.malloc_mode,
-                                     "--pool",   o.pool};
+                                     "--pool",   o.pool, "--gloo-fallback", o.gloo_fallback};
   std::printf("memory_bench: GPT %lld layers, d=%lld, %lld heads, seq %lld; %lld sequences per rank, %d steps, "
-              "fp32, AdamW, %d thread(s) per rank; malloc %s, FSDP pool %s\n",
+              "fp32, AdamW, %d thread(s) per rank; malloc %s, FSDP pool %s, Gloo fallback %s\n",
               static_cast<long long>(o.layers), static_cast<long long>(o.dim), static_cast<long long>(o.heads),
               static_cast<long long>(o.seq), static_cast<long long>(o.batch), o.steps, o.threads,
-              o.malloc_mode.c_str(), o.pool.c_str());
+              o.malloc_mode.c_str(), o.pool.c_str(), o.gloo_fallback.c_str());
   std::fflush(stdout);
   struct Run {
     std::string name;
@@ -266,32 +245,24 @@ int run_driver(const Options& o) {
     std::map<std::string, double> r;  // the rank with the largest peak
   };
   std::vector<Run> runs;
-  {
-    std::vector<std::string> cmd = {exe, "--role", "single", "--result", dir + "/single"};
-    cmd.insert(cmd.end(), common.begin(), common.end());
-    if (spawn_and_wait(cmd, {"OMP_NUM_THREADS=" + std::to_string(o.threads)}) != 0) usage("the one-process run failed");
-    runs.push_back({"one process (plain LibTorch)", 1, read_line(dir + "/single.0")});
-  }
-  for (int w : std::vector<int>{1}) {
-    std::vector<std::string> cmd = {fsdprun, "--nproc-per-node", std::to_string(w), "--master-port", "0", "--", exe,
-                                    "--role", "fsdp", "--result", dir + "/fsdp1"};
-    cmd.insert(cmd.end(), common.begin(), common.end());
-    if (spawn_and_wait(cmd, {}) != 0) usage("the FSDP world-of-one run failed");
-    runs.push_back({"fully_shard, world of one", 1, read_line(dir + "/fsdp1.0")});
-  }
-  for (int w : o.ranks) {
-    const std::string out = dir + "/fsdp" + std::to_string(w) + "r";
-    std::vector<std::string> cmd = {fsdprun, "--nproc-per-node", std::to_string(w), "--master-port", "0", "--", exe,
-                                    "--role", "fsdp", "--result", out};
-    cmd.insert(cmd.end(), common.begin(), common.end());
-    if (spawn_and_wait(cmd, {}) != 0) usage("the FSDP run on " + std::to_string(w) + " ranks failed");
-    Run run{"FSDP", w, {}};
-    for (int r = 0; r < w; ++r) {
-      auto kv = read_line(out + "." + std::to_string(r));
-      if (run.r.empty() || kv["hwm"] > run.r["hwm"]) run.r = kv;
+  // Each configuration in fresh processes: one process, then FSDP on 1 and on each --ranks.
+  auto launch = [&](const std::string& name, int world, const std::string& role) {
+    const std::string out = launcher.result_path(role + std::to_string(world) + "r");
+    std::vector<std::string> args = {"--role", role, "--result", out};
+    args.insert(args.end(), common.begin(), common.end());
+    const int rc = role == "single" ? launcher.run(0, args, {"OMP_NUM_THREADS=" + std::to_string(o.threads)})
+                                    : launcher.run(world, args);
+    if (rc != 0) launcher.fail("the run '" + name + "' on " + std::to_string(world) + " rank(s) failed (exit " + std::to_string(rc) + ")");
+    Run result{name, world, {}};
+    for (int r = 0; r < world; ++r) {  // the rank with the largest peak
+      auto kv = fsdp_bench::read_results(out + "." + std::to_string(r));
+      if (result.r.empty() || kv["hwm"] > result.r["hwm"]) result.r = kv;
     }
-    runs.push_back(run);
-  }
+    runs.push_back(result);
+  };
+  launch("one process (plain LibTorch)", 1, "single");
+  launch("fully_shard, world of one", 1, "fsdp");
+  for (int w : o.ranks) launch("FSDP", w, "fsdp");
   const auto& one = runs.front().r;
   const double state1 = one.at("params") + one.at("grads") + one.at("optim");
   const double unit = one.at("block_param_bytes");
@@ -299,20 +270,20 @@ int run_driver(const Options& o) {
               "2 units' parameters + gradients + one prefetched unit = %.1f MB\n",
               mb(unit), mb(5 * unit));
   std::printf("\n| run | ranks | state / rank (params + grads + AdamW) | peak RSS / rank | saved vs one process | "
-              "theoretical saving S(N-1)/N | realized | FSDP buffers at their peak | vs target |\n");
-  std::printf("|---|---|---|---|---|---|---|---|---|\n");
+              "theoretical saving S(N-1)/N | realized | FSDP buffers at their peak | vs target | median step |\n");
+  std::printf("|---|---|---|---|---|---|---|---|---|---|\n");
   for (const auto& run : runs) {
     const auto& r = run.r;
     const double state = r.at("params") + r.at("grads") + r.at("optim");
     const double saved = one.at("hwm") - r.at("hwm");
     const double theory = state1 * (run.world - 1) / run.world;
     const bool fsdp = run.name != runs.front().name;
-    std::printf("| %s | %d | %.0f MB (%.0f + %.0f + %.0f) | %.0f MB | %.0f MB | %.0f MB | %s | %s | %s |\n",
+    std::printf("| %s | %d | %.0f MB (%.0f + %.0f + %.0f) | %.0f MB | %.0f MB | %.0f MB | %s | %s | %s | %.2f s |\n",
                 run.name.c_str(), run.world, mb(state), mb(r.at("params")), mb(r.at("grads")), mb(r.at("optim")),
                 mb(r.at("hwm")), mb(saved), mb(theory),
                 run.world > 1 ? (std::to_string(static_cast<int>(100 * saved / theory + 0.5)) + "%").c_str() : "-",
                 fsdp ? (std::to_string(static_cast<int>(mb(r.at("fsdp_peak")) + 0.5)) + " MB").c_str() : "-",
-                fsdp ? (std::to_string(r.at("fsdp_peak") / (5 * unit)).substr(0, 4) + "x").c_str() : "-");
+                fsdp ? (std::to_string(r.at("fsdp_peak") / (5 * unit)).substr(0, 4) + "x").c_str() : "-", r.at("step_s"));
   }
   std::printf("\nAt each run's largest sampled RSS (MB): what it is made of\n\n");
   std::printf("| run | ranks | RSS | training state | FSDP buffers alive (pool cached) | glibc heap in use | glibc heap free, kept "

@@ -52,16 +52,21 @@ CausalSelfAttentionImpl::CausalSelfAttentionImpl(const GPTConfig& c)
 }
 
 torch::Tensor CausalSelfAttentionImpl::forward(const torch::Tensor& x) {
-  const int64_t B = x.size(0), T = x.size(1), C = x.size(2), hd = C / n_head;
-  auto qkv = c_attn(x).split(C, /*dim=*/2);
-  auto heads = [&](const torch::Tensor& t) { return t.view({B, T, n_head, hd}).transpose(1, 2); };
+  // The linears go through fsdp::call (exactly forward unless tensor parallelism styled them:
+  // models/gpt_tp.h). Under TP c_attn gives this rank's [q | k | v] heads only: the local width
+  // Cl = its output / 3 (C without TP) and the local head count Cl / head_dim.
+  const int64_t B = x.size(0), T = x.size(1), hd = x.size(2) / n_head;
+  auto qkv_all = fsdp::call(c_attn, x);
+  const int64_t C = qkv_all.size(2) / 3, heads_here = C / hd;
+  auto qkv = qkv_all.split(C, /*dim=*/2);
+  auto heads = [&](const torch::Tensor& t) { return t.view({B, T, heads_here, hd}).transpose(1, 2); };
   auto q = heads(qkv[0]), k = heads(qkv[1]), v = heads(qkv[2]);
-  if (fused) return c_proj(fsdp::compat::fused_causal_attention(q, k, v).transpose(1, 2).contiguous().view({B, T, C}));
+  if (fused) return fsdp::call(c_proj, fsdp::compat::fused_causal_attention(q, k, v).transpose(1, 2).contiguous().view({B, T, C}));
   auto att = torch::matmul(q, k.transpose(-2, -1)) * (1.0 / std::sqrt(static_cast<double>(hd)));
   auto causal = torch::ones({T, T}, x.options().dtype(torch::kBool)).tril();
   att = F::softmax(att.masked_fill(causal.logical_not(), -INFINITY), F::SoftmaxFuncOptions(-1));
   auto y = torch::matmul(att, v).transpose(1, 2).contiguous().view({B, T, C});
-  return c_proj(y);
+  return fsdp::call(c_proj, y);
 }
 
 MLPImpl::MLPImpl(const GPTConfig& c) {
@@ -69,7 +74,9 @@ MLPImpl::MLPImpl(const GPTConfig& c) {
   c_proj = register_module("c_proj", Linear(4 * c.n_embd, c.n_embd, true, c.device));
 }
 
-torch::Tensor MLPImpl::forward(const torch::Tensor& x) { return c_proj(torch::gelu(c_fc(x), "tanh")); }
+torch::Tensor MLPImpl::forward(const torch::Tensor& x) {
+  return fsdp::call(c_proj, torch::gelu(fsdp::call(c_fc, x), "tanh"));
+}
 
 BlockImpl::BlockImpl(const GPTConfig& c) : dropout(c.dropout) {
   ln_1 = register_module("ln_1", LayerNorm(c.n_embd, c.device));

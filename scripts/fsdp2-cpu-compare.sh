@@ -37,28 +37,15 @@ die() { printf 'fsdp2-cpu-compare: %s\n' "$*" >&2; exit 1; }
 [ "$(id -u)" -eq 0 ] || die "needs root (mount, chroot)"
 [ -f "$CHROOT/.fsdp-chroot-complete" ] || die "no chroot at $CHROOT: make it with FSDP_SID_CHROOT=$CHROOT scripts/libtorch2-check.sh"
 
-exec 9>"$CHROOT.lock"
-if ! flock -n 9; then log "waiting for another run using $CHROOT"; flock 9; fi
-mounts_under() {
-  awk -v root="$1" '{ p = $5; gsub(/\\040/, " ", p); if (p == root || index(p, root "/") == 1) print p }' \
-    /proc/self/mountinfo | sort -r
-}
-unmount_all() { local m; for m in $(mounts_under "$CHROOT"); do umount "$m" 2>/dev/null || umount -l "$m" 2>/dev/null || true; done; }
-trap unmount_all EXIT
-unmount_all
-mkdir -p "$CHROOT/proc" "$CHROOT/sys" "$CHROOT/dev" "$CHROOT/src"
-mount -t proc proc "$CHROOT/proc"
-mount -t sysfs sysfs "$CHROOT/sys"
-mount --bind /dev "$CHROOT/dev"
-mount --bind /dev/pts "$CHROOT/dev/pts"
-if mountpoint -q /dev/shm; then mount --bind /dev/shm "$CHROOT/dev/shm"; fi
-mount --bind "$REPO" "$CHROOT/src"
-mount -o remount,bind,ro "$CHROOT/src"
-cp -L /etc/resolv.conf "$CHROOT/etc/resolv.conf" 2>/dev/null || true
-in_chroot() {
-  env -i PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin HOME=/root LANG=C.UTF-8 USE_LIBUV=0 \
-    DEBIAN_FRONTEND=noninteractive chroot "$CHROOT" "$@"
-}
+# The lock, mounts and unmounts (shared with libtorch2-check.sh, whose lock this holds throughout).
+# shellcheck source-path=SCRIPTDIR source=lib/chroot.sh
+. "$REPO/scripts/lib/chroot.sh"
+chroot_lock fsdp2-cpu-compare
+trap chroot_unmount_all EXIT
+chroot_unmount_all
+[ -z "$(chroot_mounts_under "$CHROOT")" ] || die "mounts remain under $CHROOT; unmount them first"
+chroot_mount "$REPO" /src
+in_chroot() { chroot_run USE_LIBUV=0 -- "$@"; }
 if ! in_chroot python3 -c 'import torch.distributed.fsdp' 2>/dev/null; then
   log "installing python3-torch into $CHROOT"
   in_chroot apt-get update -q >/dev/null || die "apt-get update failed in $CHROOT"

@@ -72,32 +72,19 @@ case "$CHROOT/" in
   "$REPO"/*) die "the chroot ($CHROOT) must live outside the repository ($REPO)" ;;
 esac
 
-# Mount points at or under the chroot, deepest first (from /proc/self/mountinfo).
-mounts_under() {
-  awk -v root="$1" '{ p = $5; gsub(/\\040/, " ", p); if (p == root || index(p, root "/") == 1) print p }' \
-    /proc/self/mountinfo | sort -r
-}
-unmount_all() {
-  local m
-  for m in $(mounts_under "$CHROOT"); do
-    umount "$m" 2>/dev/null || umount -l "$m" 2>/dev/null || true
-  done
-}
+# The lock, mounts and unmounts (shared with fsdp2-cpu-compare.sh).
+# shellcheck source-path=SCRIPTDIR source=lib/chroot.sh
+. "$REPO/scripts/lib/chroot.sh"
 
 # One run per chroot at a time (a CI run and a developer's run on the same machine).
-mkdir -p "$(dirname "$CHROOT")"
-exec 9>"$CHROOT.lock"
-if ! flock -n 9; then
-  log "waiting for another run using $CHROOT"
-  flock 9
-fi
+chroot_lock libtorch2-check
 
 cleanup() {
   local rc=$?
-  unmount_all
-  if [ -n "$(mounts_under "$CHROOT")" ]; then
+  chroot_unmount_all
+  if [ -n "$(chroot_mounts_under "$CHROOT")" ]; then
     echo "libtorch2-check: could not unmount everything under $CHROOT:" >&2
-    mounts_under "$CHROOT" >&2
+    chroot_mounts_under "$CHROOT" >&2
   fi
   exit "$rc"
 }
@@ -116,26 +103,12 @@ trap 'stop 130' INT
 trap 'stop 143' TERM
 
 # Mounts left by a run that was killed with SIGKILL: unmount them before anything else.
-unmount_all
-[ -z "$(mounts_under "$CHROOT")" ] || die "mounts remain under $CHROOT; unmount them first"
+chroot_unmount_all
+[ -z "$(chroot_mounts_under "$CHROOT")" ] || die "mounts remain under $CHROOT; unmount them first"
 
-do_mounts() {
-  mkdir -p "$CHROOT/proc" "$CHROOT/sys" "$CHROOT/dev" "$CHROOT$SRC"
-  mount -t proc proc "$CHROOT/proc"
-  mount -t sysfs sysfs "$CHROOT/sys"
-  mount --bind /dev "$CHROOT/dev"
-  mount --bind /dev/pts "$CHROOT/dev/pts"
-  if mountpoint -q /dev/shm; then mount --bind /dev/shm "$CHROOT/dev/shm"; fi
-  mount --bind "$REPO" "$CHROOT$SRC"
-  mount -o remount,bind,ro "$CHROOT$SRC"
-  # debootstrap's copy can be stale; name resolution inside needs the host's.
-  cp -L /etc/resolv.conf "$CHROOT/etc/resolv.conf" 2>/dev/null || true
-}
+do_mounts() { chroot_mount "$REPO" "$SRC"; }
 
-in_chroot() {
-  env -i PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin HOME=/root LANG=C.UTF-8 \
-    DEBIAN_FRONTEND=noninteractive TERM="${TERM:-dumb}" chroot "$CHROOT" "$@"
-}
+in_chroot() { chroot_run -- "$@"; }
 
 # A mirror that serves a frozen snapshot (as on machines whose clock is past the snapshot's
 # Valid-Until) makes apt refuse its Release file; accept it then, and say so.

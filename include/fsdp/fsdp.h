@@ -9,6 +9,8 @@
 #include "fsdp/comm/backend.h"
 #include "fsdp/comm/comm.h"
 #include "fsdp/comm/comm_stats.h"
+#include "fsdp/comm/desync.h"
+#include "fsdp/comm/flight_recorder.h"
 #include "fsdp/comm/work.h"
 #include "fsdp/dist/cpu_tuning.h"
 #include "fsdp/dist/env.h"

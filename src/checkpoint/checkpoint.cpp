@@ -238,6 +238,7 @@ SavePlan make_plan(const std::string& dir, const State& state, const SaveOptions
     // Async saves copy now: training may change the tensors while the files are written.
     at::Tensor cpu = item.local.to(at::kCPU, /*non_blocking=*/false, /*copy=*/copy).contiguous();
     item.local = cpu;
+    for (auto& piece : item.pieces) piece.local = piece.local.to(at::kCPU, /*non_blocking=*/false, /*copy=*/copy).contiguous();
     plan.items.push_back(std::move(item));
   }
   return plan;
@@ -266,16 +267,23 @@ void write_rank_file(const SavePlan& plan, const std::string& save_id, int rank)
   std::vector<safetensors::NamedTensor> tensors;
   std::vector<FileChunk> chunks;
   for (const auto& item : plan.items) {
-    const auto bytes = static_cast<uint64_t>(item.local.nbytes());
-    FileChunk c;
-    c.key = item.key;
-    c.dtype = safetensors::dtype_name(item.local.scalar_type());
-    c.global_shape = item.global_shape;
-    c.offsets = item.offsets;
-    c.sizes = item.local.sizes().vec();
-    c.block_crc32 = block_crcs(static_cast<const uint8_t*>(item.local.data_ptr()), bytes);
-    chunks.push_back(std::move(c));
-    tensors.push_back({item.key, item.local});
+    // One chunk per box (a strided TP shard has several: the second and later are stored under
+    // "<key>#<n>", named by the index's "entry").
+    const auto pieces = detail::boxes(item);
+    for (size_t n = 0; n < pieces.size(); ++n) {
+      const at::Tensor& local = pieces[n].local;
+      const auto bytes = static_cast<uint64_t>(local.nbytes());
+      FileChunk c;
+      c.key = item.key;
+      c.entry = n == 0 ? "" : item.key + "#" + std::to_string(n);
+      c.dtype = safetensors::dtype_name(local.scalar_type());
+      c.global_shape = item.global_shape;
+      c.offsets = pieces[n].offsets;
+      c.sizes = local.sizes().vec();
+      c.block_crc32 = block_crcs(static_cast<const uint8_t*>(local.data_ptr()), bytes);
+      tensors.push_back({c.entry.empty() ? item.key : c.entry, local});
+      chunks.push_back(std::move(c));
+    }
   }
   const fs::path final_path = fs::path(plan.dir) / data_file_name(save_id, rank);
   const fs::path tmp_path = final_path.string() + ".tmp";
@@ -304,7 +312,7 @@ Index build_index(const std::string& dir, const std::string& save_id, int world)
       } else if (record.dtype != c.dtype || record.global_shape != c.global_shape) {
         throw CheckpointError("checkpoint: ranks disagree on the dtype or shape of '" + c.key + "'");
       }
-      record.chunks.push_back(Chunk{name, std::move(c.offsets), std::move(c.sizes), std::move(c.block_crc32)});
+      record.chunks.push_back(Chunk{name, std::move(c.offsets), std::move(c.sizes), std::move(c.block_crc32), std::move(c.entry)});
     }
   }
   for (auto& [key, record] : index.tensors) {
@@ -467,7 +475,8 @@ class ChunkReader {
   void read_chunk_region(const std::string& key, const Chunk& chunk, int64_t element, const std::vector<int64_t>& rel,
                          const std::vector<int64_t>& n, const at::Tensor& target) {
     safetensors::Reader& reader = open(chunk.file);
-    const auto& entry = reader.entry(key);
+    const std::string& name = detail::entry_name(key, chunk);
+    const auto& entry = reader.entry(name);
     const uint64_t chunk_bytes = static_cast<uint64_t>(detail::volume(chunk.sizes) * element);
     const uint64_t B = detail::kChecksumBlockBytes;
     if (entry.nbytes() != chunk_bytes || chunk.block_crc32.size() != (chunk_bytes + B - 1) / B)
@@ -495,7 +504,7 @@ class ChunkReader {
         const uint64_t w_end = std::min(end, w + kWindowBlocks);
         const uint64_t read_begin = w * B, read_end = std::min(w_end * B, chunk_bytes);
         buffer_.resize(read_end - read_begin);
-        reader.read_bytes(key, read_begin, buffer_.size(), buffer_.data());
+        reader.read_bytes(name, read_begin, buffer_.size(), buffer_.data());
         bytes_read_ += buffer_.size();
         for (uint64_t b = w; b < w_end; ++b) {
           const uint64_t off = b * B - read_begin, len = std::min(B, chunk_bytes - b * B);
@@ -571,13 +580,15 @@ void load_item(ChunkReader& reader, const std::string& dir, const Index& index, 
     throw CheckpointError("checkpoint: '" + item.key + "' has shape " + shape_text(record.global_shape) + " in '" +
                           dir + "' but " + shape_text(item.global_shape) +
                           " in the model; the checkpoint is from another model configuration");
-  if (item.local.numel() == 0) return;
-  const bool direct = item.local.device().is_cpu() && item.local.is_contiguous();
-  at::Tensor staging = direct ? item.local : at::empty(item.local.sizes(), item.local.options().device(at::kCPU));
-  reader.read_box(item.key, record, item.offsets, staging);
-  if (!direct) {
-    at::NoGradGuard no_grad;
-    item.local.copy_(staging);
+  for (const auto& piece : detail::boxes(item)) {  // a strided TP shard: several boxes
+    if (piece.local.numel() == 0) continue;
+    const bool direct = piece.local.device().is_cpu() && piece.local.is_contiguous();
+    at::Tensor staging = direct ? piece.local : at::empty(piece.local.sizes(), piece.local.options().device(at::kCPU));
+    reader.read_box(item.key, record, piece.offsets, staging);
+    if (!direct) {
+      at::NoGradGuard no_grad;
+      piece.local.copy_(staging);
+    }
   }
 }
 

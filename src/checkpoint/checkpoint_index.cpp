@@ -31,9 +31,10 @@ auto parse_or_throw(const std::string& source, Fn&& fn) {
 }
 
 json chunk_json(const std::string& file, const std::vector<int64_t>& offsets, const std::vector<int64_t>& sizes,
-                const std::vector<uint32_t>& crcs) {
+                const std::vector<uint32_t>& crcs, const std::string& entry = "") {
   json j{{"offsets", offsets}, {"sizes", sizes}, {"crc32", crcs}};
   if (!file.empty()) j["file"] = file;
+  if (!entry.empty()) j["entry"] = entry;
   return j;
 }
 
@@ -71,7 +72,8 @@ std::string encode_file_chunks(const std::vector<FileChunk>& chunks) {
     json entry = chunk_json("", c.offsets, c.sizes, c.block_crc32);
     entry["dtype"] = c.dtype;
     entry["shape"] = c.global_shape;
-    j[c.key] = std::move(entry);
+    if (!c.entry.empty()) entry["key"] = c.key;  // a second chunk of the key: stored under c.entry
+    j[c.entry.empty() ? c.key : c.entry] = std::move(entry);
   }
   return j.dump();
 }
@@ -82,7 +84,8 @@ std::vector<FileChunk> decode_file_chunks(const std::string& text, const std::st
     const json parsed = json::parse(text);  // named: items() of a temporary would dangle
     for (const auto& [key, entry] : parsed.items()) {
       FileChunk c;
-      c.key = key;
+      c.key = entry.contains("key") ? entry.at("key").get<std::string>() : key;
+      if (c.key != key) c.entry = key;
       c.dtype = entry.at("dtype").get<std::string>();
       c.global_shape = entry.at("shape").get<std::vector<int64_t>>();
       chunk_box(entry, c.global_shape, c.offsets, c.sizes, source);
@@ -97,7 +100,7 @@ std::string encode_index(const Index& index) {
   json tensors = json::object();
   for (const auto& [key, record] : index.tensors) {
     json chunks = json::array();
-    for (const auto& c : record.chunks) chunks.push_back(chunk_json(c.file, c.offsets, c.sizes, c.block_crc32));
+    for (const auto& c : record.chunks) chunks.push_back(chunk_json(c.file, c.offsets, c.sizes, c.block_crc32, c.entry));
     tensors[key] = {{"dtype", record.dtype}, {"shape", record.global_shape}, {"chunks", std::move(chunks)}};
   }
   json j{{"format", kFormat},
@@ -141,6 +144,7 @@ Index decode_index(const std::string& text, const std::string& source) {
           throw CheckpointError("checkpoint: " + source + " (format 1) has a chunk without row_offset; load an earlier checkpoint");
         chunk_box(c, record.global_shape, chunk.offsets, chunk.sizes, source);
         chunk.block_crc32 = c.at("crc32").get<std::vector<uint32_t>>();
+        if (c.contains("entry")) chunk.entry = c.at("entry").get<std::string>();
         record.chunks.push_back(std::move(chunk));
       }
       index.tensors.emplace(key, std::move(record));

@@ -26,7 +26,12 @@ struct Chunk {
   std::vector<int64_t> offsets;   // the chunk's box in the global tensor, one per dimension
   std::vector<int64_t> sizes;     // (empty for a 0-d tensor); its bytes are the box row-major
   std::vector<uint32_t> block_crc32;  // per kChecksumBlockBytes block of the chunk's bytes
+  // The chunk's tensor name in its file: "" for the key itself; a rank's second and later chunks
+  // of one key (a strided tensor-parallel shard) are "<key>#<n>" (index field "entry").
+  std::string entry;
 };
+// The name to read chunk `c` of `key` by in its file.
+inline const std::string& entry_name(const std::string& key, const Chunk& c) { return c.entry.empty() ? key : c.entry; }
 
 struct TensorRecord {
   std::string dtype;  // safetensors dtype name
@@ -52,6 +57,7 @@ struct FileChunk {
   std::vector<int64_t> offsets;
   std::vector<int64_t> sizes;
   std::vector<uint32_t> block_crc32;
+  std::string entry;  // as Chunk::entry ("" : the key)
 };
 std::string encode_file_chunks(const std::vector<FileChunk>& chunks);
 std::vector<FileChunk> decode_file_chunks(const std::string& json, const std::string& source);

@@ -61,15 +61,6 @@ uint64_t box_start_element(const std::vector<int64_t>& shape, const ChunkInfo& b
   return index;
 }
 
-std::string shape_text(const std::vector<int64_t>& shape) {
-  std::string out = "[";
-  for (size_t i = 0; i < shape.size(); ++i) {
-    if (i) out += ", ";
-    out += std::to_string(shape[i]);
-  }
-  return out + "]";
-}
-
 // The chunks must cover the tensor exactly once: inside it, pairwise disjoint, volumes summing
 // to its numel. "" when they do, else what is wrong.
 std::string tiling_problem(const TensorInfo& t) {
@@ -179,12 +170,13 @@ at::Tensor assemble(Files& files, const std::string& dir, const TensorInfo& t, c
     const ChunkInfo& box = t.chunks[i];
     if (box.bytes == 0) continue;
     if (box_is_contiguous(t.shape, box)) {
-      read_chunk(files, dir, t.key, t.dtype, box, record.chunks[i].block_crc32,
+      read_chunk(files, dir, detail::entry_name(t.key, record.chunks[i]), t.dtype, box, record.chunks[i].block_crc32,
                  base + box_start_element(t.shape, box) * elem);
       continue;
     }
     at::Tensor part = at::empty(box.sizes, full.options());
-    read_chunk(files, dir, t.key, t.dtype, box, record.chunks[i].block_crc32, static_cast<uint8_t*>(part.data_ptr()));
+    read_chunk(files, dir, detail::entry_name(t.key, record.chunks[i]), t.dtype, box, record.chunks[i].block_crc32,
+               static_cast<uint8_t*>(part.data_ptr()));
     at::Tensor view = full;
     for (size_t d = 0; d < t.shape.size(); ++d)
       view = view.narrow(static_cast<int64_t>(d), box.offsets[d], box.sizes[d]);
@@ -210,6 +202,15 @@ CheckpointInfo info_from_index(const std::string& dir, const detail::Index& inde
 }
 
 }  // namespace
+
+std::string shape_text(const std::vector<int64_t>& shape) {
+  std::string out = "[";
+  for (size_t i = 0; i < shape.size(); ++i) {
+    if (i) out += ", ";
+    out += std::to_string(shape[i]);
+  }
+  return out + "]";
+}
 
 const TensorInfo* CheckpointInfo::find(const std::string& key) const {
   auto it = std::lower_bound(tensors.begin(), tensors.end(), key,
@@ -285,7 +286,8 @@ VerifyReport verify_checkpoint(const std::string& dir, const VerifyOptions& opti
       if (bad_files.count(box.file)) continue;  // reported above
       try {
         safetensors::Reader& reader = files.open(box.file);
-        const safetensors::TensorEntry* entry = reader.header().find(key);
+        const std::string& name = detail::entry_name(key, record.chunks[i]);
+        const safetensors::TensorEntry* entry = reader.header().find(name);
         if (entry == nullptr) throw CheckpointError("not in the file, but the index says it is");
         if (safetensors::dtype_name(entry->dtype) != t.dtype || entry->nbytes() != box.bytes)
           throw CheckpointError("the file holds " + safetensors::dtype_name(entry->dtype) + ", " +
@@ -298,7 +300,7 @@ VerifyReport verify_checkpoint(const std::string& dir, const VerifyOptions& opti
         for (uint64_t b = 0; b * B < box.bytes; ++b) {
           const uint64_t len = std::min(B, box.bytes - b * B);
           buffer.resize(len);
-          reader.read_bytes(key, b * B, len, buffer.data());
+          reader.read_bytes(name, b * B, len, buffer.data());
           if (safetensors::crc32(buffer.data(), len) != crcs[b])
             throw CheckpointError("checksum mismatch in bytes " + std::to_string(b * B) + ".." +
                                   std::to_string(b * B + len) + " of its chunk: the file is corrupt");

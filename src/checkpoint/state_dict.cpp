@@ -12,6 +12,7 @@
 
 #include "fsdp/checkpoint/safetensors.h"
 #include "fsdp/dist/runtime.h"
+#include "fsdp/tensor_parallel/placement.h"
 #include "state_dict_selection.h"
 #include "box.h"
 #include "state_items.h"
@@ -22,7 +23,13 @@ namespace detail {
 
 // One GatherStep: the tensor rebuilt along step.dim from every rank of step.comm (rank r holds
 // [r * per_rank, ...) along it, the last ranks fewer or none).
+at::Tensor gather_along_dim(const at::Tensor& local, const GatherStep& step);
 at::Tensor gather_along(const at::Tensor& local, const GatherStep& step) {
+  // A strided split: the ranks' parts, each `blocks` pieces, back in block-major order.
+  return tp::interleave_blocks(gather_along_dim(local, step), step.dim, step.comm->size(), step.blocks);
+}
+
+at::Tensor gather_along_dim(const at::Tensor& local, const GatherStep& step) {
   auto& group = *step.comm;
   const int64_t dim = step.dim;
   std::vector<int64_t> padded_shape = local.sizes().vec();
@@ -133,8 +140,9 @@ void fill(LocalItem& item, const at::Tensor& source, bool source_is_full) {
   at::NoGradGuard no_grad;
   if (!source_is_full)
     item.local.copy_(source);
-  else if (item.local.numel() > 0)
-    item.local.copy_(detail::box_of(source, item));
+  else
+    for (const auto& piece : detail::boxes(item))  // a strided TP shard: several boxes
+      if (piece.local.numel() > 0) piece.local.copy_(detail::box_of(source, piece));
   if (item.on_loaded) item.on_loaded();
 }
 
@@ -391,16 +399,18 @@ LoadResult load_safetensors(torch::nn::Module& model, const std::string& path, b
       if (entry.shape != item.global_shape)
         throw CheckpointError("'" + name + "' has shape " + shape_text(entry.shape) + " in the file but " +
                               shape_text(item.global_shape) + " in the model");
-      if (item.local.numel() == 0) continue;
-      // This rank's box of the file's tensor: its contiguous runs (one for a dim-0 shard).
-      at::Tensor staging = at::empty(item.local.sizes(), at::TensorOptions().dtype(entry.dtype));
-      const detail::Runs runs(item.global_shape, item.offsets, item.local.sizes().vec(),
-                              static_cast<int64_t>(c10::elementSize(entry.dtype)));
-      auto* out = static_cast<uint8_t*>(staging.data_ptr());
-      for (int64_t j = 0; j < runs.count(); ++j)
-        reader.read_bytes(name, runs.offset(j), runs.run_bytes(), out + static_cast<uint64_t>(j) * runs.run_bytes());
-      at::NoGradGuard no_grad;
-      item.local.copy_(staging);
+      for (const auto& piece : detail::boxes(item)) {  // a strided TP shard: several boxes
+        if (piece.local.numel() == 0) continue;
+        // This rank's box of the file's tensor: its contiguous runs (one for a dim-0 shard).
+        at::Tensor staging = at::empty(piece.local.sizes(), at::TensorOptions().dtype(entry.dtype));
+        const detail::Runs runs(item.global_shape, piece.offsets, piece.local.sizes().vec(),
+                                static_cast<int64_t>(c10::elementSize(entry.dtype)));
+        auto* out = static_cast<uint8_t*>(staging.data_ptr());
+        for (int64_t j = 0; j < runs.count(); ++j)
+          reader.read_bytes(name, runs.offset(j), runs.run_bytes(), out + static_cast<uint64_t>(j) * runs.run_bytes());
+        at::NoGradGuard no_grad;
+        piece.local.copy_(staging);
+      }
     } catch (const CheckpointError& e) {
       throw CheckpointError("load_safetensors: " + found->second + ": " + e.what());
     } catch (const safetensors::SafetensorsError& e) {

@@ -1,5 +1,8 @@
 #include "state_items.h"
 
+#include <algorithm>
+#include <mutex>
+
 #include "box.h"
 #include "fsdp/dist/runtime.h"
 #include "fsdp/sharding/fully_shard.h"
@@ -22,11 +25,18 @@ std::string key_list(const std::vector<std::string>& keys) {
 
 int global_rank() { return dist::is_initialized() ? dist::rank() : 0; }
 
-at::Tensor box_of(const at::Tensor& full, const LocalItem& item) {
+at::Tensor box_of(const at::Tensor& full, const LocalItem& item) { return box_of(full, Piece{item.local, item.offsets}); }
+
+at::Tensor box_of(const at::Tensor& full, const Piece& piece) {
   at::Tensor view = full;
-  for (size_t d = 0; d < item.offsets.size(); ++d)
-    view = view.narrow(static_cast<int64_t>(d), item.offsets[d], item.local.size(static_cast<int64_t>(d)));
+  for (size_t d = 0; d < piece.offsets.size(); ++d)
+    view = view.narrow(static_cast<int64_t>(d), piece.offsets[d], piece.local.size(static_cast<int64_t>(d)));
   return view;
+}
+
+std::vector<Piece> boxes(const LocalItem& item) {
+  if (!item.pieces.empty()) return item.pieces;
+  return {Piece{item.local, item.offsets}};
 }
 
 namespace {
@@ -34,20 +44,49 @@ namespace {
 // A tensor-parallel split of the (TP-local) tensor whose box is `box`: the global shape becomes
 // the full parameter's, the offset along the TP dim adds up (FSDP's dim-0 offset lies within the
 // TP-local tensor, and tp.dim may be 0 too), and the TP gather runs after FSDP's (FSDP shards the
-// TP-local tensor, so its step rebuilds that first).
-void add_tensor_parallel(ParamBox& box, const tp::TPPlacement& tp) {
+// TP-local tensor, so its step rebuilds that first). `first`, `rows`: the TP-local rows (dim 0)
+// this rank holds (all of them without FSDP). A strided placement cuts them into one Part per
+// block they reach.
+void add_tensor_parallel(ParamBox& box, const tp::TPPlacement& tp, int64_t first, int64_t rows) {
   box.global_shape = tp.global_shape;
-  box.offsets[static_cast<size_t>(tp.dim)] += tp.offset;
-  box.gather.push_back(
-      GatherStep{tp.dim, tp.mesh.comm(0), tp.size, tp.global_shape[static_cast<size_t>(tp.dim)]});
+  box.gather.push_back(GatherStep{tp.dim, tp.mesh.comm(0), tp.local_len(),
+                                  tp.global_shape[static_cast<size_t>(tp.dim)], tp.blocks});
+  if (tp.blocks <= 1) {
+    box.offsets[static_cast<size_t>(tp.dim)] += tp.offset;
+    return;
+  }
+  if (tp.dim != 0) {
+    throw CheckpointError("checkpoint: a strided (fused) tensor-parallel placement along dim " + std::to_string(tp.dim) +
+                          " is not supported; fuse along dim 0 (ColwiseParallel{.fused = k})");
+  }
+  box.offsets[0] = 0;  // the parts carry their own
+  for (int64_t b = 0; b < tp.blocks; ++b) {
+    const int64_t lo = std::max(first, b * tp.size), hi = std::min(first + rows, (b + 1) * tp.size);
+    if (lo >= hi) continue;
+    ParamBox::Part part;
+    part.local_begin = lo - first;
+    part.rows = hi - lo;
+    part.offsets = box.offsets;
+    part.offsets[0] = b * tp.block_len() + tp.offset + (lo - b * tp.size);
+    box.parts.push_back(std::move(part));
+  }
 }
 
-// Whether global rank 0 is one of the mesh's ranks.
+// Whether global rank 0 is one of the mesh's ranks. Cached per mesh (its rank tensor, kept alive
+// so that its address is not reused), since every parameter of a save asks.
 bool holds_rank0(const DeviceMesh& mesh) {
-  const at::Tensor ranks = mesh.mesh().flatten();
-  for (int64_t i = 0; i < ranks.numel(); ++i)
-    if (ranks[i].item<int64_t>() == 0) return true;
-  return false;
+  static std::mutex mu;
+  static std::map<const void*, std::pair<at::Tensor, bool>> cache;
+  const at::Tensor& ranks = mesh.mesh();
+  std::lock_guard<std::mutex> lock(mu);
+  auto it = cache.find(ranks.unsafeGetTensorImpl());
+  if (it != cache.end()) return it->second.second;
+  const at::Tensor flat = ranks.flatten();
+  bool found = false;
+  for (int64_t i = 0; i < flat.numel() && !found; ++i) found = flat[i].item<int64_t>() == 0;
+  if (cache.size() > 4096) cache.clear();
+  cache.emplace(ranks.unsafeGetTensorImpl(), std::make_pair(ranks, found));
+  return found;
 }
 
 }  // namespace
@@ -65,7 +104,7 @@ std::optional<ParamBox> param_box(const at::Tensor& param) {
     // The shard dimension is the mesh's last; rank r holds rows [r * padded_rows, ...).
     box.gather.push_back(GatherStep{0, info->mesh.comm(info->mesh.ndim() - 1), info->padded_rows,
                                     info->global_shape.empty() ? 1 : info->global_shape[0]});
-    if (info->tp) add_tensor_parallel(box, *info->tp);
+    if (info->tp) add_tensor_parallel(box, *info->tp, info->dim0_offset, info->local_rows);
     return box;
   }
   // Tensor parallel without fully_shard: every tp rank holds its slice. Where the tp groups are
@@ -75,14 +114,15 @@ std::optional<ParamBox> param_box(const at::Tensor& param) {
     box.global_shape = tp->global_shape;  // set again by add_tensor_parallel
     box.offsets.assign(tp->global_shape.size(), 0);
     box.writer = tp->size > 0 && holds_rank0(tp->mesh);
-    add_tensor_parallel(box, *tp);
+    add_tensor_parallel(box, *tp, 0, tp->local_len());
     return box;
   }
   return std::nullopt;
 }
 
 // Geometry of a tensor shaped like parameter `param` (the parameter itself or its optimizer
-// state): its box when it is sharded (param_box), else the whole tensor from rank 0.
+// state): its box when it is sharded (param_box), else the whole tensor from rank 0. A strided
+// TP shard gets one Piece per part (views of `local`).
 LocalItem like_param(std::string key, const at::Tensor& param, const at::Tensor& local, int global_rank) {
   LocalItem item;
   item.key = std::move(key);
@@ -92,6 +132,8 @@ LocalItem like_param(std::string key, const at::Tensor& param, const at::Tensor&
     item.offsets = std::move(box->offsets);
     item.writer = box->writer;
     item.gather = std::move(box->gather);
+    for (auto& part : box->parts)
+      item.pieces.push_back(Piece{item.local.narrow(0, part.local_begin, part.rows), std::move(part.offsets)});
   } else {
     item.global_shape = local.sizes().vec();
     item.offsets.assign(item.global_shape.size(), 0);

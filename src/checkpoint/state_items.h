@@ -25,6 +25,15 @@ struct GatherStep {
   std::shared_ptr<comm::Comm> comm;
   int64_t per_rank = 0;
   int64_t full = 0;
+  // A strided TP split (TPPlacement::blocks): each rank's part is `blocks` pieces, one per block;
+  // the gathered rank-major pieces are put back block-major (tp::interleave_blocks).
+  int64_t blocks = 1;
+};
+
+// One box of a tensor's local part: a view of it and the box's first index in every dimension.
+struct Piece {
+  at::Tensor local;
+  std::vector<int64_t> offsets;
 };
 
 struct LocalItem {
@@ -40,7 +49,14 @@ struct LocalItem {
   // ShardedTensor entries: any box layout, gathered by exchanging every rank's box over this group.
   std::shared_ptr<comm::Comm> box_group;
   std::function<void()> on_loaded;     // runs after `local` was filled by load (may be empty)
+  // A strided tensor-parallel shard (a fused q|k|v split by heads) is several boxes of the global
+  // tensor: one Piece each, views of `local` in order, empty ones left out. Empty: `local` at
+  // `offsets` is the one box. Save writes a chunk per piece, load fills each; gathers use `local`.
+  std::vector<Piece> pieces;
 };
+
+// The boxes of `item`: its pieces, or the one box {local, offsets}.
+std::vector<Piece> boxes(const LocalItem& item);
 
 // ---- the parallelism glue point --------------------------------------------------------------
 // Where a sharded model parameter (or a tensor shaped like it: its optimizer state) sits in its
@@ -55,11 +71,20 @@ struct LocalItem {
 //   after FSDP's dim-0 step (FSDP shards the TP-local tensor, so its step comes first, with
 //   full = the TP-local size along dim 0; tp.dim may be 0 too: offsets add up). TP splits are
 //   even (parallelize_module refuses others), which is the chunking GatherStep assumes.
+//   A strided TP placement (blocks > 1, along dim 0): the local rows are `blocks` runs, each at
+//   its own place in the full tensor; an FSDP dim-0 shard on top may cut them: one Part per
+//   non-empty run it holds, and the TP GatherStep carries `blocks` (reordered after the gather).
 struct ParamBox {
   std::vector<int64_t> global_shape;
   std::vector<int64_t> offsets;
   bool writer = false;
   std::vector<GatherStep> gather;
+  struct Part {
+    int64_t local_begin = 0;  // rows [local_begin, local_begin + rows) of the local tensor (dim 0)
+    int64_t rows = 0;
+    std::vector<int64_t> offsets;  // their box in the global tensor
+  };
+  std::vector<Part> parts;  // strided only; empty: the one box at `offsets`
 };
 std::optional<ParamBox> param_box(const at::Tensor& param);
 
@@ -78,6 +103,7 @@ std::string key_list(const std::vector<std::string>& keys);
 
 // The sub-tensor of `full` (global shape) at the box of `item`.
 at::Tensor box_of(const at::Tensor& full, const LocalItem& item);
+at::Tensor box_of(const at::Tensor& full, const Piece& piece);
 
 // Geometry of a tensor shaped like parameter `param` (the parameter itself or its optimizer
 // state): sharded rows when fully_shard manages it, else the whole tensor from global rank 0.

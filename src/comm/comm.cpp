@@ -5,6 +5,8 @@
 #include <stdexcept>
 
 #include "../memory/buffer_pool.h"
+#include "fsdp/comm/desync.h"
+#include "fsdp/comm/flight_recorder.h"
 
 namespace fsdp::comm {
 
@@ -125,6 +127,13 @@ c10d::ReduceOp to_c10d(ReduceOp op) {
 // evenly.
 constexpr at::ScalarType kBitsCarrier = at::kByte;
 
+// Flight recorder: the collective is issued (its Work takes the record; flight_recorder.h).
+void flight_issue(const Comm& c, const char* op, const at::Tensor& in, const at::Tensor& out) {
+  detail::flight_issue(c.name(), c.global_ranks(), c.global_ranks()[static_cast<size_t>(c.rank())], op,
+                       in.defined() ? in.scalar_type() : at::ScalarType::Undefined, in.defined() ? in.numel() : 0,
+                       out.defined() ? out.numel() : 0);
+}
+
 uint64_t ring_share(uint64_t bytes, int n) { return n <= 1 ? 0 : bytes * static_cast<uint64_t>(n - 1) / n; }
 
 }  // namespace
@@ -146,6 +155,7 @@ Comm::Comm(compat::BackendPtr backend, BackendKind kind, std::vector<int> global
   if (rank_ < 0 || rank_ >= size()) throw std::invalid_argument("fsdp::Comm: rank outside the group");
   if (kind_ != BackendKind::Local && !backend_) throw std::invalid_argument("fsdp::Comm: missing backend");
   if (kind_ == BackendKind::Local && size() != 1) throw std::invalid_argument("fsdp::Comm: a local group has one rank");
+  FlightRecorder::process();  // a bad FSDP_FLIGHT_RECORDER_SIZE stops here, before any collective
 }
 
 std::string Comm::describe(const char* op) const {
@@ -214,6 +224,8 @@ Work Comm::all_gather_into_tensor(const at::Tensor& out, const at::Tensor& in, b
     bad_argument(op, "out has " + std::to_string(out.numel()) + " elements, expected group size " +
                          std::to_string(size()) + " x in.numel() " + std::to_string(in.numel()));
   }
+  detail::check_collective_matches(*this, ++seq_, OpKind::AllGather, in, out);
+  flight_issue(*this, "all_gather_into_tensor", in, out);
   // Empty tensors: nothing to move (and Gloo divides by the element count). Sizes agree on every
   // rank, so every rank skips alike.
   // In place: `in` is already this rank's chunk of `out` (FSDP's all-gather input).
@@ -222,11 +234,18 @@ Work Comm::all_gather_into_tensor(const at::Tensor& out, const at::Tensor& in, b
     if (in.numel() > 0 && !in_place) out.view(-1).copy_(in.view(-1));  // a group of one: one copy
     return finish(OpKind::AllGather, 0, compat::WorkPtr(), nullptr, async_op, op.c_str());
   }
-  // The list form (Gloo on 1.13) gathers through c10d's own flat buffer, so an input inside the
-  // output is safe there, as it is for NCCL; Gloo's native one gets a separate input.
+  const uint64_t bytes = ring_share(out.nbytes(), size());
+  // NCCL takes an input inside the output; Gloo's native one gets a separate input.
   const bool separate = in_place && caps_.all_gather_base && kind_ == BackendKind::Gloo;
+  // Gloo's all-gather (the list form on 1.13, and what 2.x's _allgather_base calls) gathers
+  // through a flat buffer of c10d's own, allocated (and page-faulted in) every call, and copies
+  // the whole output back from it: the point-to-point one receives every chunk straight into its
+  // row of `out` (FSDP's input already is its row: nothing to copy).
+  if (kind_ == BackendKind::Gloo && in.is_cpu() && gloo_fallback() == GlooFallback::PointToPoint) {
+    return all_gather_p2p(out, in, async_op, bytes);  // comm/p2p_collectives.cpp
+  }
   auto work = backend_all_gather(out, separate ? in.clone() : in);
-  return finish(OpKind::AllGather, ring_share(out.nbytes(), size()), std::move(work), nullptr, async_op, op.c_str());
+  return finish(OpKind::AllGather, bytes, std::move(work), nullptr, async_op, op.c_str());
 }
 
 Work Comm::reduce_scatter_tensor(const at::Tensor& out, const at::Tensor& in, ReduceOp rop, bool async_op) {
@@ -239,6 +258,8 @@ Work Comm::reduce_scatter_tensor(const at::Tensor& out, const at::Tensor& in, Re
     bad_argument(op, "in has " + std::to_string(in.numel()) + " elements, expected group size " +
                          std::to_string(size()) + " x out.numel() " + std::to_string(out.numel()));
   }
+  detail::check_collective_matches(*this, ++seq_, OpKind::ReduceScatter, in, out, static_cast<int>(rop));
+  flight_issue(*this, "reduce_scatter_tensor", in, out);
   if (size() == 1 || out.numel() == 0) {
     out.view(-1).copy_(in.view(-1));
     return finish(OpKind::ReduceScatter, 0, compat::WorkPtr(), nullptr, async_op, op.c_str());
@@ -253,13 +274,19 @@ Work Comm::reduce_scatter_tensor(const at::Tensor& out, const at::Tensor& in, Re
     auto work = compat::reduce_scatter_single(*backend_, flat_out, flat_in, opts);
     return finish(OpKind::ReduceScatter, bytes, std::move(work), nullptr, async_op, op.c_str());
   }
+  if (native_dtype && in.is_cpu() && gloo_fallback() == GlooFallback::PointToPoint) {
+    return reduce_scatter_p2p(out, in, rop, async_op, bytes);  // comm/p2p_collectives.cpp (Gloo's send/recv: CPU only)
+  }
   // all_to_all brings every rank's chunk [rank()] here (ring bytes); then sum locally.
   // The all_to_all's output: scratch from the buffer pool (reused call after call); the chunks
   // are then summed straight into `out`.
   at::Tensor received = fsdp::detail::empty_buffer(in.sizes(), in.options(), BufferOwner::CommScratch);
   auto work = backend_all_to_all(received, in);
   const int n = size();
-  auto after = [received, out, rop, n]() { reduce_chunks_into(out, received.view({n, -1}), rop, n); };
+  auto after = [received, out, rop, n]() mutable {
+    reduce_chunks_into(out, received.view({n, -1}), rop, n);
+    fsdp::detail::release_buffer(received);  // now, not when Gloo's worker drops the work
+  };
   return finish(OpKind::ReduceScatter, bytes, std::move(work), after, async_op, op.c_str());
 }
 
@@ -267,6 +294,8 @@ Work Comm::all_reduce(const at::Tensor& tensor, ReduceOp rop, bool async_op) {
   const std::string op = "all_reduce";
   check_tensor(op, "tensor", tensor, kind_);
   check_avg_dtype(op, rop, tensor);
+  detail::check_collective_matches(*this, ++seq_, OpKind::AllReduce, tensor, at::Tensor(), static_cast<int>(rop));
+  flight_issue(*this, "all_reduce", tensor, tensor);
   if (size() == 1 || tensor.numel() == 0) return finish(OpKind::AllReduce, 0, compat::WorkPtr(), nullptr, async_op, op.c_str());
   const int n = size();
   if (moves_as_bits(tensor)) {
@@ -304,6 +333,8 @@ Work Comm::broadcast(const at::Tensor& tensor, int root, bool async_op) {
   if (root < 0 || root >= size()) {
     bad_argument(op, "root " + std::to_string(root) + " is not a group rank (0.." + std::to_string(size() - 1) + ")");
   }
+  detail::check_collective_matches(*this, ++seq_, OpKind::Broadcast, tensor, at::Tensor(), -1, root);
+  flight_issue(*this, "broadcast", tensor, tensor);
   if (size() == 1 || tensor.numel() == 0) return finish(OpKind::Broadcast, 0, compat::WorkPtr(), nullptr, async_op, op.c_str());
   at::Tensor moved = moves_as_bits(tensor) ? tensor.view(kBitsCarrier) : tensor;
   c10d::BroadcastOptions opts;
@@ -327,6 +358,8 @@ Work Comm::all_to_all(const at::Tensor& out, const at::Tensor& in, bool async_op
                          std::to_string(size()) + " (got " + std::to_string(in.numel()) + " and " +
                          std::to_string(out.numel()) + ")");
   }
+  detail::check_collective_matches(*this, ++seq_, OpKind::AllToAll, in, out);
+  flight_issue(*this, "all_to_all", in, out);
   if (size() == 1 || in.numel() == 0) {
     out.view(-1).copy_(in.view(-1));
     return finish(OpKind::AllToAll, 0, compat::WorkPtr(), nullptr, async_op, op.c_str());
@@ -336,6 +369,8 @@ Work Comm::all_to_all(const at::Tensor& out, const at::Tensor& in, bool async_op
 }
 
 Work Comm::barrier(bool async_op) {
+  detail::check_collective_matches(*this, ++seq_, OpKind::Barrier, at::Tensor(), at::Tensor());
+  flight_issue(*this, "barrier", at::Tensor(), at::Tensor());
   if (size() == 1) return finish(OpKind::Barrier, 0, compat::WorkPtr(), nullptr, async_op, "barrier");
   c10d::BarrierOptions opts;
   opts.timeout = timeout_;

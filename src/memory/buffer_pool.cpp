@@ -1,5 +1,7 @@
 #include "buffer_pool.h"
 
+#include "fsdp/compat/buffers.h"
+
 #include <sys/mman.h>
 #include <unistd.h>
 
@@ -139,41 +141,45 @@ void release_block(void* ctx_ptr) {
 
 }  // namespace
 
-BufferMemoryStats buffer_memory_stats() {
+namespace {
+// Runs `f(state)` under the lock: every public entry point below is one such call.
+template <typename F>
+auto locked(F&& f) {
   State& s = state();
   std::lock_guard<std::mutex> lock(s.mu);
-  return s.stats;
+  return f(s);
+}
+}  // namespace
+
+BufferMemoryStats buffer_memory_stats() {
+  return locked([](State& s) { return s.stats; });
 }
 
 void reset_buffer_memory_peak() {
-  State& s = state();
-  std::lock_guard<std::mutex> lock(s.mu);
-  s.stats.peak = s.stats.total;
-  s.stats.at_peak = s.stats.current;
-  s.stats.pool_hits = s.stats.pool_misses = s.stats.pool_unmapped = 0;
-  s.stats.pool_peak_mapped = s.stats.pool_live + s.stats.pool_cached;
+  locked([](State& s) {
+    s.stats.peak = s.stats.total;
+    s.stats.at_peak = s.stats.current;
+    s.stats.pool_hits = s.stats.pool_misses = s.stats.pool_unmapped = 0;
+    s.stats.pool_peak_mapped = s.stats.pool_live + s.stats.pool_cached;
+  });
 }
 
 void set_buffer_pool_options(const BufferPoolOptions& options) {
-  State& s = state();
-  std::lock_guard<std::mutex> lock(s.mu);
-  s.options = options;
+  locked([&](State& s) { s.options = options; });
 }
 
 BufferPoolOptions buffer_pool_options() {
-  State& s = state();
-  std::lock_guard<std::mutex> lock(s.mu);
-  return s.options;
+  return locked([](State& s) { return s.options; });
 }
 
 uint64_t release_cached_buffers() {
-  State& s = state();
-  std::lock_guard<std::mutex> lock(s.mu);
-  const uint64_t before = s.stats.pool_cached;
-  uint64_t all = before;
-  unmap_cached_locked(s, all);
-  s.pool_peak_live = s.stats.pool_live;
-  return before;
+  return locked([](State& s) {
+    const uint64_t before = s.stats.pool_cached;
+    uint64_t all = before;
+    unmap_cached_locked(s, all);
+    s.pool_peak_live = s.stats.pool_live;
+    return before;
+  });
 }
 
 namespace detail {
@@ -224,9 +230,20 @@ at::Tensor empty_buffer(at::IntArrayRef sizes, const at::TensorOptions& options,
 }
 
 void count_buffer(BufferOwner owner, int64_t delta_bytes) {
-  State& s = state();
-  std::lock_guard<std::mutex> lock(s.mu);
-  count_locked(s, owner, delta_bytes);
+  locked([&](State& s) { count_locked(s, owner, delta_bytes); });
+}
+
+void release_buffer(at::Tensor& t) {
+  if (compat::kEarlyBufferRelease && t.defined() && t.device().is_cpu() && t.has_storage()) {
+    c10::StorageImpl* storage = t.storage().unsafeGetStorageImpl();
+    if (storage->data_ptr().get_deleter() == &release_block) {
+      // The storage object may outlive this call (held by a finished collective's work object);
+      // its memory does not: swapped out and released here, in this thread, now.
+      at::DataPtr memory = storage->set_data_ptr(at::DataPtr(nullptr, t.device()));
+      storage->set_nbytes(0);
+    }
+  }
+  t = at::Tensor();
 }
 
 }  // namespace detail

@@ -15,6 +15,13 @@ at::Tensor empty_buffer(at::IntArrayRef sizes, const at::TensorOptions& options,
 // above; pool only when `fallback` is the CPU allocator).
 at::DataPtr allocate_buffer(size_t nbytes, c10::Device device, c10::Allocator* fallback, BufferOwner owner);
 
+// Releases `t`'s memory now and resets `t`, for a buffer of empty_buffer that nobody reads any
+// more: a finished Gloo collective's work object keeps its tensors until Gloo's worker thread
+// drops them, some time after wait() returned (under load, after the next buffer was allocated:
+// two all-gather outputs were seen alive at once). Other tensors: only reset. Never on a buffer a
+// collective that has not completed may still touch.
+void release_buffer(at::Tensor& t);
+
 // Counts memory FSDP holds but did not allocate (the unsharded gradients autograd made).
 void count_buffer(BufferOwner owner, int64_t delta_bytes);
 

@@ -110,6 +110,28 @@ void FSDPParam::copy_shard_to_unsharded() {
   unsharded_alias().view(-1).copy_(padded_shard_);
 }
 
+bool FSDPParam::alias_shard_as_unsharded() {
+  if (unsharded_) return true;
+  if (shard_size_ != 1 || compute_dtype_ != padded_shard_.scalar_type() || shard_device() != device() ||
+      padded_shard_.is_meta() || padded_shard_.numel() != rows_ * row_numel_) {
+    return false;
+  }
+  if (unsharded_param_.requires_grad() != sharded_param_.requires_grad())
+    unsharded_param_.set_requires_grad(sharded_param_.requires_grad());
+  auto* impl = unsharded_param_.unsafeGetTensorImpl();
+  c10::StorageImpl* storage = impl->storage().unsafeGetStorageImpl();
+  // The data pointer's context is a reference to the shard's storage: it stays valid even if the
+  // shard is replaced (materialize) before this storage is freed.
+  auto* keep = new c10::Storage(padded_shard_.storage());
+  storage->set_data_ptr_noswap(at::DataPtr(padded_shard_.data_ptr(), keep,
+                                           [](void* ctx) { delete static_cast<c10::Storage*>(ctx); },
+                                           padded_shard_.device()));
+  storage->set_nbytes(padded_shard_.nbytes());
+  impl->set_sizes_contiguous(global_shape_);
+  unsharded_ = true;
+  return true;
+}
+
 void FSDPParam::accumulate_full_grad(at::Tensor g, std::optional<double> divide) {
   // A shard group of one: the gradient is the sharded gradient (same shape), in reduce_dtype as
   // the reduce-scatter would have had it, divided by a custom factor.

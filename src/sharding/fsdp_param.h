@@ -81,6 +81,11 @@ class FSDPParam {
   // A shard group of one (no all-gather needed): copies the shard into the allocated unsharded
   // parameter, casting to the compute dtype.
   void copy_shard_to_unsharded();
+  // A shard group of one where the shard already is the unsharded parameter (same dtype, same
+  // device: no mixed precision cast, no offload): the unsharded storage points at the shard's
+  // memory (holding a reference to it) instead of a copy. No allocation, no copy; the optimizer's
+  // in-place updates of the shard are what forward reads. Returns false (nothing done) otherwise.
+  bool alias_shard_as_unsharded();
   // A shard group of one without replicas (no reduce-scatter needed): `g` (the unsharded gradient,
   // the full parameter's) becomes or is added to the sharded gradient, divided by `divide`.
   void accumulate_full_grad(at::Tensor g, std::optional<double> divide);

@@ -54,10 +54,13 @@ void FSDPParamGroup::unshard(bool async_op, const c10::Event* after) {
   const auto options = first.options().device(params_.front()->device()).dtype(params_.front()->compute_dtype());
   DeviceStreams* s = streams();
   if (direct_world_of_one()) {
-    // Nothing to gather: each shard is copied (cast) straight into its unsharded storage, one pass,
-    // no all-gather buffers. Synchronous: it is a local copy, and a prefetch only moves it earlier.
+    // Nothing to gather: the unsharded parameter is the shard's memory itself where dtype and
+    // device agree (no copy, no allocation), else the shard is copied (cast) straight into its
+    // unsharded storage, one pass, no all-gather buffers. Synchronous: a prefetch only moves it
+    // earlier.
     torch::NoGradGuard no_grad;
     for (auto& p : params_) {
+      if (p->alias_shard_as_unsharded()) continue;
       p->alloc_unsharded();
       p->copy_shard_to_unsharded();
     }
@@ -124,10 +127,11 @@ void FSDPParamGroup::wait_for_unshard() {
   }
   copy_out_all_gather_output(params_, offsets_, all_gather_output_, total_shard_numel_);
   // Freed: only the unsharded parameters hold the data now. On a GPU the current stream has waited
-  // for every stream that used these buffers, and they were allocated on it.
-  all_gather_output_ = at::Tensor();
-  all_gather_input_ = at::Tensor();
+  // for every stream that used these buffers, and they were allocated on it. On the CPU the memory
+  // goes back now, not when Gloo's worker thread drops the finished work (release_buffer).
   all_gather_work_ = comm::Work();
+  release_buffer(all_gather_output_);
+  all_gather_input_ = at::Tensor();
   post_forward_shard_ = at::Tensor();
   state_ = State::Unsharded;
 }
@@ -187,17 +191,20 @@ void FSDPParamGroup::post_backward() {
   // are consumed: each is freed once it is in the input, as FSDP2 does.
   const auto reduce_dtype = with_grad.front().first->reduce_dtype();
   at::Tensor input = build_reduce_scatter_input(with_grad, comm_->size(), reduce_dtype, reduced_params_);
-  reduce_output_ = empty_buffer({total}, input.options(), BufferOwner::ReduceScatterOutput);
+  // On the CPU the output is this rank's row of the input (in place, no buffer of its own: the
+  // reduce-scatter in flight holds one unit of input + Gloo's scratch of 1/N); a GPU's gets its own.
+  DeviceStreams* s = streams();
+  reduce_output_ = s ? empty_buffer({total}, input.options(), BufferOwner::ReduceScatterOutput) : input[comm_->rank()];
+  reduce_input_ = input;
   // Default: average over the data-parallel ranks. A custom factor: sum, then divide by it.
   pending_divide_ = gradient_divide_factor;
   const auto op = gradient_divide_factor ? comm::ReduceOp::Sum : comm::ReduceOp::Avg;
-  if (DeviceStreams* s = streams()) {
+  if (s) {
     // The input was written on the current stream; the reduce-scatter stream waits for it, and the
     // collective then overlaps the backward of the units still to come.
     DeviceStreams::wait_stream(s->reduce_scatter, s->current());
     c10::StreamGuard on_reduce_scatter(s->reduce_scatter);
     reduce_work_ = comm_->reduce_scatter_tensor(reduce_output_, input.view(-1), op, /*async_op=*/true);
-    reduce_input_ = input;
   } else {
     reduce_work_ = comm_->reduce_scatter_tensor(reduce_output_, input.view(-1), op, /*async_op=*/true);
   }
@@ -221,7 +228,7 @@ void FSDPParamGroup::start_all_reduce() {
       DeviceStreams::wait_stream(s->current(), s->reduce_scatter);
     }
     reduce_output_ = at::Tensor();
-    reduce_input_ = at::Tensor();
+    release_buffer(reduce_input_);
     return;
   }
   for (auto& [p, offset] : reduced_params_) p->add_partial_reduce(reduce_output_, offset);
@@ -266,16 +273,16 @@ void FSDPParamGroup::finish_reduce() {
     }
   } else {
     reduce_work_.wait();
-    reduce_work_ = comm::Work();  // the input and the backend's scratch are freed now
-    reduce_input_ = at::Tensor();
+    reduce_work_ = comm::Work();  // the backend's scratch is freed now
     if (pending_divide_) reduced.div_(*pending_divide_);
   }
   reduce_work_ = comm::Work();
   all_reduce_started_ = false;
   for (auto& [p, offset] : reduced_params_) p->accumulate_sharded_grad(reduced, offset);
   reduced_params_.clear();
-  reduce_output_ = at::Tensor();
-  reduce_input_ = at::Tensor();
+  reduced = at::Tensor();
+  reduce_output_ = at::Tensor();  // on the CPU a view of the input: released with it
+  release_buffer(reduce_input_);
 }
 
 }  // namespace fsdp::detail

@@ -54,9 +54,14 @@ void for_each_row(const at::Tensor& param, const std::function<void(at::Tensor, 
     tp = tp::tp_placement(param);
   }
   RowSlice slice;
+  std::optional<tp::TPPlacement> rows_tp;  // TP along dim 0: local row -> global row
   if (tp) {
+    if (tp->blocks > 1 && tp->dim != 0) {
+      throw std::invalid_argument("fsdp::init: a strided (fused) tensor-parallel placement along dim " +
+                                  std::to_string(tp->dim) + " is not supported; fuse along dim 0 (ColwiseParallel)");
+    }
     if (tp->dim == 0) {
-      first += tp->offset;
+      rows_tp = tp;
     } else {
       slice.full_row_shape.assign(tp->global_shape.begin() + 1, tp->global_shape.end());
       slice.dim = tp->dim - 1;
@@ -67,7 +72,7 @@ void for_each_row(const at::Tensor& param, const std::function<void(at::Tensor, 
   if (rows == 0) return;
   if (!param.is_contiguous()) throw std::invalid_argument("fsdp::init: the parameter must be contiguous");
   at::Tensor as_rows = param.detach().view({rows, -1});  // a view: filling rows fills the parameter
-  for (int64_t r = 0; r < rows; ++r) fill(as_rows[r], first + r, slice);
+  for (int64_t r = 0; r < rows; ++r) fill(as_rows[r], rows_tp ? rows_tp->global_index(first + r) : first + r, slice);
 }
 
 // The values drawn for a full row, cut to the local part.

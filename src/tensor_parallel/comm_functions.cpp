@@ -92,6 +92,26 @@ at::Tensor all_reduce_sum(const at::Tensor& x, comm::Comm& comm) {
   return out;
 }
 
+at::Tensor all_to_all_dims(const at::Tensor& x, int64_t from_dim, int64_t to_dim, comm::Comm& comm) {
+  const int64_t a = normalize_dim(from_dim, x.dim()), b = normalize_dim(to_dim, x.dim());
+  if (a == b) return x;
+  const int64_t n = comm.size();
+  if (x.size(b) % n != 0) {
+    throw std::invalid_argument("fsdp::tp::shard_to_shard: size " + std::to_string(x.size(b)) + " along dim " +
+                                std::to_string(b) + " (the new sharded dim) is not divisible by the tp size " +
+                                std::to_string(n) + "; choose sizes the tp size divides, or go through Replicate()");
+  }
+  // Chunk j along b goes to rank j: [n, ..., size(b) / n, ...], chunk-major.
+  std::vector<int64_t> chunked = x.sizes().vec();
+  chunked[static_cast<size_t>(b)] /= n;
+  chunked.insert(chunked.begin() + b, n);
+  at::Tensor in = x.reshape(chunked).movedim(b, 0).contiguous();
+  at::Tensor out = at::empty_like(in);
+  comm.all_to_all(out, in);
+  // out[i]: rank i's slice along a of this rank's chunk along b; rank order along a.
+  return out.movedim(0, a).flatten(a, a + 1).contiguous();
+}
+
 }  // namespace detail
 
 namespace {
@@ -161,6 +181,40 @@ at::Tensor split_along_dim(const at::Tensor& x, int64_t dim, const std::shared_p
 }
 at::Tensor gather_replicated_along_dim(const at::Tensor& x, int64_t dim, const std::shared_ptr<comm::Comm>& comm) {
   return apply<Op::AllGather, Op::Slice>(x, dim, comm);
+}
+
+namespace {
+
+// Shard(a) -> Shard(b) forward, Shard(b) -> Shard(a) backward: the all-to-all permutes blocks
+// between the ranks, and the adjoint of a permutation is its inverse, the all-to-all back.
+struct ShardToShard : torch::autograd::Function<ShardToShard> {
+  static variable_list forward(AutogradContext* ctx, const at::Tensor& x, int64_t handle, int64_t from, int64_t to) {
+    ctx->saved_data["comm"] = handle;
+    ctx->saved_data["from"] = from;
+    ctx->saved_data["to"] = to;
+    auto comm = detail::comm_from_handle(handle);
+    at::NoGradGuard no_grad;
+    return {detail::all_to_all_dims(x, from, to, *comm)};
+  }
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    auto comm = detail::comm_from_handle(ctx->saved_data["comm"].toInt());
+    const int64_t from = ctx->saved_data["from"].toInt(), to = ctx->saved_data["to"].toInt();
+    at::Tensor g = grads[0].defined() ? detail::all_to_all_dims(grads[0], to, from, *comm) : at::Tensor();
+    return {g, at::Tensor(), at::Tensor(), at::Tensor()};
+  }
+};
+
+}  // namespace
+
+at::Tensor shard_to_shard(const at::Tensor& x, int64_t from_dim, int64_t to_dim, const std::shared_ptr<comm::Comm>& comm) {
+  const int64_t handle = detail::comm_handle(comm);
+  const int64_t a = detail::normalize_dim(from_dim, x.dim()), b = detail::normalize_dim(to_dim, x.dim());
+  if (comm->size() == 1 || a == b) return x;
+  if (!x.requires_grad() || !torch::GradMode::is_enabled()) {
+    at::NoGradGuard no_grad;
+    return detail::all_to_all_dims(x, a, b, *comm);
+  }
+  return ShardToShard::apply(x, handle, a, b)[0];
 }
 
 }  // namespace fsdp::tp

@@ -17,5 +17,7 @@ at::Tensor all_gather_dim(const at::Tensor& x, int64_t dim, comm::Comm& comm);
 at::Tensor reduce_scatter_dim(const at::Tensor& x, int64_t dim, comm::Comm& comm);
 at::Tensor local_slice(const at::Tensor& x, int64_t dim, const comm::Comm& comm);
 at::Tensor all_reduce_sum(const at::Tensor& x, comm::Comm& comm);
+// Shard(from_dim) -> Shard(to_dim) with one all-to-all (comm_functions.h, shard_to_shard).
+at::Tensor all_to_all_dims(const at::Tensor& x, int64_t from_dim, int64_t to_dim, comm::Comm& comm);
 
 }  // namespace fsdp::tp::detail

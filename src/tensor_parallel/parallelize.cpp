@@ -95,21 +95,28 @@ at::Tensor own_param(torch::nn::Module& m, const char* name) {
   return t ? *t : at::Tensor();
 }
 
-// Replaces the data of `t` by its slice [offset, offset + size) along `dim` in place (same tensor
-// object: the module's field, its registry entry and any later fully_shard see the local tensor).
-void shard_in_place(const at::Tensor& t, int64_t dim, const DeviceMesh& mesh) {
+// Replaces the data of `t` by its slice along `dim` in place (same tensor object: the module's
+// field, its registry entry and any later fully_shard see the local tensor). blocks > 1: `dim` is
+// that many equal blocks, each sliced alike, the slices concatenated (a strided placement).
+void shard_in_place(const at::Tensor& t, int64_t dim, const DeviceMesh& mesh, int64_t blocks = 1) {
   const int n = static_cast<int>(mesh.size(0));
-  const int64_t size = t.size(dim) / n, offset = mesh.get_local_rank(0) * size;
+  const int64_t block = t.size(dim) / blocks;
+  const int64_t size = block / n, offset = mesh.get_local_rank(0) * size;
   std::vector<int64_t> global_shape = t.sizes().vec(), local_shape = global_shape;
-  local_shape[static_cast<size_t>(dim)] = size;
+  local_shape[static_cast<size_t>(dim)] = size * blocks;
   at::Tensor local;
   {
     at::NoGradGuard no_grad;
-    local = t.is_meta() ? at::empty(local_shape, t.options().requires_grad(false))
-                        : t.detach().narrow(dim, offset, size).contiguous().clone();
+    if (t.is_meta()) {
+      local = at::empty(local_shape, t.options().requires_grad(false));
+    } else {
+      std::vector<at::Tensor> pieces;
+      for (int64_t b = 0; b < blocks; ++b) pieces.push_back(t.detach().narrow(dim, b * block + offset, size));
+      local = at::cat(pieces, dim).contiguous().clone();
+    }
   }
   t.unsafeGetTensorImpl()->shallow_copy_from(local.getIntrusivePtr());
-  detail::set_tp_placement(t, TPPlacement{mesh, dim, global_shape, offset, size});
+  detail::set_tp_placement(t, TPPlacement{mesh, dim, global_shape, offset, size, blocks});
 }
 
 // A pre-hook on a leaf's AccumulateGrad node: the gradient is all-reduced over the tp ranks
@@ -149,13 +156,13 @@ struct GradAllReduce {
   }
 };
 
-// Converts a local tensor from one layout to another (PrepareModuleInput/Output).
+// Converts a local tensor from one layout to another (PrepareModuleInput/Output): Shard ->
+// Replicate all-gathers, Replicate -> Shard slices, Shard(a) -> Shard(b) is one all-to-all.
 at::Tensor convert(const at::Tensor& x, const Layout& from, const Layout& to, const std::shared_ptr<comm::Comm>& comm) {
   if (from == to) return x;
-  if (from.is_shard() && !to.is_shard()) return gather_replicated_along_dim(x, from.dim, comm);
-  if (!from.is_shard() && to.is_shard()) return split_along_dim(x, to.dim, comm);
-  throw std::invalid_argument("fsdp::tp: converting " + from.to_string() + " to " + to.to_string() +
-                              " is not supported; go through Replicate() (two styles) instead");
+  if (from.is_shard() && to.is_shard()) return shard_to_shard(x, from.dim, to.dim, comm);
+  if (from.is_shard()) return gather_replicated_along_dim(x, from.dim, comm);
+  return split_along_dim(x, to.dim, comm);
 }
 
 struct Target {
@@ -197,6 +204,18 @@ void validate(const Target& t, const DeviceMesh& mesh) {
   if (const auto* c = std::get_if<ColwiseParallel>(t.style)) {
     need_kind();
     at::Tensor w = own_param(*t.module, "weight");
+    if (c->fused < 1) fail(where + ": fused " + std::to_string(c->fused) + " is not a block count; use 1 (plain) or more (3 for a fused q|k|v)");
+    if (c->fused > 1) {
+      if (t.kind->kind != ModuleKind::Linear) fail(where + ": fused applies to a Linear only; drop it for an Embedding");
+      if (c->output_layouts && !c->output_layouts->is_shard())
+        fail(where + ": fused " + std::to_string(c->fused) + " with output_layouts Replicate() is not supported; keep Shard(-1) and split the local blocks");
+      if (w.defined() && w.dim() == 2 && w.size(0) % c->fused != 0)
+        fail(where + " has " + std::to_string(w.size(0)) + " output features, which do not split into " +
+             std::to_string(c->fused) + " fused blocks; fix fused or the layer");
+      if (w.defined() && w.dim() == 2 && (w.size(0) / c->fused) % n != 0)
+        fail(where + " has fused blocks of " + std::to_string(w.size(0) / c->fused) + " output features, which the tp size " +
+             std::to_string(n) + " does not divide; choose a tp size that divides each block (e.g. the head count)");
+    }
     if (t.kind->kind == ModuleKind::Linear) {
       check_divides(w, 0, "output features");
       check_layout(c->input_layouts, {Replicate(), any_shard}, "input_layouts");
@@ -241,8 +260,8 @@ void apply(const Target& t, const DeviceMesh& mesh) {
   if (const auto* c = std::get_if<ColwiseParallel>(t.style)) {
     const Layout in = c->input_layouts.value_or(Replicate()), out = c->output_layouts.value_or(Shard(-1));
     if (t.kind->kind == ModuleKind::Linear) {
-      shard_in_place(own_param(*m, "weight"), 0, mesh);
-      if (at::Tensor b = own_param(*m, "bias"); b.defined()) shard_in_place(b, 0, mesh);
+      shard_in_place(own_param(*m, "weight"), 0, mesh, c->fused);
+      if (at::Tensor b = own_param(*m, "bias"); b.defined()) shard_in_place(b, 0, mesh, c->fused);
       hooks.input = [in, comm](std::vector<at::Tensor> args) {
         if (!args.empty()) args[0] = in.is_shard() ? gather_along_dim(args[0], in.dim, comm) : copy_to_tp_region(args[0], comm);
         return args;

@@ -51,7 +51,20 @@ at::Tensor gather_full(const at::Tensor& param) {
   auto placement = tp_placement(param);
   if (!placement) return param.detach();
   at::NoGradGuard no_grad;
-  return detail::all_gather_dim(param.detach(), placement->dim, *placement->mesh.comm(0));
+  at::Tensor all = detail::all_gather_dim(param.detach(), placement->dim, *placement->mesh.comm(0));
+  return interleave_blocks(all, placement->dim, placement->mesh.size(0), placement->blocks);
+}
+
+at::Tensor interleave_blocks(const at::Tensor& t, int64_t dim, int64_t ranks, int64_t blocks) {
+  if (blocks <= 1 || ranks <= 1) return t;
+  const int64_t d = dim < 0 ? dim + t.dim() : dim;
+  at::Tensor front = t.movedim(d, 0);
+  std::vector<int64_t> shape = front.sizes().vec();
+  const int64_t len = shape[0];
+  std::vector<int64_t> split{ranks, blocks, len / (ranks * blocks)};
+  split.insert(split.end(), shape.begin() + 1, shape.end());
+  at::Tensor out = front.reshape(split).transpose(0, 1).reshape(shape);
+  return out.movedim(0, d).contiguous();
 }
 
 }  // namespace fsdp::tp

@@ -58,6 +58,11 @@ FSDP_RANK_WORKER(all_gather_into_tensor) {
     for (int k = 0; k < n; ++k) {
       expect_equal(out.narrow(0, 2 * k, 2), rank_values(6, k, dtype).view({2, 3}), "async all_gather rows");
     }
+    // In place, as FSDP gathers: the input is this rank's row of the output.
+    auto rows = at::full({n, 9}, -1, dtype);
+    rows[r].copy_(rank_values(9, r, dtype));
+    comm->all_gather_into_tensor(rows.view(-1), rows[r]);
+    for (int k = 0; k < n; ++k) expect_equal(rows[k], rank_values(9, k, dtype), "in-place all_gather row");
   }
 }
 

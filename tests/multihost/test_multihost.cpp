@@ -37,7 +37,14 @@ TEST(MultiHostHarness, RemovesEveryNamespaceAndProcess) {
   {
     NetnsHosts hosts(2);
     prefix = hosts.prefix();
-    auto r = run_process(hosts.spec(1, {"/bin/sh", "-c", "setsid /bin/sleep 300 </dev/null >/dev/null 2>&1 & echo $!"}, 30s));
+    // The shell reports the pid only once it leads its own session: before setsid() has run, the
+    // child is still in the shell's process group, which run_process ends when the shell exits.
+    auto r = run_process(hosts.spec(
+        1,
+        {"/bin/sh", "-c",
+         "setsid /bin/sleep 300 </dev/null >/dev/null 2>&1 & p=$!; "
+         "while [ \"$(awk '{print $6}' /proc/$p/stat)\" != \"$p\" ]; do sleep 0.01; done; echo $p"},
+        30s));
     ASSERT_TRUE(r.ok()) << r.output;
     pid = std::stoi(r.output);
     ASSERT_TRUE(fsdp::testing::process_alive(pid));

@@ -7,11 +7,9 @@
 #include <cstdio>
 #include <filesystem>
 #include <functional>
-#include <map>
 #include <memory>
 #include <thread>
 
-#include "fsdp/checkpoint/safetensors.h"
 #include "multihost_harness.h"
 
 namespace {
@@ -122,31 +120,6 @@ TEST(MultiHostLoss, SecondLiveAgentWithTheSameNodeRankIsRefused) {
   EXPECT_NE(dup.output.find("another fsdprun already joined as --node-rank 1 and is alive"), std::string::npos) << dup.output;
   n0.send_signal(SIGTERM);
   n1.send_signal(SIGTERM);
-}
-
-std::map<std::string, std::string> data_files(const std::string& dir) {
-  std::map<std::string, std::string> out;
-  for (const auto& e : fs::directory_iterator(dir)) {  // keyed by the "-rank..." part of the name
-    const std::string name = e.path().filename().string();
-    const auto r = name.rfind("-rank");
-    if (e.path().extension() == ".safetensors" && r != std::string::npos) out[name.substr(r)] = e.path().string();
-  }
-  return out;
-}
-
-void expect_same_checkpoint_tensors(const std::string& a, const std::string& b) {
-  const auto fa = data_files(a), fb = data_files(b);
-  ASSERT_FALSE(fa.empty()) << "no data files in " << a;
-  ASSERT_EQ(fa.size(), fb.size());
-  for (const auto& [name, path] : fa) {
-    ASSERT_TRUE(fb.count(name)) << name << " missing in " << b;
-    fsdp::safetensors::Reader ra(path), rb(fb.at(name));
-    ASSERT_EQ(ra.header().tensors.size(), rb.header().tensors.size()) << path;
-    for (const auto& t : ra.header().tensors) {
-      auto x = ra.read(t.name), y = rb.read(t.name);
-      EXPECT_TRUE(x.sizes() == y.sizes() && x.scalar_type() == y.scalar_type() && x.equal(y)) << t.name << " differs (" << name << ")";
-    }
-  }
 }
 
 // Host 1 dies after the step-4 checkpoint; fsdprun is started there again (the host is back);

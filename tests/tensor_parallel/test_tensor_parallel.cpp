@@ -16,6 +16,11 @@
 
 namespace {
 
+using fsdp::testing::global_batch;
+using fsdp::testing::make_optimizer;
+using fsdp::testing::max_param_diff;
+using fsdp::testing::rel_diff;
+using fsdp::testing::snapshot;
 using fsdp::testing::TPModel;
 using fsdp::testing::TPModelConfig;
 namespace F = torch::nn::functional;
@@ -28,61 +33,6 @@ constexpr double kTol = 1e-5;
 bool env_flag(const char* name) {
   const char* v = std::getenv(name);
   return v != nullptr && std::string(v) == "1";
-}
-
-// Global batch of step s: [kBatch, seq + 1] token ids, the same on every rank.
-at::Tensor global_batch(const TPModelConfig& c, int step) {
-  auto gen = at::detail::createCPUGenerator(1000 + static_cast<uint64_t>(step));
-  return at::randint(c.vocab, {kBatch, c.seq + 1}, gen, at::kLong);
-}
-
-// AdamW with eps 1e-3: see tests/sharding/parity.cpp (the key bias's true gradient is zero, and
-// Adam with a tiny eps turns its rounding noise into full-size steps).
-torch::optim::AdamW make_optimizer(torch::nn::Module& m) {
-  return torch::optim::AdamW(m.parameters(), torch::optim::AdamWOptions(1e-2).weight_decay(0.1).eps(1e-3));
-}
-
-double rel_diff(double got, double want) { return std::abs(got - want) / std::max(1.0, std::abs(want)); }
-
-// Largest |local - expected slice of the full reference| over every parameter of `model`: shards
-// of fully_shard (rows of the TP-local tensor), TP-local tensors, replicated ones.
-double max_param_diff(TPModel& model, const std::map<std::string, at::Tensor>& reference, bool gather) {
-  double worst = 0;
-  for (const auto& item : model->named_parameters()) {
-    const at::Tensor& p = item.value();
-    at::Tensor want = reference.at(item.key());
-    std::optional<tp::TPPlacement> placement;
-    int64_t first = 0, rows = -1;
-    if (auto info = fsdp::shard_info(p)) {
-      placement = info->tp;
-      first = info->dim0_offset;
-      rows = info->local_rows;
-    } else {
-      placement = tp::tp_placement(p);
-    }
-    if (placement) {
-      TORCH_CHECK(placement->global_shape == want.sizes().vec(), item.key(), ": placement's global shape ",
-                  c10::IntArrayRef(placement->global_shape), " vs ", want.sizes());
-      want = want.narrow(placement->dim, placement->offset, placement->size);
-    }
-    if (rows >= 0) want = want.narrow(0, first, rows);
-    TORCH_CHECK(p.sizes() == want.sizes(), item.key(), ": local shape ", p.sizes(), " vs expected ", want.sizes());
-    const double d = p.numel() == 0 ? 0.0 : (p.detach() - want).abs().max().item<double>();
-    TORCH_CHECK(d <= kTol, item.key(), " differs by ", d);
-    worst = std::max(worst, d);
-    if (gather) {  // TP only: the all-gathered parameter is the reference's
-      at::Tensor full = tp::gather_full(p);
-      const double g = (full - reference.at(item.key())).abs().max().item<double>();
-      TORCH_CHECK(g <= kTol, item.key(), " gathered differs by ", g);
-    }
-  }
-  return worst;
-}
-
-std::map<std::string, at::Tensor> snapshot(TPModel& model) {
-  std::map<std::string, at::Tensor> out;
-  for (const auto& item : model->named_parameters()) out[item.key()] = item.value().detach().clone();
-  return out;
 }
 
 // TP_SIZE, TP_SP, TP_LOSS_PARALLEL, TP_META, TP_HSDP from the environment; dp = world / tp.
@@ -121,7 +71,7 @@ void train_and_compare() {
     model->reset_parameters();
   }
   // Initial values: exactly the unsharded model's, whatever the (dp, tp) layout and init path.
-  TORCH_CHECK(max_param_diff(model, snapshot(ref), dp == 1) == 0.0, "initial parameters differ");
+  TORCH_CHECK(max_param_diff(model, snapshot(ref), kTol, dp == 1) == 0.0, "initial parameters differ");
   auto opt = make_optimizer(*model);
   auto dp_comm = dp_mesh.comm();
   auto tp_comm = mesh["tp"].comm();
@@ -129,7 +79,7 @@ void train_and_compare() {
   const int dp_rank = dp_mesh.get_local_rank(0);
 
   for (int s = 0; s < kSteps; ++s) {
-    at::Tensor batch = global_batch(c, s);
+    at::Tensor batch = global_batch(c, s, kBatch, 1000);
     at::Tensor x = batch.narrow(1, 0, c.seq), y = batch.narrow(1, 1, c.seq);
     ref_opt.zero_grad();
     at::Tensor ref_loss = F::cross_entropy(ref->forward(x).view({-1, c.vocab}), y.reshape(-1));
@@ -181,7 +131,7 @@ void train_and_compare() {
     TORCH_CHECK(rel_diff(l, rl) <= kTol, "step ", s, ": loss ", l, " vs one process ", rl);
     TORCH_CHECK(rel_diff(norm, ref_norm) <= kTol, "step ", s, ": grad norm ", norm, " vs one process ", ref_norm);
   }
-  const double worst = max_param_diff(model, snapshot(ref), dp == 1);
+  const double worst = max_param_diff(model, snapshot(ref), kTol, dp == 1);
   std::cout << "largest parameter difference after " << kSteps << " steps: " << worst << std::endl;
   std::sort(step_seconds.begin(), step_seconds.end());
   std::cout << "median step time " << step_seconds[step_seconds.size() / 2] << " s" << std::endl;

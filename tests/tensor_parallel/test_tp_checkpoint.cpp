@@ -20,51 +20,19 @@
 
 namespace {
 
+using fsdp::testing::global_batch;
+using fsdp::testing::make_optimizer;
+using fsdp::testing::max_param_diff;
+using fsdp::testing::rel_diff;
+using fsdp::testing::snapshot;
+using fsdp::testing::train_step;
 using fsdp::testing::TPModel;
 using fsdp::testing::TPModelConfig;
-namespace F = torch::nn::functional;
 namespace tp = fsdp::tp;
 
 constexpr int kStepsPerLink = 3;
 constexpr int64_t kBatch = 12;  // divisible by every data-parallel size of the chain (1, 2, 3)
 constexpr double kTol = 1e-5;
-
-at::Tensor global_batch(const TPModelConfig& c, int step) {
-  auto gen = at::detail::createCPUGenerator(2000 + static_cast<uint64_t>(step));
-  return at::randint(c.vocab, {kBatch, c.seq + 1}, gen, at::kLong);
-}
-
-torch::optim::AdamW make_optimizer(torch::nn::Module& m) {
-  return torch::optim::AdamW(m.parameters(), torch::optim::AdamWOptions(1e-2).weight_decay(0.1).eps(1e-3));
-}
-
-double rel_diff(double got, double want) { return std::abs(got - want) / std::max(1.0, std::abs(want)); }
-
-// Largest |local - its slice of the reference| over every parameter (FSDP shard rows of the
-// TP-local tensor, TP-local tensors, whole ones).
-double max_param_diff(TPModel& model, TPModel& reference) {
-  std::map<std::string, at::Tensor> want_all;
-  for (const auto& item : reference->named_parameters()) want_all[item.key()] = item.value().detach();
-  double worst = 0;
-  for (const auto& item : model->named_parameters()) {
-    const at::Tensor& p = item.value();
-    at::Tensor want = want_all.at(item.key());
-    std::optional<tp::TPPlacement> placement;
-    int64_t first = 0, rows = -1;
-    if (auto info = fsdp::shard_info(p)) {
-      placement = info->tp;
-      first = info->dim0_offset;
-      rows = info->local_rows;
-    } else {
-      placement = tp::tp_placement(p);
-    }
-    if (placement) want = want.narrow(placement->dim, placement->offset, placement->size);
-    if (rows >= 0) want = want.narrow(0, first, rows);
-    TORCH_CHECK(p.sizes() == want.sizes(), item.key(), ": local shape ", p.sizes(), " vs expected ", want.sizes());
-    if (p.numel() > 0) worst = std::max(worst, (p.detach() - want).abs().max().item<double>());
-  }
-  return worst;
-}
 
 // One link: TP_SIZE, LINK (0..3), CKPT_ROOT; loads CKPT_ROOT/link<LINK-1> (LINK > 0), trains
 // kStepsPerLink steps, saves CKPT_ROOT/link<LINK>.
@@ -80,16 +48,7 @@ void chain_link() {
   // The uninterrupted one-process run, up to this link's start.
   TPModel ref(c);
   auto ref_opt = make_optimizer(*ref);
-  auto ref_step = [&](int s) {
-    at::Tensor batch = global_batch(c, s);
-    ref_opt.zero_grad();
-    at::Tensor loss = F::cross_entropy(ref->forward(batch.narrow(1, 0, c.seq)).view({-1, c.vocab}),
-                                       batch.narrow(1, 1, c.seq).reshape(-1));
-    loss.backward();
-    fsdp::clip_grad_norm_(ref->parameters(), 0.5);
-    ref_opt.step();
-    return loss.item<double>();
-  };
+  auto ref_step = [&](int s) { return train_step(ref, ref_opt, global_batch(c, s, kBatch, 2000)).item<double>(); };
   for (int s = 0; s < first_step; ++s) ref_step(s);
 
   // This link's layout: TP over "tp" when tp_size > 1, fully_shard over "dp" when dp > 1.
@@ -105,7 +64,7 @@ void chain_link() {
   if (link > 0) {
     fsdp::checkpoint::load(root + "/link" + std::to_string(link - 1),
                            fsdp::checkpoint::State{model.ptr(), &opt, {}});
-    const double d = max_param_diff(model, ref);
+    const double d = max_param_diff(model, snapshot(ref), kTol);
     std::cout << "link " << link << " (dp " << dp << " x tp " << tp_size << "): loaded, largest parameter difference "
               << d << std::endl;
     TORCH_CHECK(d <= kTol, "loaded parameters differ from the uninterrupted run's by ", d);
@@ -114,23 +73,14 @@ void chain_link() {
   const int dp_rank = mesh.get_local_rank("dp");
   for (int s = first_step; s < first_step + kStepsPerLink; ++s) {
     const double want = ref_step(s);
-    at::Tensor batch = global_batch(c, s);
-    const int64_t b = kBatch / dp;
-    at::Tensor lx = batch.narrow(1, 0, c.seq).narrow(0, dp_rank * b, b);
-    at::Tensor ly = batch.narrow(1, 1, c.seq).narrow(0, dp_rank * b, b).contiguous();
-    opt.zero_grad();
-    at::Tensor loss = F::cross_entropy(fsdp::call(model, lx).view({-1, c.vocab}), ly.reshape(-1));
-    loss.backward();
-    fsdp::clip_grad_norm_(model->parameters(), 0.5);
-    opt.step();
-    at::Tensor global = loss.detach().clone().reshape({1});
+    at::Tensor global = train_step(model, opt, global_batch(c, s, kBatch, 2000), dp_rank, dp).clone().reshape({1});
     dp_comm->all_reduce(global, fsdp::comm::ReduceOp::Avg);
     std::cout << "link " << link << " step " << s << " loss " << global.item<double>() << " (uninterrupted " << want
               << ")" << std::endl;
     TORCH_CHECK(rel_diff(global.item<double>(), want) <= kTol, "step ", s, ": loss ", global.item<double>(),
                 " vs uninterrupted ", want);
   }
-  const double d = max_param_diff(model, ref);
+  const double d = max_param_diff(model, snapshot(ref), kTol);
   TORCH_CHECK(d <= kTol, "parameters after link ", link, " differ from the uninterrupted run's by ", d);
   fsdp::checkpoint::save(root + "/link" + std::to_string(link), fsdp::checkpoint::State{model.ptr(), &opt, {}});
 }

@@ -1,5 +1,6 @@
 #include "tp_model.h"
 
+#include <algorithm>
 #include <cmath>
 
 #include "models/tensor_parallel.h"
@@ -120,6 +121,77 @@ tp::ParallelizePlan tp_plan(bool sequence_parallel, bool loss_parallel) {
       {"ln_f", SequenceParallel{}},
       {"head", ColwiseParallel{.input_layouts = Shard(1), .output_layouts = head_out}},
   };
+}
+
+at::Tensor global_batch(const TPModelConfig& c, int step, int64_t batch, uint64_t seed_base) {
+  auto gen = at::detail::createCPUGenerator(seed_base + static_cast<uint64_t>(step));
+  return at::randint(c.vocab, {batch, c.seq + 1}, gen, at::kLong);
+}
+
+torch::optim::AdamW make_optimizer(torch::nn::Module& m) {
+  return torch::optim::AdamW(m.parameters(), torch::optim::AdamWOptions(1e-2).weight_decay(0.1).eps(1e-3));
+}
+
+at::Tensor train_step(TPModel& model, torch::optim::Optimizer& opt, const at::Tensor& batch, int64_t dp_rank,
+                      int64_t dp_size) {
+  const int64_t seq = model->config.seq, rows = batch.size(0) / dp_size;
+  at::Tensor x = batch.narrow(1, 0, seq).narrow(0, dp_rank * rows, rows);
+  at::Tensor y = batch.narrow(1, 1, seq).narrow(0, dp_rank * rows, rows).contiguous();
+  opt.zero_grad();
+  at::Tensor loss = F::cross_entropy(fsdp::call(model, x).view({-1, model->config.vocab}), y.reshape(-1));
+  loss.backward();
+  fsdp::clip_grad_norm_(model->parameters(), 0.5);
+  opt.step();
+  return loss.detach();
+}
+
+double rel_diff(double got, double want) { return std::abs(got - want) / std::max(1.0, std::abs(want)); }
+
+std::map<std::string, at::Tensor> snapshot(TPModel& model) {
+  std::map<std::string, at::Tensor> out;
+  for (const auto& item : model->named_parameters()) out[item.key()] = item.value().detach().clone();
+  return out;
+}
+
+std::optional<tp::TPPlacement> tp_placement_of(const at::Tensor& param) {
+  if (auto info = fsdp::shard_info(param)) return info->tp;
+  return tp::tp_placement(param);
+}
+
+at::Tensor expected_local(const at::Tensor& param, const at::Tensor& full) {
+  at::Tensor want = full;
+  if (auto placement = tp_placement_of(param)) {
+    std::vector<at::Tensor> pieces;
+    for (int64_t b = 0; b < placement->blocks; ++b) {
+      pieces.push_back(full.narrow(placement->dim, b * placement->block_len() + placement->offset, placement->size));
+    }
+    want = pieces.size() == 1 ? pieces[0] : at::cat(pieces, placement->dim);
+  }
+  if (auto info = fsdp::shard_info(param)) want = want.narrow(0, info->dim0_offset, info->local_rows);
+  return want;
+}
+
+double max_param_diff(TPModel& model, const std::map<std::string, at::Tensor>& reference, double tol, bool gather) {
+  double worst = 0;
+  for (const auto& item : model->named_parameters()) {
+    const at::Tensor& p = item.value();
+    const at::Tensor& full = reference.at(item.key());
+    if (auto placement = tp_placement_of(p)) {
+      TORCH_CHECK(placement->global_shape == full.sizes().vec(), item.key(), ": placement's global shape ",
+                  c10::IntArrayRef(placement->global_shape), " vs ", full.sizes());
+    }
+    const at::Tensor want = expected_local(p, full);
+    TORCH_CHECK(p.sizes() == want.sizes(), item.key(), ": local shape ", p.sizes(), " vs expected ", want.sizes());
+    const double d = p.numel() == 0 ? 0.0 : (p.detach() - want).abs().max().item<double>();
+    TORCH_CHECK(d <= tol, item.key(), " differs by ", d);
+    worst = std::max(worst, d);
+    if (gather) {
+      at::Tensor gathered = tp::gather_full(p);
+      const double g = (gathered - full).abs().max().item<double>();
+      TORCH_CHECK(g <= tol, item.key(), " gathered differs by ", g);
+    }
+  }
+  return worst;
 }
 
 }  // namespace fsdp::testing

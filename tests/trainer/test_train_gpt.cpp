@@ -18,7 +18,6 @@
 
 #include "subprocess.h"
 #include "train_gpt_harness.h"
-#include "fsdp/checkpoint/safetensors.h"
 
 namespace {
 
@@ -155,35 +154,6 @@ TEST(TrainGpt, Bf16MixedPrecisionTrains) {
   ASSERT_EQ(l.size(), 20u);
   EXPECT_LT(l.back(), l.front() * 0.9) << "bf16 is not learning";
   EXPECT_NEAR(l.back(), ref.back(), 0.05 * ref.back()) << "bf16 drifts from fp32";
-}
-
-// A checkpoint's data files by writing rank ("data-<save id>-rankNNNNN.safetensors"; the save id
-// differs between runs).
-std::map<std::string, std::string> data_files(const std::string& dir) {
-  std::map<std::string, std::string> out;
-  for (const auto& e : fs::directory_iterator(dir)) {
-    const std::string name = e.path().filename().string();
-    const auto r = name.rfind("-rank");
-    if (e.path().extension() == ".safetensors" && r != std::string::npos) out[name.substr(r)] = e.path().string();
-  }
-  return out;
-}
-
-// Every tensor of every data file of two checkpoints, bit for bit.
-void expect_same_checkpoint_tensors(const std::string& a, const std::string& b) {
-  const auto fa = data_files(a), fb = data_files(b);
-  ASSERT_FALSE(fa.empty()) << "no data files in " << a;
-  ASSERT_EQ(fa.size(), fb.size());
-  for (const auto& [rank, path] : fa) {
-    ASSERT_TRUE(fb.count(rank)) << rank << " missing in " << b;
-    fsdp::safetensors::Reader ra(path), rb(fb.at(rank));
-    ASSERT_EQ(ra.header().tensors.size(), rb.header().tensors.size()) << path;
-    for (const auto& t : ra.header().tensors) {
-      auto x = ra.read(t.name), y = rb.read(t.name);
-      EXPECT_TRUE(x.sizes() == y.sizes() && x.scalar_type() == y.scalar_type() && x.equal(y))
-          << t.name << " differs (" << rank << ")";
-    }
-  }
 }
 
 std::vector<std::string> with_checkpoints(const std::string& metrics, const std::string& ckpt,

@@ -1,6 +1,7 @@
 #pragma once
 // What the train_gpt end-to-end suites share: the trainer and launcher paths, a tiny model's
-// arguments, running alone or under fsdprun with a timeout, and reading the metrics file.
+// arguments, running alone or under fsdprun with a timeout, reading the metrics file, and
+// comparing two checkpoints' tensors.
 #include <gtest/gtest.h>
 #include <stdlib.h>
 
@@ -8,12 +9,14 @@
 #include <cmath>
 #include <filesystem>
 #include <fstream>
+#include <map>
 #include <regex>
 #include <string>
 #include <vector>
 
 #include <nlohmann/json.hpp>
 
+#include "fsdp/checkpoint/safetensors.h"
 #include "subprocess.h"
 #include "test_helpers.h"
 
@@ -139,6 +142,35 @@ inline size_t count(const std::string& s, const std::string& what) {
   size_t n = 0;
   for (auto p = s.find(what); p != std::string::npos; p = s.find(what, p + 1)) ++n;
   return n;
+}
+
+// A checkpoint's data files by writing rank ("data-<save id>-rankNNNNN.safetensors"; the save id
+// differs between runs).
+inline std::map<std::string, std::string> data_files(const std::string& dir) {
+  std::map<std::string, std::string> out;
+  for (const auto& e : fs::directory_iterator(dir)) {
+    const std::string name = e.path().filename().string();
+    const auto r = name.rfind("-rank");
+    if (e.path().extension() == ".safetensors" && r != std::string::npos) out[name.substr(r)] = e.path().string();
+  }
+  return out;
+}
+
+// Every tensor of every data file of two checkpoints, bit for bit.
+inline void expect_same_checkpoint_tensors(const std::string& a, const std::string& b) {
+  const auto fa = data_files(a), fb = data_files(b);
+  ASSERT_FALSE(fa.empty()) << "no data files in " << a;
+  ASSERT_EQ(fa.size(), fb.size());
+  for (const auto& [rank, path] : fa) {
+    ASSERT_TRUE(fb.count(rank)) << rank << " missing in " << b;
+    fsdp::safetensors::Reader ra(path), rb(fb.at(rank));
+    ASSERT_EQ(ra.header().tensors.size(), rb.header().tensors.size()) << path;
+    for (const auto& t : ra.header().tensors) {
+      auto x = ra.read(t.name), y = rb.read(t.name);
+      EXPECT_TRUE(x.sizes() == y.sizes() && x.scalar_type() == y.scalar_type() && x.equal(y))
+          << t.name << " differs (" << rank << ")";
+    }
+  }
 }
 
 }  // namespace train_gpt_test

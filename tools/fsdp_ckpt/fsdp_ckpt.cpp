@@ -44,15 +44,6 @@ std::string human_bytes(uint64_t bytes) {
   return buf;
 }
 
-std::string shape_text(const std::vector<int64_t>& shape) {
-  std::string out = "[";
-  for (size_t i = 0; i < shape.size(); ++i) {
-    if (i) out += ", ";
-    out += std::to_string(shape[i]);
-  }
-  return out + "]";
-}
-
 // "rank3" for the library's data-<id>-rank00003.safetensors, else the file name.
 std::string file_label(const std::string& file) {
   static const std::regex data_file("data-[0-9a-f]{16}-rank0*([0-9]+)\\.safetensors");
@@ -163,7 +154,7 @@ int describe(const std::string& dir) {
   const int w = static_cast<int>(key_width);
   std::printf("  %-*s  %-5s  %-16s  %10s  %s\n", w, "key", "dtype", "shape", "size", "layout (chunk: box, file)");
   for (const auto& t : info.tensors)
-    std::printf("  %-*s  %-5s  %-16s  %10s  %s\n", w, t.key.c_str(), t.dtype.c_str(), shape_text(t.shape).c_str(),
+    std::printf("  %-*s  %-5s  %-16s  %10s  %s\n", w, t.key.c_str(), t.dtype.c_str(), ckpt::shape_text(t.shape).c_str(),
                 human_bytes(t.bytes).c_str(), layout_text(t).c_str());
   return kOk;
 }

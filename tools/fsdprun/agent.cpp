@@ -14,6 +14,7 @@
 
 #include <torch/version.h>
 
+#include "flight_dumps.h"
 #include "fsdp/dist/cpu_tuning.h"
 #include "signals.h"
 #include "store_client.h"
@@ -108,6 +109,9 @@ Agent::Agent(Options opts, std::string exe)
     if (auto core = fsdp::dist::recommended_openblas_coretype(); !core.empty()) base_env_["OPENBLAS_CORETYPE"] = core;
   }
   if (unset("TORCH_NCCL_ASYNC_ERROR_HANDLING")) base_env_["TORCH_NCCL_ASYNC_ERROR_HANDLING"] = "1";
+  if (!opts_.flight_recorder_dir.empty()) {
+    base_env_["FSDP_FLIGHT_RECORDER_DIR"] = flight_recorder_dir_for_workers(opts_.flight_recorder_dir);
+  }
 }
 
 Agent::~Agent() {
@@ -671,6 +675,9 @@ int Agent::run() {
           publish_failure(attempt, reason, false);
           group.stop(SIGTERM, grace, signals_);
           print_last_lines(group, f.global_rank);
+          if (auto fr = base_env_.find("FSDP_FLIGHT_RECORDER_DIR"); fr != base_env_.end() && !fr->second.empty()) {
+            log(flight_recorder_note(fr->second));
+          }
           break;
         }
         case Outcome::RemoteFailure:

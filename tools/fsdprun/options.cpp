@@ -177,6 +177,11 @@ const std::vector<Spec>& specs() {
       {"--redirects", true, [](Options& o, const std::string& v) { o.redirects = check_std("--redirects", v); }},
       {"--tee", true, [](Options& o, const std::string& v) { o.tee = check_std("--tee", v); }},
       {"--local-ranks-filter", true, [](Options& o, const std::string& v) { o.local_ranks_filter = parse_rank_list(v); }},
+      {"--flight-recorder-dir", true,
+       [](Options& o, const std::string& v) {
+         if (v.empty()) throw UsageError("--flight-recorder-dir is empty; give a folder for the flight-recorder dumps, e.g. --flight-recorder-dir fr");
+         o.flight_recorder_dir = v;
+       }},
       {"--help", false, [](Options& o, const std::string&) { o.help = true; }},
   };
   return table;
@@ -367,6 +372,10 @@ options:
   --local-ranks-filter L only these local ranks' output reaches the console (e.g. 0 or 0,1);
                          the log files still get everything. A failed worker whose output
                          did not all reach the console: its last output lines are printed
+  --flight-recorder-dir DIR
+                         where a worker whose collective fails or times out writes its last
+                         collectives (FSDP_FLIGHT_RECORDER_DIR, DIR/rank_<R>.jsonl); when a
+                         worker fails, fsdprun prints where the dumps are (analyse: fsdp-fr DIR)
   -h, --help             show this help
 
 worker environment: RANK (= node_rank * nproc + LOCAL_RANK), LOCAL_RANK, GROUP_RANK (node rank),

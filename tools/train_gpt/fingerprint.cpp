@@ -58,6 +58,7 @@ std::vector<std::pair<std::string, std::string>> rank_agreed_options(const Optio
       {"--seed", std::to_string(o.seed)},
       {"--parallel", o.parallel},
       {"--shard-size", i(o.shard_size)},
+      {"--tp-size", i(o.tp_size)},
       {"--mixed-precision", o.mixed_precision},
       {"--device", o.device},
       {"--share-gpu", o.share_gpu ? "true" : "false"},

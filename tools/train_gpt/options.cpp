@@ -108,6 +108,10 @@ std::optional<Options> parse_options(int argc, char** argv, int& exit_code) {
       ->check(CLI::IsMember({"fsdp", "hsdp", "replicate", "none"}));
   app.add_option("--shard-size", o.shard_size, "HSDP: ranks per shard group (0: the ranks per node)")
       ->check(bounded(0, 1e6, true));
+  app.add_option("--tp-size", o.tp_size,
+                 "Tensor parallel: split each block's attention heads and MLP over this many ranks (mesh "
+                 "{dp = world / T, tp = T}; fully_shard over dp); must divide the world size, --heads and --dim")
+      ->check(bounded(1, kMaxHeads, true));
   app.add_option("--device", o.device,
                  "cpu | cuda | auto (cuda when LibTorch has CUDA and a GPU is visible); one GPU per rank by LOCAL_RANK")
       ->check(CLI::IsMember({"cpu", "cuda", "auto"}));
@@ -177,6 +181,17 @@ void validate(const Options& o) {
     fail("--mixed-precision bf16 needs fully_shard's MixedPrecisionPolicy: use --parallel fsdp or hsdp (under "
          "fsdprun, any number of ranks)");
   }
+  if (o.tp_size > 1) {
+    if (o.parallel == "none")
+      fail("--tp-size " + std::to_string(o.tp_size) + " needs ranks: run under fsdprun with --parallel fsdp (or --tp-size 1)");
+    if (o.parallel != "fsdp")
+      fail("--tp-size > 1 with --parallel " + o.parallel + " is not supported yet; use --parallel fsdp (FSDP over dp, TP over tp)");
+    if (o.heads % o.tp_size != 0)
+      fail("--tp-size " + std::to_string(o.tp_size) + " does not divide --heads " + std::to_string(o.heads) +
+           " (each tp rank takes whole heads); choose a tp size that divides the head count");
+    if (o.dim % o.tp_size != 0)
+      fail("--tp-size " + std::to_string(o.tp_size) + " does not divide --dim " + std::to_string(o.dim));
+  }
   o.checkpoint_every_kth_block();  // throws on a bad --activation-checkpointing
   if (!o.synthetic()) check_data_file(o.data);  // stat only: a FIFO or device is refused unopened
 }
@@ -194,11 +209,16 @@ int64_t Options::checkpoint_every_kth_block() const {
 }
 
 void validate_for_world(const Options& o, int world_size) {
-  const int64_t parts = static_cast<int64_t>(world_size) * o.grad_accum;
+  if (world_size % o.tp_size != 0) {
+    throw std::invalid_argument("--tp-size " + std::to_string(o.tp_size) + " does not divide the world size " +
+                                std::to_string(world_size) + "; start a multiple of it (fsdprun --nproc-per-node)");
+  }
+  // Under TP the tp ranks of one dp group train the same sequences: the batch splits over dp only.
+  const int64_t dp = world_size / o.tp_size, parts = dp * o.grad_accum;
   if (o.batch_size % parts != 0) {
-    throw std::invalid_argument("--batch-size " + std::to_string(o.batch_size) + " is not divisible by world size " +
-                                std::to_string(world_size) + " x --grad-accum " + std::to_string(o.grad_accum) +
-                                " = " + std::to_string(parts));
+    throw std::invalid_argument("--batch-size " + std::to_string(o.batch_size) + " is not divisible by " +
+                                (o.tp_size > 1 ? "the data-parallel size " : "world size ") + std::to_string(dp) +
+                                " x --grad-accum " + std::to_string(o.grad_accum) + " = " + std::to_string(parts));
   }
 }
 

@@ -34,9 +34,11 @@
 #include "fingerprint.h"
 #include "fsdp/checkpoint/checkpoint.h"
 #include "fsdp/fsdp.h"
+#include "fsdp/memory/malloc_tuning.h"
 #include "kill_hook.h"
 #include "lr_schedule.h"
 #include "models/gpt.h"
+#include "models/gpt_tp.h"
 #include "optimizer.h"
 #include "options.h"
 #include "preflight.h"
@@ -57,10 +59,15 @@ struct Run {
   int rank = 0;
   int world = 1;
   std::shared_ptr<fsdp::comm::Comm> comm;  // null with --parallel none
-  std::optional<fsdp::DeviceMesh> mesh;    // hsdp: replicate x shard; fsdp/replicate: all ranks
+  std::optional<fsdp::DeviceMesh> mesh;    // hsdp: replicate x shard; fsdp/replicate: all ranks;
+                                           // --tp-size: the "dp" dim of {"dp", "tp"}
+  std::optional<fsdp::DeviceMesh> tp_mesh; // --tp-size > 1: the "tp" dim (tensor parallel)
+  int dp_rank = 0;                         // which slice of the global batch this rank trains:
+  int dp_size = 1;                         //   the tp ranks of one dp group share it
   torch::Device device = torch::kCPU;      // --device: this rank's GPU, or the CPU
   bool distributed() const { return comm != nullptr; }
-  bool sharded() const { return distributed() && opt.parallel != "replicate"; }
+  // fully_shard applies (not under replicate, nor under TP over the whole world: dp = 1).
+  bool sharded() const { return distributed() && opt.parallel != "replicate" && !(tp_mesh && dp_size == 1); }
 };
 
 struct Model {
@@ -120,6 +127,16 @@ Run init_distributed(const Options& o) {
     }
     run.mesh = fsdp::init_device_mesh({run.world / shard, shard}, {"replicate", "shard"});
   }
+  run.dp_rank = run.rank;
+  run.dp_size = run.world;
+  if (o.tp_size > 1) {
+    // Tensor parallel inside groups of --tp-size consecutive ranks, FSDP across them (issue 14).
+    const auto mesh = fsdp::init_device_mesh({run.world / o.tp_size, o.tp_size}, {"dp", "tp"});
+    run.tp_mesh = mesh["tp"];
+    run.dp_rank = static_cast<int>(run.rank / o.tp_size);
+    run.dp_size = static_cast<int>(run.world / o.tp_size);
+    if (run.dp_size > 1) run.mesh = mesh["dp"];
+  }
   if (std::getenv("OMP_NUM_THREADS") == nullptr) {
     fsdp::dist::set_num_threads(fsdp::dist::default_omp_threads(fsdp::dist::local_world_size()));
   }
@@ -149,6 +166,9 @@ Model build_model_meta(const Run& run, const std::function<void(const Shapes&)>&
     m.n_params += p.value().numel();
   }
   before_allocating(m.full_shapes);
+  // Tensor parallel first (models/gpt_tp.h: heads and MLP split over the tp ranks, on meta), then
+  // activation checkpointing and fully_shard over dp, as PyTorch composes them.
+  if (run.tp_mesh) fsdp::models::parallelize_gpt(m.gpt, *run.tp_mesh);
   // Activation checkpointing: the chosen blocks recompute their activations in backward (every
   // fsdp::call(block, x) is checkpointed; composes with fully_shard below and with replicate).
   if (const int64_t k = o.checkpoint_every_kth_block(); k > 0) {
@@ -167,7 +187,7 @@ Model build_model_meta(const Run& run, const std::function<void(const Shapes&)>&
   }
   fsdp::to_empty(*m.gpt, run.device);  // this rank's shards only
   m.gpt->reset_parameters();            // fsdp::init: same values for any world size
-  if (run.distributed() && !run.sharded()) m.ddp = fsdp::replicate(m.gpt);  // whole model per rank
+  if (run.distributed() && !run.sharded() && !run.tp_mesh) m.ddp = fsdp::replicate(m.gpt);  // whole model per rank
   return m;
 }
 
@@ -200,16 +220,16 @@ StepResult train_step(const Run& run, Model& m, torch::optim::Optimizer& opt, co
     const bool last = micro == o.grad_accum - 1;
     if (!m.units.empty()) m.units.back().set_requires_gradient_sync(last);
     if (m.ddp) m.ddp->set_requires_gradient_sync(last);
-    const at::Tensor batch = local_slice(global, run.rank, run.world, micro, o.grad_accum).to(run.device);
+    const at::Tensor batch = local_slice(global, run.dp_rank, run.dp_size, micro, o.grad_accum).to(run.device);
     auto logits = fsdp::call(m.gpt, batch.narrow(1, 0, o.seq_len));
     auto loss = fsdp::models::gpt_loss(logits.to(at::kFloat), batch.narrow(1, 1, o.seq_len)) / o.grad_accum;
     loss.backward();
     r.local_loss += loss.item<double>();
   }
   const double max_norm = o.clip > 0 ? o.clip : std::numeric_limits<double>::infinity();
-  // Sharded: the norm over every rank's shards. Replicated or one process: the gradients are whole
-  // (and, replicated, already averaged, so equal on every rank).
-  r.grad_norm = run.sharded() ? fsdp::clip_grad_norm_(m.gpt->parameters(), max_norm)
+  // Sharded (FSDP or TP): the norm over every rank's shards. Replicated or one process: the
+  // gradients are whole (and, replicated, already averaged, so equal on every rank).
+  r.grad_norm = run.sharded() || run.tp_mesh ? fsdp::clip_grad_norm_(m.gpt->parameters(), max_norm)
                               : torch::nn::utils::clip_grad_norm_(m.gpt->parameters(), max_norm);
   opt.step();
   return r;
@@ -297,7 +317,7 @@ std::optional<double> evaluate(const Run& run, Model& m, const TokenSource& data
     }
     const at::Tensor global = data.val_batch(i, o.batch_size);
     for (int64_t micro = 0; micro < o.grad_accum; ++micro) {
-      const at::Tensor batch = local_slice(global, run.rank, run.world, micro, o.grad_accum).to(run.device);
+      const at::Tensor batch = local_slice(global, run.dp_rank, run.dp_size, micro, o.grad_accum).to(run.device);
       auto logits = fsdp::call(m.gpt, batch.narrow(1, 0, o.seq_len));
       sum += fsdp::models::gpt_loss(logits.to(at::kFloat), batch.narrow(1, 1, o.seq_len)).item<double>();
     }
@@ -360,6 +380,7 @@ int run_training(const Options& options) {
   // computes the same estimate; rank 0 prints it before the model is allocated.
   const fsdp::dist::LaunchEnv env = options.parallel == "none" ? fsdp::dist::LaunchEnv{} : fsdp::dist::read_launch_env();
   const std::string memory = check_memory(options, env.world_size, env.local_world_size);
+  if (options.parallel != "none") validate_for_world(options, env.world_size);  // --tp-size | world, before joining
   // -- 1
   Run run = init_distributed(options);
   const Options& o = run.opt;
@@ -458,6 +479,7 @@ int run_training(const Options& options) {
 
 int main(int argc, char** argv) {
   fsdp::dist::tune_cpu_or_reexec(argc, argv);
+  fsdp::tune_malloc();  // glibc: freed tensors of 1 MiB and more go back to the kernel (FSDP_MALLOC_TUNING=0: off)
   stop_signal::install();  // until the first step has finished, a signal exits at once
   int exit_code = 0;
   auto options = parse_options(argc, argv, exit_code);

@@ -56,6 +56,9 @@ struct CheckpointInfo {
   const TensorInfo* find(const std::string& key) const;  // nullptr when absent
 };
 
+// "[2, 3]": a shape as the messages here (and fsdp-ckpt's tables) write it; "[]" for a 0-d tensor.
+std::string shape_text(const std::vector<int64_t>& shape);
+
 // Reads index.json (no data file is opened beyond a stat). Throws CheckpointError when there is
 // no committed checkpoint or the index is damaged.
 CheckpointInfo inspect_checkpoint(const std::string& dir);

@@ -36,6 +36,18 @@ struct Capabilities {
   static Capabilities for_backend(BackendKind kind);
 };
 
+// How Comm builds the collectives Gloo lacks on CPU tensors (reduce_scatter_tensor everywhere; the
+// flat all_gather_into_tensor, whose Gloo implementation copies through a flat buffer of its own): PointToPoint (default) over the backend's send/recv,
+// defined in comm/p2p_collectives.cpp: the reduce-scatter sends each rank its chunk and adds what
+// arrives one chunk at a time (scratch: 1/N of the input; for N > 2 only the first chunk moves
+// before wait()), the all-gather receives every chunk straight into the output (no scratch, no
+// copy back); Collective: all_to_all into a scratch as large as the input, then a local sum, and
+// the list all-gather (through c10d's own flat buffer). Same bytes either way. The environment
+// variable FSDP_GLOO_FALLBACK=p2p|collective sets the default; set_gloo_fallback overrides it.
+enum class GlooFallback { PointToPoint, Collective };
+void set_gloo_fallback(GlooFallback fallback);
+GlooFallback gloo_fallback();
+
 // Default timeout of every collective: FSDP_COLLECTIVE_TIMEOUT_S when set, else 5 minutes.
 std::chrono::milliseconds default_collective_timeout();
 
@@ -63,6 +75,9 @@ class Comm {
   std::chrono::milliseconds timeout() const { return timeout_; }
   const compat::BackendPtr& backend() const { return backend_; }
   CommStats& stats() { return stats_; }
+  // Collectives this Comm has started (each operation below counts one, a group of one too): the
+  // sequence number of the latest, 1 for the first. Every rank of the group counts alike.
+  uint64_t seq() const { return seq_; }
 
   // out: size() * in.numel() elements, rank r's input at [r*in.numel(), (r+1)*in.numel()).
   Work all_gather_into_tensor(const at::Tensor& out, const at::Tensor& in, bool async_op = false);
@@ -83,6 +98,9 @@ class Comm {
               const char* op_name);
   compat::WorkPtr backend_all_gather(const at::Tensor& out, const at::Tensor& in);
   compat::WorkPtr backend_all_to_all(const at::Tensor& out, const at::Tensor& in);
+  // GlooFallback::PointToPoint (comm/p2p_collectives.cpp); `out` may be `in`'s chunk [rank()].
+  Work reduce_scatter_p2p(const at::Tensor& out, const at::Tensor& in, ReduceOp op, bool async_op, uint64_t bytes);
+  Work all_gather_p2p(const at::Tensor& out, const at::Tensor& in, bool async_op, uint64_t bytes);
   bool moves_as_bits(const at::Tensor& t) const;  // a 16-bit float the backend does not take
   std::string describe(const char* op) const;
 
@@ -94,6 +112,8 @@ class Comm {
   std::chrono::milliseconds timeout_;
   std::string name_;
   CommStats stats_;
+  uint64_t seq_ = 0;
+  uint32_t p2p_ops_ = 0;  // the send/recv tag of each point-to-point collective (same on every rank)
 };
 
 }  // namespace fsdp::comm

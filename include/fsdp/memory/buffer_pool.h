@@ -4,7 +4,8 @@
 // sharding both allocate from it.
 //
 // Owners: the unsharded parameters (re-allocated at each unshard), the all-gather input and
-// output, the reduce-scatter input and output, the unsharded gradients from the moment
+// output, the reduce-scatter input and output (on the CPU the output is this rank's row of the
+// input: counted as input), the unsharded gradients from the moment
 // post_backward takes them until they are in the reduce-scatter input, and the post-forward
 // shards of an integer reshard_after_forward, and the scratch buffers of Comm's Gloo fallbacks
 // (the reduce-scatter's all_to_all output). Sharded parameters, sharded gradients and the

@@ -23,6 +23,30 @@ class DeviceMesh {
   DeviceMesh(std::string device_type, at::Tensor mesh, std::vector<std::string> dim_names,
              std::vector<std::shared_ptr<comm::Comm>> dim_comms, int global_rank);
 
+  // A mesh over process groups made elsewhere (PyTorch's DeviceMesh.from_group): no process
+  // group is created, the mesh's comm(d) IS groups[d] (the same object). Only the members call it.
+  //
+  // Example:
+  //   auto flat = fsdp::DeviceMesh::from_group(fsdp::dist::world_comm(), "cpu", "dp");  // 1-D
+  //   // 4 ranks as 2 x 2: columns {0, 2}, {1, 3} data parallel, rows {0, 1}, {2, 3} tensor parallel
+  //   const int r = fsdp::dist::rank();
+  //   auto dp = fsdp::dist::new_group({r % 2, r % 2 + 2}, "my_dp_" + std::to_string(r % 2));
+  //   auto tp = fsdp::dist::new_group({r / 2 * 2, r / 2 * 2 + 1}, "my_tp_" + std::to_string(r / 2));
+  //   auto mesh = fsdp::DeviceMesh::from_groups({dp, tp}, at::arange(4).view({2, 2}), {"dp", "tp"});
+  //   fsdp::fully_shard(model, {.mesh = mesh["dp"]});   // FSDP over the dp group given above
+  //
+  // from_group: 1-D, over `group`'s ranks in its rank order, named `dim_name` (default "dim0").
+  // from_groups: n-D; `mesh` holds global ranks shaped like the mesh (integers, each rank once,
+  // this rank among them) and groups[d] is this rank's group along dim d: the ranks of the mesh's
+  // line through this rank along d, in that order (the group init_device_mesh would create).
+  // Names default to "dim0", "dim1", ... device_type: "cpu" or "cuda"; empty takes
+  // init_distributed's ("cpu" without a runtime). A group that does not fit the mesh, a rank
+  // listed twice, a name count that differs: std::invalid_argument naming the problem and the fix.
+  static DeviceMesh from_group(std::shared_ptr<comm::Comm> group, const std::string& device_type = "",
+                               const std::string& dim_name = "");
+  static DeviceMesh from_groups(std::vector<std::shared_ptr<comm::Comm>> groups, at::Tensor mesh,
+                                std::vector<std::string> dim_names = {}, const std::string& device_type = "");
+
   const std::string& device_type() const { return device_type_; }
   // Global ranks, shaped like the mesh (int64, CPU).
   const at::Tensor& mesh() const { return mesh_; }

@@ -18,7 +18,8 @@
 //
 // Styles (PyTorch's names and semantics; activations are plain local tensors whose layout across
 // the tp ranks the style's layouts describe):
-//   ColwiseParallel   Linear: weight rows (output features) and bias sharded, dim 0. Embedding:
+//   ColwiseParallel   Linear: weight rows (output features) and bias sharded, dim 0 (.fused = k:
+//                     k blocks, e.g. a fused q|k|v, each sharded; see the struct). Embedding:
 //                     the embedding dim (weight dim 1). input_layouts: Replicate (default; backward
 //                     all-reduces the input gradient) or Shard(d) (sequence parallel: all-gathered
 //                     along d, gradient reduce-scattered). output_layouts: Shard(-1) (default,
@@ -35,7 +36,8 @@
 //                     the tp ranks in backward.
 //   PrepareModuleInput / PrepareModuleOutput: convert the module's tensor inputs / outputs, in
 //                     order, from one layout to another (Shard(d) -> Replicate: all-gather;
-//                     Replicate -> Shard(d): local slice; the gradient takes the conjugate path).
+//                     Replicate -> Shard(d): local slice; Shard(a) -> Shard(b): one all-to-all,
+//                     DTensor's redistribute; the gradient takes the conjugate path).
 //
 // Linear and Embedding are torch::nn::LinearImpl / EmbeddingImpl, or any module type registered
 // with register_linear_type<T>() / register_embedding_type<T>() (T has `weight` and, for a
@@ -57,9 +59,15 @@
 namespace fsdp::tp {
 
 // Example: tp::ColwiseParallel style{.input_layouts = tp::Shard(1), .output_layouts = tp::Replicate()};
+//          tp::ColwiseParallel qkv{.fused = 3};  // a fused [q | k | v] Linear: heads of each split
 struct ColwiseParallel {
-  std::optional<Layout> input_layouts;   // default Replicate
-  std::optional<Layout> output_layouts;  // default Shard(-1)
+  std::optional<Layout> input_layouts = std::nullopt;   // default Replicate
+  std::optional<Layout> output_layouts = std::nullopt;  // default Shard(-1)
+  // Linear only: the output features are `fused` equal blocks (GPT-2's c_attn: 3, [q | k | v]),
+  // each split over the tp ranks on its own (a strided placement, TPPlacement::blocks): rank r
+  // holds the r-th slice of every block, concatenated, and computes [q_r | k_r | v_r]. The bias
+  // follows the weight. The tp size must divide each block; output_layouts must stay Shard(-1).
+  int64_t fused = 1;
 };
 // Example: tp::RowwiseParallel style{.output_layouts = tp::Shard(1)};  // sequence parallel
 struct RowwiseParallel {
@@ -71,6 +79,7 @@ struct SequenceParallel {
   int64_t sequence_dim = 1;
 };
 // Example: tp::PrepareModuleInput style{.input_layouts = {tp::Shard(1)}, .desired_input_layouts = {tp::Replicate()}};
+// Example: tp::PrepareModuleInput heads{.input_layouts = {tp::Shard(1)}, .desired_input_layouts = {tp::Shard(2)}};
 struct PrepareModuleInput {
   std::vector<Layout> input_layouts;          // one per tensor argument, in order
   std::vector<Layout> desired_input_layouts;  // same count

@@ -1,0 +1,30 @@
+#include "fsdp/memory/malloc_tuning.h"
+
+#include <cstdio>
+#include <cstdlib>
+#include <string>
+
+#ifdef __GLIBC__
+#include <malloc.h>
+#endif
+
+namespace fsdp {
+
+bool tune_malloc(size_t mmap_threshold) {
+  if (const char* v = std::getenv("FSDP_MALLOC_TUNING")) {
+    const std::string s = v;
+    if (s == "0") return false;
+    if (s != "1" && !s.empty()) {
+      std::fprintf(stderr, "fsdp: FSDP_MALLOC_TUNING='%s' is not 0 or 1; tuning malloc (set 0 to keep glibc's default)\n",
+                   s.c_str());
+    }
+  }
+#ifdef __GLIBC__
+  return mallopt(M_MMAP_THRESHOLD, static_cast<int>(mmap_threshold)) == 1;
+#else
+  (void)mmap_threshold;
+  return false;
+#endif
+}
+
+}  // namespace fsdp

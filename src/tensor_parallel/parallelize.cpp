@@ -90,8 +90,11 @@ std::string in_quotes(const std::string& name) { return "\"" + name + "\""; }
 
 [[noreturn]] void fail(const std::string& what) { throw std::invalid_argument("fsdp::tp::parallelize_module: " + what); }
 
+// named_parameters() returns its dict by value: it must outlive the pointer find() gives (a
+// pointer into a destroyed temporary read freed memory: LibTorch 2.14 crashed in 1 run of ~10).
 at::Tensor own_param(torch::nn::Module& m, const char* name) {
-  const at::Tensor* t = m.named_parameters(/*recurse=*/false).find(name);
+  const auto params = m.named_parameters(/*recurse=*/false);
+  const at::Tensor* t = params.find(name);
   return t ? *t : at::Tensor();
 }
 

@@ -198,13 +198,6 @@ TEST(DeviceMeshFromGroups, TwoByTwoFromHandMadeGroups) { EXPECT_RANKS_PASS(4, "f
 TEST(DeviceMeshFromGroups, ErrorsNameTheProblemAndTheFix) { EXPECT_RANKS_PASS(4, "from_groups_errors"); }
 
 TEST(DeviceMeshFromGroups, FullyShardAndParallelizeTrainLikeInitDeviceMesh) {
-#if FSDP_TORCH_AT_LEAST(2, 0)
-  // Known bug, not understood yet: on LibTorch 2.14 one rank of this test (four trainings in one
-  // process: FSDP 4 and dp 2 x tp 2, each over hand-made groups and over init_device_mesh's) dies
-  // of SIGSEGV in about 1 run of 10 (seen 4 times in 38 runs; test_tensor_parallel's 2 x 2 runs
-  // passed 6 of 6). Passes on LibTorch 1.13. Skipped on 2.x until it is found.
-  GTEST_SKIP() << "intermittent SIGSEGV on LibTorch 2.x under investigation (see the comment)";
-#endif
   fsdp::testing::RanksOptions o;
   o.timeout = std::chrono::milliseconds(300000);
   EXPECT_RANKS_PASS(4, "from_groups_train", o);

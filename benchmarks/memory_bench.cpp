@@ -26,10 +26,12 @@
 
 #include <atomic>
 #include <chrono>
+#include <cmath>
 #include <cstdio>
 #include <cstdlib>
 #include <fstream>
 #include <map>
+#include <memory>
 #include <mutex>
 #include <sstream>
 #include <string>
@@ -55,13 +57,14 @@ struct Options {
   std::string gloo_fallback = "p2p";
   std::string role = "driver";  // driver | single | fsdp
   std::string result;
+  std::string timeline;  // worker: one line per sample that moved the RSS by >= 1 MB or changed phase
 };
 
 [[noreturn]] void usage(const std::string& why) {
   std::fprintf(stderr,
                "memory_bench: %s\nusage: memory_bench [--small] [--ranks 2,4] [--steps N] [--batch N] [--layers N] "
                "[--dim N] [--heads N] [--seq N] [--threads N] [--malloc default|tuned] [--pool on|off] "
-               "[--gloo-fallback p2p|collective]\n",
+               "[--gloo-fallback p2p|collective] [--timeline FILE (with --role)]\n",
                why.c_str());
   std::exit(2);
 }
@@ -80,6 +83,7 @@ Options parse(int argc, char** argv) {
     std::string v = argv[++i];
     if (a == "--role") o.role = v;
     else if (a == "--result") o.result = v;
+    else if (a == "--timeline") o.timeline = v;
     else if (a == "--malloc") o.malloc_mode = v;
     else if (a == "--pool") o.pool = v;
     else if (a == "--gloo-fallback") o.gloo_fallback = v;
@@ -104,8 +108,19 @@ Options parse(int argc, char** argv) {
 }
 
 // One sample: RSS, glibc's view, FSDP's buffers.
+// Where the training loop is (set by the main thread, read by the sampler): the step, the phase,
+// and how many all-gathers and reduce-scatters this process has issued (which unit is running).
+enum Phase : int { kSetup = 0, kForward, kBackward, kOptimizer, kBetween };
+const char* phase_name(int p) {
+  static const char* names[] = {"setup", "forward", "backward", "optimizer", "between"};
+  return names[p];
+}
+std::atomic<int> g_step{-1}, g_phase{kSetup};
+
 struct Sample {
-  double rss = 0, heap_in_use = 0, heap_free = 0, mmapped = 0;
+  double t = 0, rss = 0, heap_in_use = 0, heap_free = 0, mmapped = 0;
+  int step = -1, phase = kSetup;
+  uint64_t all_gathers = 0, reduce_scatters = 0;
   fsdp::BufferMemoryStats fsdp;
 };
 
@@ -117,7 +132,18 @@ Sample take_sample() {
   s.heap_free = static_cast<double>(mi.fordblks);    // free but kept in the heap
   s.mmapped = static_cast<double>(mi.hblkhd);        // allocated with mmap by malloc
   s.fsdp = fsdp::buffer_memory_stats();
+  s.step = g_step.load();
+  s.phase = g_phase.load();
+  const auto comm = fsdp::comm::process_comm_stats().snapshot();
+  s.all_gathers = comm[fsdp::comm::OpKind::AllGather].calls;
+  s.reduce_scatters = comm[fsdp::comm::OpKind::ReduceScatter].calls;
   return s;
+}
+
+void write_sample(std::ostream& out, const Sample& s) {
+  out << s.t << " " << s.step << " " << phase_name(s.phase) << " " << s.all_gathers << " " << s.reduce_scatters << " "
+      << s.rss / 1e6 << " " << s.fsdp.total / 1e6 << " " << s.fsdp.pool_live / 1e6 << " " << s.fsdp.pool_cached / 1e6
+      << " " << s.heap_in_use / 1e6 << " " << s.heap_free / 1e6 << " " << s.mmapped / 1e6 << "\n";
 }
 
 int run_worker(const Options& o, bool sharded) {
@@ -159,12 +185,29 @@ int run_worker(const Options& o, bool sharded) {
   std::atomic<bool> stop{false};
   std::mutex mu;
   Sample peak;
+  std::vector<Sample> step_peaks(static_cast<size_t>(o.steps));  // the largest RSS sample of each step
+  std::unique_ptr<std::ofstream> timeline;
+  if (!o.timeline.empty()) {
+    timeline = std::make_unique<std::ofstream>(o.timeline + "." + std::to_string(rank));
+    *timeline << "# t_s step phase all_gathers reduce_scatters rss_MB fsdp_alive_MB pool_live_MB pool_cached_MB "
+                 "heap_in_use_MB heap_free_MB glibc_mmapped_MB\n";
+  }
+  const auto t_start = std::chrono::steady_clock::now();
   std::thread sampler([&] {
+    Sample last;
     while (!stop.load()) {
       Sample s = take_sample();
+      s.t = std::chrono::duration<double>(std::chrono::steady_clock::now() - t_start).count();
       {
         std::lock_guard<std::mutex> lock(mu);
         if (s.rss > peak.rss) peak = s;
+        if (s.step >= 0 && s.step < o.steps && s.rss > step_peaks[static_cast<size_t>(s.step)].rss) {
+          step_peaks[static_cast<size_t>(s.step)] = s;
+        }
+      }
+      if (timeline && (std::abs(s.rss - last.rss) >= 1e6 || s.phase != last.phase || s.step != last.step)) {
+        write_sample(*timeline, s);
+        last = s;
       }
       std::this_thread::sleep_for(std::chrono::milliseconds(1));
     }
@@ -182,13 +225,19 @@ int run_worker(const Options& o, bool sharded) {
   std::vector<double> step_s;
   for (int s = 0; s < o.steps; ++s) {
     const auto t0 = std::chrono::steady_clock::now();
+    g_step = s;
+    g_phase = kBetween;
     auto data = at::randint(c.vocab_size, {o.batch, c.block_size + 1}, gen, at::kLong);
     opt.zero_grad();
     auto input = data.narrow(1, 0, c.block_size);
+    g_phase = kForward;
     auto logits = sharded ? fsdp::call(model, input) : model->forward(input);
     auto loss = fsdp::models::gpt_loss(logits, data.narrow(1, 1, c.block_size));
+    g_phase = kBackward;
     loss.backward();
+    g_phase = kOptimizer;
     opt.step();
+    g_phase = kBetween;
     loss_value = loss.item<double>();
     if (s > 0) step_s.push_back(std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
   }
@@ -216,6 +265,16 @@ int run_worker(const Options& o, bool sharded) {
        << fsdp_stats.pool_misses;
   for (int k = 0; k < fsdp::kBufferOwners; ++k) line << " at_peak_" << k << " " << fsdp_stats.at_peak[k];
   for (int k = 0; k < fsdp::kBufferOwners; ++k) line << " s_owner_" << k << " " << peak.fsdp.current[k];
+  // Where the peak was: the step, the phase, the collectives issued so far; and each step's peak.
+  line << " s_step " << peak.step << " s_phase " << peak.phase << " s_all_gathers " << peak.all_gathers
+       << " s_reduce_scatters " << peak.reduce_scatters;
+  for (int s = 0; s < o.steps; ++s) {
+    const auto& sp = step_peaks[static_cast<size_t>(s)];
+    line << " step_rss_" << s << " " << sp.rss << " step_phase_" << s << " " << sp.phase << " step_rs_" << s << " "
+         << sp.reduce_scatters << " step_ag_" << s << " " << sp.all_gathers << " step_pool_cached_" << s << " "
+         << sp.fsdp.pool_cached << " step_fsdp_" << s << " " << sp.fsdp.total << " step_heap_free_" << s << " "
+         << sp.heap_free << " step_heap_in_use_" << s << " " << sp.heap_in_use;
+  }
   {
     std::ofstream out(o.result + "." + std::to_string(rank));
     out << line.str() << "\n";
@@ -310,6 +369,24 @@ int run_driver(const Options& o) {
       std::printf(" %.1f [%.1f] |", mb(r.at("at_peak_" + std::to_string(k))), mb(r.at("s_owner_" + std::to_string(k))));
     }
     std::printf(" %.0f MB, %.0f / %.0f |\n", mb(r.at("pool_peak_mapped")), r.at("pool_hits"), r.at("pool_misses"));
+  }
+  std::printf("\nWhere each run peaked (the largest RSS sample of each step, MB: RSS, phase, FSDP buffers alive / pool "
+              "cached, glibc heap free kept; collectives issued so far: all-gathers / reduce-scatters)\n\n| run | ranks |");
+  for (int s = 0; s < o.steps; ++s) std::printf(" step %d |", s + 1);
+  std::printf("\n|---|---|");
+  for (int s = 0; s < o.steps; ++s) std::printf("---|");
+  std::printf("\n");
+  for (const auto& run : runs) {
+    const auto& r = run.r;
+    std::printf("| %s | %d |", run.name.c_str(), run.world);
+    for (int s = 0; s < o.steps; ++s) {
+      const std::string k = std::to_string(s);
+      std::printf(" %.0f, %s, %.0f / %.0f, %.0f; %.0f / %.0f |", mb(r.at("step_rss_" + k)),
+                  phase_name(static_cast<int>(r.at("step_phase_" + k))), mb(r.at("step_fsdp_" + k)),
+                  mb(r.at("step_pool_cached_" + k)), mb(r.at("step_heap_free_" + k)), r.at("step_ag_" + k),
+                  r.at("step_rs_" + k));
+    }
+    std::printf("\n");
   }
   std::printf("\nlosses of the last step:");
   for (const auto& run : runs) std::printf(" %.5f", run.r.at("loss"));

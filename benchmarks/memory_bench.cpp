@@ -54,6 +54,7 @@ struct Options {
   std::vector<int> ranks = {2, 4};
   std::string malloc_mode = "default";  // default | tuned
   std::string pool = "on";
+  std::string pool_trim = "on";  // BufferPoolOptions::trim_after_forward
   std::string gloo_fallback = "p2p";
   std::string role = "driver";  // driver | single | fsdp
   std::string result;
@@ -63,7 +64,7 @@ struct Options {
 [[noreturn]] void usage(const std::string& why) {
   std::fprintf(stderr,
                "memory_bench: %s\nusage: memory_bench [--small] [--ranks 2,4] [--steps N] [--batch N] [--layers N] "
-               "[--dim N] [--heads N] [--seq N] [--threads N] [--malloc default|tuned] [--pool on|off] "
+               "[--dim N] [--heads N] [--seq N] [--threads N] [--malloc default|tuned] [--pool on|off] [--pool-trim on|off] "
                "[--gloo-fallback p2p|collective] [--timeline FILE (with --role)]\n",
                why.c_str());
   std::exit(2);
@@ -86,6 +87,7 @@ Options parse(int argc, char** argv) {
     else if (a == "--timeline") o.timeline = v;
     else if (a == "--malloc") o.malloc_mode = v;
     else if (a == "--pool") o.pool = v;
+    else if (a == "--pool-trim") o.pool_trim = v;
     else if (a == "--gloo-fallback") o.gloo_fallback = v;
     else if (a == "--steps") o.steps = std::stoi(v);
     else if (a == "--threads") o.threads = std::stoi(v);
@@ -99,6 +101,7 @@ Options parse(int argc, char** argv) {
   }
   if (o.malloc_mode != "default" && o.malloc_mode != "tuned") usage("--malloc takes default or tuned");
   if (o.pool != "on" && o.pool != "off") usage("--pool takes on or off");
+  if (o.pool_trim != "on" && o.pool_trim != "off") usage("--pool-trim takes on or off");
   if (o.gloo_fallback != "p2p" && o.gloo_fallback != "collective") usage("--gloo-fallback takes p2p or collective");
   if (o.steps < 1 || o.batch < 1 || o.threads < 1) usage("--steps, --batch and --threads must be positive");
   for (int r : o.ranks) {
@@ -143,16 +146,17 @@ Sample take_sample() {
 void write_sample(std::ostream& out, const Sample& s) {
   out << s.t << " " << s.step << " " << phase_name(s.phase) << " " << s.all_gathers << " " << s.reduce_scatters << " "
       << s.rss / 1e6 << " " << s.fsdp.total / 1e6 << " " << s.fsdp.pool_live / 1e6 << " " << s.fsdp.pool_cached / 1e6
-      << " " << s.heap_in_use / 1e6 << " " << s.heap_free / 1e6 << " " << s.mmapped / 1e6 << "\n";
+      << " " << s.fsdp.pool_cached_resident / 1e6 << " " << s.heap_in_use / 1e6 << " " << s.heap_free / 1e6 << " " << s.mmapped / 1e6 << "\n";
 }
 
 int run_worker(const Options& o, bool sharded) {
   if (o.malloc_mode == "tuned") fsdp::tune_malloc();
   fsdp::comm::set_gloo_fallback(o.gloo_fallback == "p2p" ? fsdp::comm::GlooFallback::PointToPoint
                                                           : fsdp::comm::GlooFallback::Collective);
-  if (o.pool == "off") {
+  {
     fsdp::BufferPoolOptions pool;
-    pool.enabled = false;
+    pool.enabled = o.pool == "on";
+    pool.trim_after_forward = o.pool_trim == "on";
     fsdp::set_buffer_pool_options(pool);
   }
   at::set_num_threads(o.threads);
@@ -189,7 +193,7 @@ int run_worker(const Options& o, bool sharded) {
   std::unique_ptr<std::ofstream> timeline;
   if (!o.timeline.empty()) {
     timeline = std::make_unique<std::ofstream>(o.timeline + "." + std::to_string(rank));
-    *timeline << "# t_s step phase all_gathers reduce_scatters rss_MB fsdp_alive_MB pool_live_MB pool_cached_MB "
+    *timeline << "# t_s step phase all_gathers reduce_scatters rss_MB fsdp_alive_MB pool_live_MB pool_cached_MB pool_cached_resident_MB "
                  "heap_in_use_MB heap_free_MB glibc_mmapped_MB\n";
   }
   const auto t_start = std::chrono::steady_clock::now();
@@ -260,7 +264,7 @@ int run_worker(const Options& o, bool sharded) {
        << block_param_bytes << " total_param_bytes " << total_param_bytes << " loss " << loss_value
        << " s_rss " << peak.rss << " s_heap_in_use " << peak.heap_in_use << " s_heap_free " << peak.heap_free
        << " s_mmapped " << peak.mmapped << " s_fsdp " << peak.fsdp.total << " s_pool_cached "
-       << peak.fsdp.pool_cached << " s_pool_live " << peak.fsdp.pool_live << " fsdp_peak " << fsdp_stats.peak << " pool_peak_mapped "
+       << peak.fsdp.pool_cached << " s_pool_live " << peak.fsdp.pool_live << " s_pool_cached_resident " << peak.fsdp.pool_cached_resident << " fsdp_peak " << fsdp_stats.peak << " pool_peak_mapped "
        << fsdp_stats.pool_peak_mapped << " pool_hits " << fsdp_stats.pool_hits << " pool_misses "
        << fsdp_stats.pool_misses;
   for (int k = 0; k < fsdp::kBufferOwners; ++k) line << " at_peak_" << k << " " << fsdp_stats.at_peak[k];
@@ -272,7 +276,7 @@ int run_worker(const Options& o, bool sharded) {
     const auto& sp = step_peaks[static_cast<size_t>(s)];
     line << " step_rss_" << s << " " << sp.rss << " step_phase_" << s << " " << sp.phase << " step_rs_" << s << " "
          << sp.reduce_scatters << " step_ag_" << s << " " << sp.all_gathers << " step_pool_cached_" << s << " "
-         << sp.fsdp.pool_cached << " step_fsdp_" << s << " " << sp.fsdp.total << " step_heap_free_" << s << " "
+         << sp.fsdp.pool_cached_resident << " step_fsdp_" << s << " " << sp.fsdp.total << " step_heap_free_" << s << " "
          << sp.heap_free << " step_heap_in_use_" << s << " " << sp.heap_in_use;
   }
   {
@@ -291,12 +295,12 @@ int run_driver(const Options& o) {
                                      "--heads",  std::to_string(o.heads),  "--seq",     std::to_string(o.seq),
                                      "--batch",  std::to_string(o.batch),  "--steps",   std::to_string(o.steps),
                                      "--threads", std::to_string(o.threads), "--malloc", o.malloc_mode,
-                                     "--pool",   o.pool, "--gloo-fallback", o.gloo_fallback};
+                                     "--pool",   o.pool, "--pool-trim", o.pool_trim, "--gloo-fallback", o.gloo_fallback};
   std::printf("memory_bench: GPT %lld layers, d=%lld, %lld heads, seq %lld; %lld sequences per rank, %d steps, "
-              "fp32, AdamW, %d thread(s) per rank; malloc %s, FSDP pool %s, Gloo fallback %s\n",
+              "fp32, AdamW, %d thread(s) per rank; malloc %s, FSDP pool %s (trim after forward %s), Gloo fallback %s\n",
               static_cast<long long>(o.layers), static_cast<long long>(o.dim), static_cast<long long>(o.heads),
               static_cast<long long>(o.seq), static_cast<long long>(o.batch), o.steps, o.threads,
-              o.malloc_mode.c_str(), o.pool.c_str(), o.gloo_fallback.c_str());
+              o.malloc_mode.c_str(), o.pool.c_str(), o.pool_trim.c_str(), o.gloo_fallback.c_str());
   std::fflush(stdout);
   struct Run {
     std::string name;
@@ -345,16 +349,16 @@ int run_driver(const Options& o) {
                 fsdp ? (std::to_string(r.at("fsdp_peak") / (5 * unit)).substr(0, 4) + "x").c_str() : "-", r.at("step_s"));
   }
   std::printf("\nAt each run's largest sampled RSS (MB): what it is made of\n\n");
-  std::printf("| run | ranks | RSS | training state | FSDP buffers alive (pool cached) | glibc heap in use | glibc heap free, kept "
+  std::printf("| run | ranks | RSS | training state | FSDP buffers alive (pool cached, resident) | glibc heap in use | glibc heap free, kept "
               "| glibc mmapped | rest (LibTorch, code, activations outside glibc) |\n");
   std::printf("|---|---|---|---|---|---|---|---|---|\n");
   for (const auto& run : runs) {
     const auto& r = run.r;
     const double state = r.at("params") + r.at("grads") + r.at("optim");
     const double accounted = r.at("s_heap_in_use") + r.at("s_heap_free") + r.at("s_mmapped") + r.at("s_pool_live") +
-                             r.at("s_pool_cached");
+                             r.at("s_pool_cached_resident");
     std::printf("| %s | %d | %.0f | %.0f | %.0f (%.0f) | %.0f | %.0f | %.0f | %.0f |\n", run.name.c_str(), run.world,
-                mb(r.at("s_rss")), mb(state), mb(r.at("s_fsdp")), mb(r.at("s_pool_cached")), mb(r.at("s_heap_in_use")),
+                mb(r.at("s_rss")), mb(state), mb(r.at("s_fsdp")), mb(r.at("s_pool_cached_resident")), mb(r.at("s_heap_in_use")),
                 mb(r.at("s_heap_free")), mb(r.at("s_mmapped")), mb(r.at("s_rss") - accounted));
   }
   std::printf("\nFSDP's buffers by owner (MB) at their own peak [and at the largest sampled RSS]\n\n| run | ranks |");
@@ -371,7 +375,7 @@ int run_driver(const Options& o) {
     std::printf(" %.0f MB, %.0f / %.0f |\n", mb(r.at("pool_peak_mapped")), r.at("pool_hits"), r.at("pool_misses"));
   }
   std::printf("\nWhere each run peaked (the largest RSS sample of each step, MB: RSS, phase, FSDP buffers alive / pool "
-              "cached, glibc heap free kept; collectives issued so far: all-gathers / reduce-scatters)\n\n| run | ranks |");
+              "cached and resident, glibc heap free kept; collectives issued so far: all-gathers / reduce-scatters)\n\n| run | ranks |");
   for (int s = 0; s < o.steps; ++s) std::printf(" step %d |", s + 1);
   std::printf("\n|---|---|");
   for (int s = 0; s < o.steps; ++s) std::printf("---|");

@@ -18,7 +18,9 @@
 // step after step, so after the first step nothing is mapped, faulted in or returned to the
 // kernel. The cache never holds more than the largest set of blocks that were alive at once
 // (before it maps a new block it unmaps cached ones until live + cached + new <= that high-water
-// mark), so the pool's footprint is the live set's peak. Smaller buffers and other devices use
+// mark), so the pool's footprint is the live set's peak. fully_shard trims the cache's pages
+// when forward ends (BufferPoolOptions::trim_after_forward): the blocks stay mapped, but while the
+// activations are at their largest only the live blocks are resident. Smaller buffers and other devices use
 // LibTorch's allocator (a GPU's caching allocator already pools).
 #include <array>
 #include <cstddef>

@@ -3,14 +3,20 @@
 //   build/bin/memory_bench                       # GPT 12 x 768, 12 heads, seq 256 (85.6M), 1 vs 2 and 4 ranks
 //   build/bin/memory_bench --small               # GPT 4 x 256, 4 heads, seq 128 (3.2M)
 //   build/bin/memory_bench --ranks 2 --steps 3 --batch 2 --layers 12 --dim 768 --heads 12 --seq 256
-//   [--malloc default|tuned] [--pool on|off] [--threads 1] [--gloo-fallback p2p|collective]
+//   [--malloc default|tuned] [--pool on|off] [--pool-trim on|off] [--threads 1] [--gloo-fallback p2p|collective]
+//   fsdprun --nproc-per-node 2 -- memory_bench --role fsdp --result R --timeline T --steps 3 --malloc tuned
+//                                                # one configuration; T.<rank>: the RSS over time, by phase
 //
 // Every configuration runs in a fresh process (under fsdprun for FSDP), with the same per-rank
 // batch (--batch sequences), one intra-op thread per rank, AdamW, float32, synthetic tokens. The
 // model is built on the meta device and only this rank's shards are allocated (train_gpt's recipe).
 // Each worker samples, every millisecond, its resident set (/proc/self/statm), glibc's heap
 // (mallinfo2) and FSDP's own buffers by owner (fsdp/memory/buffer_pool.h); the breakdown printed
-// is the sample with the largest RSS; "peak RSS" is the kernel's high-water mark (VmHWM).
+// is the sample with the largest RSS; "peak RSS" is the kernel's high-water mark (VmHWM). The table
+// "Where each run peaked" gives each step's largest sample with its phase (forward, backward,
+// optimizer) and the collectives issued so far (which unit was running); --timeline writes every
+// sample that moved the RSS by 1 MB. --pool-trim off keeps the pool's cache resident through
+// backward (BufferPoolOptions::trim_after_forward = false; for comparison).
 //
 // The saving: the training state (parameters + gradients + AdamW state) of one process is S, so
 // N ranks should save S x (N-1)/N per rank; "realized" is (peak RSS of one process - peak RSS of

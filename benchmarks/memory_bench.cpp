@@ -3,14 +3,20 @@
 //   build/bin/memory_bench                       # GPT 12 x 768, 12 heads, seq 256 (85.6M), 1 vs 2 and 4 ranks
 //   build/bin/memory_bench --small               # GPT 4 x 256, 4 heads, seq 128 (3.2M)
 //   build/bin/memory_bench --ranks 2 --steps 3 --batch 2 --layers 12 --dim 768 --heads 12 --seq 256
-//   [--malloc default|tuned] [--pool on|off] [--threads 1] [--gloo-fallback p2p|collective]
+//   [--malloc default|tuned] [--pool on|off] [--pool-trim on|off] [--threads 1] [--gloo-fallback p2p|collective]
+//   fsdprun --nproc-per-node 2 -- memory_bench --role fsdp --result R --timeline T --steps 3 --malloc tuned
+//                                                # one configuration; T.<rank>: the RSS over time, by phase
 //
 // Every configuration runs in a fresh process (under fsdprun for FSDP), with the same per-rank
 // batch (--batch sequences), one intra-op thread per rank, AdamW, float32, synthetic tokens. The
 // model is built on the meta device and only this rank's shards are allocated (train_gpt's recipe).
 // Each worker samples, every millisecond, its resident set (/proc/self/statm), glibc's heap
 // (mallinfo2) and FSDP's own buffers by owner (fsdp/memory/buffer_pool.h); the breakdown printed
-// is the sample with the largest RSS; "peak RSS" is the kernel's high-water mark (VmHWM).
+// is the sample with the largest RSS; "peak RSS" is the kernel's high-water mark (VmHWM). The table
+// "Where each run peaked" gives each step's largest sample with its phase (forward, backward,
+// optimizer) and the collectives issued so far (which unit was running); --timeline writes every
+// sample that moved the RSS by 1 MB. --pool-trim off keeps the pool's cache resident through
+// backward (BufferPoolOptions::trim_after_forward = false; for comparison).
 //
 // The saving: the training state (parameters + gradients + AdamW state) of one process is S, so
 // N ranks should save S x (N-1)/N per rank; "realized" is (peak RSS of one process - peak RSS of
@@ -26,10 +32,12 @@
 
 #include <atomic>
 #include <chrono>
+#include <cmath>
 #include <cstdio>
 #include <cstdlib>
 #include <fstream>
 #include <map>
+#include <memory>
 #include <mutex>
 #include <sstream>
 #include <string>
@@ -52,16 +60,18 @@ struct Options {
   std::vector<int> ranks = {2, 4};
   std::string malloc_mode = "default";  // default | tuned
   std::string pool = "on";
+  std::string pool_trim = "on";  // BufferPoolOptions::trim_after_forward
   std::string gloo_fallback = "p2p";
   std::string role = "driver";  // driver | single | fsdp
   std::string result;
+  std::string timeline;  // worker: one line per sample that moved the RSS by >= 1 MB or changed phase
 };
 
 [[noreturn]] void usage(const std::string& why) {
   std::fprintf(stderr,
                "memory_bench: %s\nusage: memory_bench [--small] [--ranks 2,4] [--steps N] [--batch N] [--layers N] "
-               "[--dim N] [--heads N] [--seq N] [--threads N] [--malloc default|tuned] [--pool on|off] "
-               "[--gloo-fallback p2p|collective]\n",
+               "[--dim N] [--heads N] [--seq N] [--threads N] [--malloc default|tuned] [--pool on|off] [--pool-trim on|off] "
+               "[--gloo-fallback p2p|collective] [--timeline FILE (with --role)]\n",
                why.c_str());
   std::exit(2);
 }
@@ -80,8 +90,10 @@ Options parse(int argc, char** argv) {
     std::string v = argv[++i];
     if (a == "--role") o.role = v;
     else if (a == "--result") o.result = v;
+    else if (a == "--timeline") o.timeline = v;
     else if (a == "--malloc") o.malloc_mode = v;
     else if (a == "--pool") o.pool = v;
+    else if (a == "--pool-trim") o.pool_trim = v;
     else if (a == "--gloo-fallback") o.gloo_fallback = v;
     else if (a == "--steps") o.steps = std::stoi(v);
     else if (a == "--threads") o.threads = std::stoi(v);
@@ -95,6 +107,7 @@ Options parse(int argc, char** argv) {
   }
   if (o.malloc_mode != "default" && o.malloc_mode != "tuned") usage("--malloc takes default or tuned");
   if (o.pool != "on" && o.pool != "off") usage("--pool takes on or off");
+  if (o.pool_trim != "on" && o.pool_trim != "off") usage("--pool-trim takes on or off");
   if (o.gloo_fallback != "p2p" && o.gloo_fallback != "collective") usage("--gloo-fallback takes p2p or collective");
   if (o.steps < 1 || o.batch < 1 || o.threads < 1) usage("--steps, --batch and --threads must be positive");
   for (int r : o.ranks) {
@@ -104,8 +117,19 @@ Options parse(int argc, char** argv) {
 }
 
 // One sample: RSS, glibc's view, FSDP's buffers.
+// Where the training loop is (set by the main thread, read by the sampler): the step, the phase,
+// and how many all-gathers and reduce-scatters this process has issued (which unit is running).
+enum Phase : int { kSetup = 0, kForward, kBackward, kOptimizer, kBetween };
+const char* phase_name(int p) {
+  static const char* names[] = {"setup", "forward", "backward", "optimizer", "between"};
+  return names[p];
+}
+std::atomic<int> g_step{-1}, g_phase{kSetup};
+
 struct Sample {
-  double rss = 0, heap_in_use = 0, heap_free = 0, mmapped = 0;
+  double t = 0, rss = 0, heap_in_use = 0, heap_free = 0, mmapped = 0;
+  int step = -1, phase = kSetup;
+  uint64_t all_gathers = 0, reduce_scatters = 0;
   fsdp::BufferMemoryStats fsdp;
 };
 
@@ -117,16 +141,28 @@ Sample take_sample() {
   s.heap_free = static_cast<double>(mi.fordblks);    // free but kept in the heap
   s.mmapped = static_cast<double>(mi.hblkhd);        // allocated with mmap by malloc
   s.fsdp = fsdp::buffer_memory_stats();
+  s.step = g_step.load();
+  s.phase = g_phase.load();
+  const auto comm = fsdp::comm::process_comm_stats().snapshot();
+  s.all_gathers = comm[fsdp::comm::OpKind::AllGather].calls;
+  s.reduce_scatters = comm[fsdp::comm::OpKind::ReduceScatter].calls;
   return s;
+}
+
+void write_sample(std::ostream& out, const Sample& s) {
+  out << s.t << " " << s.step << " " << phase_name(s.phase) << " " << s.all_gathers << " " << s.reduce_scatters << " "
+      << s.rss / 1e6 << " " << s.fsdp.total / 1e6 << " " << s.fsdp.pool_live / 1e6 << " " << s.fsdp.pool_cached / 1e6
+      << " " << s.fsdp.pool_cached_resident / 1e6 << " " << s.heap_in_use / 1e6 << " " << s.heap_free / 1e6 << " " << s.mmapped / 1e6 << "\n";
 }
 
 int run_worker(const Options& o, bool sharded) {
   if (o.malloc_mode == "tuned") fsdp::tune_malloc();
   fsdp::comm::set_gloo_fallback(o.gloo_fallback == "p2p" ? fsdp::comm::GlooFallback::PointToPoint
                                                           : fsdp::comm::GlooFallback::Collective);
-  if (o.pool == "off") {
+  {
     fsdp::BufferPoolOptions pool;
-    pool.enabled = false;
+    pool.enabled = o.pool == "on";
+    pool.trim_after_forward = o.pool_trim == "on";
     fsdp::set_buffer_pool_options(pool);
   }
   at::set_num_threads(o.threads);
@@ -159,12 +195,29 @@ int run_worker(const Options& o, bool sharded) {
   std::atomic<bool> stop{false};
   std::mutex mu;
   Sample peak;
+  std::vector<Sample> step_peaks(static_cast<size_t>(o.steps));  // the largest RSS sample of each step
+  std::unique_ptr<std::ofstream> timeline;
+  if (!o.timeline.empty()) {
+    timeline = std::make_unique<std::ofstream>(o.timeline + "." + std::to_string(rank));
+    *timeline << "# t_s step phase all_gathers reduce_scatters rss_MB fsdp_alive_MB pool_live_MB pool_cached_MB pool_cached_resident_MB "
+                 "heap_in_use_MB heap_free_MB glibc_mmapped_MB\n";
+  }
+  const auto t_start = std::chrono::steady_clock::now();
   std::thread sampler([&] {
+    Sample last;
     while (!stop.load()) {
       Sample s = take_sample();
+      s.t = std::chrono::duration<double>(std::chrono::steady_clock::now() - t_start).count();
       {
         std::lock_guard<std::mutex> lock(mu);
         if (s.rss > peak.rss) peak = s;
+        if (s.step >= 0 && s.step < o.steps && s.rss > step_peaks[static_cast<size_t>(s.step)].rss) {
+          step_peaks[static_cast<size_t>(s.step)] = s;
+        }
+      }
+      if (timeline && (std::abs(s.rss - last.rss) >= 1e6 || s.phase != last.phase || s.step != last.step)) {
+        write_sample(*timeline, s);
+        last = s;
       }
       std::this_thread::sleep_for(std::chrono::milliseconds(1));
     }
@@ -182,13 +235,19 @@ int run_worker(const Options& o, bool sharded) {
   std::vector<double> step_s;
   for (int s = 0; s < o.steps; ++s) {
     const auto t0 = std::chrono::steady_clock::now();
+    g_step = s;
+    g_phase = kBetween;
     auto data = at::randint(c.vocab_size, {o.batch, c.block_size + 1}, gen, at::kLong);
     opt.zero_grad();
     auto input = data.narrow(1, 0, c.block_size);
+    g_phase = kForward;
     auto logits = sharded ? fsdp::call(model, input) : model->forward(input);
     auto loss = fsdp::models::gpt_loss(logits, data.narrow(1, 1, c.block_size));
+    g_phase = kBackward;
     loss.backward();
+    g_phase = kOptimizer;
     opt.step();
+    g_phase = kBetween;
     loss_value = loss.item<double>();
     if (s > 0) step_s.push_back(std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
   }
@@ -211,11 +270,21 @@ int run_worker(const Options& o, bool sharded) {
        << block_param_bytes << " total_param_bytes " << total_param_bytes << " loss " << loss_value
        << " s_rss " << peak.rss << " s_heap_in_use " << peak.heap_in_use << " s_heap_free " << peak.heap_free
        << " s_mmapped " << peak.mmapped << " s_fsdp " << peak.fsdp.total << " s_pool_cached "
-       << peak.fsdp.pool_cached << " s_pool_live " << peak.fsdp.pool_live << " fsdp_peak " << fsdp_stats.peak << " pool_peak_mapped "
+       << peak.fsdp.pool_cached << " s_pool_live " << peak.fsdp.pool_live << " s_pool_cached_resident " << peak.fsdp.pool_cached_resident << " fsdp_peak " << fsdp_stats.peak << " pool_peak_mapped "
        << fsdp_stats.pool_peak_mapped << " pool_hits " << fsdp_stats.pool_hits << " pool_misses "
        << fsdp_stats.pool_misses;
   for (int k = 0; k < fsdp::kBufferOwners; ++k) line << " at_peak_" << k << " " << fsdp_stats.at_peak[k];
   for (int k = 0; k < fsdp::kBufferOwners; ++k) line << " s_owner_" << k << " " << peak.fsdp.current[k];
+  // Where the peak was: the step, the phase, the collectives issued so far; and each step's peak.
+  line << " s_step " << peak.step << " s_phase " << peak.phase << " s_all_gathers " << peak.all_gathers
+       << " s_reduce_scatters " << peak.reduce_scatters;
+  for (int s = 0; s < o.steps; ++s) {
+    const auto& sp = step_peaks[static_cast<size_t>(s)];
+    line << " step_rss_" << s << " " << sp.rss << " step_phase_" << s << " " << sp.phase << " step_rs_" << s << " "
+         << sp.reduce_scatters << " step_ag_" << s << " " << sp.all_gathers << " step_pool_cached_" << s << " "
+         << sp.fsdp.pool_cached_resident << " step_fsdp_" << s << " " << sp.fsdp.total << " step_heap_free_" << s << " "
+         << sp.heap_free << " step_heap_in_use_" << s << " " << sp.heap_in_use;
+  }
   {
     std::ofstream out(o.result + "." + std::to_string(rank));
     out << line.str() << "\n";
@@ -232,12 +301,12 @@ int run_driver(const Options& o) {
                                      "--heads",  std::to_string(o.heads),  "--seq",     std::to_string(o.seq),
                                      "--batch",  std::to_string(o.batch),  "--steps",   std::to_string(o.steps),
                                      "--threads", std::to_string(o.threads), "--malloc", o.malloc_mode,
-                                     "--pool",   o.pool, "--gloo-fallback", o.gloo_fallback};
+                                     "--pool",   o.pool, "--pool-trim", o.pool_trim, "--gloo-fallback", o.gloo_fallback};
   std::printf("memory_bench: GPT %lld layers, d=%lld, %lld heads, seq %lld; %lld sequences per rank, %d steps, "
-              "fp32, AdamW, %d thread(s) per rank; malloc %s, FSDP pool %s, Gloo fallback %s\n",
+              "fp32, AdamW, %d thread(s) per rank; malloc %s, FSDP pool %s (trim after forward %s), Gloo fallback %s\n",
               static_cast<long long>(o.layers), static_cast<long long>(o.dim), static_cast<long long>(o.heads),
               static_cast<long long>(o.seq), static_cast<long long>(o.batch), o.steps, o.threads,
-              o.malloc_mode.c_str(), o.pool.c_str(), o.gloo_fallback.c_str());
+              o.malloc_mode.c_str(), o.pool.c_str(), o.pool_trim.c_str(), o.gloo_fallback.c_str());
   std::fflush(stdout);
   struct Run {
     std::string name;
@@ -286,16 +355,16 @@ int run_driver(const Options& o) {
                 fsdp ? (std::to_string(r.at("fsdp_peak") / (5 * unit)).substr(0, 4) + "x").c_str() : "-", r.at("step_s"));
   }
   std::printf("\nAt each run's largest sampled RSS (MB): what it is made of\n\n");
-  std::printf("| run | ranks | RSS | training state | FSDP buffers alive (pool cached) | glibc heap in use | glibc heap free, kept "
+  std::printf("| run | ranks | RSS | training state | FSDP buffers alive (pool cached, resident) | glibc heap in use | glibc heap free, kept "
               "| glibc mmapped | rest (LibTorch, code, activations outside glibc) |\n");
   std::printf("|---|---|---|---|---|---|---|---|---|\n");
   for (const auto& run : runs) {
     const auto& r = run.r;
     const double state = r.at("params") + r.at("grads") + r.at("optim");
     const double accounted = r.at("s_heap_in_use") + r.at("s_heap_free") + r.at("s_mmapped") + r.at("s_pool_live") +
-                             r.at("s_pool_cached");
+                             r.at("s_pool_cached_resident");
     std::printf("| %s | %d | %.0f | %.0f | %.0f (%.0f) | %.0f | %.0f | %.0f | %.0f |\n", run.name.c_str(), run.world,
-                mb(r.at("s_rss")), mb(state), mb(r.at("s_fsdp")), mb(r.at("s_pool_cached")), mb(r.at("s_heap_in_use")),
+                mb(r.at("s_rss")), mb(state), mb(r.at("s_fsdp")), mb(r.at("s_pool_cached_resident")), mb(r.at("s_heap_in_use")),
                 mb(r.at("s_heap_free")), mb(r.at("s_mmapped")), mb(r.at("s_rss") - accounted));
   }
   std::printf("\nFSDP's buffers by owner (MB) at their own peak [and at the largest sampled RSS]\n\n| run | ranks |");
@@ -310,6 +379,24 @@ int run_driver(const Options& o) {
       std::printf(" %.1f [%.1f] |", mb(r.at("at_peak_" + std::to_string(k))), mb(r.at("s_owner_" + std::to_string(k))));
     }
     std::printf(" %.0f MB, %.0f / %.0f |\n", mb(r.at("pool_peak_mapped")), r.at("pool_hits"), r.at("pool_misses"));
+  }
+  std::printf("\nWhere each run peaked (the largest RSS sample of each step, MB: RSS, phase, FSDP buffers alive / pool "
+              "cached and resident, glibc heap free kept; collectives issued so far: all-gathers / reduce-scatters)\n\n| run | ranks |");
+  for (int s = 0; s < o.steps; ++s) std::printf(" step %d |", s + 1);
+  std::printf("\n|---|---|");
+  for (int s = 0; s < o.steps; ++s) std::printf("---|");
+  std::printf("\n");
+  for (const auto& run : runs) {
+    const auto& r = run.r;
+    std::printf("| %s | %d |", run.name.c_str(), run.world);
+    for (int s = 0; s < o.steps; ++s) {
+      const std::string k = std::to_string(s);
+      std::printf(" %.0f, %s, %.0f / %.0f, %.0f; %.0f / %.0f |", mb(r.at("step_rss_" + k)),
+                  phase_name(static_cast<int>(r.at("step_phase_" + k))), mb(r.at("step_fsdp_" + k)),
+                  mb(r.at("step_pool_cached_" + k)), mb(r.at("step_heap_free_" + k)), r.at("step_ag_" + k),
+                  r.at("step_rs_" + k));
+    }
+    std::printf("\n");
   }
   std::printf("\nlosses of the last step:");
   for (const auto& run : runs) std::printf(" %.5f", run.r.at("loss"));

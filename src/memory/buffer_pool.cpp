@@ -36,7 +36,12 @@ struct State {
   std::mutex mu;
   BufferMemoryStats stats;
   BufferPoolOptions options;
-  std::map<size_t, std::vector<void*>> cached;  // free blocks by mapped size
+  // Free blocks by mapped size; `resident`: its pages are still in memory (false once trimmed).
+  struct Cached {
+    void* ptr;
+    bool resident;
+  };
+  std::map<size_t, std::vector<Cached>> cached;
   uint64_t pool_peak_live = 0;                            // the live set's high-water mark
 };
 
@@ -66,7 +71,8 @@ void unmap_cached_locked(State& s, uint64_t& cached_to_free) {
   for (auto it = s.cached.begin(); it != s.cached.end() && cached_to_free > 0;) {
     auto& blocks = it->second;
     while (!blocks.empty() && cached_to_free > 0) {
-      munmap(blocks.back(), it->first);
+      munmap(blocks.back().ptr, it->first);
+      if (blocks.back().resident) s.stats.pool_cached_resident -= it->first;
       blocks.pop_back();
       s.stats.pool_cached -= it->first;
       s.stats.pool_unmapped += 1;
@@ -83,7 +89,9 @@ void* pool_get(State& s, size_t& mapped) {
   auto& st = s.stats;
   auto it = s.cached.lower_bound(mapped);
   if (it != s.cached.end() && it->first <= 2 * mapped && !it->second.empty()) {
-    void* p = it->second.back();
+    // The most recently freed block of that size: the likeliest to be resident still.
+    void* p = it->second.back().ptr;
+    if (it->second.back().resident) st.pool_cached_resident -= it->first;
     it->second.pop_back();
     mapped = it->first;
     if (it->second.empty()) s.cached.erase(it);
@@ -133,7 +141,8 @@ void release_block(void* ctx_ptr) {
     if (ctx->mapped) {
       s.stats.pool_live -= ctx->mapped;
       s.stats.pool_cached += ctx->mapped;
-      s.cached[ctx->mapped].push_back(ctx->ptr);
+      s.stats.pool_cached_resident += ctx->mapped;
+      s.cached[ctx->mapped].push_back({ctx->ptr, true});
     }
   }
   delete ctx;  // frees `inner`, if any, outside the lock
@@ -179,6 +188,25 @@ uint64_t release_cached_buffers() {
     unmap_cached_locked(s, all);
     s.pool_peak_live = s.stats.pool_live;
     return before;
+  });
+}
+
+uint64_t trim_cached_buffers() {
+  return locked([](State& s) {
+    uint64_t trimmed = 0;
+    for (auto& [bytes, blocks] : s.cached) {
+      for (auto& b : blocks) {
+        if (!b.resident) continue;
+        // Private anonymous memory: the pages are dropped now and read back as zeros when touched
+        // (a pool block's contents are undefined when handed out, like at::empty's).
+        if (madvise(b.ptr, bytes, MADV_DONTNEED) != 0) continue;
+        b.resident = false;
+        trimmed += bytes;
+      }
+    }
+    s.stats.pool_cached_resident -= trimmed;
+    s.stats.pool_trimmed += trimmed;
+    return trimmed;
   });
 }
 

@@ -25,6 +25,7 @@ struct PoolRun {
   std::vector<double> losses;
   std::map<std::string, at::Tensor> shards;
   std::vector<fsdp::BufferMemoryStats> after_step;
+  std::vector<fsdp::BufferMemoryStats> after_forward;  // as the root's forward returned
   double largest_unit_bytes = 0;  // the largest fully_shard unit's unsharded parameters
 };
 
@@ -58,6 +59,7 @@ PoolRun train(bool pool, int steps) {
     opt.zero_grad();
     auto data = global_batch(c, batch, s, 0).narrow(0, rank * 2, 2);
     auto logits = fsdp::call(model, data.narrow(1, 0, c.block_size));
+    r.after_forward.push_back(fsdp::buffer_memory_stats());
     auto loss = fsdp::models::gpt_loss(logits, data.narrow(1, 1, c.block_size));
     loss.backward();
     opt.step();
@@ -71,7 +73,7 @@ PoolRun train(bool pool, int steps) {
 std::string describe(const fsdp::BufferMemoryStats& s) {
   std::ostringstream os;
   os << "alive " << s.total << " B, peak " << s.peak << " B, pool live " << s.pool_live << " cached " << s.pool_cached
-     << " peak mapped " << s.pool_peak_mapped << " hits " << s.pool_hits << " misses " << s.pool_misses
+     << " (resident " << s.pool_cached_resident << ", trimmed so far " << s.pool_trimmed << ") peak mapped " << s.pool_peak_mapped << " hits " << s.pool_hits << " misses " << s.pool_misses
      << "; at the peak:";
   for (int k = 0; k < fsdp::kBufferOwners; ++k) {
     if (s.at_peak[k]) os << " " << fsdp::buffer_owner_name(static_cast<fsdp::BufferOwner>(k)) << " " << s.at_peak[k];
@@ -106,6 +108,16 @@ FSDP_RANK_WORKER(pool_reuse_exact_and_bounded) {
     // size, and blocks are whole pages, hence 2x plus a page per block.
     TORCH_CHECK(st.pool_cached <= st.pool_peak_mapped && st.pool_peak_mapped <= 2 * st.peak + 64 * 4096,
                 "after step ", s, ": ", describe(st));
+  }
+  // The cache's pages are given back when forward ends (BufferPoolOptions::trim_after_forward):
+  // none is resident as the root's forward returns, yet no block was mapped anew for it (the reuse
+  // bound below). LibTorch 2.x's Gloo may release a reduce-scatter's buffers late (after the trim).
+  for (int s = 1; s < steps && n > 1; ++s) {
+    const auto& st = with.after_forward[s];
+    const double late = fsdp::compat::kEarlyBufferRelease ? 0.0 : 2.0 * with.largest_unit_bytes + 64 * 4096;
+    TORCH_CHECK(st.pool_cached_resident <= late && st.pool_trimmed > with.after_forward[s - 1].pool_trimmed,
+                "step ", s, ": the pool's cache was not trimmed after forward: ", st.pool_cached_resident,
+                " B resident of ", st.pool_cached, " B cached, ", st.pool_trimmed, " B trimmed so far");
   }
   const auto& last = with.after_step.back();
   if (n == 1) {

@@ -18,7 +18,9 @@
 // step after step, so after the first step nothing is mapped, faulted in or returned to the
 // kernel. The cache never holds more than the largest set of blocks that were alive at once
 // (before it maps a new block it unmaps cached ones until live + cached + new <= that high-water
-// mark), so the pool's footprint is the live set's peak. Smaller buffers and other devices use
+// mark), so the pool's footprint is the live set's peak. fully_shard trims the cache's pages
+// when forward ends (BufferPoolOptions::trim_after_forward): the blocks stay mapped, but while the
+// activations are at their largest only the live blocks are resident. Smaller buffers and other devices use
 // LibTorch's allocator (a GPU's caching allocator already pools).
 #include <array>
 #include <cstddef>
@@ -48,6 +50,9 @@ struct BufferMemoryStats {
   // and how many requests a cached block served (hits) or needed a new mapping (misses).
   uint64_t pool_live = 0, pool_cached = 0, pool_peak_mapped = 0, pool_hits = 0, pool_misses = 0;
   uint64_t pool_unmapped = 0;  // blocks given back to the kernel to keep the footprint at the peak
+  // Of pool_cached, the bytes whose pages are resident (not trimmed since they were freed), and the
+  // bytes trim_cached_buffers() has given back so far (cumulative; not reset by reset_buffer_memory_peak).
+  uint64_t pool_cached_resident = 0, pool_trimmed = 0;
 };
 
 // This process's figures (all fully_shard units together).
@@ -62,10 +67,21 @@ void reset_buffer_memory_peak();
 struct BufferPoolOptions {
   bool enabled = true;
   size_t min_bytes = 64 * 1024;  // smaller buffers come from LibTorch's allocator
+  // fully_shard trims the cache (trim_cached_buffers) when the root's forward ends: from there
+  // until the first unit's backward is done the activations are at their largest, while the
+  // cache holds blocks that backward needs only later (85.6M GPT at 2 ranks: 102 MB cached at
+  // the end of forward, 43 MB still cached at the step's peak RSS in the last block's backward).
+  // The blocks stay mapped (no new mapping, no miss): their pages are faulted in again when they
+  // are handed out. false: the cache stays resident (issue 16's measurements in docs/benchmarks.md).
+  bool trim_after_forward = true;
 };
 void set_buffer_pool_options(const BufferPoolOptions& options);
 BufferPoolOptions buffer_pool_options();
 // Unmaps every cached block (the live ones stay); returns the bytes given back.
 uint64_t release_cached_buffers();
+// Gives back the pages of every cached block (madvise MADV_DONTNEED) but keeps the blocks mapped
+// and cached: the resident set falls by the cache's size now, and a trimmed block handed out later
+// is faulted in again (zero-filled pages) instead of being mapped anew. Returns the bytes trimmed.
+uint64_t trim_cached_buffers();
 
 }  // namespace fsdp

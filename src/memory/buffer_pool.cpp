@@ -1,6 +1,5 @@
 #include "buffer_pool.h"
 
-#include "fsdp/compat/buffers.h"
 
 #include <sys/mman.h>
 #include <unistd.h>
@@ -262,7 +261,7 @@ void count_buffer(BufferOwner owner, int64_t delta_bytes) {
 }
 
 void release_buffer(at::Tensor& t) {
-  if (compat::kEarlyBufferRelease && t.defined() && t.device().is_cpu() && t.has_storage()) {
+  if (t.defined() && t.device().is_cpu() && t.has_storage()) {
     c10::StorageImpl* storage = t.storage().unsafeGetStorageImpl();
     if (storage->data_ptr().get_deleter() == &release_block) {
       // The storage object may outlive this call (held by a finished collective's work object);

@@ -8,7 +8,6 @@
 #include <iostream>
 #include <sstream>
 
-#include "fsdp/compat/buffers.h"
 #include "fsdp/fsdp.h"
 #include "fsdp/memory/buffer_pool.h"
 #include "models/gpt.h"
@@ -111,11 +110,10 @@ FSDP_RANK_WORKER(pool_reuse_exact_and_bounded) {
   }
   // The cache's pages are given back when forward ends (BufferPoolOptions::trim_after_forward):
   // none is resident as the root's forward returns, yet no block was mapped anew for it (the reuse
-  // bound below). LibTorch 2.x's Gloo may release a reduce-scatter's buffers late (after the trim).
+  // bound below).
   for (int s = 1; s < steps && n > 1; ++s) {
     const auto& st = with.after_forward[s];
-    const double late = fsdp::compat::kEarlyBufferRelease ? 0.0 : 2.0 * with.largest_unit_bytes + 64 * 4096;
-    TORCH_CHECK(st.pool_cached_resident <= late && st.pool_trimmed > with.after_forward[s - 1].pool_trimmed,
+    TORCH_CHECK(st.pool_cached_resident == 0 && st.pool_trimmed > with.after_forward[s - 1].pool_trimmed,
                 "step ", s, ": the pool's cache was not trimmed after forward: ", st.pool_cached_resident,
                 " B resident of ", st.pool_cached, " B cached, ", st.pool_trimmed, " B trimmed so far");
   }
@@ -141,10 +139,8 @@ FSDP_RANK_WORKER(pool_reuse_exact_and_bounded) {
   // the prefetched all-gather output, and the previous unit's reduce-scatter (input + 1/N scratch of
   // the point-to-point fallback; the output is a row of the input), ~3.5 units at 2 ranks. Before:
   // 6.5 allowed, 6.08 measured on LibTorch 2.14, where Gloo's worker thread released finished
-  // buffers late (now released at wait(): release_buffer).
-  // Where the early release is off (LibTorch 2.x: fsdp/compat/c10d.h, kEarlyBufferRelease) the
-  // earlier bound holds: 6.5 units.
-  const double units = fsdp::compat::kEarlyBufferRelease ? 5.0 : 6.5;
+  // buffers late (now released at wait(): release_buffer, on every LibTorch version).
+  const double units = 5.0;
   const double bound = units * with.largest_unit_bytes;
   TORCH_CHECK(last.peak <= bound, "FSDP's buffers peaked at ", last.peak, " B, over ", units, " units (", bound, " B)");
   if (fsdp::dist::rank() == 0) {

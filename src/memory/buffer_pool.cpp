@@ -1,6 +1,5 @@
 #include "buffer_pool.h"
 
-
 #include <sys/mman.h>
 #include <unistd.h>
 

@@ -26,6 +26,7 @@
 
 #include "bench_support.h"
 #include "fsdp/fsdp.h"
+#include "fsdp/memory/buffer_pool.h"
 #include "models/gpt.h"
 
 
@@ -43,12 +44,14 @@ struct Options {
   std::string mode = "fsdp";    // fsdp | hsdp | replicate (the distributed worker's parallelism)
   std::string hsdp;             // "RxS" for the HSDP row (default: see parse)
   std::string result;           // where a worker writes its result line
+  std::string pool_trim = "on"; // BufferPoolOptions::trim_after_forward (worker; for comparison)
 };
 
 [[noreturn]] void usage(const char* why) {
   std::fprintf(stderr,
                "bench: %s\nusage: bench [--nproc N] [--steps N] [--warmup N] [--rounds N] [--layers N] [--dim N] "
-               "[--heads N] [--seq N] [--batch N] [--hsdp RxS]\n",
+               "[--heads N] [--seq N] [--batch N] [--hsdp RxS] [--pool-trim on|off]\n"
+               "FSDP_PHASE_TIMERS=1 makes every FSDP worker print where FSDP's own time went, by phase\n",
                why);
   std::exit(2);
 }
@@ -68,12 +71,14 @@ Options parse(int argc, char** argv) {
     else if (a == "--mp") o.mp = v;
     else if (a == "--mode") o.mode = v;
     else if (a == "--hsdp") o.hsdp = v;
+    else if (a == "--pool-trim") o.pool_trim = v;
     else if (ints.count(a)) *ints[a] = std::stoll(v);
     else if (small.count(a)) *small[a] = std::stoi(v);
     else usage(("unknown option " + a).c_str());
   }
   if (o.nproc < 1 || o.batch % o.nproc != 0) usage("--batch must be a positive multiple of --nproc");
   if (o.steps < 1) usage("--steps must be positive");
+  if (o.pool_trim != "on" && o.pool_trim != "off") usage("--pool-trim takes on or off");
   if (o.hsdp.empty()) {
     o.hsdp = (o.nproc % 2 == 0 && o.nproc >= 4) ? "2x" + std::to_string(o.nproc / 2) : std::to_string(o.nproc) + "x1";
   }
@@ -106,6 +111,11 @@ double state_bytes(torch::nn::Module& model, torch::optim::AdamW& opt) {
 
 // One worker: trains `local_batch` sequences per step, sharded or not; writes one result line.
 int run_worker(const Options& o, bool sharded) {
+  {
+    fsdp::BufferPoolOptions pool;
+    pool.trim_after_forward = o.pool_trim == "on";
+    fsdp::set_buffer_pool_options(pool);
+  }
   int rank = 0, world = 1;
   if (sharded) {
     fsdp::dist::init_distributed();
@@ -140,7 +150,10 @@ int run_worker(const Options& o, bool sharded) {
   double first_loss = 0;
   auto stats0 = fsdp::comm::process_comm_stats().snapshot();
   for (int s = 0; s < o.warmup + o.steps; ++s) {
-    if (s == o.warmup) stats0 = fsdp::comm::process_comm_stats().snapshot();
+    if (s == o.warmup) {
+      stats0 = fsdp::comm::process_comm_stats().snapshot();
+      fsdp::reset_phase_timers();
+    }
     auto data = at::randint(c.vocab_size, {local_batch, c.block_size + 1}, gen, at::kLong);
     auto t0 = std::chrono::steady_clock::now();
     opt.zero_grad();
@@ -161,6 +174,14 @@ int run_worker(const Options& o, bool sharded) {
         << " param_bytes " << param_bytes << " world " << world << " all_reduce_bytes_per_step "
         << comm[fsdp::comm::OpKind::AllReduce].bytes_sent / static_cast<double>(o.steps) << " first_loss "
         << first_loss << "\n";
+  }
+  if (sharded && fsdp::phase_timers_enabled()) {
+    // FSDP_PHASE_TIMERS=1: where FSDP's own time went on this rank (fsdp/sharding/phase_timers.h).
+    double total = 0;
+    for (double t : times) total += t;
+    std::printf("rank %d: %.1f ms per step (mean of %d); FSDP's phases:\n%s", rank, 1e3 * total / o.steps, o.steps,
+                fsdp::phase_times().table(o.steps).c_str());
+    std::fflush(stdout);
   }
   if (sharded) fsdp::dist::destroy_distributed();
   return 0;

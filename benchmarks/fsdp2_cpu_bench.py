@@ -1,13 +1,15 @@
 #!/usr/bin/env python3
 """PyTorch's own FSDP2 on CPU (Gloo), on the GPT of benchmarks/bench.cpp, for scripts/fsdp2-cpu-compare.sh.
 
-    python3 benchmarks/fsdp2_cpu_bench.py --role single|fsdp2 [--nproc 2] [--layers 4] [--dim 256]
+    python3 benchmarks/fsdp2_cpu_bench.py --role single|fsdp2|ddp [--nproc 2] [--layers 4] [--dim 256]
         [--heads 4] [--seq 128] [--batch 8] [--steps 10] [--warmup 2] [--threads T] --result FILE
 
 --role single: one process, the per-rank share of the batch (batch / nproc), no process group (the
 limit, as bench's "single" row). --role fsdp2: nproc processes (this script starts them; a FileStore
 rendezvous in a temporary folder: no launcher, no network port), fully_shard on every block then
-the root, global batch --batch. Appends one line to --result in bench's format:
+the root, global batch --batch. --role ddp: the same ranks with DistributedDataParallel (PyTorch's
+defaults: 25 MiB buckets, gradients copied into the buckets) instead, the row to set beside our
+replicate (bench --mode replicate). Appends one line to --result in bench's format:
 "median_step_s S first_loss L params P world N".
 
 The model is bench's GPT (models/gpt.cpp) layer for layer: token + position embeddings, pre-LN
@@ -92,7 +94,7 @@ class GPT(nn.Module):
         return self.lm_head(self.ln_f(x))
 
 
-def train(a, rank, world, sharded):
+def train(a, rank, world, sharded, ddp=False):
     torch.set_num_threads(a.threads)
     torch.manual_seed(0)
     model = GPT(256, a.seq, a.layers, a.dim, a.heads)
@@ -102,6 +104,8 @@ def train(a, rank, world, sharded):
         for b in model.h:
             fully_shard(b)
         fully_shard(model)
+    if ddp:
+        model = nn.parallel.DistributedDataParallel(model)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     gen = torch.Generator().manual_seed(1234 + rank)
     local_batch = a.batch // a.nproc
@@ -129,7 +133,8 @@ def main():
     for name, default in [("nproc", 2), ("layers", 4), ("dim", 256), ("heads", 4), ("seq", 128), ("batch", 8),
                           ("steps", 10), ("warmup", 2), ("threads", 0)]:
         ap.add_argument("--" + name, type=int, default=default)
-    ap.add_argument("--role", choices=["single", "fsdp2", "rank"], required=True)
+    ap.add_argument("--role", choices=["single", "fsdp2", "ddp", "rank"], required=True)
+    ap.add_argument("--mode", choices=["fsdp2", "ddp"], default="fsdp2")  # what a "rank" runs
     ap.add_argument("--result", required=True)
     ap.add_argument("--store", default="")
     a = ap.parse_args()
@@ -144,12 +149,13 @@ def main():
         import torch.distributed as dist
         rank = int(os.environ["RANK"])
         dist.init_process_group("gloo", store=dist.FileStore(a.store, a.nproc), rank=rank, world_size=a.nproc)
-        train(a, rank, a.nproc, sharded=True)
+        train(a, rank, a.nproc, sharded=a.mode == "fsdp2", ddp=a.mode == "ddp")
         dist.destroy_process_group()
         return 0
-    # fsdp2: start nproc ranks of this script and wait for them all (a failed rank fails the run).
+    # fsdp2 / ddp: start nproc ranks of this script and wait for them all (a failed rank fails the run).
     with tempfile.TemporaryDirectory(prefix="fsdp2-cpu-bench-") as tmp:
-        args = [sys.executable, os.path.abspath(__file__), "--role", "rank", "--store", os.path.join(tmp, "store")]
+        args = [sys.executable, os.path.abspath(__file__), "--role", "rank", "--mode", a.role, "--store",
+                os.path.join(tmp, "store")]
         for name in ("nproc", "layers", "dim", "heads", "seq", "batch", "steps", "warmup", "threads"):
             args += ["--" + name, str(getattr(a, name))]
         args += ["--result", a.result]

@@ -3,13 +3,15 @@
 # sid's python3-torch: the same LibTorch), on the same GPT, batch and threads, in one run with
 # alternating repetitions, inside the sid chroot that scripts/libtorch2-check.sh makes.
 #
-#   scripts/fsdp2-cpu-compare.sh [--rounds 2] [--steps 8] [--warmup 2] [--rows ROWS]
+#   scripts/fsdp2-cpu-compare.sh [--rounds 2] [--steps 8] [--warmup 2] [--rows ROWS] [--ddp]
 #
 # ROWS: space-separated NAME:LAYERS:DIM:HEADS:SEQ:BATCH_PER_RANK:RANKS entries (default: bench's
 # GPT at 2 ranks, "3M:4:256:4:128:4:2"); --rows all adds ~3M at 3 and 4 ranks, ~25M and ~85M at 2.
 # Per row and round: ours one process (the per-rank share: the limit), ours FSDP (fsdprun + bench
 # --role fsdp), theirs one process, theirs FSDP2 (benchmarks/fsdp2_cpu_bench.py). Every run gets
-# OMP_NUM_THREADS = cores / ranks. Prints median step times and the ratios. It also builds and runs
+# OMP_NUM_THREADS = cores / ranks. Prints median step times and the ratios. --ddp adds, per round,
+# our replicate (bench --mode replicate) and PyTorch's DistributedDataParallel on the same work,
+# and a second table with them. It also builds and runs
 # tests/models/test_attention (fused attention against the written-out one) against that LibTorch.
 #
 #   FSDP_SID_CHROOT   the chroot (default /var/cache/fsdp/chroot-sid; run libtorch2-check.sh once to
@@ -20,14 +22,15 @@ main() {
 REPO="$(cd "$(dirname "$0")/.." && pwd)"
 CHROOT="${FSDP_SID_CHROOT:-/var/cache/fsdp/chroot-sid}"
 CHROOT="${CHROOT%/}"
-ROUNDS=2 STEPS=8 WARMUP=2 ROWS="3M:4:256:4:128:4:2"
+ROUNDS=2 STEPS=8 WARMUP=2 ROWS="3M:4:256:4:128:4:2" DDP=0
 while (($#)); do
   case "$1" in
     --rounds) ROUNDS="$2"; shift 2 ;;
     --steps) STEPS="$2"; shift 2 ;;
     --warmup) WARMUP="$2"; shift 2 ;;
     --rows) ROWS="$2"; shift 2 ;;
-    -h|--help) sed -n '2,17p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+    --ddp) DDP=1; shift ;;
+    -h|--help) sed -n '2,19p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
     *) echo "fsdp2-cpu-compare: unknown argument '$1' (see --help)" >&2; exit 2 ;;
   esac
 done
@@ -41,7 +44,7 @@ die() { printf 'fsdp2-cpu-compare: %s\n' "$*" >&2; exit 1; }
 # shellcheck source-path=SCRIPTDIR source=lib/chroot.sh
 . "$REPO/scripts/lib/chroot.sh"
 chroot_lock fsdp2-cpu-compare
-trap chroot_unmount_all EXIT
+trap 'chroot_unmount_all; rm -f "${DDP_ROWS:-}"' EXIT
 chroot_unmount_all
 [ -z "$(chroot_mounts_under "$CHROOT")" ] || die "mounts remain under $CHROOT; unmount them first"
 chroot_mount "$REPO" /src
@@ -53,6 +56,7 @@ if ! in_chroot python3 -c 'import torch.distributed.fsdp' 2>/dev/null; then
     { tail -n 20 "$CHROOT/var/log/fsdp-apt.log" >&2; die "apt-get install python3-torch failed"; }
 fi
 BUILD=/build-fsdp2-compare
+DDP_ROWS="$(mktemp /tmp/fsdp2-compare-ddp-XXXXXX)"
 log "torch $(in_chroot python3 -c 'import torch; print(torch.__version__)'); building bench, fsdprun, test_attention in $BUILD (chroot)"
 [ -f "$CHROOT$BUILD/build.ninja" ] || in_chroot cmake -S /src -B "$BUILD" -G Ninja -DCMAKE_BUILD_TYPE=Release >/dev/null
 in_chroot cmake --build "$BUILD" --target bench fsdprun test_attention -- -j2 | tail -n 1
@@ -78,6 +82,12 @@ for row in $ROWS; do
       --threads "$threads" --result "$out/theirs_single" "${shape[@]}"
     in_chroot env OMP_NUM_THREADS="$threads" timeout 3600 python3 /src/benchmarks/fsdp2_cpu_bench.py --role fsdp2 \
       --threads "$threads" --result "$out/theirs_fsdp" "${shape[@]}"
+    if ((DDP)); then
+      in_chroot env OMP_NUM_THREADS="$threads" timeout 3600 "$BUILD/bin/fsdprun" --nproc-per-node "$nproc" --master-port 0 -- \
+        "$BUILD/bin/bench" --role fsdp --mode replicate --result "$out/ours_ddp" "${shape[@]}" >/dev/null
+      in_chroot env OMP_NUM_THREADS="$threads" timeout 3600 python3 /src/benchmarks/fsdp2_cpu_bench.py --role ddp \
+        --threads "$threads" --result "$out/theirs_ddp" "${shape[@]}"
+    fi
   done
   # Median over rounds of each run's median step; first losses and parameter counts from the files.
   in_chroot python3 - "$out" "$name" "$nproc" "$threads" <<'EOF'
@@ -94,7 +104,21 @@ if abs(ours_params - params) > 1e-5 * params:
 print(f"| {name} | {params / 1e6:.2f}M | {nproc} | {threads} | {os_ * 1e3:.1f} ms | {of * 1e3:.1f} ms | {of / os_:.2f}x "
       f"| {ts * 1e3:.1f} ms | {tf * 1e3:.1f} ms | {tf / ts:.2f}x | {of / tf:.2f}x | {ofr['first_loss']:.4f} / {tfr['first_loss']:.4f} |")
 EOF
+  if ((DDP)); then
+    in_chroot python3 - "$out" "$name" "$nproc" >>"$DDP_ROWS" <<'EOF'
+import statistics, sys
+out, name, nproc = sys.argv[1:]
+med = lambda f: statistics.median(float(l.split()[1]) for l in open(f"{out}/{f}") if l.strip())
+os_, od, ts, td = med("ours_single"), med("ours_ddp"), med("theirs_single"), med("theirs_ddp")
+print(f"| {name} | {nproc} | {os_ * 1e3:.1f} ms | {od * 1e3:.1f} ms | {od / os_:.2f}x | {ts * 1e3:.1f} ms "
+      f"| {td * 1e3:.1f} ms | {td / ts:.2f}x | {od / td:.2f}x |")
+EOF
+  fi
 done
+if ((DDP)); then
+  printf '\nReplicate (DDP) on the same work:\n\n| model | ranks | ours 1 proc | ours replicate | ours / limit | theirs 1 proc | theirs DDP | theirs / limit | ours replicate / theirs DDP |\n|---|---|---|---|---|---|---|---|---|\n'
+  cat "$DDP_ROWS"
+fi
 printf '\nfsdp2-cpu-compare: load average at the end: %s\n' "$(cut -d' ' -f1-3 /proc/loadavg)"
 }
 main "$@"

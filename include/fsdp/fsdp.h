@@ -22,6 +22,7 @@
 #include "fsdp/sharding/forward_method.h"
 #include "fsdp/sharding/fully_shard.h"
 #include "fsdp/sharding/gpu_stats.h"
+#include "fsdp/sharding/phase_timers.h"
 #include "fsdp/sharding/materialize.h"
 #include "fsdp/sharding/policies.h"
 #include "fsdp/sharding/replicate.h"

@@ -189,8 +189,9 @@ uint64_t release_cached_buffers() {
   });
 }
 
-uint64_t trim_cached_buffers() {
-  return locked([](State& s) {
+uint64_t trim_cached_buffers(size_t at_least) {
+  return locked([at_least](State& s) -> uint64_t {
+    if (s.stats.pool_cached_resident < at_least) return 0;
     uint64_t trimmed = 0;
     for (auto& [bytes, blocks] : s.cached) {
       for (auto& b : blocks) {

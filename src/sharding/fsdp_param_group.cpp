@@ -7,6 +7,7 @@
 
 #include "../memory/buffer_pool.h"
 #include "collectives.h"
+#include "phase_timers.h"
 
 namespace fsdp::detail {
 
@@ -89,7 +90,10 @@ void FSDPParamGroup::unshard(bool async_op, const c10::Event* after) {
   }
   // In place: the input is this rank's row of the output (FSDP2's layout), no buffer of its own.
   at::Tensor input = all_gather_output_[comm_->rank()];
-  auto copy_in = [&] { copy_in_all_gather_input(params_, offsets_, input); };
+  auto copy_in = [&] {
+    PhaseScope timed(Phase::CopyIn);
+    copy_in_all_gather_input(params_, offsets_, input);
+  };
   if (s) {
     // The shards may have just been updated on the current stream (the optimizer): copy after it,
     // or after the post-optim event when the root was given one.
@@ -101,10 +105,12 @@ void FSDPParamGroup::unshard(bool async_op, const c10::Event* after) {
     }
     DeviceStreams::wait_stream(s->all_gather, s->copy_in);
     c10::StreamGuard on_all_gather(s->all_gather);
+    PhaseScope timed(Phase::AllGatherIssue);
     all_gather_work_ = comm_->all_gather_into_tensor(all_gather_output_.view(-1), input, /*async_op=*/true);
     all_gather_input_ = input;
   } else {
     copy_in();
+    PhaseScope timed(Phase::AllGatherIssue);
     all_gather_work_ = comm_->all_gather_into_tensor(all_gather_output_.view(-1), input, /*async_op=*/true);
   }
   state_ = State::Unsharding;
@@ -119,13 +125,18 @@ void FSDPParamGroup::wait_for_unshard() {
     // stream waits for the all-gather stream before it copies the rows out.
     {
       c10::StreamGuard on_all_gather(s->all_gather);
+      PhaseScope timed(Phase::AllGatherWait);
       all_gather_work_.wait();
     }
     s->current_waits_for_all_gather();
   } else {
+    PhaseScope timed(Phase::AllGatherWait);
     all_gather_work_.wait();
   }
-  copy_out_all_gather_output(params_, offsets_, all_gather_output_, total_shard_numel_);
+  {
+    PhaseScope timed(Phase::CopyOut);
+    copy_out_all_gather_output(params_, offsets_, all_gather_output_, total_shard_numel_);
+  }
   // Freed: only the unsharded parameters hold the data now. On a GPU the current stream has waited
   // for every stream that used these buffers, and they were allocated on it. On the CPU the memory
   // goes back now, not when Gloo's worker thread drops the finished work (release_buffer).
@@ -140,6 +151,7 @@ void FSDPParamGroup::reshard() {
   if (state_ == State::Unsharding) wait_for_unshard();  // a gather in flight cannot be cancelled
   post_forward_shard_ = at::Tensor();
   if (state_ != State::Unsharded) return;
+  PhaseScope timed(Phase::Reshard);
   for (auto& p : params_) p->free_unsharded();
   state_ = State::Sharded;
 }
@@ -190,7 +202,11 @@ void FSDPParamGroup::post_backward() {
   // The reduce-scatter runs in reduce_dtype (the input is cast to it); the unsharded gradients
   // are consumed: each is freed once it is in the input, as FSDP2 does.
   const auto reduce_dtype = with_grad.front().first->reduce_dtype();
-  at::Tensor input = build_reduce_scatter_input(with_grad, comm_->size(), reduce_dtype, reduced_params_);
+  at::Tensor input;
+  {
+    PhaseScope timed(Phase::ReduceScatterInput);
+    input = build_reduce_scatter_input(with_grad, comm_->size(), reduce_dtype, reduced_params_);
+  }
   // On the CPU the output is this rank's row of the input (in place, no buffer of its own: the
   // reduce-scatter in flight holds one unit of input + Gloo's scratch of 1/N); a GPU's gets its own.
   DeviceStreams* s = streams();
@@ -204,8 +220,10 @@ void FSDPParamGroup::post_backward() {
     // collective then overlaps the backward of the units still to come.
     DeviceStreams::wait_stream(s->reduce_scatter, s->current());
     c10::StreamGuard on_reduce_scatter(s->reduce_scatter);
+    PhaseScope timed(Phase::ReduceScatterIssue);
     reduce_work_ = comm_->reduce_scatter_tensor(reduce_output_, input.view(-1), op, /*async_op=*/true);
   } else {
+    PhaseScope timed(Phase::ReduceScatterIssue);
     reduce_work_ = comm_->reduce_scatter_tensor(reduce_output_, input.view(-1), op, /*async_op=*/true);
   }
 }
@@ -216,7 +234,10 @@ void FSDPParamGroup::start_all_reduce() {
   // collective (a stream wait, no host wait on NCCL).
   std::optional<c10::StreamGuard> on_reduce_scatter;
   if (s) on_reduce_scatter.emplace(s->reduce_scatter);
-  reduce_work_.wait();
+  {
+    PhaseScope timed(Phase::ReduceScatterWait);
+    reduce_work_.wait();
+  }
   reduce_work_ = comm::Work();
   if (!requires_all_reduce) {
     // Partial (shard group only) sums wait for the next all-reduce; nothing reaches .grad yet.
@@ -259,6 +280,7 @@ void FSDPParamGroup::finish_reduce() {
     const c10::Stream& side = all_reduce_started_ ? s->all_reduce : s->reduce_scatter;
     {
       c10::StreamGuard on_side(side);
+      PhaseScope timed(Phase::ReduceScatterWait);
       reduce_work_.wait();
     }
     DeviceStreams::wait_stream(s->current(), side);
@@ -272,12 +294,17 @@ void FSDPParamGroup::finish_reduce() {
       reduced = host;
     }
   } else {
-    reduce_work_.wait();
+    {
+      PhaseScope timed(Phase::ReduceScatterWait);
+      reduce_work_.wait();
+    }
     reduce_work_ = comm::Work();  // the backend's scratch is freed now
+    PhaseScope timed(Phase::GradAccumulate);
     if (pending_divide_) reduced.div_(*pending_divide_);
   }
   reduce_work_ = comm::Work();
   all_reduce_started_ = false;
+  PhaseScope timed(Phase::GradAccumulate);
   for (auto& [p, offset] : reduced_params_) p->accumulate_sharded_grad(reduced, offset);
   reduced_params_.clear();
   reduced = at::Tensor();

@@ -9,6 +9,7 @@
 
 #include "../memory/buffer_pool.h"
 #include "autograd_hooks.h"
+#include "phase_timers.h"
 #include "fsdp/sharding/call.h"
 #include "registry.h"
 
@@ -104,6 +105,7 @@ void FSDPState::root_pre_forward() {
   }
   if (!ctx_->forward_order.empty()) ctx_->previous_forward_order = std::move(ctx_->forward_order);
   ctx_->forward_order.clear();
+  ctx_->post_forward_order.clear();
 }
 
 FSDPState* FSDPState::neighbour(const std::vector<FSDPState*>& order, int step) const {
@@ -112,6 +114,17 @@ FSDPState* FSDPState::neighbour(const std::vector<FSDPState*>& order, int step) 
   const auto idx = (it - order.begin()) + step;
   if (idx < 0 || idx >= static_cast<long>(order.size())) return nullptr;
   return order[static_cast<size_t>(idx)];
+}
+
+bool FSDPState::is_last_in(const std::vector<FSDPState*>& order) const {
+  return !order.empty() && order.back() == this;
+}
+
+void FSDPState::trim_pool_after_forward() {
+  const BufferPoolOptions options = buffer_pool_options();
+  if (!options.trim_after_forward) return;
+  PhaseScope timed(Phase::PoolTrim);
+  trim_cached_buffers(options.trim_min_bytes);
 }
 
 std::vector<at::Tensor> FSDPState::pre_recompute(std::vector<at::Tensor> args) {
@@ -141,6 +154,7 @@ void FSDPState::cast_forward_inputs(std::vector<at::Tensor>& args) const {
 }
 
 std::vector<at::Tensor> FSDPState::pre_forward(std::vector<at::Tensor> args) {
+  PhaseScope timed(Phase::Hooks);
   if (in_recompute()) return pre_recompute(std::move(args));
   if (!is_root_.has_value()) lazy_init_as_root();
   if (is_root() && training_ == Training::Idle && forward_calls_ == 0) root_pre_forward();
@@ -164,13 +178,11 @@ std::vector<at::Tensor> FSDPState::pre_forward(std::vector<at::Tensor> args) {
     for (FSDPState* t : targets) {
       if (t->group_) t->group_->unshard(/*async_op=*/true);
     }
-    // The last unit of forward (nothing to prefetch after it; known from the second step on): the
-    // activations are near their largest from here until backward frees them, and every block
-    // in the pool's cache waits for backward. Its pages go back now (BufferPoolOptions).
-    if (targets.empty() && !is_root() && !ctx_->previous_forward_order.empty() &&
-        buffer_pool_options().trim_after_forward) {
-      trim_cached_buffers();
-    }
+    // The last unit of forward (last in the previous step's order, so known from the second step
+    // on; an explicit prefetch list does not change which unit that is): the activations are near
+    // their largest from here until backward frees them, and every block in the pool's cache
+    // waits for backward. Its pages go back now (BufferPoolOptions).
+    if (!is_root() && is_last_in(ctx_->previous_forward_order)) trim_pool_after_forward();
   }
   cast_forward_inputs(args);
   // List form: one post-backward node, on the inputs of the group's first module, so it runs
@@ -180,10 +192,15 @@ std::vector<at::Tensor> FSDPState::pre_forward(std::vector<at::Tensor> args) {
 }
 
 void FSDPState::post_forward(std::vector<at::Tensor>& outputs) {
+  PhaseScope timed(Phase::Hooks);
   if (++forward_calls_ < modules_.size()) return;  // list form: after the last module of the group
   forward_calls_ = 0;
   // In a recompute the unit's backward follows at once: keep the parameters (post_backward reshards).
   if (group_ && group_->reshard_after_forward && !in_recompute()) group_->reshard_post_forward();
+  auto& post_order = ctx_->post_forward_order;
+  if (!in_recompute() && std::find(post_order.begin(), post_order.end(), this) == post_order.end()) {
+    post_order.push_back(this);
+  }
   if (mp_policy_.output_dtype) {
     for (auto& o : outputs) {
       if (o.defined() && at::isFloatingType(o.scalar_type())) o = o.to(*mp_policy_.output_dtype);
@@ -194,7 +211,7 @@ void FSDPState::post_forward(std::vector<at::Tensor>& outputs) {
   // The root's forward is done: the activations are at their largest until the first unit's
   // backward has run, and the pool's cache holds blocks backward needs only later (or not before
   // the next forward). Its pages go back now; the blocks stay mapped (BufferPoolOptions).
-  if (is_root() && !in_recompute() && buffer_pool_options().trim_after_forward) trim_cached_buffers();
+  if (is_root() && !in_recompute()) trim_pool_after_forward();
 }
 
 void FSDPState::abort_forward() noexcept {
@@ -203,6 +220,7 @@ void FSDPState::abort_forward() noexcept {
 }
 
 void FSDPState::pre_backward() {
+  PhaseScope timed(Phase::Hooks);
   if (training_ == Training::PreBackward || training_ == Training::PostBackward) return;
   if (!ctx_->final_callback_queued) {
     ctx_->final_callback_queued = true;
@@ -214,10 +232,11 @@ void FSDPState::pre_backward() {
   // prefetch are allocated (the unit's own all-gather, prefetched earlier, is already in flight).
   if (!reduce_scatter_overlaps()) queue_reduce(nullptr);
   if (group_) group_->wait_for_unshard();
-  // Overlap: the unit that ran before this one in forward runs next in backward.
+  // Overlap: the unit whose forward ended just before this one's runs next in backward (for the
+  // root, whose forward ends last: the last block).
   std::vector<FSDPState*> targets = explicit_backward_prefetch;
   if (!has_explicit_backward_prefetch) {
-    if (FSDPState* prev = neighbour(ctx_->forward_order, -1)) targets = {prev};
+    if (FSDPState* prev = neighbour(ctx_->post_forward_order, -1)) targets = {prev};
   }
   for (FSDPState* t : targets) {
     if (t->group_ && t->training_ != Training::PostBackward) t->group_->unshard(/*async_op=*/true);
@@ -246,6 +265,7 @@ void FSDPState::queue_reduce(FSDPParamGroup* group) {
 }
 
 void FSDPState::post_backward() {
+  PhaseScope timed(Phase::Hooks);
   if (training_ == Training::PostBackward) return;
   training_ = Training::PostBackward;
   if (!group_) return;
@@ -257,6 +277,7 @@ void FSDPState::post_backward() {
 }
 
 void FSDPState::final_callback() {
+  PhaseScope timed(Phase::Hooks);
   // Units whose post-backward hook never ran (inputs without grad, like the root's token ids):
   // same order on every rank, so their collectives match.
   for (FSDPState* s : ctx_->states) {

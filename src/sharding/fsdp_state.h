@@ -37,6 +37,10 @@ struct RootContext {
   std::vector<FSDPState*> states;  // the root first, then its descendants in module order
   std::vector<FSDPState*> forward_order;           // this step, in pre-forward order
   std::vector<FSDPState*> previous_forward_order;  // last step's: drives forward prefetch
+  // This step, in post-forward order (a unit's forward ends after those nested in it: the root is
+  // last): drives backward prefetch, as FSDP2's post_forward_order does. The unit before a unit
+  // here runs next in backward; so the root's pre-backward prefetches the last block.
+  std::vector<FSDPState*> post_forward_order;
   std::vector<FSDPParamGroup*> pending_reduces;    // reduce-scatters in flight, oldest first
   bool final_callback_queued = false;
   bool is_last_backward = true;
@@ -81,6 +85,10 @@ class FSDPState {
   void final_callback();
   void queue_reduce(FSDPParamGroup* group);
   FSDPState* neighbour(const std::vector<FSDPState*>& order, int step) const;
+  bool is_last_in(const std::vector<FSDPState*>& order) const;
+  // The pool's cache goes back to the kernel as forward ends (BufferPoolOptions::trim_after_forward,
+  // trim_min_bytes): at the last unit's pre-forward and at the root's post-forward.
+  void trim_pool_after_forward();
 
   std::vector<torch::nn::Module*> modules_;
   std::vector<std::weak_ptr<torch::nn::Module>> module_refs_;

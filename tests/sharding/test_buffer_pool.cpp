@@ -28,10 +28,11 @@ struct PoolRun {
   double largest_unit_bytes = 0;  // the largest fully_shard unit's unsharded parameters
 };
 
-PoolRun train(bool pool, int steps) {
+PoolRun train(bool pool, int steps, size_t trim_min_bytes = 0) {
   fsdp::BufferPoolOptions options;
   options.enabled = pool;
   options.min_bytes = 1;  // every buffer through the pool: the test model is small
+  options.trim_min_bytes = trim_min_bytes;  // 0: the cache is trimmed however small it is
   fsdp::set_buffer_pool_options(options);
   fsdp::release_cached_buffers();
   fsdp::reset_buffer_memory_peak();
@@ -116,6 +117,15 @@ FSDP_RANK_WORKER(pool_reuse_exact_and_bounded) {
     TORCH_CHECK(st.pool_cached_resident == 0 && st.pool_trimmed > with.after_forward[s - 1].pool_trimmed,
                 "step ", s, ": the pool's cache was not trimmed after forward: ", st.pool_cached_resident,
                 " B resident of ", st.pool_cached, " B cached, ", st.pool_trimmed, " B trimmed so far");
+  }
+  // ... unless the cache is smaller than trim_min_bytes (refaulting it would cost more than it saves).
+  if (n > 1) {
+    const PoolRun kept = train(/*pool=*/true, 3, /*trim_min_bytes=*/size_t{1} << 40);
+    for (int s = 1; s < 3; ++s) {
+      const auto& st = kept.after_forward[s];
+      TORCH_CHECK(st.pool_trimmed == kept.after_forward[0].pool_trimmed && st.pool_cached_resident > 0,
+                  "step ", s, ": a cache below trim_min_bytes was trimmed: ", describe(st));
+    }
   }
   const auto& last = with.after_step.back();
   if (n == 1) {

@@ -206,6 +206,32 @@ TEST(FullyShardMemory, OnlyTheRunningUnitIsUnsharded) {
   g_probe_blocks.clear();
 }
 
+// Backward prefetch follows the post-forward order (FSDP2's): the root's forward ends last, so its
+// pre-backward hook gathers the last block, whose backward comes next, while the root's own backward
+// (the head and the loss) computes. A world of one "gathers" synchronously (the unsharded parameters
+// alias the shards), so the prefetch shows as the last block unsharded before its backward starts.
+TEST(FullyShardPrefetch, RootPreBackwardPrefetchesTheLastBlock) {
+  GPT model(tiny());
+  for (auto& b : model->blocks) fsdp::fully_shard(b);
+  fsdp::fully_shard(model);
+  auto& last = model->blocks.back()->attn->c_attn->weight;
+  for (int step = 0; step < 2; ++step) {
+    auto logits = fsdp::call(model, tokens());
+    ASSERT_EQ(last.numel(), 0) << "the last block was not resharded after forward";
+    const auto before = fsdp::comm::process_comm_stats().snapshot();
+    int64_t seen_unsharded = -1;
+    uint64_t gathers = 0;
+    // Runs after FSDP's own pre-backward hook on the same tensor (hooks run in registration order).
+    logits.register_hook([&](const at::Tensor&) {
+      seen_unsharded = last.numel();
+      gathers = (fsdp::comm::process_comm_stats().snapshot() - before)[fsdp::comm::OpKind::AllGather].calls;
+    });
+    logits.sum().backward();
+    EXPECT_GT(seen_unsharded, 0) << "step " << step << ": the root's pre-backward did not prefetch the last block";
+    EXPECT_EQ(gathers, 1u) << "step " << step;
+  }
+}
+
 // set_reshard_after_backward(false): parameters stay gathered after backward, so the next forward
 // needs no all-gather.
 TEST(FullyShardSettings, ReshardAfterBackwardFalseKeepsParameters) {

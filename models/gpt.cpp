@@ -28,7 +28,10 @@ LinearImpl::LinearImpl(int64_t in, int64_t out, bool with_bias, torch::Device de
   if (with_bias) bias = register_parameter("bias", torch::empty({out}, torch::TensorOptions().device(device)));
 }
 
-torch::Tensor LinearImpl::forward(const torch::Tensor& x) { return F::linear(x, weight, bias); }
+// at::linear (what Python's F.linear calls): the bias is added inside the matrix multiply
+// (addmm) for inputs of any rank. LibTorch's C++ F::linear does that only for 2-D inputs; for
+// [B, T, C] it multiplies, then adds the bias in a second pass (and back again in backward).
+torch::Tensor LinearImpl::forward(const torch::Tensor& x) { return torch::linear(x, weight, bias); }
 
 EmbeddingImpl::EmbeddingImpl(int64_t num, int64_t dim, torch::Device device) {
   weight = register_parameter("weight", torch::empty({num, dim}, torch::TensorOptions().device(device)));

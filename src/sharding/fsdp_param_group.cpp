@@ -299,7 +299,6 @@ void FSDPParamGroup::finish_reduce() {
       reduce_work_.wait();
     }
     reduce_work_ = comm::Work();  // the backend's scratch is freed now
-    PhaseScope timed(Phase::GradAccumulate);
     if (pending_divide_) reduced.div_(*pending_divide_);
   }
   reduce_work_ = comm::Work();

@@ -19,6 +19,7 @@
 #include "fsdp/activation/checkpoint.h"
 #include "fsdp/sharding/call.h"
 #include "fsdp/sharding/clip_grad.h"
+#include "fsdp/sharding/cpu_collectives.h"
 #include "fsdp/sharding/forward_method.h"
 #include "fsdp/sharding/fully_shard.h"
 #include "fsdp/sharding/gpu_stats.h"

@@ -290,6 +290,118 @@ Work Comm::reduce_scatter_tensor(const at::Tensor& out, const at::Tensor& in, Re
   return finish(OpKind::ReduceScatter, bytes, std::move(work), after, async_op, op.c_str());
 }
 
+namespace {
+
+// The pieces' checks: one dtype, contiguous, `n` destinations each; `own(i)` is the piece this
+// rank keeps of exchange i and `mine(i)` the one it contributes to itself (equal numels).
+void check_pieces(const std::string& op, const std::vector<at::Tensor>& singles,
+                  const std::vector<std::vector<at::Tensor>>& lists, int n, int rank, BackendKind kind) {
+  if (singles.size() != lists.size()) {
+    bad_argument(op, std::to_string(singles.size()) + " single pieces but " + std::to_string(lists.size()) +
+                         " lists of pieces; give one list (one piece per rank) for each");
+  }
+  for (size_t i = 0; i < singles.size(); ++i) {
+    const std::string at_i = " of exchange " + std::to_string(i);
+    check_tensor(op, ("piece" + at_i).c_str(), singles[i], kind);
+    if (lists[i].size() != static_cast<size_t>(n)) {
+      bad_argument(op, "exchange " + std::to_string(i) + " lists " + std::to_string(lists[i].size()) +
+                           " pieces; give one per rank of the group (" + std::to_string(n) + ")");
+    }
+    for (const auto& t : lists[i]) {
+      check_tensor(op, ("a rank's piece" + at_i).c_str(), t, kind);
+      check_same_dtype(op, t, singles.front());
+    }
+    check_same_dtype(op, singles[i], singles.front());
+    if (lists[i][static_cast<size_t>(rank)].numel() != singles[i].numel()) {
+      bad_argument(op, "exchange " + std::to_string(i) + ": this rank's piece has " +
+                           std::to_string(lists[i][static_cast<size_t>(rank)].numel()) + " elements in the list but " +
+                           std::to_string(singles[i].numel()) + " alone; they must match");
+    }
+  }
+}
+
+// What the desync check and the flight recorder see of a pieces operation: one tensor of the
+// pieces' total numel, dtype and device (a stride-0 view of a piece: nothing is allocated).
+at::Tensor pieces_summary(const std::vector<at::Tensor>& pieces) {
+  int64_t total = 0;
+  const at::Tensor* some = nullptr;
+  for (const auto& t : pieces) {
+    total += t.numel();
+    if (!some && t.numel() > 0) some = &t;
+  }
+  if (!some) return pieces.empty() ? at::Tensor() : pieces.front();
+  return some->view(-1).narrow(0, 0, 1).as_strided({total}, {0});
+}
+
+}  // namespace
+
+bool Comm::takes_pieces(const at::Tensor& t) const {
+  return size() == 1 || (kind_ == BackendKind::Gloo && t.is_cpu());
+}
+
+Work Comm::all_gather_pieces(const std::vector<at::Tensor>& ins, const std::vector<std::vector<at::Tensor>>& outs,
+                             bool async_op) {
+  const std::string op = "all_gather_pieces";
+  check_pieces(op, ins, outs, size(), rank_, kind_);
+  if (!ins.empty() && !takes_pieces(ins.front())) {
+    bad_argument(op, std::string("takes CPU tensors on a Gloo group (or a group of one); this is ") +
+                         backend_name(kind_) + " with " + ins.front().device().str() +
+                         " tensors: use all_gather_into_tensor");
+  }
+  std::vector<at::Tensor> gathered;
+  uint64_t bytes = 0;
+  for (size_t i = 0; i < ins.size(); ++i) {
+    for (const auto& t : outs[i]) gathered.push_back(t);
+    bytes += static_cast<uint64_t>(ins[i].nbytes()) * static_cast<uint64_t>(size() - 1);
+  }
+  const at::Tensor in_summary = pieces_summary(ins), out_summary = pieces_summary(gathered);
+  detail::check_collective_matches(*this, ++seq_, OpKind::AllGather, in_summary, out_summary);
+  flight_issue(*this, "all_gather_pieces", in_summary, out_summary);
+  if (size() == 1 || ins.empty()) {
+    for (size_t i = 0; i < ins.size(); ++i) {
+      const at::Tensor& own = outs[i][0];
+      if (ins[i].numel() > 0 && own.data_ptr() != ins[i].data_ptr()) own.view(-1).copy_(ins[i].view(-1));
+    }
+    return finish(OpKind::AllGather, 0, compat::WorkPtr(), nullptr, async_op, op.c_str());
+  }
+  return all_gather_pieces_p2p(ins, outs, async_op, bytes);  // comm/p2p_collectives.cpp
+}
+
+Work Comm::reduce_scatter_pieces(const std::vector<at::Tensor>& outs, const std::vector<std::vector<at::Tensor>>& ins,
+                                 ReduceOp rop, bool async_op) {
+  const std::string op = "reduce_scatter_pieces";
+  check_pieces(op, outs, ins, size(), rank_, kind_);
+  if (!outs.empty()) check_avg_dtype(op, rop, outs.front());
+  if (!outs.empty() && !takes_pieces(outs.front())) {
+    bad_argument(op, std::string("takes CPU tensors on a Gloo group (or a group of one); this is ") +
+                         backend_name(kind_) + " with " + outs.front().device().str() +
+                         " tensors: use reduce_scatter_tensor");
+  }
+  if (!outs.empty() && moves_as_bits(outs.front())) {
+    bad_argument(op, std::string("the backend cannot add ") + c10::toString(outs.front().scalar_type()) +
+                         "; reduce in float32 (FSDP's reduce_dtype) or use reduce_scatter_tensor");
+  }
+  std::vector<at::Tensor> sent;
+  uint64_t bytes = 0;
+  for (size_t i = 0; i < ins.size(); ++i) {
+    for (int r = 0; r < size(); ++r) {
+      sent.push_back(ins[i][static_cast<size_t>(r)]);
+      if (r != rank_) bytes += static_cast<uint64_t>(ins[i][static_cast<size_t>(r)].nbytes());
+    }
+  }
+  const at::Tensor in_summary = pieces_summary(sent), out_summary = pieces_summary(outs);
+  detail::check_collective_matches(*this, ++seq_, OpKind::ReduceScatter, in_summary, out_summary, static_cast<int>(rop));
+  flight_issue(*this, "reduce_scatter_pieces", in_summary, out_summary);
+  if (size() == 1 || outs.empty()) {
+    for (size_t i = 0; i < outs.size(); ++i) {
+      const at::Tensor& own = ins[i][0];
+      if (outs[i].numel() > 0 && own.data_ptr() != outs[i].data_ptr()) outs[i].view(-1).copy_(own.view(-1));
+    }
+    return finish(OpKind::ReduceScatter, 0, compat::WorkPtr(), nullptr, async_op, op.c_str());
+  }
+  return reduce_scatter_pieces_p2p(outs, ins, rop, async_op, bytes);  // comm/p2p_collectives.cpp
+}
+
 Work Comm::all_reduce(const at::Tensor& tensor, ReduceOp rop, bool async_op) {
   const std::string op = "all_reduce";
   check_tensor(op, "tensor", tensor, kind_);

@@ -14,10 +14,21 @@
 //                   copy back (LibTorch 1.13's list all-gather goes through c10d's own flat
 //                   buffer, as large as the output, and copies it back).
 //
+//   all-gather of pieces (all_gather_pieces)
+//                   the all-gather above with one message per piece: each piece is sent from
+//                   where it lies and received straight into its place (FSDP: a shard's rows go
+//                   into the unsharded parameter itself); empty pieces are not sent.
+//   reduce-scatter of pieces (reduce_scatter_pieces)
+//                   the reduce-scatter above with one message per piece: each rank's pieces are
+//                   sent from where they lie (FSDP: a gradient's rows of each rank); what arrives
+//                   goes into one scratch as large as the outputs, added piece by piece.
+//
 // Each operation takes its own tag (p2p_ops_, counted alike on every rank as collectives are
-// issued in the same order), so two of them in flight never take each other's messages.
+// issued in the same order), so two of them in flight never take each other's messages; an
+// operation of pieces takes one tag per piece.
 // send/recv works are not queued on Gloo's worker threads: their tensors are released when the
 // Work is, in the caller's thread.
+#include <algorithm>
 #include <atomic>
 #include <cstdlib>
 #include <exception>
@@ -69,10 +80,16 @@ GlooFallback gloo_fallback() {
   return static_cast<GlooFallback>(v);
 }
 
+int Comm::take_p2p_tags(size_t count) {
+  const int first = kTagBase + static_cast<int>(p2p_ops_ & 0xffff);
+  p2p_ops_ += static_cast<uint32_t>(count);
+  return first;
+}
+
 Work Comm::reduce_scatter_p2p(const at::Tensor& out, const at::Tensor& in, ReduceOp rop, bool async_op,
                               uint64_t bytes) {
   const int n = size(), r = rank_;
-  const int tag = kTagBase + static_cast<int>(p2p_ops_++ & 0xffff);
+  const int tag = take_p2p_tags(1);
   const int64_t chunk = out.numel();
   const at::Tensor flat_in = in.view(-1);
   at::Tensor flat_out = out.view(-1);
@@ -113,7 +130,7 @@ Work Comm::reduce_scatter_p2p(const at::Tensor& out, const at::Tensor& in, Reduc
 
 Work Comm::all_gather_p2p(const at::Tensor& out, const at::Tensor& in, bool async_op, uint64_t bytes) {
   const int n = size(), r = rank_;
-  const int tag = kTagBase + static_cast<int>(p2p_ops_++ & 0xffff);
+  const int tag = take_p2p_tags(1);
   // Only bytes move: a 16-bit float the backend does not take travels as its bytes.
   at::Tensor flat_out = out.view(-1), flat_in = in.view(-1);
   if ((in.scalar_type() == at::kBFloat16 && !caps_.bfloat16) || (in.scalar_type() == at::kHalf && !caps_.float16)) {
@@ -147,6 +164,132 @@ Work Comm::all_gather_p2p(const at::Tensor& out, const at::Tensor& in, bool asyn
     for (const auto& w : pending) w->wait(timeout);
   };
   return finish(OpKind::AllGather, bytes, std::move(last_recv), after, async_op, "all_gather_into_tensor");
+}
+
+}  // namespace fsdp::comm
+
+namespace fsdp::comm {
+
+Work Comm::all_gather_pieces_p2p(const std::vector<at::Tensor>& ins, const std::vector<std::vector<at::Tensor>>& outs,
+                                 bool async_op, uint64_t bytes) {
+  const int n = size(), r = rank_;
+  const int first_tag = take_p2p_tags(ins.size());
+  const bool as_bytes = moves_as_bits(ins.front());
+  auto flat = [as_bytes](const at::Tensor& t) { return as_bytes ? t.view(-1).view(at::kByte) : t.view(-1); };
+  std::vector<compat::WorkPtr> pending;
+  try {
+    // Sends first (the peers' receives are posted or soon will be), then the receives, then this
+    // rank's own pieces are copied while the data moves.
+    for (size_t i = 0; i < ins.size(); ++i) {
+      if (ins[i].numel() == 0) continue;
+      for (int d = 1; d < n; ++d) {
+        auto t = one(flat(ins[i]));
+        pending.push_back(backend_->send(t, (r + d) % n, first_tag + static_cast<int>(i)));
+      }
+    }
+    for (size_t i = 0; i < ins.size(); ++i) {
+      for (int d = 1; d < n; ++d) {
+        const int src = (r + n - d) % n;
+        const at::Tensor& dst = outs[i][static_cast<size_t>(src)];
+        if (dst.numel() == 0) continue;
+        auto t = one(flat(dst));
+        pending.push_back(backend_->recv(t, src, first_tag + static_cast<int>(i)));
+      }
+    }
+  } catch (const std::exception&) {
+    return finish(OpKind::AllGather, bytes, compat::WorkPtr(), rethrow(std::current_exception()), async_op,
+                  "all_gather_pieces");
+  }
+  for (size_t i = 0; i < ins.size(); ++i) {
+    const at::Tensor& own = outs[i][static_cast<size_t>(r)];
+    if (ins[i].numel() > 0 && own.data_ptr() != ins[i].data_ptr()) own.view(-1).copy_(ins[i].view(-1));
+  }
+  compat::WorkPtr last;
+  if (!pending.empty()) {
+    last = std::move(pending.back());
+    pending.pop_back();
+  }
+  const auto timeout = timeout_;
+  auto after = [pending, timeout]() {
+    for (const auto& w : pending) w->wait(timeout);
+  };
+  return finish(OpKind::AllGather, bytes, std::move(last), after, async_op, "all_gather_pieces");
+}
+
+Work Comm::reduce_scatter_pieces_p2p(const std::vector<at::Tensor>& outs,
+                                     const std::vector<std::vector<at::Tensor>>& ins, ReduceOp rop, bool async_op,
+                                     uint64_t bytes) {
+  const int n = size(), r = rank_;
+  const int first_tag = take_p2p_tags(outs.size());
+  std::vector<int64_t> offsets;
+  int64_t total = 0;
+  for (const auto& o : outs) {
+    offsets.push_back(total);
+    total += o.numel();
+  }
+  std::vector<compat::WorkPtr> sends;
+  std::vector<compat::WorkPtr> first_recvs;
+  at::Tensor scratch;
+  // Posts the receives of peer `src`'s pieces into the scratch.
+  auto post_recvs = [this, outs, offsets, first_tag](const at::Tensor& into, int src) {
+    std::vector<compat::WorkPtr> recvs;
+    for (size_t i = 0; i < outs.size(); ++i) {
+      if (outs[i].numel() == 0) continue;
+      auto t = one(into.narrow(0, offsets[i], outs[i].numel()));
+      recvs.push_back(backend_->recv(t, src, first_tag + static_cast<int>(i)));
+    }
+    return recvs;
+  };
+  try {
+    for (int d = 1; d < n; ++d) {
+      const int peer = (r + d) % n;
+      for (size_t i = 0; i < ins.size(); ++i) {
+        const at::Tensor& piece = ins[i][static_cast<size_t>(peer)];
+        if (piece.numel() == 0) continue;
+        auto t = one(piece.view(-1));
+        sends.push_back(backend_->send(t, peer, first_tag + static_cast<int>(i)));
+      }
+    }
+    // One scratch as large as the outputs, from the buffer pool (the same size call after call).
+    scratch = fsdp::detail::empty_buffer({std::max<int64_t>(total, 1)}, outs.front().options(), BufferOwner::CommScratch);
+    first_recvs = post_recvs(scratch, (r + n - 1) % n);
+  } catch (const std::exception&) {
+    return finish(OpKind::ReduceScatter, bytes, compat::WorkPtr(), rethrow(std::current_exception()), async_op,
+                  "reduce_scatter_pieces");
+  }
+  // This rank's own contribution starts each output, while the data moves.
+  for (size_t i = 0; i < outs.size(); ++i) {
+    const at::Tensor& own = ins[i][static_cast<size_t>(r)];
+    if (outs[i].numel() > 0 && own.data_ptr() != outs[i].data_ptr()) outs[i].view(-1).copy_(own.view(-1));
+  }
+  compat::WorkPtr last;
+  if (!first_recvs.empty()) {
+    last = std::move(first_recvs.back());
+    first_recvs.pop_back();
+  }
+  const auto timeout = timeout_;
+  auto after = [outs, offsets, sends, first_recvs, scratch, post_recvs, rop, n, r, timeout]() mutable {
+    for (int d = 1; d < n; ++d) {
+      if (d > 1) {  // the previous peer's pieces are added: the scratch takes the next peer's
+        for (const auto& w : post_recvs(scratch, (r + n - d) % n)) w->wait(timeout);
+      } else {
+        for (const auto& w : first_recvs) w->wait(timeout);
+      }
+      for (size_t i = 0; i < outs.size(); ++i) {
+        if (outs[i].numel() == 0) continue;
+        at::Tensor out = outs[i].view(-1);
+        const at::Tensor got = scratch.narrow(0, offsets[i], outs[i].numel());
+        if (rop == ReduceOp::Max) at::maximum_out(out, out, got);
+        else out.add_(got);
+      }
+    }
+    if (rop == ReduceOp::Avg) {
+      for (const auto& o : outs) o.div_(n);
+    }
+    for (const auto& s : sends) s->wait(timeout);
+    fsdp::detail::release_buffer(scratch);
+  };
+  return finish(OpKind::ReduceScatter, bytes, std::move(last), after, async_op, "reduce_scatter_pieces");
 }
 
 }  // namespace fsdp::comm

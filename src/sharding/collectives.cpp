@@ -3,8 +3,14 @@
 #include <torch/torch.h>
 
 #include <algorithm>
+#include <atomic>
+#include <cstdlib>
+#include <mutex>
+#include <stdexcept>
+#include <string>
 
 #include "../memory/buffer_pool.h"
+#include "fsdp/sharding/cpu_collectives.h"
 
 namespace fsdp::detail {
 
@@ -31,7 +37,180 @@ void copy_out_param(FSDPParam& p, const at::Tensor& gathered, int64_t offset) {
     dst.narrow(0, first, n).copy_(gathered[r].narrow(0, offset, n * row_numel).view({n, row_numel}));
   }
 }
+// Rank r's rows of `p`, as [first row, count): only the rows that exist (none for a rank past
+// the end).
+std::pair<int64_t, int64_t> rows_of(const FSDPParam& p, int r) {
+  const int64_t first = std::min<int64_t>(static_cast<int64_t>(r) * p.padded_rows(), p.rows());
+  return {first, std::max<int64_t>(0, std::min<int64_t>(p.padded_rows(), p.rows() - first))};
+}
+
+bool small_shard(const FSDPParam& p, size_t min_bytes) {
+  return static_cast<size_t>(p.shard_numel()) * c10::elementSize(p.compute_dtype()) < min_bytes;
+}
+
+// `flat`'s pieces by rank: rank r's rows of `p` (flat: the full parameter's elements).
+std::vector<at::Tensor> pieces_by_rank(const FSDPParam& p, const at::Tensor& flat, int n) {
+  std::vector<at::Tensor> pieces;
+  for (int r = 0; r < n; ++r) {
+    const auto [first, count] = rows_of(p, r);
+    pieces.push_back(flat.narrow(0, first * p.row_numel(), count * p.row_numel()));
+  }
+  return pieces;
+}
+
+std::vector<at::Tensor> rows_by_rank(const at::Tensor& packed) {
+  std::vector<at::Tensor> rows;
+  for (int64_t r = 0; r < packed.size(0); ++r) rows.push_back(packed[r]);
+  return rows;
+}
+
+CpuCollectiveOptions options_from_env() {
+  CpuCollectiveOptions o;
+  const char* v = std::getenv("FSDP_CPU_COLLECTIVES");
+  if (!v || !*v || std::string(v) == "pieces") return o;
+  if (std::string(v) == "flat") {
+    o.per_parameter = false;
+    return o;
+  }
+  throw std::invalid_argument(std::string("fsdp: FSDP_CPU_COLLECTIVES='") + v +
+                              "' is not a layout; use pieces (per parameter, the default) or flat");
+}
+
+std::mutex g_options_mu;
+bool g_options_set = false;
+CpuCollectiveOptions g_options;
+
 }  // namespace
+
+}  // namespace fsdp::detail
+
+namespace fsdp {
+
+void set_cpu_collective_options(const CpuCollectiveOptions& options) {
+  std::lock_guard<std::mutex> lock(detail::g_options_mu);
+  detail::g_options = options;
+  detail::g_options_set = true;
+}
+
+CpuCollectiveOptions cpu_collective_options() {
+  std::lock_guard<std::mutex> lock(detail::g_options_mu);
+  if (!detail::g_options_set) {
+    detail::g_options = detail::options_from_env();
+    detail::g_options_set = true;
+  }
+  return detail::g_options;
+}
+
+}  // namespace fsdp
+
+namespace fsdp::detail {
+
+bool gathers_per_parameter(const FSDPParams& params) {
+  if (params.empty() || !cpu_collective_options().per_parameter) return false;
+  for (const auto& p : params) {
+    if (p->compute_dtype() != p->dtype() || !p->device().is_cpu() || !p->shard_device().is_cpu() ||
+        p->padded_shard().is_meta()) {
+      return false;
+    }
+  }
+  return true;
+}
+
+GatherPieces build_gather_pieces(const FSDPParams& params, int rank, int n) {
+  const size_t min_bytes = cpu_collective_options().min_piece_bytes;
+  GatherPieces out;
+  int64_t packed_total = 0;
+  for (const auto& p : params) {
+    if (small_shard(*p, min_bytes)) packed_total += p->shard_numel();
+  }
+  if (packed_total > 0) {
+    out.packed = empty_buffer({n, packed_total}, params.front()->padded_shard().options().requires_grad(false),
+                              BufferOwner::AllGatherOutput);
+  }
+  torch::NoGradGuard no_grad;
+  int64_t offset = 0;
+  for (const auto& p : params) {
+    p->alloc_unsharded();
+    if (small_shard(*p, min_bytes)) {
+      out.packed[rank].narrow(0, offset, p->shard_numel()).copy_(p->padded_shard());
+      offset += p->shard_numel();
+      continue;
+    }
+    out.ins.push_back(p->padded_shard().narrow(0, 0, p->local_rows() * p->row_numel()));
+    out.outs.push_back(pieces_by_rank(*p, p->unsharded_alias().view(-1), n));
+  }
+  if (out.packed.defined()) {
+    out.ins.push_back(out.packed[rank]);
+    out.outs.push_back(rows_by_rank(out.packed));
+  }
+  return out;
+}
+
+void copy_out_gather_pieces(const FSDPParams& params, const GatherPieces& pieces, int n) {
+  if (!pieces.packed.defined()) return;
+  const size_t min_bytes = cpu_collective_options().min_piece_bytes;
+  torch::NoGradGuard no_grad;
+  int64_t offset = 0;
+  for (const auto& p : params) {
+    if (!small_shard(*p, min_bytes)) continue;
+    copy_out_param(*p, pieces.packed, offset);
+    offset += p->shard_numel();
+  }
+}
+
+bool reduces_per_parameter(const std::vector<std::pair<FSDPParam*, at::Tensor>>& grads) {
+  if (grads.empty() || !cpu_collective_options().per_parameter) return false;
+  for (const auto& [p, g] : grads) {
+    const auto dtype = p->reduce_dtype();
+    if (g.scalar_type() != dtype || (dtype != at::kFloat && dtype != at::kDouble) || !g.is_cpu()) return false;
+  }
+  return true;
+}
+
+ReducePieces build_reduce_pieces(std::vector<std::pair<FSDPParam*, at::Tensor>>& grads, int rank, int n) {
+  const size_t min_bytes = cpu_collective_options().min_piece_bytes;
+  ReducePieces out;
+  int64_t packed_total = 0;
+  for (const auto& [p, g] : grads) {
+    if (small_shard(*p, min_bytes)) packed_total += p->shard_numel();
+  }
+  if (packed_total > 0) {
+    out.packed = empty_buffer({n, packed_total}, grads.front().second.options().requires_grad(false),
+                              BufferOwner::ReduceScatterInput);
+  }
+  torch::NoGradGuard no_grad;
+  int64_t offset = 0;
+  for (auto& [p, g] : grads) {
+    if (small_shard(*p, min_bytes)) {
+      split_rows(g.contiguous().view(-1), out.packed, offset, 0, p->rows(), p->row_numel(), p->padded_rows());
+      out.results.push_back({p, {out.packed[rank], offset}});
+      offset += p->shard_numel();
+      g = at::Tensor();  // in the packed buffer now: freed
+      continue;
+    }
+    at::Tensor flat = g.contiguous().view(-1);
+    std::vector<at::Tensor> by_rank = pieces_by_rank(*p, flat, n);
+    out.outs.push_back(by_rank[static_cast<size_t>(rank)]);  // reduced in place, in this rank's rows
+    out.results.push_back({p, {by_rank[static_cast<size_t>(rank)], 0}});
+    out.ins.push_back(std::move(by_rank));
+    out.grad_bytes += static_cast<int64_t>(flat.nbytes());
+    out.grads.push_back(std::move(flat));
+    g = at::Tensor();
+  }
+  grads.clear();
+  if (out.packed.defined()) {
+    out.outs.push_back(out.packed[rank]);
+    out.ins.push_back(rows_by_rank(out.packed));
+  }
+  count_buffer(BufferOwner::UnshardedGrads, out.grad_bytes);
+  return out;
+}
+
+void release_reduce_pieces(ReducePieces& pieces) {
+  count_buffer(BufferOwner::UnshardedGrads, -pieces.grad_bytes);
+  release_buffer(pieces.packed);
+  pieces = ReducePieces();
+}
 
 void copy_in_all_gather_input(const FSDPParams& params, const std::vector<int64_t>& offsets, const at::Tensor& input) {
   torch::NoGradGuard no_grad;

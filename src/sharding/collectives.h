@@ -35,6 +35,60 @@ void copy_out_all_gather_output(const FSDPParams& params, const std::vector<int6
 void copy_in_post_forward(const FSDPParams& params, const std::vector<int64_t>& offsets, const at::Tensor& out,
                           int first_rank);
 
+// [Note: FSDP's CPU collectives, per parameter]
+// On a Gloo shard group of CPU tensors (fsdp/sharding/cpu_collectives.h) a unit's all-gather and
+// reduce-scatter need not go through the flat [N, total] layout above: Gloo's send/recv take any
+// contiguous memory, and a parameter's dim-0 rows of rank r are contiguous both in r's shard and in
+// the unsharded parameter. So
+//   all-gather      the unsharded parameters are allocated when the gather is issued; each
+//                   parameter's shard rows are sent from the shard itself, each peer's rows are
+//                   received into the unsharded parameter at their offset, and this rank's own
+//                   rows are copied from the shard (the one copy left: 1/N of the data, against
+//                   copy-in 1/N + copy-out 1 in the flat layout);
+//   reduce-scatter  each gradient's rows of rank r are sent from the gradient itself, the peers'
+//                   rows for this rank arrive in one scratch and are added into this rank's own
+//                   rows of the gradient, which then become the sharded gradient (no flat input:
+//                   the gradients live until the sends are done, as the input did).
+// Shards below CpuCollectiveOptions::min_piece_bytes (biases, norms) are not worth a message
+// each: they travel packed in one small flat buffer per unit, copied in and out as before. Rows
+// past a parameter's end (padding) are not sent: a piece is only the rows that exist, so its size
+// can differ between ranks, the same on every rank. Every rank builds the same pieces in the same
+// order (the parameter order of the group), which is what matches the messages (one tag each).
+// The flat layout stays for everything else (GPUs, HSDP's reduce, integer reshard_after_forward,
+// casts to a compute or reduce dtype): cpu_collectives.h.
+//
+// One all-gather of pieces in flight: what the group keeps until the wait.
+struct GatherPieces {
+  std::vector<at::Tensor> ins;                  // this rank's piece of each exchange
+  std::vector<std::vector<at::Tensor>> outs;    // [exchange][rank]: where rank r's piece lands
+  at::Tensor packed;                            // [N, packed total]: the small shards (or undefined)
+};
+// One reduce-scatter of pieces in flight.
+struct ReducePieces {
+  std::vector<at::Tensor> outs;                 // this rank's reduced rows of each exchange
+  std::vector<std::vector<at::Tensor>> ins;     // [exchange][rank]: the rows sent to rank r
+  std::vector<std::pair<FSDPParam*, std::pair<at::Tensor, int64_t>>> results;  // param, (flat, offset)
+  std::vector<at::Tensor> grads;                // the unsharded gradients, alive until the sends end
+  int64_t grad_bytes = 0;                       // counted as BufferOwner::UnshardedGrads meanwhile
+  at::Tensor packed;                            // [N, packed total]: the small gradients (or undefined)
+};
+
+// Whether this group's parameters can gather per parameter (same dtype for shard and compute,
+// shard on the compute device), given the options.
+bool gathers_per_parameter(const FSDPParams& params);
+// Allocates every unsharded parameter and lays out the pieces ([Note: FSDP's CPU collectives, per
+// parameter]); this rank's packed shards are copied into the packed buffer's row.
+GatherPieces build_gather_pieces(const FSDPParams& params, int rank, int n);
+// After the wait: the packed shards into their unsharded parameters.
+void copy_out_gather_pieces(const FSDPParams& params, const GatherPieces& pieces, int n);
+// Whether these gradients can be reduced per parameter (each already in its reduce dtype, which
+// is a 32- or 64-bit float).
+bool reduces_per_parameter(const std::vector<std::pair<FSDPParam*, at::Tensor>>& grads);
+// The pieces of `grads` (consumed: held by the result until the reduction ends).
+ReducePieces build_reduce_pieces(std::vector<std::pair<FSDPParam*, at::Tensor>>& grads, int rank, int n);
+// Frees what a finished reduction of pieces held.
+void release_reduce_pieces(ReducePieces& pieces);
+
 // The reduce-scatter input of the gradients in `grads` (consumed: each unsharded gradient is freed
 // once it is in the input, as FSDP2 does; `grads` is left empty), [n, total] in `dtype`, from the
 // buffer pool; `placed` gets each parameter with its column.

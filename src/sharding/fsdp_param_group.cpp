@@ -71,6 +71,23 @@ void FSDPParamGroup::unshard(bool async_op, const c10::Event* after) {
     state_ = State::Unsharded;
     return;
   }
+  if (!post_forward_shard_.defined() && gathers_pieces()) {
+    // Per parameter: the rows go from the shards straight into the unsharded parameters
+    // ([Note: FSDP's CPU collectives, per parameter]).
+    GatherPieces pieces;
+    {
+      PhaseScope timed(Phase::CopyIn);  // allocating the unsharded parameters, packing the small shards
+      pieces = build_gather_pieces(params_, comm_->rank(), n);
+    }
+    {
+      PhaseScope timed(Phase::AllGatherIssue);  // includes this rank's own rows, copied while the data moves
+      all_gather_work_ = comm_->all_gather_pieces(pieces.ins, pieces.outs, /*async_op=*/true);
+    }
+    gather_pieces_ = std::move(pieces);
+    state_ = State::Unsharding;
+    if (!async_op) wait_for_unshard();
+    return;
+  }
   all_gather_output_ = empty_buffer({n, total_shard_numel_}, options, BufferOwner::AllGatherOutput);
   if (post_forward_shard_.defined()) {
     // Backward after an integer reshard: the k ranks of the post-forward group hold, together,
@@ -132,6 +149,18 @@ void FSDPParamGroup::wait_for_unshard() {
   } else {
     PhaseScope timed(Phase::AllGatherWait);
     all_gather_work_.wait();
+  }
+  if (gather_pieces_) {
+    {
+      PhaseScope timed(Phase::CopyOut);  // the packed small shards only
+      copy_out_gather_pieces(params_, *gather_pieces_, comm_->size());
+    }
+    all_gather_work_ = comm::Work();
+    release_buffer(gather_pieces_->packed);
+    gather_pieces_.reset();
+    post_forward_shard_ = at::Tensor();
+    state_ = State::Unsharded;
+    return;
   }
   {
     PhaseScope timed(Phase::CopyOut);
@@ -199,6 +228,24 @@ void FSDPParamGroup::post_backward() {
     comm::process_comm_stats().record(comm::OpKind::ReduceScatter, 0);
     return;
   }
+  // Default: average over the data-parallel ranks. A custom factor: sum, then divide by it.
+  const auto op = gradient_divide_factor ? comm::ReduceOp::Sum : comm::ReduceOp::Avg;
+  if (reduces_pieces(with_grad)) {
+    // Per parameter: each gradient's rows are sent from the gradient, this rank's rows of it
+    // become the reduced shard ([Note: FSDP's CPU collectives, per parameter]).
+    ReducePieces pieces;
+    {
+      PhaseScope timed(Phase::ReduceScatterInput);  // views, and packing the small gradients
+      pieces = build_reduce_pieces(with_grad, comm_->rank(), comm_->size());
+    }
+    pending_divide_ = gradient_divide_factor;
+    {
+      PhaseScope timed(Phase::ReduceScatterIssue);
+      reduce_work_ = comm_->reduce_scatter_pieces(pieces.outs, pieces.ins, op, /*async_op=*/true);
+    }
+    reduce_pieces_ = std::move(pieces);
+    return;
+  }
   // The reduce-scatter runs in reduce_dtype (the input is cast to it); the unsharded gradients
   // are consumed: each is freed once it is in the input, as FSDP2 does.
   const auto reduce_dtype = with_grad.front().first->reduce_dtype();
@@ -212,9 +259,7 @@ void FSDPParamGroup::post_backward() {
   DeviceStreams* s = streams();
   reduce_output_ = s ? empty_buffer({total}, input.options(), BufferOwner::ReduceScatterOutput) : input[comm_->rank()];
   reduce_input_ = input;
-  // Default: average over the data-parallel ranks. A custom factor: sum, then divide by it.
   pending_divide_ = gradient_divide_factor;
-  const auto op = gradient_divide_factor ? comm::ReduceOp::Sum : comm::ReduceOp::Avg;
   if (s) {
     // The input was written on the current stream; the reduce-scatter stream waits for it, and the
     // collective then overlaps the backward of the units still to come.
@@ -272,9 +317,37 @@ void FSDPParamGroup::advance_reduce() {
   else finish_reduce();
 }
 
+bool FSDPParamGroup::gathers_pieces() const {
+  return !streams() && comm_->size() > 1 && comm_->takes_pieces(params_.front()->padded_shard()) &&
+         gathers_per_parameter(params_);
+}
+
+bool FSDPParamGroup::reduces_pieces(const std::vector<std::pair<FSDPParam*, at::Tensor>>& grads) const {
+  return !streams() && !replicate_comm_ && comm_->size() > 1 && !grads.empty() &&
+         comm_->takes_pieces(grads.front().second) && reduces_per_parameter(grads);
+}
+
+void FSDPParamGroup::finish_reduce_pieces() {
+  {
+    PhaseScope timed(Phase::ReduceScatterWait);
+    reduce_work_.wait();
+  }
+  reduce_work_ = comm::Work();
+  if (pending_divide_) {
+    for (auto& out : reduce_pieces_->outs) out.div_(*pending_divide_);
+  }
+  {
+    PhaseScope timed(Phase::GradAccumulate);
+    for (auto& [p, where] : reduce_pieces_->results) p->accumulate_sharded_grad(where.first, where.second);
+  }
+  release_reduce_pieces(*reduce_pieces_);
+  reduce_pieces_.reset();
+}
+
 void FSDPParamGroup::finish_reduce() {
   if (needs_all_reduce_start()) start_all_reduce();
   if (!has_pending_reduce()) return;
+  if (reduce_pieces_) return finish_reduce_pieces();
   at::Tensor reduced = reduce_output_;
   if (DeviceStreams* s = streams()) {
     const c10::Stream& side = all_reduce_started_ ? s->all_reduce : s->reduce_scatter;

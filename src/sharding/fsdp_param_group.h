@@ -19,7 +19,9 @@
 // reduce-scatter output is then all-reduced over the replicate group.
 //
 // On a CUDA device the collectives run on side streams ordered by events: see [Note: FSDP
-// streams] in streams.h. On the CPU the same calls wait on the host, as they always did.
+// streams] in streams.h. On the CPU the same calls wait on the host, as they always did, and on a
+// Gloo group they move each parameter's rows straight between shards, unsharded parameters and
+// gradients: [Note: FSDP's CPU collectives, per parameter] in collectives.h.
 #include <ATen/ATen.h>
 #include <c10/core/Event.h>
 
@@ -27,6 +29,7 @@
 #include <optional>
 #include <vector>
 
+#include "collectives.h"
 #include "fsdp/comm/comm.h"
 #include "fsdp/mesh/device_mesh.h"
 #include "fsdp_param.h"
@@ -62,7 +65,7 @@ class FSDPParamGroup {
   // gradients (asynchronously) and releases them; with it off, leaves them to accumulate.
   // Reshards afterwards when reshard_after_backward.
   void post_backward();
-  bool has_pending_reduce() const { return reduce_output_.defined(); }
+  bool has_pending_reduce() const { return reduce_output_.defined() || reduce_pieces_.has_value(); }
   // One step of a pending reduction: under HSDP, a finished reduce-scatter starts its all-reduce
   // over the replicas (asynchronously, so it overlaps the next unit's backward); otherwise, or
   // once that is in flight, finish_reduce().
@@ -99,6 +102,11 @@ class FSDPParamGroup {
   comm::Work reduce_work_;
   std::vector<std::pair<FSDPParam*, int64_t>> reduced_params_;  // (param, offset in reduce_output_)
   std::optional<double> pending_divide_;
+  // The CPU's per-parameter collectives in flight ([Note: FSDP's CPU collectives, per parameter]
+  // in collectives.h): the pieces are kept until the wait (the sends read them, the receives
+  // write them).
+  std::optional<GatherPieces> gather_pieces_;
+  std::optional<ReducePieces> reduce_pieces_;
   bool all_reduce_started_ = false;  // HSDP: reduce_work_ is the all-reduce, not the reduce-scatter
 
   // The side streams of the parameters' device; null on the CPU (see streams.h).
@@ -108,6 +116,10 @@ class FSDPParamGroup {
   // A shard group of one on the CPU, no replicas: unshard copies each shard straight into its
   // unsharded storage and post_backward hands the gradients over without a reduce-scatter.
   bool direct_world_of_one() const { return comm_->size() == 1 && !replicate_comm_ && !post_forward_comm && !streams(); }
+  // The CPU's per-parameter collectives apply (Gloo shard group of CPU tensors, no side streams).
+  bool gathers_pieces() const;
+  bool reduces_pieces(const std::vector<std::pair<FSDPParam*, at::Tensor>>& grads) const;
+  void finish_reduce_pieces();
   bool needs_all_reduce_start() const { return replicate_comm_ && has_pending_reduce() && !all_reduce_started_; }
   void start_all_reduce();
 };

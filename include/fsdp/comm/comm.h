@@ -84,6 +84,32 @@ class Comm {
   // in: size() * out.numel() elements; out gets the reduction of every rank's chunk [rank()].
   Work reduce_scatter_tensor(const at::Tensor& out, const at::Tensor& in, ReduceOp op = ReduceOp::Sum,
                              bool async_op = false);
+  // Several all-gathers in one operation, each rank's piece received straight where the caller
+  // wants it (FSDP's per-parameter gather on the CPU: the pieces land in the unsharded parameters,
+  // no flat output and no copy-out; comm/p2p_collectives.cpp). ins[i] is this rank's piece i;
+  // outs[i][r] receives rank r's piece i (outs[i][rank()] gets ins[i], copied unless it is that
+  // memory). A piece may differ in size from rank to rank (FSDP's last shard), but outs[i][r] must
+  // have rank r's ins[i].numel() elements, the same on every rank; empty pieces move nothing. One
+  // dtype, contiguous tensors. Gloo groups on CPU tensors (send/recv) and groups of one only:
+  // takes_pieces() says whether this group does.
+  //
+  // Example:
+  //   auto world = fsdp::dist::world_comm();      // 2 ranks
+  //   at::Tensor w = at::empty({4, 3}), b = at::empty({3});
+  //   at::Tensor w_rows = at::randn({2, 3});      // rank r's rows [2r, 2r + 2) of w
+  //   at::Tensor b_part = at::randn({world->rank() == 0 ? 2 : 1});   // b's [0, 2) or [2, 3)
+  //   world->all_gather_pieces({w_rows, b_part}, {{w.narrow(0, 0, 2), w.narrow(0, 2, 2)},
+  //                                               {b.narrow(0, 0, 2), b.narrow(0, 2, 1)}});
+  Work all_gather_pieces(const std::vector<at::Tensor>& ins, const std::vector<std::vector<at::Tensor>>& outs,
+                         bool async_op = false);
+  // Several reduce-scatters in one operation: ins[i][r] goes to rank r, and outs[i] gets the
+  // reduction over the ranks of their ins[i][rank()] (outs[i] may be ins[i][rank()] itself: in
+  // place). Sizes as all_gather_pieces: outs[i] and every rank's ins[i][rank()] have one numel.
+  // Scratch: the size of the outputs, from the buffer pool. Same groups as all_gather_pieces.
+  Work reduce_scatter_pieces(const std::vector<at::Tensor>& outs, const std::vector<std::vector<at::Tensor>>& ins,
+                             ReduceOp op = ReduceOp::Sum, bool async_op = false);
+  // Whether all_gather_pieces / reduce_scatter_pieces take tensors like `t` on this group.
+  bool takes_pieces(const at::Tensor& t) const;
   // In place.
   Work all_reduce(const at::Tensor& tensor, ReduceOp op = ReduceOp::Sum, bool async_op = false);
   // In place, from group rank `root`.
@@ -101,6 +127,11 @@ class Comm {
   // GlooFallback::PointToPoint (comm/p2p_collectives.cpp); `out` may be `in`'s chunk [rank()].
   Work reduce_scatter_p2p(const at::Tensor& out, const at::Tensor& in, ReduceOp op, bool async_op, uint64_t bytes);
   Work all_gather_p2p(const at::Tensor& out, const at::Tensor& in, bool async_op, uint64_t bytes);
+  Work all_gather_pieces_p2p(const std::vector<at::Tensor>& ins, const std::vector<std::vector<at::Tensor>>& outs,
+                             bool async_op, uint64_t bytes);
+  Work reduce_scatter_pieces_p2p(const std::vector<at::Tensor>& outs, const std::vector<std::vector<at::Tensor>>& ins,
+                                 ReduceOp op, bool async_op, uint64_t bytes);
+  int take_p2p_tags(size_t count);  // the first of `count` consecutive send/recv tags
   bool moves_as_bits(const at::Tensor& t) const;  // a 16-bit float the backend does not take
   std::string describe(const char* op) const;
 

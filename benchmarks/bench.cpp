@@ -213,8 +213,7 @@ int run_driver(const Options& o, const char* argv0) {
   if (!mkdtemp(tmpl)) usage("cannot create a temporary folder");
   const std::string single_out = std::string(tmpl) + "/single", fsdp_out = std::string(tmpl) + "/fsdp",
                     local_out = std::string(tmpl) + "/local", bf16_out = std::string(tmpl) + "/bf16",
-                    hsdp_out = std::string(tmpl) + "/hsdp", ddp_out = std::string(tmpl) + "/replicate",
-                    flat_out = std::string(tmpl) + "/flat";
+                    hsdp_out = std::string(tmpl) + "/hsdp", ddp_out = std::string(tmpl) + "/replicate";
   std::vector<std::string> common = {"--steps",  std::to_string(o.steps), "--warmup", std::to_string(o.warmup),
                                      "--layers", std::to_string(o.layers), "--dim",   std::to_string(o.dim),
                                      "--heads",  std::to_string(o.heads), "--seq",    std::to_string(o.seq),
@@ -239,12 +238,6 @@ int run_driver(const Options& o, const char* argv0) {
                                         "--", self, "--role", "fsdp", "--result", fsdp_out};
     sharded.insert(sharded.end(), common.begin(), common.end());
     if (spawn_and_wait(sharded, {}) != 0) usage("the FSDP run failed");
-    // The same with FSDP2's flat layout on the CPU (fsdp/sharding/cpu_collectives.h): the copies
-    // the per-parameter collectives save.
-    std::vector<std::string> flat = {fsdprun, "--nproc-per-node", std::to_string(o.nproc), "--master-port", "0",
-                                     "--", self, "--role", "fsdp", "--result", flat_out};
-    flat.insert(flat.end(), common.begin(), common.end());
-    if (spawn_and_wait(flat, {"FSDP_CPU_COLLECTIVES=flat"}) != 0) usage("the FSDP run (flat layout) failed");
     std::vector<std::string> bf16 = {fsdprun, "--nproc-per-node", std::to_string(o.nproc), "--master-port", "0",
                                      "--", self, "--role", "fsdp", "--mp", "bf16", "--result", bf16_out};
     bf16.insert(bf16.end(), common.begin(), common.end());
@@ -261,9 +254,7 @@ int run_driver(const Options& o, const char* argv0) {
   std::vector<double> single_medians, fsdp_medians;
   auto single = read_results(single_out, single_medians);
   auto fsdp = read_results(fsdp_out, fsdp_medians);
-  std::vector<double> local_medians, bf16_medians, flat_medians;
-  auto flat = read_results(flat_out, flat_medians);
-  const double flat_step = median(flat_medians);
+  std::vector<double> local_medians, bf16_medians;
   auto bf16 = read_results(bf16_out, bf16_medians);
   const double bf16_step = median(bf16_medians);
   auto local = read_results(local_out, local_medians);
@@ -285,9 +276,6 @@ int run_driver(const Options& o, const char* argv0) {
   std::printf("| FSDP fp32 (batch %lld) | %d | %.1f ms | %.2fx | %.2f MB | %.0f MB | %.2f MB (3 x params x (N-1)/N = %.2f MB) |\n",
               static_cast<long long>(o.batch), o.nproc, 1e3 * fsdp_step, fsdp_step / single_step,
               fsdp["state_bytes"] / 1e6, fsdp["max_rss"] / 1e6, fsdp["comm_bytes_per_step"] / 1e6, expected / 1e6);
-  std::printf("| FSDP fp32, flat layout (FSDP_CPU_COLLECTIVES=flat) (batch %lld) | %d | %.1f ms | %.2fx | %.2f MB | %.0f MB | %.2f MB |\n",
-              static_cast<long long>(o.batch), o.nproc, 1e3 * flat_step, flat_step / single_step,
-              flat["state_bytes"] / 1e6, flat["max_rss"] / 1e6, flat["comm_bytes_per_step"] / 1e6);
   std::printf("| FSDP bf16 params, fp32 reduce (batch %lld) | %d | %.1f ms | %.2fx | %.2f MB | %.0f MB | %.2f MB |\n",
               static_cast<long long>(o.batch), o.nproc, 1e3 * bf16_step, bf16_step / single_step,
               bf16["state_bytes"] / 1e6, bf16["max_rss"] / 1e6, bf16["comm_bytes_per_step"] / 1e6);
@@ -305,8 +293,6 @@ int run_driver(const Options& o, const char* argv0) {
   for (double m : single_medians) std::printf(" %.1f", 1e3 * m);
   std::printf(" ms, fsdp");
   for (double m : fsdp_medians) std::printf(" %.1f", 1e3 * m);
-  std::printf(" ms, fsdp flat");
-  for (double m : flat_medians) std::printf(" %.1f", 1e3 * m);
   std::printf(" ms\n");
   (void)argv0;
   return 0;

@@ -67,13 +67,16 @@ std::vector<at::Tensor> rows_by_rank(const at::Tensor& packed) {
 CpuCollectiveOptions options_from_env() {
   CpuCollectiveOptions o;
   const char* v = std::getenv("FSDP_CPU_COLLECTIVES");
-  if (!v || !*v || std::string(v) == "pieces") return o;
-  if (std::string(v) == "flat") {
-    o.per_parameter = false;
+  const std::string s = v ? v : "";
+  if (s.empty() || s == "flat") return o;
+  if (s == "pieces" || s == "gather-pieces" || s == "reduce-pieces") {
+    o.gather_per_parameter = s != "reduce-pieces";
+    o.reduce_per_parameter = s != "gather-pieces";
     return o;
   }
-  throw std::invalid_argument(std::string("fsdp: FSDP_CPU_COLLECTIVES='") + v +
-                              "' is not a layout; use pieces (per parameter, the default) or flat");
+  throw std::invalid_argument("fsdp: FSDP_CPU_COLLECTIVES='" + s +
+                              "' is not a layout; use flat (the default), pieces (both per parameter), "
+                              "gather-pieces or reduce-pieces");
 }
 
 std::mutex g_options_mu;
@@ -106,7 +109,7 @@ CpuCollectiveOptions cpu_collective_options() {
 namespace fsdp::detail {
 
 bool gathers_per_parameter(const FSDPParams& params) {
-  if (params.empty() || !cpu_collective_options().per_parameter) return false;
+  if (params.empty() || !cpu_collective_options().gather_per_parameter) return false;
   for (const auto& p : params) {
     if (p->compute_dtype() != p->dtype() || !p->device().is_cpu() || !p->shard_device().is_cpu() ||
         p->padded_shard().is_meta()) {
@@ -159,7 +162,7 @@ void copy_out_gather_pieces(const FSDPParams& params, const GatherPieces& pieces
 }
 
 bool reduces_per_parameter(const std::vector<std::pair<FSDPParam*, at::Tensor>>& grads) {
-  if (grads.empty() || !cpu_collective_options().per_parameter) return false;
+  if (grads.empty() || !cpu_collective_options().reduce_per_parameter) return false;
   for (const auto& [p, g] : grads) {
     const auto dtype = p->reduce_dtype();
     if (g.scalar_type() != dtype || (dtype != at::kFloat && dtype != at::kDouble) || !g.is_cpu()) return false;

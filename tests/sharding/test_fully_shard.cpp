@@ -109,12 +109,18 @@ FSDP_RANK_WORKER(gpt_parity) {
         if (i > 0) blocks[i].set_modules_to_backward_prefetch({blocks[i - 1]});
       }
     };
-  } else if (m == "flat" || m == "every_piece") {
-    // The CPU collectives' two layouts (fsdp/sharding/cpu_collectives.h): flat buffers, or every
-    // parameter its own message (this model's shards are all below the default min_piece_bytes,
-    // so "default" packs them all).
+  } else if (m == "packed_pieces") {
+    // Per parameter with the default min_piece_bytes: this model's shards are all below it, so
+    // every unit's shards travel packed (one message of pieces per peer).
     fsdp::CpuCollectiveOptions o;
-    o.per_parameter = (m == "every_piece");
+    o.gather_per_parameter = o.reduce_per_parameter = true;
+    fsdp::set_cpu_collective_options(o);
+    run.shard = [](GPT& model) { shard_blocks_then_root(model); };
+  } else if (m == "flat" || m == "every_piece") {
+    // The CPU collectives' two layouts (fsdp/sharding/cpu_collectives.h): flat buffers (the
+    // default, asked for explicitly here), or every parameter its own message.
+    fsdp::CpuCollectiveOptions o;
+    o.gather_per_parameter = o.reduce_per_parameter = (m == "every_piece");
     o.min_piece_bytes = 0;
     fsdp::set_cpu_collective_options(o);
     run.shard = [](GPT& model) { shard_blocks_then_root(model); };
@@ -133,16 +139,17 @@ FSDP_RANK_WORKER(gpt_parity) {
   for (const auto& p : got.model->parameters()) {
     TORCH_CHECK(p.device().is_cpu() && p.grad().device().is_cpu(), "shards and their gradients live on the CPU");
   }
-  if (fsdp::dist::world_size() > 1 && (m == "default" || m == "flat" || m == "every_piece")) {
-    // Which collectives moved the data (the flight recorder keeps their names): per parameter on
-    // Gloo unless the flat layout is asked for.
+  if (fsdp::dist::world_size() > 1 && (m == "default" || m == "flat" || m == "every_piece" || m == "packed_pieces")) {
+    // Which collectives moved the data (the flight recorder keeps their names): flat unless per
+    // parameter is asked for.
     int pieces = 0, flat = 0;
     for (const auto& r : fsdp::comm::FlightRecorder::process().snapshot()) {
       const std::string op = r.op;
       if (op == "all_gather_pieces" || op == "reduce_scatter_pieces") ++pieces;
       if (op == "all_gather_into_tensor" || op == "reduce_scatter_tensor") ++flat;
     }
-    const bool ok = m == "flat" ? (pieces == 0 && flat > 0) : (pieces > 0 && flat == 0);
+    const bool per_parameter = m == "every_piece" || m == "packed_pieces";
+    const bool ok = per_parameter ? (pieces > 0 && flat == 0) : (pieces == 0 && flat > 0);
     TORCH_CHECK(ok, m, ": ", pieces, " collectives of pieces and ", flat, " flat ones moved the data");
   }
   report(m, got, want, worst);
@@ -170,7 +177,8 @@ INSTANTIATE_TEST_SUITE_P(
                       ParityCase{"grad_accumulation", 2}, ParityCase{"grad_accumulation", 3},
                       ParityCase{"sync_every_micro_batch", 2}, ParityCase{"cpu_offload", 2},
                       ParityCase{"explicit_unshard", 2}, ParityCase{"explicit_prefetch", 3}, ParityCase{"tied", 2},
-                      ParityCase{"flat", 2}, ParityCase{"every_piece", 2}, ParityCase{"every_piece", 3}),
+                      ParityCase{"flat", 2}, ParityCase{"every_piece", 2}, ParityCase{"every_piece", 3},
+                      ParityCase{"packed_pieces", 2}),
     [](const auto& info) { return info.param.mode + "_" + std::to_string(info.param.world) + "ranks"; });
 
 // Per-rank bytes of parameters + gradients + AdamW state at N=2 against one process.

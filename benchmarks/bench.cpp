@@ -27,6 +27,7 @@
 #include "bench_support.h"
 #include "fsdp/fsdp.h"
 #include "fsdp/memory/buffer_pool.h"
+#include "fsdp/memory/malloc_tuning.h"
 #include "models/gpt.h"
 
 
@@ -45,12 +46,13 @@ struct Options {
   std::string hsdp;             // "RxS" for the HSDP row (default: see parse)
   std::string result;           // where a worker writes its result line
   std::string pool_trim = "on"; // BufferPoolOptions::trim_after_forward (worker; for comparison)
+  std::string malloc = "default"; // default | speed (every worker: fsdp::tune_malloc_for_speed)
 };
 
 [[noreturn]] void usage(const char* why) {
   std::fprintf(stderr,
                "bench: %s\nusage: bench [--nproc N] [--steps N] [--warmup N] [--rounds N] [--layers N] [--dim N] "
-               "[--heads N] [--seq N] [--batch N] [--hsdp RxS] [--pool-trim on|off]\n"
+               "[--heads N] [--seq N] [--batch N] [--hsdp RxS] [--pool-trim on|off] [--malloc default|speed]\n"
                "FSDP_PHASE_TIMERS=1 makes every FSDP worker print where FSDP's own time went, by phase\n",
                why);
   std::exit(2);
@@ -72,6 +74,7 @@ Options parse(int argc, char** argv) {
     else if (a == "--mode") o.mode = v;
     else if (a == "--hsdp") o.hsdp = v;
     else if (a == "--pool-trim") o.pool_trim = v;
+    else if (a == "--malloc") o.malloc = v;
     else if (ints.count(a)) *ints[a] = std::stoll(v);
     else if (small.count(a)) *small[a] = std::stoi(v);
     else usage(("unknown option " + a).c_str());
@@ -79,6 +82,7 @@ Options parse(int argc, char** argv) {
   if (o.nproc < 1 || o.batch % o.nproc != 0) usage("--batch must be a positive multiple of --nproc");
   if (o.steps < 1) usage("--steps must be positive");
   if (o.pool_trim != "on" && o.pool_trim != "off") usage("--pool-trim takes on or off");
+  if (o.malloc != "default" && o.malloc != "speed") usage("--malloc takes default or speed");
   if (o.hsdp.empty()) {
     o.hsdp = (o.nproc % 2 == 0 && o.nproc >= 4) ? "2x" + std::to_string(o.nproc / 2) : std::to_string(o.nproc) + "x1";
   }
@@ -111,6 +115,9 @@ double state_bytes(torch::nn::Module& model, torch::optim::AdamW& opt) {
 
 // One worker: trains `local_batch` sequences per step, sharded or not; writes one result line.
 int run_worker(const Options& o, bool sharded) {
+  // --malloc speed: glibc's heap keeps freed tensors (no page faulted in again each step), in the
+  // one-process run and the distributed ones alike (fsdp/memory/malloc_tuning.h).
+  if (o.malloc == "speed") fsdp::tune_malloc_for_speed();
   {
     fsdp::BufferPoolOptions pool;
     pool.trim_after_forward = o.pool_trim == "on";
@@ -217,13 +224,14 @@ int run_driver(const Options& o, const char* argv0) {
   std::vector<std::string> common = {"--steps",  std::to_string(o.steps), "--warmup", std::to_string(o.warmup),
                                      "--layers", std::to_string(o.layers), "--dim",   std::to_string(o.dim),
                                      "--heads",  std::to_string(o.heads), "--seq",    std::to_string(o.seq),
-                                     "--batch",  std::to_string(o.batch), "--nproc",  std::to_string(o.nproc)};
+                                     "--batch",  std::to_string(o.batch), "--nproc",  std::to_string(o.nproc),
+                                     "--malloc", o.malloc};
   const int threads = fsdp::dist::default_omp_threads(o.nproc);
   std::printf("bench: GPT %lld layers, d=%lld, %lld heads, seq %lld, global batch %lld, float32; %d ranks x %d "
-              "thread(s); %d steps after %d warm-up, %d rounds\n",
+              "thread(s); %d steps after %d warm-up, %d rounds; malloc %s\n",
               static_cast<long long>(o.layers), static_cast<long long>(o.dim), static_cast<long long>(o.heads),
               static_cast<long long>(o.seq), static_cast<long long>(o.batch), o.nproc, threads, o.steps, o.warmup,
-              o.rounds);
+              o.rounds, o.malloc.c_str());
   std::fflush(stdout);
   for (int r = 0; r < o.rounds; ++r) {
     std::vector<std::string> single = {self, "--role", "single", "--result", single_out};

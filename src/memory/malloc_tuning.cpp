@@ -10,7 +10,10 @@
 
 namespace fsdp {
 
-bool tune_malloc(size_t mmap_threshold) {
+namespace {
+
+// FSDP_MALLOC_TUNING=0: leave malloc as it is.
+bool tuning_allowed() {
   if (const char* v = std::getenv("FSDP_MALLOC_TUNING")) {
     const std::string s = v;
     if (s == "0") return false;
@@ -19,10 +22,29 @@ bool tune_malloc(size_t mmap_threshold) {
                    s.c_str());
     }
   }
+  return true;
+}
+
+}  // namespace
+
+bool tune_malloc(size_t mmap_threshold) {
+  if (!tuning_allowed()) return false;
 #ifdef __GLIBC__
   return mallopt(M_MMAP_THRESHOLD, static_cast<int>(mmap_threshold)) == 1;
 #else
   (void)mmap_threshold;
+  return false;
+#endif
+}
+
+bool tune_malloc_for_speed(size_t mmap_threshold, size_t trim_threshold) {
+  if (!tuning_allowed()) return false;
+#ifdef __GLIBC__
+  return mallopt(M_MMAP_THRESHOLD, static_cast<int>(mmap_threshold)) == 1 &&
+         mallopt(M_TRIM_THRESHOLD, static_cast<int>(trim_threshold)) == 1;
+#else
+  (void)mmap_threshold;
+  (void)trim_threshold;
   return false;
 #endif
 }

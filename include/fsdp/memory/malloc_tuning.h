@@ -22,4 +22,17 @@ namespace fsdp {
 // one line on stderr and tunes). Call it before threads start allocating.
 bool tune_malloc(size_t mmap_threshold = size_t{1} << 20);
 
+// The other trade, for step time: glibc keeps freed blocks below `mmap_threshold` in its heap and
+// trims the heap only when `trim_threshold` bytes are free at its top (mallopt M_MMAP_THRESHOLD and
+// M_TRIM_THRESHOLD, both fixed: no dynamic threshold). After the first step activations and
+// gradients come from the heap again and no page is faulted in each step; the peak RSS becomes
+// the heap's high-water mark. Under glibc's default (a threshold that moves with the sizes freed)
+// FSDP's ranks fault in ~2,000-3,000 pages per step on bench's GPT at 2 ranks (one process: ~900):
+// ~12 ms of a ~265 ms step there (docs/benchmarks.md, "Page faults"). Same environment switch and
+// return value as tune_malloc.
+//
+// Example:
+//   fsdp::tune_malloc_for_speed();  // first thing in main(), instead of tune_malloc()
+bool tune_malloc_for_speed(size_t mmap_threshold = size_t{32} << 20, size_t trim_threshold = size_t{256} << 20);
+
 }  // namespace fsdp

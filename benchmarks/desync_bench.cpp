@@ -26,12 +26,6 @@
 
 namespace {
 
-double cpu_seconds() {
-  timespec ts{};
-  clock_gettime(CLOCK_PROCESS_CPUTIME_ID, &ts);
-  return static_cast<double>(ts.tv_sec) + 1e-9 * static_cast<double>(ts.tv_nsec);
-}
-
 [[noreturn]] void usage(const std::string& why) {
   std::fprintf(stderr,
                "desync_bench: %s\nusage: fsdprun --nproc-per-node N -- desync_bench [--steps N] [--block N] "
@@ -89,7 +83,7 @@ int main(int argc, char** argv) {
       const auto stats0 = fsdp::comm::process_comm_stats().snapshot();
       const auto checks0 = fsdp::comm::desync_check_counters();
       const uint64_t seq0 = w->seq();
-      const double cpu0 = cpu_seconds();
+      const double cpu0 = fsdp_bench::cpu_seconds();
       const auto t0 = std::chrono::steady_clock::now();
       opt.zero_grad();
       auto loss = fsdp::models::gpt_loss(fsdp::call(model, data.narrow(1, 0, c.block_size)),
@@ -98,7 +92,7 @@ int main(int argc, char** argv) {
       opt.step();
       (void)loss.item<float>();
       const double wall = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-      const double cpu = cpu_seconds() - cpu0;
+      const double cpu = fsdp_bench::cpu_seconds() - cpu0;
       if (!measured) continue;
       const auto checks = fsdp::comm::desync_check_counters();
       Mode& m = modes[on ? 1 : 0];

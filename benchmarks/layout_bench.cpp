@@ -13,8 +13,6 @@
 // unmapped blocks per step, and the ratios to the first layout (flat unless --flat 0). --split 1 adds, for each size, the
 // all-gather alone and the reduce-scatter alone per parameter. --comm-only KIB: no model, the
 // all-gather of KIB per rank as 1, 2, 5 and 13 pieces (the cost of a message by itself).
-#include <sys/resource.h>
-#include <time.h>
 
 #include <chrono>
 #include <cstdio>
@@ -29,12 +27,6 @@
 #include "models/gpt.h"
 
 namespace {
-
-double cpu_seconds() {
-  timespec ts{};
-  clock_gettime(CLOCK_PROCESS_CPUTIME_ID, &ts);
-  return static_cast<double>(ts.tv_sec) + 1e-9 * static_cast<double>(ts.tv_nsec);
-}
 
 [[noreturn]] void usage(const std::string& why) {
   std::fprintf(stderr,
@@ -51,11 +43,7 @@ struct Layout {
   uint64_t faults = 0, misses = 0, hits = 0, unmapped = 0;
 };
 
-uint64_t minor_faults() {
-  rusage ru{};
-  getrusage(RUSAGE_SELF, &ru);
-  return static_cast<uint64_t>(ru.ru_minflt);
-}
+
 
 }  // namespace
 
@@ -97,11 +85,11 @@ int main(int argc, char** argv) {
           for (int r = 0; r < world; ++r) by_rank.push_back(full.narrow(0, r * numel + a, b - a));
           outs.push_back(by_rank);
         }
-        const double cpu0 = cpu_seconds();
+        const double cpu0 = fsdp_bench::cpu_seconds();
         const auto t0 = std::chrono::steady_clock::now();
         w->all_gather_pieces(ins, outs);
         wall[k].push_back(std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
-        cpu[k].push_back(cpu_seconds() - cpu0);
+        cpu[k].push_back(fsdp_bench::cpu_seconds() - cpu0);
       }
       if (rank == 0) {
         std::printf("| pieces (%lld KiB per rank in all) | calls | wall (median) | process CPU (median) |\n|---|---|---|---|\n",
@@ -147,8 +135,8 @@ int main(int argc, char** argv) {
       fsdp::set_cpu_collective_options(layouts[which].options);
       auto data = at::randint(c.vocab_size, {local_batch, c.block_size + 1}, gen, at::kLong);
       const auto pool0 = fsdp::buffer_memory_stats();
-      const uint64_t faults0 = minor_faults();
-      const double cpu0 = cpu_seconds();
+      const uint64_t faults0 = fsdp_bench::minor_faults();
+      const double cpu0 = fsdp_bench::cpu_seconds();
       const auto t0 = std::chrono::steady_clock::now();
       opt.zero_grad();
       auto loss = fsdp::models::gpt_loss(fsdp::call(model, data.narrow(1, 0, c.block_size)),
@@ -157,13 +145,13 @@ int main(int argc, char** argv) {
       opt.step();
       (void)loss.item<float>();
       const double wall = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-      const double cpu = cpu_seconds() - cpu0;
+      const double cpu = fsdp_bench::cpu_seconds() - cpu0;
       if (!measured) continue;
       const auto pool1 = fsdp::buffer_memory_stats();
       Layout& l = layouts[which];
       l.wall.push_back(wall);
       l.cpu.push_back(cpu);
-      l.faults += minor_faults() - faults0;
+      l.faults += fsdp_bench::minor_faults() - faults0;
       l.misses += pool1.pool_misses - pool0.pool_misses;
       l.hits += pool1.pool_hits - pool0.pool_hits;
       l.unmapped += pool1.pool_unmapped - pool0.pool_unmapped;

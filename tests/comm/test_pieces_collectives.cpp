@@ -5,6 +5,7 @@
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
+#include <cstdlib>
 #include <vector>
 
 #include "fsdp/fsdp.h"
@@ -158,3 +159,15 @@ INSTANTIATE_TEST_SUITE_P(Ranks, PiecesTest, ::testing::Values(2, 3), [](const au
 });
 
 TEST(Pieces, BadArgumentsAreNamed) { EXPECT_RANKS_PASS(2, "pieces_bad_arguments"); }
+
+TEST(Pieces, BadLayoutSettingIsNamed) {
+  // FSDP_CPU_COLLECTIVES is read at the first use (fsdp/sharding/cpu_collectives.h).
+  ::setenv("FSDP_CPU_COLLECTIVES", "ring", 1);
+  fsdp::testing::expect_error([] { fsdp::cpu_collective_options(); },
+                              "FSDP_CPU_COLLECTIVES='ring' is not a layout; use flat (the default), pieces");
+  ::setenv("FSDP_CPU_COLLECTIVES", "gather-pieces", 1);
+  const auto o = fsdp::cpu_collective_options();
+  EXPECT_TRUE(o.gather_per_parameter);
+  EXPECT_FALSE(o.reduce_per_parameter);
+  ::unsetenv("FSDP_CPU_COLLECTIVES");
+}

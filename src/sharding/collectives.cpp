@@ -3,7 +3,6 @@
 #include <torch/torch.h>
 
 #include <algorithm>
-#include <atomic>
 #include <cstdlib>
 #include <mutex>
 #include <stdexcept>
@@ -136,6 +135,7 @@ GatherPieces build_gather_pieces(const FSDPParams& params, int rank, int n) {
     p->alloc_unsharded();
     if (small_shard(*p, min_bytes)) {
       out.packed[rank].narrow(0, offset, p->shard_numel()).copy_(p->padded_shard());
+      out.packed_params.push_back(p.get());
       offset += p->shard_numel();
       continue;
     }
@@ -149,13 +149,11 @@ GatherPieces build_gather_pieces(const FSDPParams& params, int rank, int n) {
   return out;
 }
 
-void copy_out_gather_pieces(const FSDPParams& params, const GatherPieces& pieces, int n) {
-  if (!pieces.packed.defined()) return;
-  const size_t min_bytes = cpu_collective_options().min_piece_bytes;
+void copy_out_gather_pieces(const GatherPieces& pieces) {
+  // The packing decided when the gather was issued (the options may have changed since).
   torch::NoGradGuard no_grad;
   int64_t offset = 0;
-  for (const auto& p : params) {
-    if (!small_shard(*p, min_bytes)) continue;
+  for (FSDPParam* p : pieces.packed_params) {
     copy_out_param(*p, pieces.packed, offset);
     offset += p->shard_numel();
   }

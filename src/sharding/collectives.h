@@ -62,6 +62,7 @@ struct GatherPieces {
   std::vector<at::Tensor> ins;                  // this rank's piece of each exchange
   std::vector<std::vector<at::Tensor>> outs;    // [exchange][rank]: where rank r's piece lands
   at::Tensor packed;                            // [N, packed total]: the small shards (or undefined)
+  std::vector<FSDPParam*> packed_params;        // whose shards are in `packed`, in its order
 };
 // One reduce-scatter of pieces in flight.
 struct ReducePieces {
@@ -80,7 +81,7 @@ bool gathers_per_parameter(const FSDPParams& params);
 // parameter]); this rank's packed shards are copied into the packed buffer's row.
 GatherPieces build_gather_pieces(const FSDPParams& params, int rank, int n);
 // After the wait: the packed shards into their unsharded parameters.
-void copy_out_gather_pieces(const FSDPParams& params, const GatherPieces& pieces, int n);
+void copy_out_gather_pieces(const GatherPieces& pieces);
 // Whether these gradients can be reduced per parameter (each already in its reduce dtype, which
 // is a 32- or 64-bit float).
 bool reduces_per_parameter(const std::vector<std::pair<FSDPParam*, at::Tensor>>& grads);

@@ -153,7 +153,7 @@ void FSDPParamGroup::wait_for_unshard() {
   if (gather_pieces_) {
     {
       PhaseScope timed(Phase::CopyOut);  // the packed small shards only
-      copy_out_gather_pieces(params_, *gather_pieces_, comm_->size());
+      copy_out_gather_pieces(*gather_pieces_);
     }
     all_gather_work_ = comm::Work();
     release_buffer(gather_pieces_->packed);

@@ -150,28 +150,34 @@ Floor transport_floor(uint64_t first, int reps) {
   for (const auto& r : fsdp::comm::FlightRecorder::process().snapshot()) {
     if (r.id >= first) step.push_back(r);
   }
-  std::vector<std::pair<at::Tensor, at::Tensor>> buffers;  // (out, in) per collective, allocated once
+  // What to issue, decided once: nothing but the collectives themselves runs in the timed loop.
+  enum class Kind { AllGather, ReduceScatter, AllReduce };
+  struct Replay {
+    Kind kind;
+    at::Tensor out, in;  // allocated once
+  };
+  std::vector<Replay> replays;
   for (const auto& r : step) {
     const std::string op = r.op;
-    if (op != "all_gather_into_tensor" && op != "reduce_scatter_tensor" && op != "all_reduce") {
-      return Floor{0, 0, -1};  // per-parameter collectives (FSDP_CPU_COLLECTIVES): not replayed
-    }
+    Kind kind;
+    if (op == "all_gather_into_tensor") kind = Kind::AllGather;
+    else if (op == "reduce_scatter_tensor") kind = Kind::ReduceScatter;
+    else if (op == "all_reduce") kind = Kind::AllReduce;
+    else return Floor{0, 0, -1};  // per-parameter collectives (FSDP_CPU_COLLECTIVES): not replayed
     auto opts = at::TensorOptions().dtype(r.dtype);
-    buffers.emplace_back(at::ones({r.out_numel}, opts), at::ones({r.in_numel}, opts));
+    replays.push_back({kind, at::ones({r.out_numel}, opts), at::ones({r.in_numel}, opts)});
   }
   Floor f;
-  f.collectives = static_cast<int>(step.size());
+  f.collectives = static_cast<int>(replays.size());
   std::vector<double> cpu, wall;
   for (int rep = -1; rep < reps; ++rep) {  // rep -1: warm-up
     world->barrier();
     const double c0 = fsdp_bench::cpu_seconds();
     const auto t0 = std::chrono::steady_clock::now();
-    for (size_t i = 0; i < step.size(); ++i) {
-      const std::string op = step[i].op;
-      auto& [out, in] = buffers[i];
-      if (op == "all_gather_into_tensor") world->all_gather_into_tensor(out, in);
-      else if (op == "reduce_scatter_tensor") world->reduce_scatter_tensor(out, in);
-      else world->all_reduce(out);
+    for (const auto& r : replays) {
+      if (r.kind == Kind::AllGather) world->all_gather_into_tensor(r.out, r.in);
+      else if (r.kind == Kind::ReduceScatter) world->reduce_scatter_tensor(r.out, r.in);
+      else world->all_reduce(r.out);
     }
     if (rep < 0) continue;
     wall.push_back(std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());

@@ -342,6 +342,16 @@ int run_driver(const Options& o) {
   for (auto& r : all) {
     if (o.rows == "all" || ("," + o.rows + ",").find("," + r.key + ",") != std::string::npos) rows.push_back(r);
   }
+  if (o.rows != "all") {  // a misspelt row is an error, not a row quietly left out
+    std::string known;
+    for (const auto& r : all) known += (known.empty() ? "" : ",") + r.key;
+    std::istringstream names(o.rows);
+    for (std::string name; std::getline(names, name, ',');) {
+      if (std::none_of(all.begin(), all.end(), [&](const Row& r) { return r.key == name; })) {
+        usage(("--rows: no row '" + name + "'; the rows are " + known).c_str());
+      }
+    }
+  }
   if (rows.empty() || rows.front().key != "single") usage("--rows must include single (the limit the others are measured against)");
   const int threads = fsdp::dist::default_omp_threads(o.nproc);
   std::printf("bench: GPT %lld layers, d=%lld, %lld heads, seq %lld, global batch %lld, float32; %d ranks x %d "

@@ -43,8 +43,6 @@ struct Layout {
   uint64_t faults = 0, misses = 0, hits = 0, unmapped = 0;
 };
 
-
-
 }  // namespace
 
 int main(int argc, char** argv) {

@@ -38,7 +38,6 @@
 #include "fsdp/fsdp.h"
 #include "models/gpt.h"
 
-
 namespace {
 
 using fsdp_bench::median;
@@ -49,8 +48,8 @@ struct Options {
   int64_t layers = 8, dim = 256, heads = 4, seq = 512, batch = 8;
   bool fit = false;
   int64_t budget_mb = 1536;
-  std::string role = "driver";  // driver | worker
-  std::string ac = "none";      // none | full | every:K
+  std::string role = "driver";    // driver | worker
+  std::string ac = "none";        // none | full | every:K
   std::string parallel = "fsdp";  // fsdp | none (plain LibTorch)
   std::string result;
   bool glibc_default = false;  // keep glibc's dynamic mmap threshold (see run_worker)
@@ -66,24 +65,40 @@ struct Options {
 
 Options parse(int argc, char** argv) {
   Options o;
-  std::map<std::string, int64_t*> ints = {{"--layers", &o.layers}, {"--dim", &o.dim},         {"--heads", &o.heads},
-                                          {"--seq", &o.seq},       {"--batch", &o.batch},     {"--budget-mb", &o.budget_mb},
-                                          };
+  std::map<std::string, int64_t*> ints = {
+      {"--layers", &o.layers}, {"--dim", &o.dim},     {"--heads", &o.heads},
+      {"--seq", &o.seq},       {"--batch", &o.batch}, {"--budget-mb", &o.budget_mb},
+  };
   for (int i = 1; i < argc; ++i) {
     std::string a = argv[i];
-    if (a == "--fit") { o.fit = true; continue; }
-    if (a == "--glibc-default-malloc") { o.glibc_default = true; continue; }
+    if (a == "--fit") {
+      o.fit = true;
+      continue;
+    }
+    if (a == "--glibc-default-malloc") {
+      o.glibc_default = true;
+      continue;
+    }
     if (i + 1 >= argc) usage("missing value for " + a);
     std::string v = argv[++i];
-    if (a == "--role") o.role = v;
-    else if (a == "--ac") o.ac = v;
-    else if (a == "--parallel") o.parallel = v;
-    else if (a == "--result") o.result = v;
-    else if (a == "--steps") o.steps = std::stoi(v);
-    else if (a == "--warmup") o.warmup = std::stoi(v);
-    else if (a == "--rounds") o.rounds = std::stoi(v);
-    else if (ints.count(a)) *ints[a] = std::stoll(v);
-    else usage("unknown option " + a);
+    if (a == "--role")
+      o.role = v;
+    else if (a == "--ac")
+      o.ac = v;
+    else if (a == "--parallel")
+      o.parallel = v;
+    else if (a == "--result")
+      o.result = v;
+    else if (a == "--steps")
+      o.steps = std::stoi(v);
+    else if (a == "--warmup")
+      o.warmup = std::stoi(v);
+    else if (a == "--rounds")
+      o.rounds = std::stoi(v);
+    else if (ints.count(a))
+      *ints[a] = std::stoll(v);
+    else
+      usage("unknown option " + a);
   }
   if (o.steps < 1 || o.warmup < 0) usage("--steps must be positive, --warmup not negative");
   return o;
@@ -94,7 +109,6 @@ double cpu_seconds() {  // this process's user + system time, all threads
   getrusage(RUSAGE_SELF, &u);
   return u.ru_utime.tv_sec + u.ru_stime.tv_sec + 1e-6 * (u.ru_utime.tv_usec + u.ru_stime.tv_usec);
 }
-
 
 int run_worker(const Options& o) {
   // glibc raises its mmap threshold (up to 32 MiB) each time a large block is freed, after which
@@ -174,9 +188,9 @@ int run_worker(const Options& o) {
   }
   if (rank == 0 && !o.result.empty()) {
     std::ofstream out(o.result, std::ios::app);
-    out << "step_s " << median(times) << " cpu_s " << median(cpu_times) << " peak " << peak << " base " << base << " params " << param_bytes << " grads "
-        << grad_bytes << " optim " << optim_bytes << " n_params " << n_params << " world " << world << " loss "
-        << loss_value << "\n";
+    out << "step_s " << median(times) << " cpu_s " << median(cpu_times) << " peak " << peak << " base " << base
+        << " params " << param_bytes << " grads " << grad_bytes << " optim " << optim_bytes << " n_params " << n_params
+        << " world " << world << " loss " << loss_value << "\n";
   }
   if (sharded) fsdp::dist::destroy_distributed();
   return 0;
@@ -205,15 +219,16 @@ struct Driver {
 
 int run_memory(const Options& o) {
   Driver d(o.glibc_default);
-  std::printf("activation_bench: GPT %lld layers, d=%lld, %lld heads, seq %lld, batch %lld per rank, float32, "
-              "fully_shard in a world of one; %d steps after %d warm-up, %d round(s); peak RSS of a fresh process per row\n",
-              static_cast<long long>(o.layers), static_cast<long long>(o.dim), static_cast<long long>(o.heads),
-              static_cast<long long>(o.seq), static_cast<long long>(o.batch), o.steps, o.warmup, o.rounds);
+  std::printf(
+      "activation_bench: GPT %lld layers, d=%lld, %lld heads, seq %lld, batch %lld per rank, float32, "
+      "fully_shard in a world of one; %d steps after %d warm-up, %d round(s); peak RSS of a fresh process per row\n",
+      static_cast<long long>(o.layers), static_cast<long long>(o.dim), static_cast<long long>(o.heads),
+      static_cast<long long>(o.seq), static_cast<long long>(o.batch), o.steps, o.warmup, o.rounds);
   std::fflush(stdout);
-  const std::vector<std::string> common = {"--steps", std::to_string(o.steps), "--warmup", std::to_string(o.warmup),
-                                           "--layers", std::to_string(o.layers), "--dim", std::to_string(o.dim),
-                                           "--heads", std::to_string(o.heads), "--seq", std::to_string(o.seq),
-                                           "--batch", std::to_string(o.batch)};
+  const std::vector<std::string> common = {"--steps",  std::to_string(o.steps),  "--warmup", std::to_string(o.warmup),
+                                           "--layers", std::to_string(o.layers), "--dim",    std::to_string(o.dim),
+                                           "--heads",  std::to_string(o.heads),  "--seq",    std::to_string(o.seq),
+                                           "--batch",  std::to_string(o.batch)};
   // Rounds alternate the configurations (the machine is shared and noisy): per configuration the
   // median over rounds of each run's median step time, and the largest peak.
   std::map<std::string, std::map<std::string, double>> rows;
@@ -236,45 +251,57 @@ int run_memory(const Options& o) {
     r["cpu_s"] = median(cpus[ac]);
   }
   const auto& none = rows["none"];
-  std::printf("\n| activation checkpointing | peak RSS | vs none | added by training | vs none | step time | vs none | CPU time / step | vs none | params / grads / optimizer |\n");
+  std::printf(
+      "\n| activation checkpointing | peak RSS | vs none | added by training | vs none | step time | vs none | CPU "
+      "time / step | vs none | params / grads / optimizer |\n");
   std::printf("|---|---|---|---|---|---|---|---|---|---|\n");
   for (const std::string ac : {"none", "full", "every:2"}) {
     auto& r = rows[ac];
-    std::printf("| %s | %.0f MB | %.3fx | %.0f MB | %.3fx | %.2f s | %.3fx | %.2f s | %.3fx | %.1f / %.1f / %.1f MB |\n",
-                ac.c_str(), r["peak"] / 1e6, r["peak"] / none.at("peak"), (r["peak"] - r["base"]) / 1e6,
-                (r["peak"] - r["base"]) / (none.at("peak") - none.at("base")), r["step_s"], r["step_s"] / none.at("step_s"),
-                r["cpu_s"], r["cpu_s"] / none.at("cpu_s"), r["params"] / 1e6, r["grads"] / 1e6, r["optim"] / 1e6);
+    std::printf(
+        "| %s | %.0f MB | %.3fx | %.0f MB | %.3fx | %.2f s | %.3fx | %.2f s | %.3fx | %.1f / %.1f / %.1f MB |\n",
+        ac.c_str(), r["peak"] / 1e6, r["peak"] / none.at("peak"), (r["peak"] - r["base"]) / 1e6,
+        (r["peak"] - r["base"]) / (none.at("peak") - none.at("base")), r["step_s"], r["step_s"] / none.at("step_s"),
+        r["cpu_s"], r["cpu_s"] / none.at("cpu_s"), r["params"] / 1e6, r["grads"] / 1e6, r["optim"] / 1e6);
   }
   const double mem = rows["full"]["peak"] / none.at("peak"), time = rows["full"]["step_s"] / none.at("step_s");
   const double added = (rows["full"]["peak"] - rows["full"]["base"]) / (none.at("peak") - none.at("base"));
   const double cpu = rows["full"]["cpu_s"] / none.at("cpu_s");
-  std::printf("\nfull vs none: peak RSS %.3fx (target <= 0.50: %s; memory added by training %.3fx), step time %.3fx "
-              "(target <= 1.40: %s; CPU time per step %.3fx); losses %.4f / %.4f / %.4f\n",
-              mem, mem <= 0.5 ? "met" : "NOT met", added, time, time <= 1.4 ? "met" : "NOT met", cpu, none.at("loss"),
-              rows["full"]["loss"], rows["every:2"]["loss"]);
+  std::printf(
+      "\nfull vs none: peak RSS %.3fx (target <= 0.50: %s; memory added by training %.3fx), step time %.3fx "
+      "(target <= 1.40: %s; CPU time per step %.3fx); losses %.4f / %.4f / %.4f\n",
+      mem, mem <= 0.5 ? "met" : "NOT met", added, time, time <= 1.4 ? "met" : "NOT met", cpu, none.at("loss"),
+      rows["full"]["loss"], rows["every:2"]["loss"]);
   return 0;
 }
 
 int run_fit(const Options& o) {
   Driver d(o.glibc_default);
   const int64_t layers = 14, dim = 768, heads = 12, seq = 512;
-  std::printf("activation_bench --fit: GPT %lld layers, d=%lld, %lld heads, seq %lld, 1 sequence per rank, float32, "
-              "AdamW; %d steps after %d warm-up; budget %lld MiB per process%s\n",
-              static_cast<long long>(layers), static_cast<long long>(dim), static_cast<long long>(heads),
-              static_cast<long long>(seq), o.steps, o.warmup, static_cast<long long>(o.budget_mb),
-              " (stated)");
+  std::printf(
+      "activation_bench --fit: GPT %lld layers, d=%lld, %lld heads, seq %lld, 1 sequence per rank, float32, "
+      "AdamW; %d steps after %d warm-up; budget %lld MiB per process%s\n",
+      static_cast<long long>(layers), static_cast<long long>(dim), static_cast<long long>(heads),
+      static_cast<long long>(seq), o.steps, o.warmup, static_cast<long long>(o.budget_mb), " (stated)");
   std::fflush(stdout);
-  const std::vector<std::string> common = {"--steps", std::to_string(o.steps), "--warmup", std::to_string(o.warmup),
-                                           "--layers", std::to_string(layers), "--dim", std::to_string(dim),
-                                           "--heads", std::to_string(heads), "--seq", std::to_string(seq),
-                                           "--batch", "1"};
-  struct Row { std::string name; int nproc; std::string parallel, ac; };
+  const std::vector<std::string> common = {"--steps",  std::to_string(o.steps),
+                                           "--warmup", std::to_string(o.warmup),
+                                           "--layers", std::to_string(layers),
+                                           "--dim",    std::to_string(dim),
+                                           "--heads",  std::to_string(heads),
+                                           "--seq",    std::to_string(seq),
+                                           "--batch",  "1"};
+  struct Row {
+    std::string name;
+    int nproc;
+    std::string parallel, ac;
+  };
   const std::vector<Row> rows = {{"one process (plain LibTorch)", 1, "none", "none"},
                                  {"FSDP 2 ranks", 2, "fsdp", "none"},
                                  {"FSDP 2 ranks + full checkpointing", 2, "fsdp", "full"},
                                  {"FSDP 4 ranks + full checkpointing", 4, "fsdp", "full"}};
-  std::printf("\n| run | peak RSS / rank | budget %lld MiB | params / grads / optimizer per rank | step time (CPU time) |\n",
-              static_cast<long long>(o.budget_mb));
+  std::printf(
+      "\n| run | peak RSS / rank | budget %lld MiB | params / grads / optimizer per rank | step time (CPU time) |\n",
+      static_cast<long long>(o.budget_mb));
   std::printf("|---|---|---|---|---|\n");
   const double budget = static_cast<double>(o.budget_mb) * 1048576.0;
   for (const auto& row : rows) {
@@ -282,11 +309,13 @@ int run_fit(const Options& o) {
     args.insert(args.end(), {"--parallel", row.parallel, "--ac", row.ac});
     auto r = d.run(row.nproc, args);
     if (r["rc"] != 0) {
-      std::printf("| %s | - | exceeded: the run failed (exit %d) | - | - |\n", row.name.c_str(), static_cast<int>(r["rc"]));
+      std::printf("| %s | - | exceeded: the run failed (exit %d) | - | - |\n", row.name.c_str(),
+                  static_cast<int>(r["rc"]));
     } else {
-      std::printf("| %s (%.1fM params) | %.0f MiB | %s | %.0f / %.0f / %.0f MiB | %.1f s (%.1f s) |\n", row.name.c_str(),
-                  r["n_params"] / 1e6, r["peak"] / 1048576.0, r["peak"] <= budget ? "fits" : "EXCEEDS",
-                  r["params"] / 1048576.0, r["grads"] / 1048576.0, r["optim"] / 1048576.0, r["step_s"], r["cpu_s"]);
+      std::printf("| %s (%.1fM params) | %.0f MiB | %s | %.0f / %.0f / %.0f MiB | %.1f s (%.1f s) |\n",
+                  row.name.c_str(), r["n_params"] / 1e6, r["peak"] / 1048576.0,
+                  r["peak"] <= budget ? "fits" : "EXCEEDS", r["params"] / 1048576.0, r["grads"] / 1048576.0,
+                  r["optim"] / 1048576.0, r["step_s"], r["cpu_s"]);
     }
     std::fflush(stdout);
   }

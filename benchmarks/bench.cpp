@@ -39,7 +39,6 @@
 #include "fsdp/memory/malloc_tuning.h"
 #include "models/gpt.h"
 
-
 namespace {
 
 using fsdp_bench::median;
@@ -49,17 +48,17 @@ using fsdp_bench::peak_rss_bytes;
 struct Options {
   int nproc = 2, steps = 20, warmup = 3, rounds = 2;
   int64_t layers = 4, dim = 256, heads = 4, seq = 128, batch = 8;
-  std::string role = "driver";  // driver | single | fsdp
-  std::string mp = "fp32";      // fp32 | bf16 (MixedPrecisionPolicy: bf16 params, fp32 reduce)
-  std::string mode = "fsdp";    // fsdp | hsdp | replicate (the distributed worker's parallelism)
-  std::string hsdp;             // "RxS" for the HSDP row (default: see parse)
-  std::string result;           // where a worker writes its result line
-  std::string pool_trim = "on"; // BufferPoolOptions::trim_after_forward (worker; for comparison)
-  std::string malloc = "default"; // default | speed (every worker: fsdp::tune_malloc_for_speed)
-  std::string rows = "all";       // the driver's rows, comma-separated keys (see run_driver)
-  std::string reshard = "default"; // default | keep-last | false (the FSDP worker's reshard_after_forward)
-  int floor_steps = 0;            // FSDP fp32 worker: replays of its last step's collectives (see
-                                  // transport_floor); the driver passes --steps
+  std::string role = "driver";      // driver | single | fsdp
+  std::string mp = "fp32";          // fp32 | bf16 (MixedPrecisionPolicy: bf16 params, fp32 reduce)
+  std::string mode = "fsdp";        // fsdp | hsdp | replicate (the distributed worker's parallelism)
+  std::string hsdp;                 // "RxS" for the HSDP row (default: see parse)
+  std::string result;               // where a worker writes its result line
+  std::string pool_trim = "on";     // BufferPoolOptions::trim_after_forward (worker; for comparison)
+  std::string malloc = "default";   // default | speed (every worker: fsdp::tune_malloc_for_speed)
+  std::string rows = "all";         // the driver's rows, comma-separated keys (see run_driver)
+  std::string reshard = "default";  // default | keep-last | false (the FSDP worker's reshard_after_forward)
+  int floor_steps = 0;              // FSDP fp32 worker: replays of its last step's collectives (see
+                                    // transport_floor); the driver passes --steps
 };
 
 [[noreturn]] void usage(const char* why) {
@@ -74,27 +73,40 @@ struct Options {
 
 Options parse(int argc, char** argv) {
   Options o;
-  std::map<std::string, int64_t*> ints = {{"--layers", &o.layers}, {"--dim", &o.dim}, {"--heads", &o.heads},
-                                          {"--seq", &o.seq},       {"--batch", &o.batch}};
+  std::map<std::string, int64_t*> ints = {
+      {"--layers", &o.layers}, {"--dim", &o.dim}, {"--heads", &o.heads}, {"--seq", &o.seq}, {"--batch", &o.batch}};
   std::map<std::string, int*> small = {
       {"--nproc", &o.nproc}, {"--steps", &o.steps}, {"--warmup", &o.warmup}, {"--rounds", &o.rounds}};
   for (int i = 1; i < argc; ++i) {
     std::string a = argv[i];
     if (i + 1 >= argc) usage(("missing value for " + a).c_str());
     std::string v = argv[++i];
-    if (a == "--role") o.role = v;
-    else if (a == "--result") o.result = v;
-    else if (a == "--mp") o.mp = v;
-    else if (a == "--mode") o.mode = v;
-    else if (a == "--hsdp") o.hsdp = v;
-    else if (a == "--pool-trim") o.pool_trim = v;
-    else if (a == "--malloc") o.malloc = v;
-    else if (a == "--reshard") o.reshard = v;
-    else if (a == "--rows") o.rows = v;
-    else if (a == "--floor-steps") o.floor_steps = std::stoi(v);
-    else if (ints.count(a)) *ints[a] = std::stoll(v);
-    else if (small.count(a)) *small[a] = std::stoi(v);
-    else usage(("unknown option " + a).c_str());
+    if (a == "--role")
+      o.role = v;
+    else if (a == "--result")
+      o.result = v;
+    else if (a == "--mp")
+      o.mp = v;
+    else if (a == "--mode")
+      o.mode = v;
+    else if (a == "--hsdp")
+      o.hsdp = v;
+    else if (a == "--pool-trim")
+      o.pool_trim = v;
+    else if (a == "--malloc")
+      o.malloc = v;
+    else if (a == "--reshard")
+      o.reshard = v;
+    else if (a == "--rows")
+      o.rows = v;
+    else if (a == "--floor-steps")
+      o.floor_steps = std::stoi(v);
+    else if (ints.count(a))
+      *ints[a] = std::stoll(v);
+    else if (small.count(a))
+      *small[a] = std::stoi(v);
+    else
+      usage(("unknown option " + a).c_str());
   }
   if (o.nproc < 1 || o.batch % o.nproc != 0) usage("--batch must be a positive multiple of --nproc");
   if (o.steps < 1) usage("--steps must be positive");
@@ -160,10 +172,14 @@ Floor transport_floor(uint64_t first, int reps) {
   for (const auto& r : step) {
     const std::string op = r.op;
     Kind kind;
-    if (op == "all_gather_into_tensor") kind = Kind::AllGather;
-    else if (op == "reduce_scatter_tensor") kind = Kind::ReduceScatter;
-    else if (op == "all_reduce") kind = Kind::AllReduce;
-    else return Floor{0, 0, -1};  // per-parameter collectives (FSDP_CPU_COLLECTIVES): not replayed
+    if (op == "all_gather_into_tensor")
+      kind = Kind::AllGather;
+    else if (op == "reduce_scatter_tensor")
+      kind = Kind::ReduceScatter;
+    else if (op == "all_reduce")
+      kind = Kind::AllReduce;
+    else
+      return Floor{0, 0, -1};  // per-parameter collectives (FSDP_CPU_COLLECTIVES): not replayed
     auto opts = at::TensorOptions().dtype(r.dtype);
     replays.push_back({kind, at::ones({r.out_numel}, opts), at::ones({r.in_numel}, opts)});
   }
@@ -175,9 +191,12 @@ Floor transport_floor(uint64_t first, int reps) {
     const double c0 = fsdp_bench::cpu_seconds();
     const auto t0 = std::chrono::steady_clock::now();
     for (const auto& r : replays) {
-      if (r.kind == Kind::AllGather) world->all_gather_into_tensor(r.out, r.in);
-      else if (r.kind == Kind::ReduceScatter) world->reduce_scatter_tensor(r.out, r.in);
-      else world->all_reduce(r.out);
+      if (r.kind == Kind::AllGather)
+        world->all_gather_into_tensor(r.out, r.in);
+      else if (r.kind == Kind::ReduceScatter)
+        world->reduce_scatter_tensor(r.out, r.in);
+      else
+        world->all_reduce(r.out);
     }
     if (rep < 0) continue;
     wall.push_back(std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
@@ -267,9 +286,9 @@ int run_worker(const Options& o, bool sharded) {
     out << "median_step_s " << median(times) << " state_bytes " << state_bytes(*model, opt) << " max_rss "
         << peak_rss_bytes() << " comm_bytes_per_step " << comm.total_bytes() / static_cast<double>(o.steps)
         << " param_bytes " << param_bytes << " world " << world << " all_reduce_bytes_per_step "
-        << comm[fsdp::comm::OpKind::AllReduce].bytes_sent / static_cast<double>(o.steps) << " first_loss "
-        << first_loss << " cpu_per_step_s " << cpu_per_step << " floor_cpu_s " << floor.cpu_s << " floor_wall_s "
-        << floor.wall_s << " floor_collectives " << floor.collectives << "\n";
+        << comm[fsdp::comm::OpKind::AllReduce].bytes_sent / static_cast<double>(o.steps) << " first_loss " << first_loss
+        << " cpu_per_step_s " << cpu_per_step << " floor_cpu_s " << floor.cpu_s << " floor_wall_s " << floor.wall_s
+        << " floor_collectives " << floor.collectives << "\n";
   }
   if (sharded && fsdp::phase_timers_enabled()) {
     // FSDP_PHASE_TIMERS=1: where FSDP's own time went on this rank (fsdp/sharding/phase_timers.h).
@@ -299,11 +318,11 @@ std::map<std::string, double> read_results(const std::string& path, std::vector<
 
 // One row of the table: a worker run, alternated with the others every round.
 struct Row {
-  std::string key;                 // --rows name
-  std::string label;               // the table's first column
-  std::vector<std::string> args;   // worker arguments after the common ones' place
-  bool distributed = true;         // under fsdprun (else one process with the rank's threads)
-  std::vector<double> medians;     // per round
+  std::string key;                     // --rows name
+  std::string label;                   // the table's first column
+  std::vector<std::string> args;       // worker arguments after the common ones' place
+  bool distributed = true;             // under fsdprun (else one process with the rank's threads)
+  std::vector<double> medians;         // per round
   std::map<std::string, double> last;  // the last round's result line
   double step() const { return median(medians); }
 };
@@ -318,11 +337,10 @@ int run_driver(const Options& o) {
   if (access(fsdprun.c_str(), X_OK) != 0) usage(("fsdprun not found next to bench: " + fsdprun).c_str());
   char tmpl[] = "/tmp/fsdp-bench-XXXXXX";
   if (!mkdtemp(tmpl)) usage("cannot create a temporary folder");
-  std::vector<std::string> common = {"--steps",  std::to_string(o.steps), "--warmup", std::to_string(o.warmup),
-                                     "--layers", std::to_string(o.layers), "--dim",   std::to_string(o.dim),
-                                     "--heads",  std::to_string(o.heads), "--seq",    std::to_string(o.seq),
-                                     "--batch",  std::to_string(o.batch), "--nproc",  std::to_string(o.nproc),
-                                     "--malloc", o.malloc};
+  std::vector<std::string> common = {
+      "--steps", std::to_string(o.steps), "--warmup", std::to_string(o.warmup), "--layers", std::to_string(o.layers),
+      "--dim",   std::to_string(o.dim),   "--heads",  std::to_string(o.heads),  "--seq",    std::to_string(o.seq),
+      "--batch", std::to_string(o.batch), "--nproc",  std::to_string(o.nproc),  "--malloc", o.malloc};
   const long long local_batch = o.batch / o.nproc, batch = o.batch;
   auto b = [](long long v) { return " (batch " + std::to_string(v) + ")"; };
   std::vector<Row> all = {
@@ -331,12 +349,17 @@ int run_driver(const Options& o) {
       // into bookkeeping (this row) and communication (the rest).
       {"local", "fully_shard, world of one" + b(local_batch) + ": copies, no network", {"--role", "fsdp"}, false},
       {"fsdp", "FSDP fp32" + b(batch), {"--role", "fsdp", "--floor-steps", std::to_string(o.steps)}},
-      {"keep-last", "FSDP fp32, the last block not resharded after forward (torchtitan's recipe)",
+      {"keep-last",
+       "FSDP fp32, the last block not resharded after forward (torchtitan's recipe)",
        {"--role", "fsdp", "--reshard", "keep-last"}},
       {"zero2", "FSDP fp32, reshard_after_forward = false (ZeRO-2-like)", {"--role", "fsdp", "--reshard", "false"}},
       {"bf16", "FSDP bf16 params, fp32 reduce" + b(batch), {"--role", "fsdp", "--mp", "bf16"}},
-      {"hsdp", "HSDP " + o.hsdp + ", replicate x shard" + b(batch), {"--role", "fsdp", "--mode", "hsdp", "--hsdp", o.hsdp}},
-      {"replicate", "replicate (DDP: 1 MiB first bucket, then 25 MiB)" + b(batch), {"--role", "fsdp", "--mode", "replicate"}},
+      {"hsdp",
+       "HSDP " + o.hsdp + ", replicate x shard" + b(batch),
+       {"--role", "fsdp", "--mode", "hsdp", "--hsdp", o.hsdp}},
+      {"replicate",
+       "replicate (DDP: 1 MiB first bucket, then 25 MiB)" + b(batch),
+       {"--role", "fsdp", "--mode", "replicate"}},
   };
   std::vector<Row> rows;
   for (auto& r : all) {
@@ -352,12 +375,14 @@ int run_driver(const Options& o) {
       }
     }
   }
-  if (rows.empty() || rows.front().key != "single") usage("--rows must include single (the limit the others are measured against)");
+  if (rows.empty() || rows.front().key != "single")
+    usage("--rows must include single (the limit the others are measured against)");
   const int threads = fsdp::dist::default_omp_threads(o.nproc);
-  std::printf("bench: GPT %lld layers, d=%lld, %lld heads, seq %lld, global batch %lld, float32; %d ranks x %d "
-              "thread(s); %d steps after %d warm-up, %d rounds; malloc %s\n",
-              static_cast<long long>(o.layers), static_cast<long long>(o.dim), static_cast<long long>(o.heads),
-              static_cast<long long>(o.seq), batch, o.nproc, threads, o.steps, o.warmup, o.rounds, o.malloc.c_str());
+  std::printf(
+      "bench: GPT %lld layers, d=%lld, %lld heads, seq %lld, global batch %lld, float32; %d ranks x %d "
+      "thread(s); %d steps after %d warm-up, %d rounds; malloc %s\n",
+      static_cast<long long>(o.layers), static_cast<long long>(o.dim), static_cast<long long>(o.heads),
+      static_cast<long long>(o.seq), batch, o.nproc, threads, o.steps, o.warmup, o.rounds, o.malloc.c_str());
   std::fflush(stdout);
   for (int round = 0; round < o.rounds; ++round) {
     for (auto& r : rows) {
@@ -377,7 +402,8 @@ int run_driver(const Options& o) {
   const double limit = rows.front().step();
   const double params = rows.front().last["param_bytes"], frac = static_cast<double>(o.nproc - 1) / o.nproc;
   const double hr = std::stod(o.hsdp.substr(0, o.hsdp.find('x'))), hs = o.nproc / hr;
-  std::printf("\n| run | ranks | step time (median) | vs limit | train state / rank | max RSS / rank | sent / rank / step |\n");
+  std::printf(
+      "\n| run | ranks | step time (median) | vs limit | train state / rank | max RSS / rank | sent / rank / step |\n");
   std::printf("|---|---|---|---|---|---|---|\n");
   for (auto& r : rows) {
     const int ranks = r.distributed ? o.nproc : 1;
@@ -390,14 +416,18 @@ int run_driver(const Options& o) {
     char sent[256] = "0";
     if (r.distributed) {
       const double mb = r.last["comm_bytes_per_step"] / 1e6;
-      if (r.key == "fsdp") std::snprintf(sent, sizeof sent, "%.2f MB (3 x params x (N-1)/N = %.2f MB)", mb, 3 * params * frac / 1e6);
+      if (r.key == "fsdp")
+        std::snprintf(sent, sizeof sent, "%.2f MB (3 x params x (N-1)/N = %.2f MB)", mb, 3 * params * frac / 1e6);
       else if (r.key == "zero2" || r.key == "replicate")
         std::snprintf(sent, sizeof sent, "%.2f MB (2 x params x (N-1)/N = %.2f MB)", mb, 2 * params * frac / 1e6);
       else if (r.key == "hsdp")
         // FSDP's three passes within the S shard ranks, plus an all-reduce of a 1/S shard over R.
-        std::snprintf(sent, sizeof sent, "%.2f MB, %.2f MB of it across replicas (3 x params x (S-1)/S + 2 x params/S x (R-1)/R = %.2f MB)",
-                      mb, r.last["all_reduce_bytes_per_step"] / 1e6, params * (3 * (hs - 1) / hs + 2 * (hr - 1) / hr / hs) / 1e6);
-      else std::snprintf(sent, sizeof sent, "%.2f MB", mb);
+        std::snprintf(
+            sent, sizeof sent,
+            "%.2f MB, %.2f MB of it across replicas (3 x params x (S-1)/S + 2 x params/S x (R-1)/R = %.2f MB)", mb,
+            r.last["all_reduce_bytes_per_step"] / 1e6, params * (3 * (hs - 1) / hs + 2 * (hr - 1) / hr / hs) / 1e6);
+      else
+        std::snprintf(sent, sizeof sent, "%.2f MB", mb);
     }
     std::printf("| %s | %d | %.1f ms | %s | %.2f MB | %.0f MB | %s |\n", r.label.c_str(), ranks, 1e3 * r.step(),
                 ratio.c_str(), r.last["state_bytes"] / 1e6, r.last["max_rss"] / 1e6, sent);
@@ -411,9 +441,10 @@ int run_driver(const Options& o) {
   for (double m : f.medians) std::printf(" %.1f", 1e3 * m);
   std::printf(" ms\n");
   auto cpu = rows.front().last["cpu_per_step_s"], fsdp_cpu = f.last["cpu_per_step_s"];
-  std::printf("CPU per rank per step (last round): one process %.1f ms, FSDP fp32 %.1f ms (+%.1f ms); FSDP's wall step "
-              "%.1f ms of which the process ran %.0f%%\n",
-              1e3 * cpu, 1e3 * fsdp_cpu, 1e3 * (fsdp_cpu - cpu), 1e3 * f.medians.back(), 100 * fsdp_cpu / f.medians.back());
+  std::printf(
+      "CPU per rank per step (last round): one process %.1f ms, FSDP fp32 %.1f ms (+%.1f ms); FSDP's wall step "
+      "%.1f ms of which the process ran %.0f%%\n",
+      1e3 * cpu, 1e3 * fsdp_cpu, 1e3 * (fsdp_cpu - cpu), 1e3 * f.medians.back(), 100 * fsdp_cpu / f.medians.back());
   // The transport floor (transport_floor above): the same collectives with nothing else running.
   const long cores = sysconf(_SC_NPROCESSORS_ONLN);
   if (f.last["floor_collectives"] < 0) {
@@ -421,17 +452,21 @@ int run_driver(const Options& o) {
     return 0;
   }
   const double floor_cpu = f.last["floor_cpu_s"], floor_ratio = (limit + floor_cpu) / limit;
-  std::printf("transport floor: FSDP fp32's %d collectives of a step replayed alone (%.2f MB sent per rank): %.1f ms "
-              "of CPU per rank (wall %.1f ms)",
-              static_cast<int>(f.last["floor_collectives"]), f.last["comm_bytes_per_step"] / 1e6, 1e3 * floor_cpu,
-              1e3 * f.last["floor_wall_s"]);
+  std::printf(
+      "transport floor: FSDP fp32's %d collectives of a step replayed alone (%.2f MB sent per rank): %.1f ms "
+      "of CPU per rank (wall %.1f ms)",
+      static_cast<int>(f.last["floor_collectives"]), f.last["comm_bytes_per_step"] / 1e6, 1e3 * floor_cpu,
+      1e3 * f.last["floor_wall_s"]);
   if (static_cast<long>(o.nproc) * threads >= cores) {
-    std::printf("; every one of the %ld cores computes (%d ranks x %d threads), so that CPU comes on top of the "
-                "limit: no FSDP can go below (limit + it) / limit = %.3f here with this transport\n",
-                cores, o.nproc, threads, floor_ratio);
+    std::printf(
+        "; every one of the %ld cores computes (%d ranks x %d threads), so that CPU comes on top of the "
+        "limit: no FSDP can go below (limit + it) / limit = %.3f here with this transport\n",
+        cores, o.nproc, threads, floor_ratio);
   } else {
-    std::printf("; %ld cores for %d ranks x %d threads: the transport can run on idle cores (a floor of 1.00; "
-                "(limit + it) / limit = %.3f if it could not)\n", cores, o.nproc, threads, floor_ratio);
+    std::printf(
+        "; %ld cores for %d ranks x %d threads: the transport can run on idle cores (a floor of 1.00; "
+        "(limit + it) / limit = %.3f if it could not)\n",
+        cores, o.nproc, threads, floor_ratio);
   }
   return 0;
 }

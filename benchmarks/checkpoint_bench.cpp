@@ -34,9 +34,14 @@ int main(int argc, char** argv) {
   int rounds = 3;
   for (int i = 1; i + 1 < argc; i += 2) {
     const std::string a = argv[i];
-    if (a == "--dir") dir = argv[i + 1];
-    else if (a == "--rounds") rounds = std::atoi(argv[i + 1]);
-    else { std::fprintf(stderr, "usage: checkpoint_bench [--dir DIR] [--rounds N]\n"); return 2; }
+    if (a == "--dir")
+      dir = argv[i + 1];
+    else if (a == "--rounds")
+      rounds = std::atoi(argv[i + 1]);
+    else {
+      std::fprintf(stderr, "usage: checkpoint_bench [--dir DIR] [--rounds N]\n");
+      return 2;
+    }
   }
   try {
     fsdp::dist::init_distributed();
@@ -54,7 +59,8 @@ int main(int argc, char** argv) {
     torch::optim::AdamW opt(model->parameters(), 1e-3);
     // One step so that the optimizer holds its state (2 more tensors per parameter).
     auto tokens = at::randint(256, {2, c.block_size + 1}, at::kLong);
-    fsdp::models::gpt_loss(fsdp::call(model, tokens.narrow(1, 0, c.block_size)), tokens.narrow(1, 1, c.block_size)).backward();
+    fsdp::models::gpt_loss(fsdp::call(model, tokens.narrow(1, 0, c.block_size)), tokens.narrow(1, 1, c.block_size))
+        .backward();
     opt.step();
     fsdp::checkpoint::State state{model.ptr(), &opt, {}};
 
@@ -79,21 +85,24 @@ int main(int argc, char** argv) {
       const auto name = e.path().filename().string();
       if (name.rfind("data-", 0) != 0) continue;
       total_bytes += e.file_size();
-      if (name.size() >= std::strlen(mine) && name.compare(name.size() - std::strlen(mine), std::string::npos, mine) == 0)
+      if (name.size() >= std::strlen(mine) &&
+          name.compare(name.size() - std::strlen(mine), std::string::npos, mine) == 0)
         my_bytes = e.file_size();
     }
     int64_t params = 0;
     for (const auto& p : model->parameters()) params += p.numel();
     fsdp::dist::world_comm()->barrier();
-    std::printf("rank %d: wrote %.2f MB (%lld parameters held)\n", rank, my_bytes / 1e6, static_cast<long long>(params));
+    std::printf("rank %d: wrote %.2f MB (%lld parameters held)\n", rank, my_bytes / 1e6,
+                static_cast<long long>(params));
     std::fflush(stdout);
     fsdp::dist::world_comm()->barrier();
     if (rank == 0) {
       std::printf("checkpoint of %.2f MB total (params + AdamW state, fp32) at %d ranks, median of %d rounds:\n",
                   total_bytes / 1e6, world, rounds);
-      std::printf("  save        %.3f s\n  async save  %.3f s until training may continue, %.3f s until committed\n"
-                  "  load        %.3f s\n",
-                  median(save_s), median(async_return_s), median(async_total_s), median(load_s));
+      std::printf(
+          "  save        %.3f s\n  async save  %.3f s until training may continue, %.3f s until committed\n"
+          "  load        %.3f s\n",
+          median(save_s), median(async_return_s), median(async_total_s), median(load_s));
     }
     return 0;
   } catch (const std::exception& e) {

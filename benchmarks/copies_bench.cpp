@@ -49,9 +49,12 @@ int main(int argc, char** argv) {
     std::string a = argv[i];
     if (i + 1 >= argc) usage("missing value for " + a);
     std::string v = argv[++i];
-    if (a == "--mode") mode = v;
-    else if (ints.count(a)) *ints[a] = std::stoll(v);
-    else usage("unknown option " + a);
+    if (a == "--mode")
+      mode = v;
+    else if (ints.count(a))
+      *ints[a] = std::stoll(v);
+    else
+      usage("unknown option " + a);
   }
   if (mode != "plain" && mode != "fsdp") usage("--mode must be plain or fsdp");
   at::set_num_threads(1);

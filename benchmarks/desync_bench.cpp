@@ -43,8 +43,9 @@ struct Mode {
 
 int main(int argc, char** argv) {
   fsdp::dist::tune_cpu_or_reexec(argc, argv);
-  std::map<std::string, int64_t> o = {{"--steps", 40}, {"--block", 5}, {"--warmup", 3}, {"--layers", 4},
-                                      {"--dim", 256},  {"--heads", 4}, {"--seq", 128},  {"--batch", 8}, {"--detail", 2}, {"--calls", 200}};
+  std::map<std::string, int64_t> o = {{"--steps", 40}, {"--block", 5},  {"--warmup", 3}, {"--layers", 4},
+                                      {"--dim", 256},  {"--heads", 4},  {"--seq", 128},  {"--batch", 8},
+                                      {"--detail", 2}, {"--calls", 200}};
   for (int i = 1; i < argc; i += 2) {
     if (!o.count(argv[i])) usage(std::string("unknown option ") + argv[i]);
     if (i + 1 >= argc) usage(std::string("missing value for ") + argv[i]);
@@ -86,8 +87,8 @@ int main(int argc, char** argv) {
       const double cpu0 = fsdp_bench::cpu_seconds();
       const auto t0 = std::chrono::steady_clock::now();
       opt.zero_grad();
-      auto loss = fsdp::models::gpt_loss(fsdp::call(model, data.narrow(1, 0, c.block_size)),
-                                         data.narrow(1, 1, c.block_size));
+      auto loss =
+          fsdp::models::gpt_loss(fsdp::call(model, data.narrow(1, 0, c.block_size)), data.narrow(1, 1, c.block_size));
       loss.backward();
       opt.step();
       (void)loss.item<float>();
@@ -121,15 +122,17 @@ int main(int argc, char** argv) {
                   call_s[0].size(), off_us, on_us, on_us - off_us);
     }
     if (rank == 0) {
-      std::printf("desync_bench: GPT %lld layers, d=%lld, %lld heads, seq %lld, global batch %lld, float32, "
-                  "fully_shard per block + root; %d ranks; %lld steps in blocks of %lld alternating off/on after "
-                  "%lld warm-up\n",
-                  static_cast<long long>(c.n_layer), static_cast<long long>(c.n_embd), static_cast<long long>(c.n_head),
-                  static_cast<long long>(c.block_size), static_cast<long long>(o["--batch"]), world,
-                  static_cast<long long>(o["--steps"]), static_cast<long long>(o["--block"]),
-                  static_cast<long long>(o["--warmup"]));
-      std::printf("| DETAIL | steps | step wall (median) | step CPU (median) | collectives / step | checks / step | "
-                  "collective bytes / step | check bytes / step |\n|---|---|---|---|---|---|---|---|\n");
+      std::printf(
+          "desync_bench: GPT %lld layers, d=%lld, %lld heads, seq %lld, global batch %lld, float32, "
+          "fully_shard per block + root; %d ranks; %lld steps in blocks of %lld alternating off/on after "
+          "%lld warm-up\n",
+          static_cast<long long>(c.n_layer), static_cast<long long>(c.n_embd), static_cast<long long>(c.n_head),
+          static_cast<long long>(c.block_size), static_cast<long long>(o["--batch"]), world,
+          static_cast<long long>(o["--steps"]), static_cast<long long>(o["--block"]),
+          static_cast<long long>(o["--warmup"]));
+      std::printf(
+          "| DETAIL | steps | step wall (median) | step CPU (median) | collectives / step | checks / step | "
+          "collective bytes / step | check bytes / step |\n|---|---|---|---|---|---|---|---|\n");
       for (int i = 0; i < 2; ++i) {
         const Mode& m = modes[i];
         if (m.steps == 0) continue;

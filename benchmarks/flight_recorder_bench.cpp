@@ -50,8 +50,9 @@ int main(int argc, char** argv) {
   const auto t1 = std::chrono::steady_clock::now();
   const uint64_t allocations = g_allocations.load() - before;
   const double ns = std::chrono::duration<double, std::nano>(t1 - t0).count() / n;
-  std::printf("flight recorder: %d collectives recorded (record + started + completed): %.1f ns each, %llu heap allocations\n",
-              n, ns, static_cast<unsigned long long>(allocations));
+  std::printf(
+      "flight recorder: %d collectives recorded (record + started + completed): %.1f ns each, %llu heap allocations\n",
+      n, ns, static_cast<unsigned long long>(allocations));
   std::printf("ring: capacity %zu, %llu recorded, %zu kept, %zu bytes per record\n", fr.capacity(),
               static_cast<unsigned long long>(fr.recorded()), fr.snapshot().size(), sizeof(fsdp::comm::FlightRecord));
   return allocations == 0 ? 0 : 1;

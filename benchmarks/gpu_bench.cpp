@@ -47,14 +47,22 @@ Options parse(int argc, char** argv) {
       }
       return std::atoll(argv[++i]);
     };
-    if (a == "--layers") o.layers = next();
-    else if (a == "--dim") o.dim = next();
-    else if (a == "--heads") o.heads = next();
-    else if (a == "--seq") o.seq = next();
-    else if (a == "--batch") o.batch = next();
-    else if (a == "--steps") o.steps = static_cast<int>(next());
-    else if (a == "--warmup") o.warmup = static_cast<int>(next());
-    else if (a == "--rounds") o.rounds = static_cast<int>(next());
+    if (a == "--layers")
+      o.layers = next();
+    else if (a == "--dim")
+      o.dim = next();
+    else if (a == "--heads")
+      o.heads = next();
+    else if (a == "--seq")
+      o.seq = next();
+    else if (a == "--batch")
+      o.batch = next();
+    else if (a == "--steps")
+      o.steps = static_cast<int>(next());
+    else if (a == "--warmup")
+      o.warmup = static_cast<int>(next());
+    else if (a == "--rounds")
+      o.rounds = static_cast<int>(next());
     else {
       std::fprintf(stderr, "gpu_bench: unknown option %s (see the header of benchmarks/gpu_bench.cpp)\n", a.c_str());
       std::exit(2);
@@ -131,7 +139,8 @@ Result run_plain(const Options& o) {
     }
     for (auto& p : computes) p.mutable_grad().reset();
     auto data = batch_of(o, s);
-    auto loss = fsdp::models::gpt_loss(compute->forward(data.narrow(1, 0, o.seq)).to(at::kFloat), data.narrow(1, 1, o.seq));
+    auto loss =
+        fsdp::models::gpt_loss(compute->forward(data.narrow(1, 0, o.seq)).to(at::kFloat), data.narrow(1, 1, o.seq));
     loss.backward();
     for (size_t i = 0; i < masters.size(); ++i) masters[i].mutable_grad() = computes[i].grad().to(at::kFloat);
     opt.step();
@@ -156,7 +165,8 @@ Result run_fsdp(const Options& o) {
   Result r = time_steps(o, [&](int s) {
     opt.zero_grad();
     auto data = batch_of(o, s);
-    auto loss = fsdp::models::gpt_loss(fsdp::call(model, data.narrow(1, 0, o.seq)).to(at::kFloat), data.narrow(1, 1, o.seq));
+    auto loss =
+        fsdp::models::gpt_loss(fsdp::call(model, data.narrow(1, 0, o.seq)).to(at::kFloat), data.narrow(1, 1, o.seq));
     loss.backward();
     opt.step();
     return loss.item<double>();
@@ -167,8 +177,8 @@ Result run_fsdp(const Options& o) {
 
 void print_row(const char* name, const Options& o, const Result& r, const Result* plain) {
   const double tokens = static_cast<double>(o.batch * o.seq);
-  std::printf("row %-6s tokens_per_s=%.0f step_ms=%.1f peak_gib=%.2f ag_wait_ms_per_step=%.2f last_loss=%.4f",
-              name, tokens / r.step_s, r.step_s * 1e3, r.peak, r.wait_s * 1e3, r.loss);
+  std::printf("row %-6s tokens_per_s=%.0f step_ms=%.1f peak_gib=%.2f ag_wait_ms_per_step=%.2f last_loss=%.4f", name,
+              tokens / r.step_s, r.step_s * 1e3, r.peak, r.wait_s * 1e3, r.loss);
   if (plain) std::printf(" vs_plain=%.3f", plain->step_s / r.step_s);
   std::printf("\n");
   std::fflush(stdout);
@@ -185,9 +195,11 @@ int main(int argc, char** argv) {
   fsdp::dist::InitOptions init;
   init.device_type = "cuda";  // a world of one on NCCL
   fsdp::dist::init_distributed(init);
-  std::printf("config layers=%lld dim=%lld heads=%lld seq=%lld batch=%lld bf16 params, fp32 reduce+master; steps=%d warmup=%d rounds=%d\n",
-              static_cast<long long>(o.layers), static_cast<long long>(o.dim), static_cast<long long>(o.heads),
-              static_cast<long long>(o.seq), static_cast<long long>(o.batch), o.steps, o.warmup, o.rounds);
+  std::printf(
+      "config layers=%lld dim=%lld heads=%lld seq=%lld batch=%lld bf16 params, fp32 reduce+master; steps=%d warmup=%d "
+      "rounds=%d\n",
+      static_cast<long long>(o.layers), static_cast<long long>(o.dim), static_cast<long long>(o.heads),
+      static_cast<long long>(o.seq), static_cast<long long>(o.batch), o.steps, o.warmup, o.rounds);
   Result best_plain, best_fsdp;
   for (int round = 0; round < o.rounds; ++round) {  // alternate; keep each one's best median
     Result p = run_plain(o);
@@ -197,6 +209,7 @@ int main(int argc, char** argv) {
   }
   print_row("plain", o, best_plain, nullptr);
   print_row("fsdp", o, best_fsdp, &best_plain);
-  std::printf("target fsdp >= 0.97 x plain tokens/s: %s\n", best_plain.step_s / best_fsdp.step_s >= 0.97 ? "met" : "NOT met");
+  std::printf("target fsdp >= 0.97 x plain tokens/s: %s\n",
+              best_plain.step_s / best_fsdp.step_s >= 0.97 ? "met" : "NOT met");
   return 0;
 }

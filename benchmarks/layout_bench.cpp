@@ -10,9 +10,9 @@
 //
 // Rank 0 prints, per layout: median wall time and process CPU time per step (both ranks' CPU is
 // what two ranks on two cores share), minor page faults and the buffer pool's hits / misses /
-// unmapped blocks per step, and the ratios to the first layout (flat unless --flat 0). --split 1 adds, for each size, the
-// all-gather alone and the reduce-scatter alone per parameter. --comm-only KIB: no model, the
-// all-gather of KIB per rank as 1, 2, 5 and 13 pieces (the cost of a message by itself).
+// unmapped blocks per step, and the ratios to the first layout (flat unless --flat 0). --split 1 adds, for each size,
+// the all-gather alone and the reduce-scatter alone per parameter. --comm-only KIB: no model, the all-gather of KIB per
+// rank as 1, 2, 5 and 13 pieces (the cost of a message by itself).
 
 #include <chrono>
 #include <cstdio>
@@ -47,8 +47,9 @@ struct Layout {
 
 int main(int argc, char** argv) {
   fsdp::dist::tune_cpu_or_reexec(argc, argv);
-  std::map<std::string, int64_t> o = {{"--steps", 60}, {"--block", 5}, {"--warmup", 3}, {"--layers", 4},
-                                      {"--dim", 256},  {"--heads", 4}, {"--seq", 128},  {"--batch", 8}, {"--comm-only", 0}, {"--flat", 1}, {"--split", 0}};
+  std::map<std::string, int64_t> o = {{"--steps", 60},    {"--block", 5}, {"--warmup", 3}, {"--layers", 4},
+                                      {"--dim", 256},     {"--heads", 4}, {"--seq", 128},  {"--batch", 8},
+                                      {"--comm-only", 0}, {"--flat", 1},  {"--split", 0}};
   std::string pieces_kib = "64,1024";
   for (int i = 1; i < argc; i += 2) {
     if (i + 1 >= argc) usage(std::string("missing value for ") + argv[i]);
@@ -90,8 +91,9 @@ int main(int argc, char** argv) {
         cpu[k].push_back(fsdp_bench::cpu_seconds() - cpu0);
       }
       if (rank == 0) {
-        std::printf("| pieces (%lld KiB per rank in all) | calls | wall (median) | process CPU (median) |\n|---|---|---|---|\n",
-                    static_cast<long long>(o["--comm-only"]));
+        std::printf(
+            "| pieces (%lld KiB per rank in all) | calls | wall (median) | process CPU (median) |\n|---|---|---|---|\n",
+            static_cast<long long>(o["--comm-only"]));
         for (int k : splits) {
           std::printf("| %d | %zu | %.3f ms | %.3f ms |\n", k, wall[k].size(), 1e3 * fsdp_bench::median(wall[k]),
                       1e3 * fsdp_bench::median(cpu[k]));
@@ -137,8 +139,8 @@ int main(int argc, char** argv) {
       const double cpu0 = fsdp_bench::cpu_seconds();
       const auto t0 = std::chrono::steady_clock::now();
       opt.zero_grad();
-      auto loss = fsdp::models::gpt_loss(fsdp::call(model, data.narrow(1, 0, c.block_size)),
-                                         data.narrow(1, 1, c.block_size));
+      auto loss =
+          fsdp::models::gpt_loss(fsdp::call(model, data.narrow(1, 0, c.block_size)), data.narrow(1, 1, c.block_size));
       loss.backward();
       opt.step();
       (void)loss.item<float>();
@@ -156,15 +158,18 @@ int main(int argc, char** argv) {
     }
     fsdp::set_cpu_collective_options({});
     if (rank == 0) {
-      std::printf("layout_bench: GPT %lld layers, d=%lld, %lld heads, seq %lld, global batch %lld, float32, "
-                  "fully_shard per block + root; %d ranks; %lld steps in blocks of %lld, layouts in rotation, after "
-                  "%lld warm-up\n",
-                  static_cast<long long>(c.n_layer), static_cast<long long>(c.n_embd), static_cast<long long>(c.n_head),
-                  static_cast<long long>(c.block_size), static_cast<long long>(o["--batch"]), world,
-                  static_cast<long long>(o["--steps"]), static_cast<long long>(o["--block"]),
-                  static_cast<long long>(o["--warmup"]));
-      std::printf("| layout | steps | step wall (median) | step CPU, rank 0 (median) | wall / flat | CPU / flat | page faults / step | pool hits / misses / unmapped per step |\n"
-                  "|---|---|---|---|---|---|---|---|\n");
+      std::printf(
+          "layout_bench: GPT %lld layers, d=%lld, %lld heads, seq %lld, global batch %lld, float32, "
+          "fully_shard per block + root; %d ranks; %lld steps in blocks of %lld, layouts in rotation, after "
+          "%lld warm-up\n",
+          static_cast<long long>(c.n_layer), static_cast<long long>(c.n_embd), static_cast<long long>(c.n_head),
+          static_cast<long long>(c.block_size), static_cast<long long>(o["--batch"]), world,
+          static_cast<long long>(o["--steps"]), static_cast<long long>(o["--block"]),
+          static_cast<long long>(o["--warmup"]));
+      std::printf(
+          "| layout | steps | step wall (median) | step CPU, rank 0 (median) | wall / flat | CPU / flat | page faults "
+          "/ step | pool hits / misses / unmapped per step |\n"
+          "|---|---|---|---|---|---|---|---|\n");
       // Ratios to the first layout (flat unless --flat 0).
       const double flat_wall = fsdp_bench::median(layouts[0].wall), flat_cpu = fsdp_bench::median(layouts[0].cpu);
       for (const auto& l : layouts) {

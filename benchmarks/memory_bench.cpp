@@ -68,18 +68,19 @@ struct Options {
 };
 
 [[noreturn]] void usage(const std::string& why) {
-  std::fprintf(stderr,
-               "memory_bench: %s\nusage: memory_bench [--small] [--ranks 2,4] [--steps N] [--batch N] [--layers N] "
-               "[--dim N] [--heads N] [--seq N] [--threads N] [--malloc default|tuned] [--pool on|off] [--pool-trim on|off] "
-               "[--gloo-fallback p2p|collective] [--timeline FILE (with --role)]\n",
-               why.c_str());
+  std::fprintf(
+      stderr,
+      "memory_bench: %s\nusage: memory_bench [--small] [--ranks 2,4] [--steps N] [--batch N] [--layers N] "
+      "[--dim N] [--heads N] [--seq N] [--threads N] [--malloc default|tuned] [--pool on|off] [--pool-trim on|off] "
+      "[--gloo-fallback p2p|collective] [--timeline FILE (with --role)]\n",
+      why.c_str());
   std::exit(2);
 }
 
 Options parse(int argc, char** argv) {
   Options o;
-  std::map<std::string, int64_t*> ints = {{"--layers", &o.layers}, {"--dim", &o.dim}, {"--heads", &o.heads},
-                                          {"--seq", &o.seq},       {"--batch", &o.batch}};
+  std::map<std::string, int64_t*> ints = {
+      {"--layers", &o.layers}, {"--dim", &o.dim}, {"--heads", &o.heads}, {"--seq", &o.seq}, {"--batch", &o.batch}};
   for (int i = 1; i < argc; ++i) {
     std::string a = argv[i];
     if (a == "--small") {
@@ -88,22 +89,33 @@ Options parse(int argc, char** argv) {
     }
     if (i + 1 >= argc) usage("missing value for " + a);
     std::string v = argv[++i];
-    if (a == "--role") o.role = v;
-    else if (a == "--result") o.result = v;
-    else if (a == "--timeline") o.timeline = v;
-    else if (a == "--malloc") o.malloc_mode = v;
-    else if (a == "--pool") o.pool = v;
-    else if (a == "--pool-trim") o.pool_trim = v;
-    else if (a == "--gloo-fallback") o.gloo_fallback = v;
-    else if (a == "--steps") o.steps = std::stoi(v);
-    else if (a == "--threads") o.threads = std::stoi(v);
+    if (a == "--role")
+      o.role = v;
+    else if (a == "--result")
+      o.result = v;
+    else if (a == "--timeline")
+      o.timeline = v;
+    else if (a == "--malloc")
+      o.malloc_mode = v;
+    else if (a == "--pool")
+      o.pool = v;
+    else if (a == "--pool-trim")
+      o.pool_trim = v;
+    else if (a == "--gloo-fallback")
+      o.gloo_fallback = v;
+    else if (a == "--steps")
+      o.steps = std::stoi(v);
+    else if (a == "--threads")
+      o.threads = std::stoi(v);
     else if (a == "--ranks") {
       o.ranks.clear();
       std::stringstream ss(v);
       std::string item;
       while (std::getline(ss, item, ',')) o.ranks.push_back(std::stoi(item));
-    } else if (ints.count(a)) *ints[a] = std::stoll(v);
-    else usage("unknown option " + a);
+    } else if (ints.count(a))
+      *ints[a] = std::stoll(v);
+    else
+      usage("unknown option " + a);
   }
   if (o.malloc_mode != "default" && o.malloc_mode != "tuned") usage("--malloc takes default or tuned");
   if (o.pool != "on" && o.pool != "off") usage("--pool takes on or off");
@@ -152,13 +164,14 @@ Sample take_sample() {
 void write_sample(std::ostream& out, const Sample& s) {
   out << s.t << " " << s.step << " " << phase_name(s.phase) << " " << s.all_gathers << " " << s.reduce_scatters << " "
       << s.rss / 1e6 << " " << s.fsdp.total / 1e6 << " " << s.fsdp.pool_live / 1e6 << " " << s.fsdp.pool_cached / 1e6
-      << " " << s.fsdp.pool_cached_resident / 1e6 << " " << s.heap_in_use / 1e6 << " " << s.heap_free / 1e6 << " " << s.mmapped / 1e6 << "\n";
+      << " " << s.fsdp.pool_cached_resident / 1e6 << " " << s.heap_in_use / 1e6 << " " << s.heap_free / 1e6 << " "
+      << s.mmapped / 1e6 << "\n";
 }
 
 int run_worker(const Options& o, bool sharded) {
   if (o.malloc_mode == "tuned") fsdp::tune_malloc();
   fsdp::comm::set_gloo_fallback(o.gloo_fallback == "p2p" ? fsdp::comm::GlooFallback::PointToPoint
-                                                          : fsdp::comm::GlooFallback::Collective);
+                                                         : fsdp::comm::GlooFallback::Collective);
   {
     fsdp::BufferPoolOptions pool;
     pool.enabled = o.pool == "on";
@@ -199,7 +212,8 @@ int run_worker(const Options& o, bool sharded) {
   std::unique_ptr<std::ofstream> timeline;
   if (!o.timeline.empty()) {
     timeline = std::make_unique<std::ofstream>(o.timeline + "." + std::to_string(rank));
-    *timeline << "# t_s step phase all_gathers reduce_scatters rss_MB fsdp_alive_MB pool_live_MB pool_cached_MB pool_cached_resident_MB "
+    *timeline << "# t_s step phase all_gathers reduce_scatters rss_MB fsdp_alive_MB pool_live_MB pool_cached_MB "
+                 "pool_cached_resident_MB "
                  "heap_in_use_MB heap_free_MB glibc_mmapped_MB\n";
   }
   const auto t_start = std::chrono::steady_clock::now();
@@ -265,12 +279,12 @@ int run_worker(const Options& o, bool sharded) {
   const auto fsdp_stats = fsdp::buffer_memory_stats();
   std::ostringstream line;
   line << "rank " << rank << " world " << world << " step_s " << fsdp_bench::median(step_s) << " hwm "
-       << fsdp_bench::vm_hwm_bytes() << " rss_setup " << rss_setup
-       << " params " << params << " grads " << grads << " optim " << optim << " block_param_bytes "
-       << block_param_bytes << " total_param_bytes " << total_param_bytes << " loss " << loss_value
-       << " s_rss " << peak.rss << " s_heap_in_use " << peak.heap_in_use << " s_heap_free " << peak.heap_free
-       << " s_mmapped " << peak.mmapped << " s_fsdp " << peak.fsdp.total << " s_pool_cached "
-       << peak.fsdp.pool_cached << " s_pool_live " << peak.fsdp.pool_live << " s_pool_cached_resident " << peak.fsdp.pool_cached_resident << " fsdp_peak " << fsdp_stats.peak << " pool_peak_mapped "
+       << fsdp_bench::vm_hwm_bytes() << " rss_setup " << rss_setup << " params " << params << " grads " << grads
+       << " optim " << optim << " block_param_bytes " << block_param_bytes << " total_param_bytes " << total_param_bytes
+       << " loss " << loss_value << " s_rss " << peak.rss << " s_heap_in_use " << peak.heap_in_use << " s_heap_free "
+       << peak.heap_free << " s_mmapped " << peak.mmapped << " s_fsdp " << peak.fsdp.total << " s_pool_cached "
+       << peak.fsdp.pool_cached << " s_pool_live " << peak.fsdp.pool_live << " s_pool_cached_resident "
+       << peak.fsdp.pool_cached_resident << " fsdp_peak " << fsdp_stats.peak << " pool_peak_mapped "
        << fsdp_stats.pool_peak_mapped << " pool_hits " << fsdp_stats.pool_hits << " pool_misses "
        << fsdp_stats.pool_misses;
   for (int k = 0; k < fsdp::kBufferOwners; ++k) line << " at_peak_" << k << " " << fsdp_stats.at_peak[k];
@@ -297,16 +311,23 @@ double mb(double bytes) { return bytes / 1e6; }
 
 int run_driver(const Options& o) {
   fsdp_bench::WorkerLauncher launcher("memory_bench");
-  std::vector<std::string> common = {"--layers", std::to_string(o.layers), "--dim",     std::to_string(o.dim),
-                                     "--heads",  std::to_string(o.heads),  "--seq",     std::to_string(o.seq),
-                                     "--batch",  std::to_string(o.batch),  "--steps",   std::to_string(o.steps),
-                                     "--threads", std::to_string(o.threads), "--malloc", o.malloc_mode,
-                                     "--pool",   o.pool, "--pool-trim", o.pool_trim, "--gloo-fallback", o.gloo_fallback};
-  std::printf("memory_bench: GPT %lld layers, d=%lld, %lld heads, seq %lld; %lld sequences per rank, %d steps, "
-              "fp32, AdamW, %d thread(s) per rank; malloc %s, FSDP pool %s (trim after forward %s), Gloo fallback %s\n",
-              static_cast<long long>(o.layers), static_cast<long long>(o.dim), static_cast<long long>(o.heads),
-              static_cast<long long>(o.seq), static_cast<long long>(o.batch), o.steps, o.threads,
-              o.malloc_mode.c_str(), o.pool.c_str(), o.pool_trim.c_str(), o.gloo_fallback.c_str());
+  std::vector<std::string> common = {"--layers",        std::to_string(o.layers),
+                                     "--dim",           std::to_string(o.dim),
+                                     "--heads",         std::to_string(o.heads),
+                                     "--seq",           std::to_string(o.seq),
+                                     "--batch",         std::to_string(o.batch),
+                                     "--steps",         std::to_string(o.steps),
+                                     "--threads",       std::to_string(o.threads),
+                                     "--malloc",        o.malloc_mode,
+                                     "--pool",          o.pool,
+                                     "--pool-trim",     o.pool_trim,
+                                     "--gloo-fallback", o.gloo_fallback};
+  std::printf(
+      "memory_bench: GPT %lld layers, d=%lld, %lld heads, seq %lld; %lld sequences per rank, %d steps, "
+      "fp32, AdamW, %d thread(s) per rank; malloc %s, FSDP pool %s (trim after forward %s), Gloo fallback %s\n",
+      static_cast<long long>(o.layers), static_cast<long long>(o.dim), static_cast<long long>(o.heads),
+      static_cast<long long>(o.seq), static_cast<long long>(o.batch), o.steps, o.threads, o.malloc_mode.c_str(),
+      o.pool.c_str(), o.pool_trim.c_str(), o.gloo_fallback.c_str());
   std::fflush(stdout);
   struct Run {
     std::string name;
@@ -321,7 +342,9 @@ int run_driver(const Options& o) {
     args.insert(args.end(), common.begin(), common.end());
     const int rc = role == "single" ? launcher.run(0, args, {"OMP_NUM_THREADS=" + std::to_string(o.threads)})
                                     : launcher.run(world, args);
-    if (rc != 0) launcher.fail("the run '" + name + "' on " + std::to_string(world) + " rank(s) failed (exit " + std::to_string(rc) + ")");
+    if (rc != 0)
+      launcher.fail("the run '" + name + "' on " + std::to_string(world) + " rank(s) failed (exit " +
+                    std::to_string(rc) + ")");
     Run result{name, world, {}};
     for (int r = 0; r < world; ++r) {  // the rank with the largest peak
       auto kv = fsdp_bench::read_results(out + "." + std::to_string(r));
@@ -335,11 +358,13 @@ int run_driver(const Options& o) {
   const auto& one = runs.front().r;
   const double state1 = one.at("params") + one.at("grads") + one.at("optim");
   const double unit = one.at("block_param_bytes");
-  std::printf("\none transformer block (a unit): %.1f MB of fp32 parameters; target for FSDP's buffers at peak: "
-              "2 units' parameters + gradients + one prefetched unit = %.1f MB\n",
-              mb(unit), mb(5 * unit));
-  std::printf("\n| run | ranks | state / rank (params + grads + AdamW) | peak RSS / rank | saved vs one process | "
-              "theoretical saving S(N-1)/N | realized | FSDP buffers at their peak | vs target | median step |\n");
+  std::printf(
+      "\none transformer block (a unit): %.1f MB of fp32 parameters; target for FSDP's buffers at peak: "
+      "2 units' parameters + gradients + one prefetched unit = %.1f MB\n",
+      mb(unit), mb(5 * unit));
+  std::printf(
+      "\n| run | ranks | state / rank (params + grads + AdamW) | peak RSS / rank | saved vs one process | "
+      "theoretical saving S(N-1)/N | realized | FSDP buffers at their peak | vs target | median step |\n");
   std::printf("|---|---|---|---|---|---|---|---|---|---|\n");
   for (const auto& run : runs) {
     const auto& r = run.r;
@@ -352,11 +377,14 @@ int run_driver(const Options& o) {
                 mb(r.at("hwm")), mb(saved), mb(theory),
                 run.world > 1 ? (std::to_string(static_cast<int>(100 * saved / theory + 0.5)) + "%").c_str() : "-",
                 fsdp ? (std::to_string(static_cast<int>(mb(r.at("fsdp_peak")) + 0.5)) + " MB").c_str() : "-",
-                fsdp ? (std::to_string(r.at("fsdp_peak") / (5 * unit)).substr(0, 4) + "x").c_str() : "-", r.at("step_s"));
+                fsdp ? (std::to_string(r.at("fsdp_peak") / (5 * unit)).substr(0, 4) + "x").c_str() : "-",
+                r.at("step_s"));
   }
   std::printf("\nAt each run's largest sampled RSS (MB): what it is made of\n\n");
-  std::printf("| run | ranks | RSS | training state | FSDP buffers alive (pool cached, resident) | glibc heap in use | glibc heap free, kept "
-              "| glibc mmapped | rest (LibTorch, code, activations outside glibc) |\n");
+  std::printf(
+      "| run | ranks | RSS | training state | FSDP buffers alive (pool cached, resident) | glibc heap in use | glibc "
+      "heap free, kept "
+      "| glibc mmapped | rest (LibTorch, code, activations outside glibc) |\n");
   std::printf("|---|---|---|---|---|---|---|---|---|\n");
   for (const auto& run : runs) {
     const auto& r = run.r;
@@ -364,11 +392,13 @@ int run_driver(const Options& o) {
     const double accounted = r.at("s_heap_in_use") + r.at("s_heap_free") + r.at("s_mmapped") + r.at("s_pool_live") +
                              r.at("s_pool_cached_resident");
     std::printf("| %s | %d | %.0f | %.0f | %.0f (%.0f) | %.0f | %.0f | %.0f | %.0f |\n", run.name.c_str(), run.world,
-                mb(r.at("s_rss")), mb(state), mb(r.at("s_fsdp")), mb(r.at("s_pool_cached_resident")), mb(r.at("s_heap_in_use")),
-                mb(r.at("s_heap_free")), mb(r.at("s_mmapped")), mb(r.at("s_rss") - accounted));
+                mb(r.at("s_rss")), mb(state), mb(r.at("s_fsdp")), mb(r.at("s_pool_cached_resident")),
+                mb(r.at("s_heap_in_use")), mb(r.at("s_heap_free")), mb(r.at("s_mmapped")),
+                mb(r.at("s_rss") - accounted));
   }
   std::printf("\nFSDP's buffers by owner (MB) at their own peak [and at the largest sampled RSS]\n\n| run | ranks |");
-  for (int k = 0; k < fsdp::kBufferOwners; ++k) std::printf(" %s |", fsdp::buffer_owner_name(static_cast<fsdp::BufferOwner>(k)));
+  for (int k = 0; k < fsdp::kBufferOwners; ++k)
+    std::printf(" %s |", fsdp::buffer_owner_name(static_cast<fsdp::BufferOwner>(k)));
   std::printf(" pool: peak mapped, hits / misses |\n|---|---|");
   for (int k = 0; k <= fsdp::kBufferOwners; ++k) std::printf("---|");
   std::printf("\n");
@@ -380,8 +410,10 @@ int run_driver(const Options& o) {
     }
     std::printf(" %.0f MB, %.0f / %.0f |\n", mb(r.at("pool_peak_mapped")), r.at("pool_hits"), r.at("pool_misses"));
   }
-  std::printf("\nWhere each run peaked (the largest RSS sample of each step, MB: RSS, phase, FSDP buffers alive / pool "
-              "cached and resident, glibc heap free kept; collectives issued so far: all-gathers / reduce-scatters)\n\n| run | ranks |");
+  std::printf(
+      "\nWhere each run peaked (the largest RSS sample of each step, MB: RSS, phase, FSDP buffers alive / pool "
+      "cached and resident, glibc heap free kept; collectives issued so far: all-gathers / reduce-scatters)\n\n| run | "
+      "ranks |");
   for (int s = 0; s < o.steps; ++s) std::printf(" step %d |", s + 1);
   std::printf("\n|---|---|");
   for (int s = 0; s < o.steps; ++s) std::printf("---|");

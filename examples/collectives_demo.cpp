@@ -25,8 +25,10 @@ int main(int argc, char** argv) {
   int iters = 5;
   for (int i = 1; i < argc; ++i) {
     std::string a = argv[i];
-    if (a == "--mb" && i + 1 < argc) megabytes = std::atof(argv[++i]);
-    else if (a == "--iters" && i + 1 < argc) iters = std::atoi(argv[++i]);
+    if (a == "--mb" && i + 1 < argc)
+      megabytes = std::atof(argv[++i]);
+    else if (a == "--iters" && i + 1 < argc)
+      iters = std::atoi(argv[++i]);
     else {
       std::fprintf(stderr, "usage: %s [--mb MEGABYTES] [--iters N]\n", argv[0]);
       return 2;
@@ -75,11 +77,12 @@ int main(int argc, char** argv) {
     at::Tensor ok = at::tensor({gathered_ok && scattered_ok ? 1.0f : 0.0f});
     comm->all_reduce(ok, fsdp::comm::ReduceOp::Sum);
     auto delta = fsdp::comm::process_comm_stats().snapshot() - stats0;
-    std::printf("rank %d: %lld x %lld param (%.1f MB), shard %lld rows | all_gather %.1f ms, reduce_scatter %.1f ms"
-                " (mean of %d) | %s\n",
-                rank, static_cast<long long>(rows), static_cast<long long>(cols), rows * cols * 4 / 1e6,
-                static_cast<long long>(shard_rows), 1e3 * gather_s / iters, 1e3 * scatter_s / iters, iters,
-                delta.to_string().c_str());
+    std::printf(
+        "rank %d: %lld x %lld param (%.1f MB), shard %lld rows | all_gather %.1f ms, reduce_scatter %.1f ms"
+        " (mean of %d) | %s\n",
+        rank, static_cast<long long>(rows), static_cast<long long>(cols), rows * cols * 4 / 1e6,
+        static_cast<long long>(shard_rows), 1e3 * gather_s / iters, 1e3 * scatter_s / iters, iters,
+        delta.to_string().c_str());
     const bool all_ok = ok.item<float>() == static_cast<float>(world);
     if (rank == 0) {
       std::printf("%s: gathered parameters equal the original on every rank; averaged gradients = %.1f\n",

@@ -55,7 +55,7 @@ int main(int argc, char** argv) {
     int64_t n_params = 0;
     for (const auto& p : model->parameters()) n_params += p.numel();
     for (auto& block : model->blocks) fsdp::fully_shard(block);  // blocks first,
-    fsdp::fully_shard(model);                                     // then the root
+    fsdp::fully_shard(model);                                    // then the root
     int64_t local_params = 0;
     for (const auto& p : model->parameters()) local_params += p.numel();
     torch::optim::AdamW opt(model->parameters(), torch::optim::AdamWOptions(3e-3).weight_decay(0.01));
@@ -71,7 +71,8 @@ int main(int argc, char** argv) {
     auto t_start = std::chrono::steady_clock::now();
     auto stats0 = fsdp::comm::process_comm_stats().snapshot();
     for (int step = 0; step < steps; ++step) {
-      auto data = make_batch(global_batch, config.block_size + 1, config.vocab_size, step).narrow(0, rank * local, local);
+      auto data =
+          make_batch(global_batch, config.block_size + 1, config.vocab_size, step).narrow(0, rank * local, local);
       opt.zero_grad();
       auto logits = fsdp::call(model, data.narrow(1, 0, config.block_size));
       auto loss = fsdp::models::gpt_loss(logits, data.narrow(1, 1, config.block_size));
@@ -92,7 +93,8 @@ int main(int argc, char** argv) {
                 sent.total_bytes() / 1e6 / steps, sent.to_string().c_str());
     const bool learned = last_loss < first_loss * 0.8;
     if (rank == 0) {
-      std::printf("%s: loss %.4f -> %.4f over %d steps\n", learned ? "OK" : "NOT LEARNING", first_loss, last_loss, steps);
+      std::printf("%s: loss %.4f -> %.4f over %d steps\n", learned ? "OK" : "NOT LEARNING", first_loss, last_loss,
+                  steps);
     }
     world_comm->barrier();
     fsdp::dist::destroy_distributed();

@@ -20,7 +20,8 @@ void GPTConfig::validate() const {
   need(n_layer >= 0, "n_layer must not be negative");
   need(n_head > 0 && n_embd > 0, "n_head and n_embd must be positive");
   need(dropout >= 0.0 && dropout < 1.0, "dropout must be in [0, 1), got " + std::to_string(dropout));
-  need(n_embd % n_head == 0, "n_head (" + std::to_string(n_head) + ") must divide n_embd (" + std::to_string(n_embd) + ")");
+  need(n_embd % n_head == 0,
+       "n_head (" + std::to_string(n_head) + ") must divide n_embd (" + std::to_string(n_embd) + ")");
 }
 
 LinearImpl::LinearImpl(int64_t in, int64_t out, bool with_bias, torch::Device device) {
@@ -64,7 +65,9 @@ torch::Tensor CausalSelfAttentionImpl::forward(const torch::Tensor& x) {
   auto qkv = qkv_all.split(C, /*dim=*/2);
   auto heads = [&](const torch::Tensor& t) { return t.view({B, T, heads_here, hd}).transpose(1, 2); };
   auto q = heads(qkv[0]), k = heads(qkv[1]), v = heads(qkv[2]);
-  if (fused) return fsdp::call(c_proj, fsdp::compat::fused_causal_attention(q, k, v).transpose(1, 2).contiguous().view({B, T, C}));
+  if (fused)
+    return fsdp::call(c_proj,
+                      fsdp::compat::fused_causal_attention(q, k, v).transpose(1, 2).contiguous().view({B, T, C}));
   auto att = torch::matmul(q, k.transpose(-2, -1)) * (1.0 / std::sqrt(static_cast<double>(hd)));
   auto causal = torch::ones({T, T}, x.options().dtype(torch::kBool)).tril();
   att = F::softmax(att.masked_fill(causal.logical_not(), -INFINITY), F::SoftmaxFuncOptions(-1));
@@ -97,9 +100,9 @@ torch::Tensor BlockImpl::forward(const torch::Tensor& x) {
 }
 
 HeadImpl::HeadImpl(int64_t n_embd, int64_t vocab_size, torch::Device device, const torch::Tensor& tied_weight) {
-  weight = register_parameter("weight", tied_weight.defined()
-                                            ? tied_weight
-                                            : torch::empty({vocab_size, n_embd}, torch::TensorOptions().device(device)));
+  weight = register_parameter(
+      "weight",
+      tied_weight.defined() ? tied_weight : torch::empty({vocab_size, n_embd}, torch::TensorOptions().device(device)));
 }
 
 torch::Tensor HeadImpl::forward(const torch::Tensor& x) { return F::linear(x, weight); }
@@ -114,7 +117,8 @@ GPTImpl::GPTImpl(const GPTConfig& c) : config(c) {
     h->push_back(blocks.back());
   }
   ln_f = register_module("ln_f", LayerNorm(c.n_embd, c.device));
-  lm_head = register_module("lm_head", Head(c.n_embd, c.vocab_size, c.device, c.tie_weights ? wte->weight : torch::Tensor()));
+  lm_head =
+      register_module("lm_head", Head(c.n_embd, c.vocab_size, c.device, c.tie_weights ? wte->weight : torch::Tensor()));
   if (c.device.type() != torch::kMeta) reset_parameters();
 }
 
@@ -126,9 +130,12 @@ void GPTImpl::reset_parameters() {
     const uint64_t seed = fsdp::init::param_seed(config.init_seed, name);
     const bool is_bias = name.size() >= 4 && name.compare(name.size() - 4, 4, "bias") == 0;
     const bool is_norm = name.find("ln_") != std::string::npos;
-    if (is_bias) fsdp::init::constant_(p, 0.0);
-    else if (is_norm) fsdp::init::constant_(p, 1.0);
-    else fsdp::init::normal_(p, 0.0, 0.02, seed);
+    if (is_bias)
+      fsdp::init::constant_(p, 0.0);
+    else if (is_norm)
+      fsdp::init::constant_(p, 1.0);
+    else
+      fsdp::init::normal_(p, 0.0, 0.02, seed);
   }
 }
 

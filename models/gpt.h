@@ -28,7 +28,7 @@ struct GPTConfig {
   bool fused_attention = true;
   torch::Device device = torch::kCPU;  // torch::kMeta: build without memory, initialise later
   uint64_t init_seed = 0;              // reset_parameters' seed (same values for any sharding)
-  void validate() const;     // throws std::invalid_argument naming the bad field
+  void validate() const;               // throws std::invalid_argument naming the bad field
 };
 
 // y = x W^T + b, parameters created on a given device.

@@ -1,5 +1,6 @@
 #pragma once
 // FSDP for LibTorch: everything a training program needs, in one include.
+#include "fsdp/activation/checkpoint.h"
 #include "fsdp/checkpoint/checkpoint.h"
 #include "fsdp/checkpoint/inspect.h"
 #include "fsdp/checkpoint/lock.h"
@@ -16,15 +17,14 @@
 #include "fsdp/dist/env.h"
 #include "fsdp/dist/runtime.h"
 #include "fsdp/mesh/device_mesh.h"
-#include "fsdp/activation/checkpoint.h"
 #include "fsdp/sharding/call.h"
 #include "fsdp/sharding/clip_grad.h"
 #include "fsdp/sharding/cpu_collectives.h"
 #include "fsdp/sharding/forward_method.h"
 #include "fsdp/sharding/fully_shard.h"
 #include "fsdp/sharding/gpu_stats.h"
-#include "fsdp/sharding/phase_timers.h"
 #include "fsdp/sharding/materialize.h"
+#include "fsdp/sharding/phase_timers.h"
 #include "fsdp/sharding/policies.h"
 #include "fsdp/sharding/replicate.h"
 #include "fsdp/tensor_parallel/tensor_parallel.h"

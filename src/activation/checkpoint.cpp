@@ -27,7 +27,7 @@ using torch::autograd::variable_list;
 struct Closure : torch::CustomClassHolder {
   fsdp::detail::TensorFn fn;
   CheckpointOptions options;
-  compat::RngState rng;            // the generators before the forward
+  compat::RngState rng;              // the generators before the forward
   std::vector<bool> input_is_float;  // which inputs can take a gradient
 };
 
@@ -95,9 +95,9 @@ struct CheckpointFunction : torch::autograd::Function<CheckpointFunction> {
       if (c->options.preserve_rng_state) compat::restore_rng_state(after);
     }
     if (outputs.size() != grads.size()) {
-      throw std::runtime_error("fsdp::activation::checkpoint: the recompute returned " + std::to_string(outputs.size()) +
-                               " tensors, the forward " + std::to_string(grads.size()) +
-                               "; the function must return the same outputs every time");
+      throw std::runtime_error("fsdp::activation::checkpoint: the recompute returned " +
+                               std::to_string(outputs.size()) + " tensors, the forward " +
+                               std::to_string(grads.size()) + "; the function must return the same outputs every time");
     }
     std::vector<at::Tensor> outs, out_grads;
     bool any_requires_grad = false;

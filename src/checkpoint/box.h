@@ -41,9 +41,9 @@ class Runs {
   uint64_t offset(int64_t j) const;
 
  private:
-  std::vector<int64_t> outer_sizes_;    // region sizes of the dims before the run dim
-  std::vector<uint64_t> outer_strides_; // bytes per step in those dims
-  uint64_t base_ = 0;                   // offset of the region's first element
+  std::vector<int64_t> outer_sizes_;     // region sizes of the dims before the run dim
+  std::vector<uint64_t> outer_strides_;  // bytes per step in those dims
+  uint64_t base_ = 0;                    // offset of the region's first element
   uint64_t run_bytes_ = 0;
   int64_t count_ = 1;
 };

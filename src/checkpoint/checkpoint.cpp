@@ -87,7 +87,9 @@ void fsync_path(const fs::path& path, bool directory) {
 void rename_or_throw(const fs::path& from, const fs::path& to) {
   std::error_code ec;
   fs::rename(from, to, ec);
-  if (ec) throw CheckpointError("checkpoint: cannot rename '" + from.string() + "' to '" + to.string() + "': " + ec.message());
+  if (ec)
+    throw CheckpointError("checkpoint: cannot rename '" + from.string() + "' to '" + to.string() +
+                          "': " + ec.message());
 }
 
 std::string data_file_name(const std::string& save_id, int rank) {
@@ -150,8 +152,8 @@ void refuse_damaged_target(const std::string& dir) {
   if (!index_file_exists(dir)) return;
   const std::string problem = index_problem(dir);
   if (!problem.empty())
-    throw CheckpointError("checkpoint: refusing to save into '" + dir + "': its index.json cannot be read (" +
-                          problem + "); nothing in it was changed. Move the folder aside (or save elsewhere)");
+    throw CheckpointError("checkpoint: refusing to save into '" + dir + "': its index.json cannot be read (" + problem +
+                          "); nothing in it was changed. Move the folder aside (or save elsewhere)");
 }
 
 // What an uncommitted directory holds, for reports.
@@ -206,15 +208,17 @@ struct SavePlan {
   std::string dir;
   SaveOptions options;
   std::vector<std::string> extras;  // Stateful entry names, recorded in the index
-  std::vector<LocalItem> items;  // only what this rank writes; `local` contiguous on CPU
+  std::vector<LocalItem> items;     // only what this rank writes; `local` contiguous on CPU
 };
 
 SavePlan make_plan(const std::string& dir, const State& state, const SaveOptions& options, bool copy) {
   if (!state.model && state.tensors.empty())
-    throw CheckpointError("checkpoint::save: State::model is null and State::tensors empty; pass the (sharded) model "
-                          "or the tensors to save");
+    throw CheckpointError(
+        "checkpoint::save: State::model is null and State::tensors empty; pass the (sharded) model "
+        "or the tensors to save");
   if (!state.model && state.optimizer)
-    throw CheckpointError("checkpoint::save: State::optimizer needs State::model (its state is saved by parameter name)");
+    throw CheckpointError(
+        "checkpoint::save: State::optimizer needs State::model (its state is saved by parameter name)");
   const int rank = global_rank();
   std::vector<LocalItem> all = state.model ? detail::model_items(*state.model, rank) : std::vector<LocalItem>{};
   auto tensors = detail::sharded_tensor_items(state.tensors, nullptr);
@@ -238,7 +242,8 @@ SavePlan make_plan(const std::string& dir, const State& state, const SaveOptions
     // Async saves copy now: training may change the tensors while the files are written.
     at::Tensor cpu = item.local.to(at::kCPU, /*non_blocking=*/false, /*copy=*/copy).contiguous();
     item.local = cpu;
-    for (auto& piece : item.pieces) piece.local = piece.local.to(at::kCPU, /*non_blocking=*/false, /*copy=*/copy).contiguous();
+    for (auto& piece : item.pieces)
+      piece.local = piece.local.to(at::kCPU, /*non_blocking=*/false, /*copy=*/copy).contiguous();
     plan.items.push_back(std::move(item));
   }
   return plan;
@@ -248,7 +253,8 @@ std::string make_save_id(comm::Comm& group) {
   at::Tensor id = at::zeros({1}, at::kLong);
   if (group.rank() == 0) {
     std::random_device rd;
-    const uint64_t bits = (uint64_t(rd()) << 32) ^ rd() ^ uint64_t(std::chrono::steady_clock::now().time_since_epoch().count());
+    const uint64_t bits =
+        (uint64_t(rd()) << 32) ^ rd() ^ uint64_t(std::chrono::steady_clock::now().time_since_epoch().count());
     id[0] = static_cast<int64_t>(bits & 0x7fffffffffffffffULL);
   }
   group.broadcast(id, 0);
@@ -287,7 +293,8 @@ void write_rank_file(const SavePlan& plan, const std::string& save_id, int rank)
   }
   const fs::path final_path = fs::path(plan.dir) / data_file_name(save_id, rank);
   const fs::path tmp_path = final_path.string() + ".tmp";
-  safetensors::write_file(tmp_path.string(), tensors, {{detail::kChunksMetadataKey, detail::encode_file_chunks(chunks)}});
+  safetensors::write_file(tmp_path.string(), tensors,
+                          {{detail::kChunksMetadataKey, detail::encode_file_chunks(chunks)}});
   rename_or_throw(tmp_path, final_path);
   if (plan.options.abort_after_files == 1) std::abort();
 }
@@ -312,14 +319,16 @@ Index build_index(const std::string& dir, const std::string& save_id, int world)
       } else if (record.dtype != c.dtype || record.global_shape != c.global_shape) {
         throw CheckpointError("checkpoint: ranks disagree on the dtype or shape of '" + c.key + "'");
       }
-      record.chunks.push_back(Chunk{name, std::move(c.offsets), std::move(c.sizes), std::move(c.block_crc32), std::move(c.entry)});
+      record.chunks.push_back(
+          Chunk{name, std::move(c.offsets), std::move(c.sizes), std::move(c.block_crc32), std::move(c.entry)});
     }
   }
   for (auto& [key, record] : index.tensors) {
     std::sort(record.chunks.begin(), record.chunks.end(),
               [](const Chunk& a, const Chunk& b) { return a.offsets < b.offsets; });
-    detail::check_tiling("save to '" + dir + "'", key, record,
-                         "were the boxes the same on every rank, and each replicated box written once (ShardedTensor::write)?");
+    detail::check_tiling(
+        "save to '" + dir + "'", key, record,
+        "were the boxes the same on every rank, and each replicated box written once (ShardedTensor::write)?");
   }
   return index;
 }
@@ -407,8 +416,9 @@ void write_and_commit(const SavePlan& plan, comm::Comm& group) {
   const int64_t result = outcome[0].item<int64_t>();
   if (result == 0) {
     remove_own_files(plan.dir, save_id, rank);
-    throw CheckpointError(rank == 0 ? commit_error + "; nothing was committed, the save's files were removed and the "
-                                                     "directory's previous checkpoint is untouched"
+    throw CheckpointError(rank == 0 ? commit_error +
+                                          "; nothing was committed, the save's files were removed and the "
+                                          "directory's previous checkpoint is untouched"
                                     : "checkpoint: rank 0 could not commit the save to '" + plan.dir +
                                           "' (see rank 0's error); nothing was committed, the save's files were "
                                           "removed and the previous checkpoint is untouched");
@@ -465,7 +475,8 @@ class ChunkReader {
     }
     if (covered != detail::volume(sizes))
       throw CheckpointError("checkpoint: '" + dir_ + "' does not hold all of the box at " + detail::dims_text(offsets) +
-                            " of '" + key + "' (chunks overlap or leave gaps); the index is damaged, load an earlier checkpoint");
+                            " of '" + key +
+                            "' (chunks overlap or leave gaps); the index is damaged, load an earlier checkpoint");
   }
 
  private:
@@ -518,7 +529,8 @@ class ChunkReader {
           const uint64_t s = runs.offset(j), e = s + run;
           if (s >= read_end) break;
           const uint64_t from = std::max(s, read_begin), to = std::min(e, read_end);
-          std::memcpy(out + static_cast<uint64_t>(j) * run + (from - s), buffer_.data() + (from - read_begin), to - from);
+          std::memcpy(out + static_cast<uint64_t>(j) * run + (from - s), buffer_.data() + (from - read_begin),
+                      to - from);
           if (e > read_end) break;
         }
       }
@@ -548,8 +560,8 @@ class ChunkReader {
   uint64_t bytes_read_ = 0;
 };
 
-void check_model_keys(const std::string& dir, const Index& index, const std::vector<LocalItem>& items,
-                      bool has_model, bool strict) {
+void check_model_keys(const std::string& dir, const Index& index, const std::vector<LocalItem>& items, bool has_model,
+                      bool strict) {
   std::set<std::string> state_keys;
   for (const auto& item : items) state_keys.insert(item.key);
   std::vector<std::string> missing, unexpected;
@@ -632,10 +644,12 @@ bool AsyncSave::ready() const {
 
 LoadStats load(const std::string& dir, const State& state, const LoadOptions& options) {
   if (!state.model && state.tensors.empty())
-    throw CheckpointError("checkpoint::load: State::model is null and State::tensors empty; pass the (sharded) model "
-                          "or the tensors to load");
+    throw CheckpointError(
+        "checkpoint::load: State::model is null and State::tensors empty; pass the (sharded) model "
+        "or the tensors to load");
   if (!state.model && state.optimizer)
-    throw CheckpointError("checkpoint::load: State::optimizer needs State::model (its state is loaded by parameter name)");
+    throw CheckpointError(
+        "checkpoint::load: State::optimizer needs State::model (its state is loaded by parameter name)");
   wait_for_previous_save();  // loading what an in-flight save is writing would race
   const Index index = detail::read_index(dir);
   // Chunks must tile each tensor exactly (a damaged or hand-edited index must not load garbage).
@@ -674,7 +688,8 @@ LoadStats load(const std::string& dir, const State& state, const LoadOptions& op
       item.key = key;
       item.global_shape = record.global_shape;
       item.offsets.assign(record.global_shape.size(), 0);
-      item.local = at::empty(record.global_shape, at::TensorOptions().dtype(safetensors::dtype_from_name(record.dtype)));
+      item.local =
+          at::empty(record.global_shape, at::TensorOptions().dtype(safetensors::dtype_from_name(record.dtype)));
       load_item(reader, dir, index, item);
       values.emplace(key.substr(prefix.size()), item.local);
     }
@@ -743,7 +758,8 @@ std::optional<std::string> latest_checkpoint(const std::string& root) {
 
 std::map<std::string, TensorMeta> describe(const std::string& dir) {
   std::map<std::string, TensorMeta> out;
-  for (const auto& [key, record] : detail::read_index(dir).tensors) out[key] = TensorMeta{record.dtype, record.global_shape};
+  for (const auto& [key, record] : detail::read_index(dir).tensors)
+    out[key] = TensorMeta{record.dtype, record.global_shape};
   return out;
 }
 
@@ -770,7 +786,8 @@ std::map<std::string, at::Tensor> CpuRngState::state_dict() const {
 
 void CpuRngState::load_state_dict(const std::map<std::string, at::Tensor>& state) {
   auto found = state.find("cpu");
-  if (found == state.end()) throw CheckpointError("checkpoint: CpuRngState: the checkpoint holds no 'cpu' generator state");
+  if (found == state.end())
+    throw CheckpointError("checkpoint: CpuRngState: the checkpoint holds no 'cpu' generator state");
   auto generator = at::detail::getDefaultCPUGenerator();
   std::lock_guard<std::mutex> lock(generator.mutex());
   generator.set_state(found->second);

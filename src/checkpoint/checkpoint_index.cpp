@@ -100,7 +100,8 @@ std::string encode_index(const Index& index) {
   json tensors = json::object();
   for (const auto& [key, record] : index.tensors) {
     json chunks = json::array();
-    for (const auto& c : record.chunks) chunks.push_back(chunk_json(c.file, c.offsets, c.sizes, c.block_crc32, c.entry));
+    for (const auto& c : record.chunks)
+      chunks.push_back(chunk_json(c.file, c.offsets, c.sizes, c.block_crc32, c.entry));
     tensors[key] = {{"dtype", record.dtype}, {"shape", record.global_shape}, {"chunks", std::move(chunks)}};
   }
   json j{{"format", kFormat},
@@ -141,7 +142,8 @@ Index decode_index(const std::string& text, const std::string& source) {
         Chunk chunk;
         chunk.file = c.at("file").get<std::string>();
         if (version == 1 && !c.contains("row_offset"))
-          throw CheckpointError("checkpoint: " + source + " (format 1) has a chunk without row_offset; load an earlier checkpoint");
+          throw CheckpointError("checkpoint: " + source +
+                                " (format 1) has a chunk without row_offset; load an earlier checkpoint");
         chunk_box(c, record.global_shape, chunk.offsets, chunk.sizes, source);
         chunk.block_crc32 = c.at("crc32").get<std::vector<uint32_t>>();
         if (c.contains("entry")) chunk.entry = c.at("entry").get<std::string>();

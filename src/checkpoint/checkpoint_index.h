@@ -22,9 +22,9 @@ constexpr int kOldestFormatVersion = 1;  // still read
 constexpr uint64_t kChecksumBlockBytes = 1 << 20;
 
 struct Chunk {
-  std::string file;               // data file name inside the checkpoint directory
-  std::vector<int64_t> offsets;   // the chunk's box in the global tensor, one per dimension
-  std::vector<int64_t> sizes;     // (empty for a 0-d tensor); its bytes are the box row-major
+  std::string file;                   // data file name inside the checkpoint directory
+  std::vector<int64_t> offsets;       // the chunk's box in the global tensor, one per dimension
+  std::vector<int64_t> sizes;         // (empty for a 0-d tensor); its bytes are the box row-major
   std::vector<uint32_t> block_crc32;  // per kChecksumBlockBytes block of the chunk's bytes
   // The chunk's tensor name in its file: "" for the key itself; a rank's second and later chunks
   // of one key (a strided tensor-parallel shard) are "<key>#<n>" (index field "entry").

@@ -63,18 +63,19 @@ std::vector<OptimizerCodec> builtin_codecs() {
                                        [](o::AdagradOptions& x) -> double& { return x.initial_accumulator_value(); })
                        .hyperparameter("eps", [](o::AdagradOptions& x) -> double& { return x.eps(); })
                        .build());
-  codecs.push_back(OptimizerCodecBuilder<o::RMSprop, o::RMSpropParamState, o::RMSpropOptions>("RMSprop")
-                       .state("square_avg", [](o::RMSpropParamState& s) -> at::Tensor& { return s.square_avg(); })
-                       .state("momentum_buffer", [](o::RMSpropParamState& s) -> at::Tensor& { return s.momentum_buffer(); })
-                       .state("grad_avg", [](o::RMSpropParamState& s) -> at::Tensor& { return s.grad_avg(); })
-                       .state("step", [](o::RMSpropParamState& s) -> int64_t& { return s.step(); })
-                       .hyperparameter("lr", [](o::RMSpropOptions& x) -> double& { return x.lr(); })
-                       .hyperparameter("alpha", [](o::RMSpropOptions& x) -> double& { return x.alpha(); })
-                       .hyperparameter("eps", [](o::RMSpropOptions& x) -> double& { return x.eps(); })
-                       .hyperparameter("weight_decay", [](o::RMSpropOptions& x) -> double& { return x.weight_decay(); })
-                       .hyperparameter("momentum", [](o::RMSpropOptions& x) -> double& { return x.momentum(); })
-                       .hyperparameter("centered", [](o::RMSpropOptions& x) -> bool& { return x.centered(); })
-                       .build());
+  codecs.push_back(
+      OptimizerCodecBuilder<o::RMSprop, o::RMSpropParamState, o::RMSpropOptions>("RMSprop")
+          .state("square_avg", [](o::RMSpropParamState& s) -> at::Tensor& { return s.square_avg(); })
+          .state("momentum_buffer", [](o::RMSpropParamState& s) -> at::Tensor& { return s.momentum_buffer(); })
+          .state("grad_avg", [](o::RMSpropParamState& s) -> at::Tensor& { return s.grad_avg(); })
+          .state("step", [](o::RMSpropParamState& s) -> int64_t& { return s.step(); })
+          .hyperparameter("lr", [](o::RMSpropOptions& x) -> double& { return x.lr(); })
+          .hyperparameter("alpha", [](o::RMSpropOptions& x) -> double& { return x.alpha(); })
+          .hyperparameter("eps", [](o::RMSpropOptions& x) -> double& { return x.eps(); })
+          .hyperparameter("weight_decay", [](o::RMSpropOptions& x) -> double& { return x.weight_decay(); })
+          .hyperparameter("momentum", [](o::RMSpropOptions& x) -> double& { return x.momentum(); })
+          .hyperparameter("centered", [](o::RMSpropOptions& x) -> bool& { return x.centered(); })
+          .build());
   return codecs;
 }
 
@@ -213,13 +214,16 @@ std::vector<LocalItem> optimizer_load_items(torch::optim::Optimizer& optimizer, 
     if (in_optimizer.count(entry.value().unsafeGetTensorImpl())) params.emplace_back(entry.key(), entry.value());
   for (const auto& [fqn, p] : params)
     for (const auto& [name, owners] : every_field)
-      if (!own_fields.count(name) && has_key("optim." + fqn + "." + name)) saved_by_another("optim." + fqn + "." + name, owners, codec);
+      if (!own_fields.count(name) && has_key("optim." + fqn + "." + name))
+        saved_by_another("optim." + fqn + "." + name, owners, codec);
   auto& groups = optimizer.param_groups();
   for (const auto& [name, owners] : every_hyper)
-    if (!own_hypers.count(name) && has_key(group_prefix(0) + name)) saved_by_another(group_prefix(0) + name, owners, codec);
+    if (!own_hypers.count(name) && has_key(group_prefix(0) + name))
+      saved_by_another(group_prefix(0) + name, owners, codec);
   // Hyperparameters: all or nothing per checkpoint (older checkpoints have none).
   bool with_hyperparameters = false;
-  for (const auto& h : codec.hyperparameters) with_hyperparameters = with_hyperparameters || has_key(group_prefix(0) + h.name);
+  for (const auto& h : codec.hyperparameters)
+    with_hyperparameters = with_hyperparameters || has_key(group_prefix(0) + h.name);
   if (with_hyperparameters) {
     const std::string first = codec.hyperparameters.front().name;
     size_t saved_groups = 0;
@@ -232,7 +236,8 @@ std::vector<LocalItem> optimizer_load_items(torch::optim::Optimizer& optimizer, 
       for (const auto& h : codec.hyperparameters)
         if (!has_key(group_prefix(g) + h.name))
           throw CheckpointError("checkpoint: the optimizer state has no '" + group_prefix(g) + h.name +
-                                "' (saved by another optimizer than " + codec.name + "?); build the optimizer it was saved with");
+                                "' (saved by another optimizer than " + codec.name +
+                                "?); build the optimizer it was saved with");
   }
 
   std::vector<LocalItem> items;

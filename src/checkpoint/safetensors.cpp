@@ -6,8 +6,8 @@
 // to the loader. nlohmann-json stays private to this file.
 #include "fsdp/checkpoint/safetensors.h"
 
-#include <nlohmann/json.hpp>
 #include <zlib.h>
+#include <nlohmann/json.hpp>
 
 #include <fcntl.h>
 #include <sys/stat.h>
@@ -24,8 +24,7 @@ namespace fsdp::safetensors {
 
 // The format is little-endian; this library copies tensor bytes verbatim. (The compiler macro,
 // not C++20's std::endian: the fuzz build compiles this file as C++17, see fuzz-safetensors.sh.)
-static_assert(__BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__,
-              "safetensors I/O assumes a little-endian host");
+static_assert(__BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__, "safetensors I/O assumes a little-endian host");
 
 namespace {
 
@@ -40,16 +39,14 @@ constexpr std::size_t kMaxNameInMessage = 120;
 
 std::string quoted(const std::string& name) {
   if (name.size() <= kMaxNameInMessage) return "'" + name + "'";
-  return "'" + name.substr(0, kMaxNameInMessage) + "...' (" + std::to_string(name.size()) +
-         " bytes)";
+  return "'" + name.substr(0, kMaxNameInMessage) + "...' (" + std::to_string(name.size()) + " bytes)";
 }
 
 [[noreturn]] void fail(const std::string& source, const std::string& what) {
   throw SafetensorsError(source + ": " + what);
 }
 
-[[noreturn]] void fail_tensor(const std::string& source, const std::string& name,
-                              const std::string& what) {
+[[noreturn]] void fail_tensor(const std::string& source, const std::string& name, const std::string& what) {
   fail(source, "tensor " + quoted(name) + ": " + what);
 }
 
@@ -65,20 +62,30 @@ size_t find_invalid_utf8(const uint8_t* s, size_t n) {
   size_t i = 0;
   while (i < n) {
     uint8_t c = s[i];
-    if (c < 0x80) { ++i; continue; }
+    if (c < 0x80) {
+      ++i;
+      continue;
+    }
     size_t len;
     uint32_t cp;
-    if ((c & 0xE0) == 0xC0) { len = 2; cp = c & 0x1F; }
-    else if ((c & 0xF0) == 0xE0) { len = 3; cp = c & 0x0F; }
-    else if ((c & 0xF8) == 0xF0) { len = 4; cp = c & 0x07; }
-    else return i;
+    if ((c & 0xE0) == 0xC0) {
+      len = 2;
+      cp = c & 0x1F;
+    } else if ((c & 0xF0) == 0xE0) {
+      len = 3;
+      cp = c & 0x0F;
+    } else if ((c & 0xF8) == 0xF0) {
+      len = 4;
+      cp = c & 0x07;
+    } else
+      return i;
     if (n - i < len) return i;
     for (size_t k = 1; k < len; ++k) {
       if ((s[i + k] & 0xC0) != 0x80) return i;
       cp = (cp << 6) | (s[i + k] & 0x3F);
     }
-    if ((len == 2 && cp < 0x80) || (len == 3 && cp < 0x800) || (len == 4 && cp < 0x10000) ||
-        cp > 0x10FFFF || (cp >= 0xD800 && cp <= 0xDFFF))
+    if ((len == 2 && cp < 0x80) || (len == 3 && cp < 0x800) || (len == 4 && cp < 0x10000) || cp > 0x10FFFF ||
+        (cp >= 0xD800 && cp <= 0xDFFF))
       return i;
     i += len;
   }
@@ -88,8 +95,7 @@ size_t find_invalid_utf8(const uint8_t* s, size_t n) {
 size_t element_size(at::ScalarType dtype) { return c10::elementSize(dtype); }
 
 // A JSON number that must be a non-negative integer (shape dims, data offsets).
-uint64_t get_u64(const json& j, const std::string& source, const std::string& name,
-                 const char* field) {
+uint64_t get_u64(const json& j, const std::string& source, const std::string& name, const char* field) {
   if (j.is_number_unsigned()) return j.get<uint64_t>();
   if (j.is_number_integer()) {
     int64_t v = j.get<int64_t>();
@@ -110,7 +116,9 @@ json parse_json(const char* first, const char* last, const std::string& source) 
       fail(source, "header JSON nests deeper than " + std::to_string(kMaxJsonDepth) + " levels");
     switch (event) {
       case json::parse_event_t::object_start: keys.emplace_back(); break;
-      case json::parse_event_t::object_end: if (!keys.empty()) keys.pop_back(); break;
+      case json::parse_event_t::object_end:
+        if (!keys.empty()) keys.pop_back();
+        break;
       case json::parse_event_t::key: {
         const auto& key = parsed.get_ref<const std::string&>();
         if (!keys.empty() && !keys.back().insert(key).second)
@@ -148,15 +156,14 @@ void write_all(int fd, const void* data, size_t length, const std::string& path)
 void pread_all(int fd, void* dst, size_t length, uint64_t offset, const std::string& path) {
   char* p = static_cast<char*>(dst);
   while (length > 0) {
-    ssize_t n = ::pread(fd, p, std::min<size_t>(length, size_t{1} << 30),
-                        static_cast<off_t>(offset));
+    ssize_t n = ::pread(fd, p, std::min<size_t>(length, size_t{1} << 30), static_cast<off_t>(offset));
     if (n < 0) {
       if (errno == EINTR) continue;
       fail(path, std::string("read failed: ") + std::strerror(errno));
     }
     if (n == 0)
-      fail(path, "file truncated while reading (" + std::to_string(length) +
-                     " bytes missing at offset " + std::to_string(offset) + ")");
+      fail(path, "file truncated while reading (" + std::to_string(length) + " bytes missing at offset " +
+                     std::to_string(offset) + ")");
     p += n;
     offset += static_cast<uint64_t>(n);
     length -= static_cast<size_t>(n);
@@ -188,13 +195,11 @@ std::string dtype_name(at::ScalarType dtype) {
 
 at::ScalarType dtype_from_name(const std::string& name) {
   static const std::pair<const char*, at::ScalarType> kTable[] = {
-      {"BOOL", at::kBool}, {"U8", at::kByte},  {"I8", at::kChar},      {"I16", at::kShort},
-      {"I32", at::kInt},   {"I64", at::kLong}, {"F16", at::kHalf},     {"BF16", at::kBFloat16},
-      {"F32", at::kFloat}, {"F64", at::kDouble}};
+      {"BOOL", at::kBool}, {"U8", at::kByte},  {"I8", at::kChar},       {"I16", at::kShort}, {"I32", at::kInt},
+      {"I64", at::kLong},  {"F16", at::kHalf}, {"BF16", at::kBFloat16}, {"F32", at::kFloat}, {"F64", at::kDouble}};
   for (const auto& [n, t] : kTable)
     if (name == n) return t;
-  throw SafetensorsError("unsupported dtype " + quoted(name) +
-                         " (supported: BOOL U8 I8 I16 I32 I64 F16 BF16 F32 F64)");
+  throw SafetensorsError("unsupported dtype " + quoted(name) + " (supported: BOOL U8 I8 I16 I32 I64 F16 BF16 F32 F64)");
 }
 
 // ---- header -----------------------------------------------------------------------------------
@@ -211,8 +216,7 @@ const TensorEntry* Header::find(const std::string& name) const {
   return nullptr;
 }
 
-Header parse_header(const uint8_t* bytes, size_t size, uint64_t file_size,
-                    const std::string& source) {
+Header parse_header(const uint8_t* bytes, size_t size, uint64_t file_size, const std::string& source) {
   if (size < 8 || file_size < 8)
     fail(source, "truncated: " + std::to_string(std::min<uint64_t>(size, file_size)) +
                      " bytes, less than the 8-byte header length prefix");
@@ -225,8 +229,8 @@ Header parse_header(const uint8_t* bytes, size_t size, uint64_t file_size,
     fail(source, "truncated: header length " + std::to_string(n) + " but the file holds only " +
                      std::to_string(file_size - 8) + " bytes after the length prefix");
   if (size - 8 < n)
-    fail(source, "truncated: only " + std::to_string(size) + " of the " + std::to_string(8 + n) +
-                     " header bytes were given");
+    fail(source,
+         "truncated: only " + std::to_string(size) + " of the " + std::to_string(8 + n) + " header bytes were given");
   const uint8_t* text = bytes + 8;
   if (size_t bad = find_invalid_utf8(text, n); bad != std::string::npos)
     fail(source, "header is not valid UTF-8 (byte " + std::to_string(bad) + ")");
@@ -234,12 +238,10 @@ Header parse_header(const uint8_t* bytes, size_t size, uint64_t file_size,
   // nlohmann stops at a NUL byte as if the input ended there; JSON never holds a raw NUL, and
   // ignoring what follows one would let two readers see different headers.
   if (const void* nul = std::memchr(text, 0, n))
-    fail(source, "header is not valid JSON: NUL byte at offset " +
-                     std::to_string(static_cast<const uint8_t*>(nul) - text));
-  json root = parse_json(reinterpret_cast<const char*>(text),
-                         reinterpret_cast<const char*>(text + n), source);
-  if (!root.is_object())
-    fail(source, std::string("header is not a JSON object (got ") + root.type_name() + ")");
+    fail(source,
+         "header is not valid JSON: NUL byte at offset " + std::to_string(static_cast<const uint8_t*>(nul) - text));
+  json root = parse_json(reinterpret_cast<const char*>(text), reinterpret_cast<const char*>(text + n), source);
+  if (!root.is_object()) fail(source, std::string("header is not a JSON object (got ") + root.type_name() + ")");
 
   Header h;
   h.data_start = 8 + n;
@@ -248,27 +250,25 @@ Header parse_header(const uint8_t* bytes, size_t size, uint64_t file_size,
   for (auto& [name, value] : root.items()) {
     if (name == kMetadataKey) {
       if (!value.is_object())
-        fail(source, std::string("__metadata__ must be an object of strings, got ") +
-                         value.type_name());
+        fail(source, std::string("__metadata__ must be an object of strings, got ") + value.type_name());
       for (auto& [k, v] : value.items()) {
         if (!v.is_string())
-          fail(source, "__metadata__ value for " + quoted(k) + " must be a string, got " +
-                           v.type_name());
+          fail(source, "__metadata__ value for " + quoted(k) + " must be a string, got " + v.type_name());
         h.metadata.emplace(k, v.get<std::string>());
       }
       continue;
     }
-    if (!value.is_object())
-      fail_tensor(source, name, std::string("entry must be an object, got ") + value.type_name());
+    if (!value.is_object()) fail_tensor(source, name, std::string("entry must be an object, got ") + value.type_name());
     auto dtype_it = value.find("dtype");
     auto shape_it = value.find("shape");
     auto offsets_it = value.find("data_offsets");
     if (dtype_it == value.end() || shape_it == value.end() || offsets_it == value.end())
-      fail_tensor(source, name, "entry is missing field '" +
-                                    std::string(dtype_it == value.end()   ? "dtype"
-                                                : shape_it == value.end() ? "shape"
-                                                                          : "data_offsets") +
-                                    "'");
+      fail_tensor(source, name,
+                  "entry is missing field '" +
+                      std::string(dtype_it == value.end()   ? "dtype"
+                                  : shape_it == value.end() ? "shape"
+                                                            : "data_offsets") +
+                      "'");
     if (!dtype_it->is_string())
       fail_tensor(source, name, std::string("dtype must be a string, got ") + dtype_it->type_name());
     if (!shape_it->is_array())
@@ -306,16 +306,15 @@ Header parse_header(const uint8_t* bytes, size_t size, uint64_t file_size,
       fail_tensor(source, name, "shape " + shape_str(e.shape) + " overflows the byte size");
     e.begin = get_u64((*offsets_it)[0], source, name, "data_offsets");
     e.end = get_u64((*offsets_it)[1], source, name, "data_offsets");
-    const std::string range =
-        "data_offsets [" + std::to_string(e.begin) + ", " + std::to_string(e.end) + ")";
+    const std::string range = "data_offsets [" + std::to_string(e.begin) + ", " + std::to_string(e.end) + ")";
     if (e.end < e.begin) fail_tensor(source, name, range + " end before begin");
     if (e.end > buffer_size)
-      fail_tensor(source, name, range + " run beyond the data buffer of " +
-                                    std::to_string(buffer_size) + " bytes (file truncated?)");
+      fail_tensor(source, name,
+                  range + " run beyond the data buffer of " + std::to_string(buffer_size) + " bytes (file truncated?)");
     if (e.end - e.begin != need)
-      fail_tensor(source, name, range + " hold " + std::to_string(e.end - e.begin) +
-                                    " bytes but " + dtype_name(e.dtype) + " shape " +
-                                    shape_str(e.shape) + " needs " + std::to_string(need));
+      fail_tensor(source, name,
+                  range + " hold " + std::to_string(e.end - e.begin) + " bytes but " + dtype_name(e.dtype) + " shape " +
+                      shape_str(e.shape) + " needs " + std::to_string(need));
     h.tensors.push_back(std::move(e));
   }
 
@@ -328,18 +327,18 @@ Header parse_header(const uint8_t* bytes, size_t size, uint64_t file_size,
   uint64_t expected = 0;
   for (const auto& e : h.tensors) {
     if (e.begin < expected)
-      fail_tensor(source, e.name, "data_offsets [" + std::to_string(e.begin) + ", " +
-                                      std::to_string(e.end) + ") overlap the previous tensor " +
-                                      "(which ends at " + std::to_string(expected) + ")");
+      fail_tensor(source, e.name,
+                  "data_offsets [" + std::to_string(e.begin) + ", " + std::to_string(e.end) +
+                      ") overlap the previous tensor " + "(which ends at " + std::to_string(expected) + ")");
     if (e.begin > expected)
-      fail_tensor(source, e.name, "data_offsets begin at " + std::to_string(e.begin) +
-                                      " leaving a hole: the previous tensor ends at " +
-                                      std::to_string(expected));
+      fail_tensor(source, e.name,
+                  "data_offsets begin at " + std::to_string(e.begin) + " leaving a hole: the previous tensor ends at " +
+                      std::to_string(expected));
     expected = e.end;
   }
   if (expected != buffer_size)
-    fail(source, "data buffer holds " + std::to_string(buffer_size) + " bytes but the tensors " +
-                     "cover " + std::to_string(expected) + " (trailing bytes after the last tensor)");
+    fail(source, "data buffer holds " + std::to_string(buffer_size) + " bytes but the tensors " + "cover " +
+                     std::to_string(expected) + " (trailing bytes after the last tensor)");
   return h;
 }
 
@@ -354,8 +353,7 @@ Reader::Reader(const std::string& path) : path_(path) {
     if (!S_ISREG(st.st_mode)) fail(path, "not a regular file");
     const uint64_t file_size = static_cast<uint64_t>(st.st_size);
     if (file_size < 8)
-      fail(path, "truncated: " + std::to_string(file_size) +
-                     " bytes, less than the 8-byte header length prefix");
+      fail(path, "truncated: " + std::to_string(file_size) + " bytes, less than the 8-byte header length prefix");
     std::vector<uint8_t> buf(8);
     pread_all(fd_, buf.data(), 8, 0, path);
     uint64_t n = 0;
@@ -382,12 +380,14 @@ const TensorEntry& Reader::entry(const std::string& name) const {
   std::string present;
   size_t shown = 0;
   for (const auto& t : header_.tensors) {
-    if (shown == 5) { present += ", ..."; break; }
+    if (shown == 5) {
+      present += ", ...";
+      break;
+    }
     present += (shown++ ? ", " : "") + quoted(t.name);
   }
-  fail(path_, "no tensor " + quoted(name) + " in the file (it holds " +
-                  std::to_string(header_.tensors.size()) + " tensors" +
-                  (present.empty() ? "" : ": " + present) + ")");
+  fail(path_, "no tensor " + quoted(name) + " in the file (it holds " + std::to_string(header_.tensors.size()) +
+                  " tensors" + (present.empty() ? "" : ": " + present) + ")");
 }
 
 at::Tensor Reader::read(const std::string& name) const {
@@ -400,13 +400,11 @@ at::Tensor Reader::read(const std::string& name) const {
   return is_bool ? t.ne(0) : t;
 }
 
-void Reader::read_bytes(const std::string& name, uint64_t offset, uint64_t length,
-                        void* dst) const {
+void Reader::read_bytes(const std::string& name, uint64_t offset, uint64_t length, void* dst) const {
   const TensorEntry& e = entry(name);
   if (offset > e.nbytes() || length > e.nbytes() - offset)
-    fail(path_, "tensor " + quoted(name) + ": byte range [" + std::to_string(offset) + ", +" +
-                    std::to_string(length) + ") is outside its " + std::to_string(e.nbytes()) +
-                    " bytes");
+    fail(path_, "tensor " + quoted(name) + ": byte range [" + std::to_string(offset) + ", +" + std::to_string(length) +
+                    ") is outside its " + std::to_string(e.nbytes()) + " bytes");
   if (length == 0) return;
   pread_all(fd_, dst, length, header_.data_start + e.begin + offset, path_);
 }
@@ -462,13 +460,15 @@ StreamWriter::~StreamWriter() {
 
 void StreamWriter::append(const at::Tensor& tensor) {
   if (fd_ < 0) fail(path_, "append after the file was finished or failed");
-  if (next_ >= specs_.size()) fail(path_, "more tensors appended than the " + std::to_string(specs_.size()) + " declared");
+  if (next_ >= specs_.size())
+    fail(path_, "more tensors appended than the " + std::to_string(specs_.size()) + " declared");
   const TensorSpec& spec = specs_[next_];
-  if (!tensor.defined() || tensor.layout() != at::kStrided) fail_tensor(path_, spec.name, "undefined or non-dense tensor");
+  if (!tensor.defined() || tensor.layout() != at::kStrided)
+    fail_tensor(path_, spec.name, "undefined or non-dense tensor");
   if (tensor.scalar_type() != spec.dtype || tensor.sizes().vec() != spec.shape)
-    fail_tensor(path_, spec.name, "appended tensor is " + dtype_name(tensor.scalar_type()) + " " +
-                                      shape_str(tensor.sizes().vec()) + " but the header declared " +
-                                      dtype_name(spec.dtype) + " " + shape_str(spec.shape));
+    fail_tensor(path_, spec.name,
+                "appended tensor is " + dtype_name(tensor.scalar_type()) + " " + shape_str(tensor.sizes().vec()) +
+                    " but the header declared " + dtype_name(spec.dtype) + " " + shape_str(spec.shape));
   const at::Tensor t = tensor.to(at::kCPU).contiguous();
   write_all(fd_, t.data_ptr(), static_cast<size_t>(t.numel()) * t.element_size(), path_);
   ++next_;
@@ -477,7 +477,8 @@ void StreamWriter::append(const at::Tensor& tensor) {
 void StreamWriter::finish() {
   if (fd_ < 0) fail(path_, "finish after the file was finished or failed");
   if (next_ != specs_.size())
-    fail(path_, "only " + std::to_string(next_) + " of the " + std::to_string(specs_.size()) + " declared tensors were appended");
+    fail(path_, "only " + std::to_string(next_) + " of the " + std::to_string(specs_.size()) +
+                    " declared tensors were appended");
   const int fd = fd_;
   fd_ = -1;
   if (::fsync(fd) != 0) {

@@ -5,16 +5,16 @@
 
 #include <nlohmann/json.hpp>
 
-#include <filesystem>
 #include <algorithm>
+#include <filesystem>
 #include <fstream>
 #include <set>
 
+#include "box.h"
 #include "fsdp/checkpoint/safetensors.h"
 #include "fsdp/dist/runtime.h"
 #include "fsdp/tensor_parallel/placement.h"
 #include "state_dict_selection.h"
-#include "box.h"
 #include "state_items.h"
 
 namespace fsdp::checkpoint {
@@ -192,14 +192,15 @@ LoadResult set_items(std::vector<LocalItem> items, const StateDict& dict, const 
     }
     if (status == 2)
       throw CheckpointError(what + ": '" + name + "' has shape " +
-                            (found != dict.end() ? shape_text(found->second.sizes()) : "(rank 0's)") + " but the model needs " +
-                            shape_text(want) + (full ? " (full tensor)" : " (this rank's shard)"));
+                            (found != dict.end() ? shape_text(found->second.sizes()) : "(rank 0's)") +
+                            " but the model needs " + shape_text(want) +
+                            (full ? " (full tensor)" : " (this rank's shard)"));
     if (!broadcast) {
       fill(item, found->second, full);
       continue;
     }
-    at::Tensor value = root ? found->second.to(item.local.options()).contiguous()
-                            : at::empty(item.global_shape, item.local.options());
+    at::Tensor value =
+        root ? found->second.to(item.local.options()).contiguous() : at::empty(item.global_shape, item.local.options());
     world->broadcast(value, 0);
     fill(item, value, /*source_is_full=*/true);
   }
@@ -222,7 +223,8 @@ StateDict get_model_state_dict(torch::nn::Module& model, const StateDictOptions&
   return get_items(std::move(selected.items), "model.", options);
 }
 
-LoadResult set_model_state_dict(torch::nn::Module& model, const StateDict& state_dict, const StateDictOptions& options) {
+LoadResult set_model_state_dict(torch::nn::Module& model, const StateDict& state_dict,
+                                const StateDictOptions& options) {
   auto selected = detail::select_model_items(detail::model_items(model, global_rank()), model, options);
   if (selected.ignored.empty())
     return set_items(std::move(selected.items), state_dict, "model.", options, "set_model_state_dict");
@@ -317,7 +319,8 @@ std::vector<std::string> export_safetensors(torch::nn::Module& model, const std:
         std::vector<safetensors::TensorSpec> specs;
         for (size_t i : files[f])
           specs.push_back({strip(items[i].key, "model."), items[i].local.scalar_type(), items[i].global_shape});
-        writer = std::make_unique<safetensors::StreamWriter>(tmp, specs, std::map<std::string, std::string>{{"format", "pt"}});
+        writer = std::make_unique<safetensors::StreamWriter>(tmp, specs,
+                                                             std::map<std::string, std::string>{{"format", "pt"}});
       } catch (const std::exception& e) {
         error = e.what();
       }

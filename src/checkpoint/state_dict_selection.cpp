@@ -14,7 +14,8 @@ bool starts_with(const std::string& s, const std::string& prefix) { return s.rfi
 
 }  // namespace
 
-ModelSelection select_model_items(std::vector<LocalItem> items, torch::nn::Module& model, const StateDictOptions& options) {
+ModelSelection select_model_items(std::vector<LocalItem> items, torch::nn::Module& model,
+                                  const StateDictOptions& options) {
   ModelSelection out;
   if (!options.ignore_frozen_params && options.submodules.empty()) {
     out.items = std::move(items);
@@ -54,8 +55,9 @@ ModelSelection select_model_items(std::vector<LocalItem> items, torch::nn::Modul
     if (!name) continue;
     auto [it, fresh] = renamed_from.emplace(*name, fqn);
     if (!fresh)
-      throw CheckpointError("StateDictOptions: '" + it->second + "' and '" + fqn + "' both become '" + *name +
-                            "' without submodule prefixes; select one of the submodules at a time, or keep the prefixes");
+      throw CheckpointError(
+          "StateDictOptions: '" + it->second + "' and '" + fqn + "' both become '" + *name +
+          "' without submodule prefixes; select one of the submodules at a time, or keep the prefixes");
     item.key = "model." + *name;
     out.items.push_back(std::move(item));
   }

@@ -16,6 +16,7 @@ struct ModelSelection {
 };
 
 // Filters and renames model_items(model) for `options`; throws for an unknown submodule name.
-ModelSelection select_model_items(std::vector<LocalItem> items, torch::nn::Module& model, const StateDictOptions& options);
+ModelSelection select_model_items(std::vector<LocalItem> items, torch::nn::Module& model,
+                                  const StateDictOptions& options);
 
 }  // namespace fsdp::checkpoint::detail

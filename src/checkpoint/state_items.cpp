@@ -25,7 +25,9 @@ std::string key_list(const std::vector<std::string>& keys) {
 
 int global_rank() { return dist::is_initialized() ? dist::rank() : 0; }
 
-at::Tensor box_of(const at::Tensor& full, const LocalItem& item) { return box_of(full, Piece{item.local, item.offsets}); }
+at::Tensor box_of(const at::Tensor& full, const LocalItem& item) {
+  return box_of(full, Piece{item.local, item.offsets});
+}
 
 at::Tensor box_of(const at::Tensor& full, const Piece& piece) {
   at::Tensor view = full;
@@ -49,15 +51,15 @@ namespace {
 // block they reach.
 void add_tensor_parallel(ParamBox& box, const tp::TPPlacement& tp, int64_t first, int64_t rows) {
   box.global_shape = tp.global_shape;
-  box.gather.push_back(GatherStep{tp.dim, tp.mesh.comm(0), tp.local_len(),
-                                  tp.global_shape[static_cast<size_t>(tp.dim)], tp.blocks});
+  box.gather.push_back(
+      GatherStep{tp.dim, tp.mesh.comm(0), tp.local_len(), tp.global_shape[static_cast<size_t>(tp.dim)], tp.blocks});
   if (tp.blocks <= 1) {
     box.offsets[static_cast<size_t>(tp.dim)] += tp.offset;
     return;
   }
   if (tp.dim != 0) {
-    throw CheckpointError("checkpoint: a strided (fused) tensor-parallel placement along dim " + std::to_string(tp.dim) +
-                          " is not supported; fuse along dim 0 (ColwiseParallel{.fused = k})");
+    throw CheckpointError("checkpoint: a strided (fused) tensor-parallel placement along dim " +
+                          std::to_string(tp.dim) + " is not supported; fuse along dim 0 (ColwiseParallel{.fused = k})");
   }
   box.offsets[0] = 0;  // the parts carry their own
   for (int64_t b = 0; b < tp.blocks; ++b) {
@@ -180,7 +182,8 @@ std::vector<LocalItem> sharded_tensor_items(const std::map<std::string, ShardedT
     auto bad = [&](const std::string& what) {
       return CheckpointError("checkpoint: State::tensors['" + key + "'] " + what);
     };
-    if (!t.local.defined()) throw bad("has no local tensor; set ShardedTensor::local (an empty box: a tensor with 0 elements)");
+    if (!t.local.defined())
+      throw bad("has no local tensor; set ShardedTensor::local (an empty box: a tensor with 0 elements)");
     const auto sizes = t.local.sizes().vec();
     if (t.global_shape.size() != sizes.size() || t.offsets.size() != sizes.size())
       throw bad("has a local tensor of " + std::to_string(sizes.size()) + " dims, global_shape of " +
@@ -189,7 +192,8 @@ std::vector<LocalItem> sharded_tensor_items(const std::map<std::string, ShardedT
     for (size_t d = 0; d < sizes.size(); ++d)
       if (t.offsets[d] < 0 || t.global_shape[d] < 0 || t.offsets[d] + sizes[d] > t.global_shape[d])
         throw bad("is a box at " + shape_text(t.offsets) + " of size " + shape_text(sizes) +
-                  " that does not fit in the global shape " + shape_text(t.global_shape) + "; fix its offsets or shape");
+                  " that does not fit in the global shape " + shape_text(t.global_shape) +
+                  "; fix its offsets or shape");
     LocalItem item;
     item.key = key;
     item.local = t.local.detach();

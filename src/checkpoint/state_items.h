@@ -38,17 +38,17 @@ struct Piece {
 
 struct LocalItem {
   std::string key;
-  at::Tensor local;                    // this rank's box (possibly empty), or the whole tensor
+  at::Tensor local;  // this rank's box (possibly empty), or the whole tensor
   std::vector<int64_t> global_shape;
-  std::vector<int64_t> offsets;        // local's box: its first index in every dimension (sizes:
-                                       // local.sizes()); empty for a 0-d tensor
-  bool writer = false;                 // this rank writes `local` into its file
+  std::vector<int64_t> offsets;  // local's box: its first index in every dimension (sizes:
+                                 // local.sizes()); empty for a 0-d tensor
+  bool writer = false;           // this rank writes `local` into its file
   // How to gather the whole tensor (state dicts, export), applied in order: sharded parameters
   // and their optimizer state (param_box). Empty and no box_group: `local` is whole.
   std::vector<GatherStep> gather;
   // ShardedTensor entries: any box layout, gathered by exchanging every rank's box over this group.
   std::shared_ptr<comm::Comm> box_group;
-  std::function<void()> on_loaded;     // runs after `local` was filled by load (may be empty)
+  std::function<void()> on_loaded;  // runs after `local` was filled by load (may be empty)
   // A strided tensor-parallel shard (a fused q|k|v split by heads) is several boxes of the global
   // tensor: one Piece each, views of `local` in order, empty ones left out. Empty: `local` at
   // `offsets` is the one box. Save writes a chunk per piece, load fills each; gathers use `local`.

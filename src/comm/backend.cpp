@@ -27,7 +27,8 @@ BackendKind backend_for_device(const std::string& device_type) {
     if (!nccl_available()) {
       throw std::invalid_argument(
           "fsdp: device type 'cuda' needs the NCCL backend, but this build has none (LibTorch " +
-          std::string(TORCH_VERSION) + " without CUDA/NCCL); rebuild against a CUDA LibTorch "
+          std::string(TORCH_VERSION) +
+          " without CUDA/NCCL); rebuild against a CUDA LibTorch "
           "(-DCMAKE_PREFIX_PATH=/path/to/libtorch) or use device type 'cpu'");
     }
     return BackendKind::Nccl;
@@ -37,9 +38,7 @@ BackendKind backend_for_device(const std::string& device_type) {
 
 namespace {
 
-bool is_loopback(const std::string& host) {
-  return host == "localhost" || host == "::1" || host.rfind("127.", 0) == 0;
-}
+bool is_loopback(const std::string& host) { return host == "localhost" || host == "::1" || host.rfind("127.", 0) == 0; }
 
 // The address this machine uses to reach `host`: the source address of its route there, or "" when
 // there is none. No packet is sent: connect() on a UDP socket only picks the route. This is the

@@ -22,9 +22,7 @@ const char* backend_name(BackendKind kind) {
 Capabilities Capabilities::for_backend(BackendKind kind) {
   Capabilities c;
   switch (kind) {
-    case BackendKind::Local:
-      c = {true, true, true, true, true};
-      break;
+    case BackendKind::Local: c = {true, true, true, true, true}; break;
     case BackendKind::Gloo:
       c.all_gather_base = compat::GlooCapabilities::all_gather_base;
       c.reduce_scatter_base = compat::GlooCapabilities::reduce_scatter_base;
@@ -32,9 +30,7 @@ Capabilities Capabilities::for_backend(BackendKind kind) {
       c.float16 = compat::GlooCapabilities::float16;
       c.avg = compat::GlooCapabilities::avg;
       break;
-    case BackendKind::Nccl:
-      c = {true, true, true, true, true};
-      break;
+    case BackendKind::Nccl: c = {true, true, true, true, true}; break;
   }
   return c;
 }
@@ -107,8 +103,8 @@ void reduce_chunks_into(const at::Tensor& out, const at::Tensor& chunks, ReduceO
 
 void check_avg_dtype(const std::string& op, ReduceOp rop, const at::Tensor& t) {
   if (rop == ReduceOp::Avg && !at::isFloatingType(t.scalar_type())) {
-    bad_argument(op, std::string("ReduceOp::Avg needs a floating-point tensor, got ") +
-                         c10::toString(t.scalar_type()) + "; use Sum and divide yourself");
+    bad_argument(op, std::string("ReduceOp::Avg needs a floating-point tensor, got ") + c10::toString(t.scalar_type()) +
+                         "; use Sum and divide yourself");
   }
 }
 
@@ -139,8 +135,8 @@ uint64_t ring_share(uint64_t bytes, int n) { return n <= 1 ? 0 : bytes * static_
 }  // namespace
 
 std::shared_ptr<Comm> Comm::single_process(std::string name) {
-  return std::make_shared<Comm>(compat::BackendPtr(), BackendKind::Local, std::vector<int>{0}, 0, default_collective_timeout(),
-                                std::move(name));
+  return std::make_shared<Comm>(compat::BackendPtr(), BackendKind::Local, std::vector<int>{0}, 0,
+                                default_collective_timeout(), std::move(name));
 }
 
 Comm::Comm(compat::BackendPtr backend, BackendKind kind, std::vector<int> global_ranks, int rank,
@@ -335,9 +331,7 @@ at::Tensor pieces_summary(const std::vector<at::Tensor>& pieces) {
 
 }  // namespace
 
-bool Comm::takes_pieces(const at::Tensor& t) const {
-  return size() == 1 || (kind_ == BackendKind::Gloo && t.is_cpu());
-}
+bool Comm::takes_pieces(const at::Tensor& t) const { return size() == 1 || (kind_ == BackendKind::Gloo && t.is_cpu()); }
 
 Work Comm::all_gather_pieces(const std::vector<at::Tensor>& ins, const std::vector<std::vector<at::Tensor>>& outs,
                              bool async_op) {
@@ -390,7 +384,8 @@ Work Comm::reduce_scatter_pieces(const std::vector<at::Tensor>& outs, const std:
     }
   }
   const at::Tensor in_summary = pieces_summary(sent), out_summary = pieces_summary(outs);
-  detail::check_collective_matches(*this, ++seq_, OpKind::ReduceScatter, in_summary, out_summary, static_cast<int>(rop));
+  detail::check_collective_matches(*this, ++seq_, OpKind::ReduceScatter, in_summary, out_summary,
+                                   static_cast<int>(rop));
   flight_issue(*this, "reduce_scatter_pieces", in_summary, out_summary);
   if (size() == 1 || outs.empty()) {
     for (size_t i = 0; i < outs.size(); ++i) {
@@ -408,7 +403,8 @@ Work Comm::all_reduce(const at::Tensor& tensor, ReduceOp rop, bool async_op) {
   check_avg_dtype(op, rop, tensor);
   detail::check_collective_matches(*this, ++seq_, OpKind::AllReduce, tensor, at::Tensor(), static_cast<int>(rop));
   flight_issue(*this, "all_reduce", tensor, tensor);
-  if (size() == 1 || tensor.numel() == 0) return finish(OpKind::AllReduce, 0, compat::WorkPtr(), nullptr, async_op, op.c_str());
+  if (size() == 1 || tensor.numel() == 0)
+    return finish(OpKind::AllReduce, 0, compat::WorkPtr(), nullptr, async_op, op.c_str());
   const int n = size();
   if (moves_as_bits(tensor)) {
     // No 16-bit float arithmetic in the backend: reduce-scatter (as all_to_all of bit patterns,
@@ -447,7 +443,8 @@ Work Comm::broadcast(const at::Tensor& tensor, int root, bool async_op) {
   }
   detail::check_collective_matches(*this, ++seq_, OpKind::Broadcast, tensor, at::Tensor(), -1, root);
   flight_issue(*this, "broadcast", tensor, tensor);
-  if (size() == 1 || tensor.numel() == 0) return finish(OpKind::Broadcast, 0, compat::WorkPtr(), nullptr, async_op, op.c_str());
+  if (size() == 1 || tensor.numel() == 0)
+    return finish(OpKind::Broadcast, 0, compat::WorkPtr(), nullptr, async_op, op.c_str());
   at::Tensor moved = moves_as_bits(tensor) ? tensor.view(kBitsCarrier) : tensor;
   c10d::BroadcastOptions opts;
   opts.rootRank = root;

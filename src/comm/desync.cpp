@@ -118,15 +118,18 @@ const char* reduce_name(int64_t r) {
 
 // "all_gather_into_tensor float32 [2048] -> [4096]", "all_reduce float32 [10] sum", ...
 std::string describe_call(const Fingerprint& f, bool with_seq) {
-  if (f[kMagic] != kMagicValue) return "something else (not a desync check: is TORCH_DISTRIBUTED_DEBUG the same on every rank?)";
+  if (f[kMagic] != kMagicValue)
+    return "something else (not a desync check: is TORCH_DISTRIBUTED_DEBUG the same on every rank?)";
   std::ostringstream os;
   os << op_name(f[kOp]);
   const bool has_in = f[kIn] >= 0, has_out = f[kOut] >= 0;
   if (has_in) {
     os << ' ' << dtype_name(f[kIn]) << ' ' << shape(f, kIn);
     if (has_out) {
-      if (f[kOut] != f[kIn]) os << " -> " << dtype_name(f[kOut]) << ' ' << shape(f, kOut);
-      else os << " -> " << shape(f, kOut);
+      if (f[kOut] != f[kIn])
+        os << " -> " << dtype_name(f[kOut]) << ' ' << shape(f, kOut);
+      else
+        os << " -> " << shape(f, kOut);
     }
   }
   if (f[kReduceOp] >= 0) os << ' ' << reduce_name(f[kReduceOp]);
@@ -202,7 +205,8 @@ void check_collective_matches(const Comm& comm, uint64_t seq, OpKind op, const a
 
   std::ostringstream where;
   where << "fsdp: " << op_name(mine[kOp]) << " on group '" << comm.name() << "' (" << backend_name(comm.backend_kind())
-        << ", this is rank " << comm.global_ranks()[comm.rank()] << "; its desync check, TORCH_DISTRIBUTED_DEBUG=DETAIL, "
+        << ", this is rank " << comm.global_ranks()[comm.rank()]
+        << "; its desync check, TORCH_DISTRIBUTED_DEBUG=DETAIL, "
         << "sequence number " << seq << ")";
   {
     Work work(comm.backend()->allgather(outputs, inputs, opts), nullptr,
@@ -227,13 +231,17 @@ void check_collective_matches(const Comm& comm, uint64_t seq, OpKind op, const a
   std::vector<std::pair<Fingerprint, std::vector<int>>> groups;  // distinct calls, in rank order
   for (int r = 0; r < n; ++r) {
     auto it = std::find_if(groups.begin(), groups.end(), [&](const auto& g) { return g.first == prints[r]; });
-    if (it == groups.end()) groups.push_back({prints[r], {comm.global_ranks()[r]}});
-    else it->second.push_back(comm.global_ranks()[r]);
+    if (it == groups.end())
+      groups.push_back({prints[r], {comm.global_ranks()[r]}});
+    else
+      it->second.push_back(comm.global_ranks()[r]);
   }
   std::ostringstream msg;
   msg << "fsdp: collective desync in group '" << comm.name() << "' ";
-  if (same_seq) msg << "at sequence number " << seq;
-  else msg << "(the ranks are at different sequence numbers; this rank at " << seq << ")";
+  if (same_seq)
+    msg << "at sequence number " << seq;
+  else
+    msg << "(the ranks are at different sequence numbers; this rank at " << seq << ")";
   msg << ": ";
   const size_t shown = std::min<size_t>(groups.size(), 8);
   for (size_t i = 0; i < shown; ++i) {

@@ -86,7 +86,8 @@ FlightRecorder::FlightRecorder(size_t capacity) : capacity_(capacity), ring_(cap
 
 size_t FlightRecorder::capacity_from_env() {
   if (const char* v = std::getenv("FSDP_FLIGHT_RECORDER_SIZE")) return parse_capacity("FSDP_FLIGHT_RECORDER_SIZE", v);
-  if (const char* v = std::getenv("TORCH_NCCL_TRACE_BUFFER_SIZE")) return parse_capacity("TORCH_NCCL_TRACE_BUFFER_SIZE", v);
+  if (const char* v = std::getenv("TORCH_NCCL_TRACE_BUFFER_SIZE"))
+    return parse_capacity("TORCH_NCCL_TRACE_BUFFER_SIZE", v);
   return kDefaultCapacity;
 }
 
@@ -137,8 +138,9 @@ uint64_t FlightRecorder::record(int group, const char* op, c10::ScalarType dtype
   return record_locked(group, op, dtype, in_numel, out_numel, t);
 }
 
-uint64_t FlightRecorder::record(const std::string& group_name, const std::vector<int>& global_ranks, int own_global_rank,
-                                const char* op, c10::ScalarType dtype, int64_t in_numel, int64_t out_numel) {
+uint64_t FlightRecorder::record(const std::string& group_name, const std::vector<int>& global_ranks,
+                                int own_global_rank, const char* op, c10::ScalarType dtype, int64_t in_numel,
+                                int64_t out_numel) {
   if (capacity_ == 0) return 0;
   const int64_t t = now_us();
   std::lock_guard<std::mutex> lock(mu_);

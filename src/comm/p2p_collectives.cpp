@@ -119,8 +119,10 @@ Work Comm::reduce_scatter_p2p(const at::Tensor& out, const at::Tensor& in, Reduc
         auto t = one(scratch);
         backend_->recv(t, (r + n - d) % n, tag)->wait(timeout);
       }
-      if (rop == ReduceOp::Max) at::maximum_out(flat_out, flat_out, scratch);
-      else flat_out.add_(scratch);
+      if (rop == ReduceOp::Max)
+        at::maximum_out(flat_out, flat_out, scratch);
+      else
+        flat_out.add_(scratch);
     }
     if (rop == ReduceOp::Avg) flat_out.div_(n);
     for (const auto& s : sends) s->wait(timeout);
@@ -251,7 +253,8 @@ Work Comm::reduce_scatter_pieces_p2p(const std::vector<at::Tensor>& outs,
       }
     }
     // One scratch as large as the outputs, from the buffer pool (the same size call after call).
-    scratch = fsdp::detail::empty_buffer({std::max<int64_t>(total, 1)}, outs.front().options(), BufferOwner::CommScratch);
+    scratch =
+        fsdp::detail::empty_buffer({std::max<int64_t>(total, 1)}, outs.front().options(), BufferOwner::CommScratch);
     first_recvs = post_recvs(scratch, (r + n - 1) % n);
   } catch (const std::exception&) {
     return finish(OpKind::ReduceScatter, bytes, compat::WorkPtr(), rethrow(std::current_exception()), async_op,
@@ -279,8 +282,10 @@ Work Comm::reduce_scatter_pieces_p2p(const std::vector<at::Tensor>& outs,
         if (outs[i].numel() == 0) continue;
         at::Tensor out = outs[i].view(-1);
         const at::Tensor got = scratch.narrow(0, offsets[i], outs[i].numel());
-        if (rop == ReduceOp::Max) at::maximum_out(out, out, got);
-        else out.add_(got);
+        if (rop == ReduceOp::Max)
+          at::maximum_out(out, out, got);
+        else
+          out.add_(got);
       }
     }
     if (rop == ReduceOp::Avg) {

@@ -31,10 +31,11 @@ std::string flight_failure(uint64_t ticket, bool timed_out, const std::string& w
   if (path.empty()) return "";
   static std::once_flag told;
   std::call_once(told, [&] {
-    std::cerr << "fsdp: flight recorder: rank " << fr.own_rank() << "'s last collectives written to " << path << std::endl;
+    std::cerr << "fsdp: flight recorder: rank " << fr.own_rank() << "'s last collectives written to " << path
+              << std::endl;
   });
-  return "\n  Flight recorder: this rank's last collectives are in " + path +
-         "; line the ranks up with: fsdp-fr " + std::filesystem::path(path).parent_path().string();
+  return "\n  Flight recorder: this rank's last collectives are in " + path + "; line the ranks up with: fsdp-fr " +
+         std::filesystem::path(path).parent_path().string();
 }
 
 // Gloo: "Timed out waiting 3000ms for recv operation to complete"; c10d: "Operation timed out!".
@@ -74,11 +75,12 @@ void Work::wait() {
   } catch (const std::exception& e) {
     const std::string what = state_->description + " failed: " + e.what();
     const std::string note = flight_failure(state_->flight_ticket, looks_timed_out(e.what()), what);
-    state_->error = std::make_exception_ptr(CommError(
-        what +
-        "\n  If it timed out, another rank of the group probably crashed, stopped early, or issued "
-        "its collectives in a different order. The timeout is set by CommOptions/InitOptions "
-        "(env FSDP_COLLECTIVE_TIMEOUT_S)." + note));
+    state_->error = std::make_exception_ptr(
+        CommError(what +
+                  "\n  If it timed out, another rank of the group probably crashed, stopped early, or issued "
+                  "its collectives in a different order. The timeout is set by CommOptions/InitOptions "
+                  "(env FSDP_COLLECTIVE_TIMEOUT_S)." +
+                  note));
   }
   state_->done = true;
   // Release tensors and buffers held by the collective as soon as it is over.

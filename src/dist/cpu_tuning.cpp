@@ -6,8 +6,8 @@
 #include <ATen/Parallel.h>
 
 #include <cstdlib>
-#include <stdexcept>
 #include <fstream>
+#include <stdexcept>
 #include <thread>
 #include <vector>
 
@@ -51,9 +51,8 @@ static bool has_flag(std::string_view flags, std::string_view flag) {
 std::string openblas_coretype_for(std::string_view corename, std::string_view flags) {
   if (corename.empty()) return {};
   // The names OpenBLAS's DYNAMIC_ARCH picks when it does not recognise the CPU model.
-  static const std::vector<std::string_view> generic = {"Prescott", "Katmai", "Coppermine",
-                                                        "Northwood", "Core2", "Penryn", "Dunnington",
-                                                        "Nehalem", "Atom", "Banias"};
+  static const std::vector<std::string_view> generic = {"Prescott", "Katmai",     "Coppermine", "Northwood", "Core2",
+                                                        "Penryn",   "Dunnington", "Nehalem",    "Atom",      "Banias"};
   bool is_generic = false;
   for (auto g : generic) is_generic |= (corename == g);
   if (!is_generic) return {};
@@ -84,7 +83,8 @@ int openblas_num_threads() {
 }
 
 void set_num_threads(int n) {
-  if (n < 1) throw std::invalid_argument("fsdp::dist::set_num_threads: " + std::to_string(n) + " threads; use 1 or more");
+  if (n < 1)
+    throw std::invalid_argument("fsdp::dist::set_num_threads: " + std::to_string(n) + " threads; use 1 or more");
   at::set_num_threads(n);
   using SetFn = void (*)(int);
   if (auto fn = reinterpret_cast<SetFn>(dlsym(RTLD_DEFAULT, "openblas_set_num_threads")); fn != nullptr) fn(n);

@@ -47,27 +47,28 @@ LaunchEnv parse_launch_env(const std::map<std::string, std::string>& env) {
     return e;
   }
   if (!rank || !world) {
-    throw DistError(std::string("fsdp: ") + (rank ? "RANK is set but WORLD_SIZE is not" : "WORLD_SIZE is set but RANK is not") +
-                    "; " + kHowToLaunch);
+    throw DistError(std::string("fsdp: ") +
+                    (rank ? "RANK is set but WORLD_SIZE is not" : "WORLD_SIZE is set but RANK is not") + "; " +
+                    kHowToLaunch);
   }
   e.from_launcher = true;
   e.rank = parse_int("RANK", *rank, 0);
   e.world_size = parse_int("WORLD_SIZE", *world, 1);
   if (e.rank >= e.world_size) {
-    throw DistError("fsdp: RANK=" + std::to_string(e.rank) + " is not below WORLD_SIZE=" + std::to_string(e.world_size) +
-                    "; ranks are numbered 0..WORLD_SIZE-1");
+    throw DistError("fsdp: RANK=" + std::to_string(e.rank) + " is not below WORLD_SIZE=" +
+                    std::to_string(e.world_size) + "; ranks are numbered 0..WORLD_SIZE-1");
   }
   auto local_rank = lookup(env, "LOCAL_RANK");
   auto local_world = lookup(env, "LOCAL_WORLD_SIZE");
   e.local_rank = local_rank ? parse_int("LOCAL_RANK", *local_rank, 0) : e.rank;
   e.local_world_size = local_world ? parse_int("LOCAL_WORLD_SIZE", *local_world, 1) : e.world_size;
   if (e.local_rank >= e.local_world_size) {
-    throw DistError("fsdp: LOCAL_RANK=" + std::to_string(e.local_rank) + " is not below LOCAL_WORLD_SIZE=" +
-                    std::to_string(e.local_world_size));
+    throw DistError("fsdp: LOCAL_RANK=" + std::to_string(e.local_rank) +
+                    " is not below LOCAL_WORLD_SIZE=" + std::to_string(e.local_world_size));
   }
   if (e.local_world_size > e.world_size) {
-    throw DistError("fsdp: LOCAL_WORLD_SIZE=" + std::to_string(e.local_world_size) + " exceeds WORLD_SIZE=" +
-                    std::to_string(e.world_size));
+    throw DistError("fsdp: LOCAL_WORLD_SIZE=" + std::to_string(e.local_world_size) +
+                    " exceeds WORLD_SIZE=" + std::to_string(e.world_size));
   }
   auto addr = lookup(env, "MASTER_ADDR");
   auto port = lookup(env, "MASTER_PORT");
@@ -75,20 +76,23 @@ LaunchEnv parse_launch_env(const std::map<std::string, std::string>& env) {
     throw DistError(std::string("fsdp: WORLD_SIZE=") + std::to_string(e.world_size) + " but " +
                     (!addr ? "MASTER_ADDR" : "MASTER_PORT") +
                     " is not set; set it to the address/port of rank 0's store (e.g. MASTER_ADDR=127.0.0.1 "
-                    "MASTER_PORT=29500), or " + kHowToLaunch);
+                    "MASTER_PORT=29500), or " +
+                    kHowToLaunch);
   }
   if (addr) e.master_addr = *addr;
   if (port) {
     e.master_port = parse_int("MASTER_PORT", *port, 0);
     if (e.master_port > 65535) throw DistError("fsdp: MASTER_PORT=" + *port + " is not a TCP port (1..65535)");
     if (e.master_port == 0 && e.world_size > 1) {
-      throw DistError("fsdp: MASTER_PORT=0 cannot be shared between ranks; pick a port, or use "
-                      "`fsdprun --master-port 0`, which picks one and passes the real port on");
+      throw DistError(
+          "fsdp: MASTER_PORT=0 cannot be shared between ranks; pick a port, or use "
+          "`fsdprun --master-port 0`, which picks one and passes the real port on");
     }
   }
   auto agent = lookup(env, "TORCHELASTIC_USE_AGENT_STORE");
   e.use_agent_store = agent && (*agent == "True" || *agent == "true" || *agent == "1");
-  if (auto rc = lookup(env, "TORCHELASTIC_RESTART_COUNT")) e.restart_count = parse_int("TORCHELASTIC_RESTART_COUNT", *rc, 0);
+  if (auto rc = lookup(env, "TORCHELASTIC_RESTART_COUNT"))
+    e.restart_count = parse_int("TORCHELASTIC_RESTART_COUNT", *rc, 0);
   return e;
 }
 

@@ -6,8 +6,8 @@
 
 #include <algorithm>
 #include <cerrno>
-#include <cstdlib>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <future>
 #include <mutex>
@@ -36,8 +36,8 @@ StoreEnv read_store_env(const LaunchEnv& env) {
   StoreEnv s;
   if (const char* f = std::getenv("FSDP_STORE_FILE"); f != nullptr) s.file = f;
   const char* local_world = std::getenv("LOCAL_WORLD_SIZE");
-  s.single_host = !s.file.empty() ||
-                  (local_world != nullptr && *local_world != '\0' && env.local_world_size == env.world_size);
+  s.single_host =
+      !s.file.empty() || (local_world != nullptr && *local_world != '\0' && env.local_world_size == env.world_size);
   return s;
 }
 
@@ -70,9 +70,7 @@ bool mentions(const std::string& what, std::initializer_list<const char*> needle
   return std::any_of(needles.begin(), needles.end(), [&](const char* n) { return what.find(n) != std::string::npos; });
 }
 
-bool is_loopback(const std::string& host) {
-  return host == "localhost" || host == "::1" || host.rfind("127.", 0) == 0;
-}
+bool is_loopback(const std::string& host) { return host == "localhost" || host == "::1" || host.rfind("127.", 0) == 0; }
 
 // The host name that picks Gloo's interface (comm::make_comm): the loopback for a single-host job.
 std::string gloo_host(const Runtime& rt) { return rt.store_env.single_host ? "127.0.0.1" : rt.env.master_addr; }
@@ -112,14 +110,17 @@ compat::StorePtr connect_store(const LaunchEnv& env, const StoreEnv& store_env, 
       // A single-host job's store listens on MASTER_ADDR only, where c10d lets us choose (2.x).
       // Not for other jobs: a host name can resolve to a loopback address on rank 0's machine
       // (Debian's 127.0.1.1), and the other machines could then not reach the store.
-      if (host && (store_env.single_host || is_loopback(env.master_addr))) compat::listen_only_on(opts, env.master_addr);
+      if (host && (store_env.single_host || is_loopback(env.master_addr)))
+        compat::listen_only_on(opts, env.master_addr);
       store = c10::make_intrusive<c10d::TCPStore>(env.master_addr, opts);
     } catch (const std::exception& e) {
       const std::string what = e.what();
       if (host && mentions(what, {"Address already in use", "errno: 98", "EADDRINUSE"})) {
-        throw DistError("fsdp: rank 0 cannot host the store: port " + std::to_string(env.master_port) +
-                        " is in use (" + where + "). Pick a free MASTER_PORT, or start with `fsdprun --master-port 0` "
-                        "to get one.\n  cause: " + what);
+        throw DistError("fsdp: rank 0 cannot host the store: port " + std::to_string(env.master_port) + " is in use (" +
+                        where +
+                        "). Pick a free MASTER_PORT, or start with `fsdprun --master-port 0` "
+                        "to get one.\n  cause: " +
+                        what);
       }
       if (host) throw DistError("fsdp: rank 0 cannot host the store at " + where + ": " + what);
       throw DistError("fsdp: rank " + std::to_string(env.rank) + " could not reach the store at " + where + " within " +
@@ -152,8 +153,9 @@ void release_bounded(std::unique_ptr<Runtime> rt, std::chrono::milliseconds limi
 void init_distributed(const InitOptions& options) {
   std::lock_guard<std::mutex> lock(g_mu);
   if (g_runtime) {
-    throw DistError("fsdp: init_distributed() was already called in this process; call it once (or "
-                    "destroy_distributed() first)");
+    throw DistError(
+        "fsdp: init_distributed() was already called in this process; call it once (or "
+        "destroy_distributed() first)");
   }
   auto rt = std::make_unique<Runtime>();
   rt->env = read_launch_env();
@@ -180,10 +182,10 @@ void init_distributed(const InitOptions& options) {
     auto group_store = c10::make_intrusive<c10d::PrefixStore>("fsdp/world", rt->store);
     rt->world = comm::make_comm(rt->backend, group_store, all, env.rank, options.timeout, "world", gloo_host(*rt));
   } catch (const std::exception& e) {
-    std::string message = "fsdp: rank " + std::to_string(env.rank) + " could not form the world group of " +
-                          std::to_string(env.world_size) + " ranks (timeout " + seconds(options.timeout) +
-                          "): did every rank start, with the same WORLD_SIZE, and is none of them failing?\n  cause: " +
-                          e.what();
+    std::string message =
+        "fsdp: rank " + std::to_string(env.rank) + " could not form the world group of " +
+        std::to_string(env.world_size) + " ranks (timeout " + seconds(options.timeout) +
+        "): did every rank start, with the same WORLD_SIZE, and is none of them failing?\n  cause: " + e.what();
     release_bounded(std::move(rt), std::chrono::seconds(10));
     throw DistError(message);
   }

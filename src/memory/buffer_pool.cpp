@@ -6,9 +6,9 @@
 #include <c10/core/CPUAllocator.h>
 
 #include <algorithm>
+#include <map>
 #include <mutex>
 #include <new>
-#include <map>
 #include <vector>
 
 namespace fsdp {
@@ -40,7 +40,7 @@ struct State {
     bool resident;
   };
   std::map<size_t, std::vector<Cached>> cached;
-  uint64_t pool_peak_live = 0;                            // the live set's high-water mark
+  uint64_t pool_peak_live = 0;  // the live set's high-water mark
 };
 
 // Never destroyed: tensors may outlive every static object.
@@ -250,8 +250,8 @@ at::Tensor empty_buffer(at::IntArrayRef sizes, const at::TensorOptions& options,
   c10::Allocator* cpu = c10::GetCPUAllocator();
   c10::Storage storage(c10::Storage::use_byte_size_t(), nbytes, allocate_buffer(nbytes, options.device(), cpu, owner),
                        /*allocator=*/cpu, /*resizable=*/false);
-  at::Tensor t = at::detail::make_tensor<c10::TensorImpl>(std::move(storage), c10::DispatchKeySet(c10::DispatchKey::CPU),
-                                                          options.dtype());
+  at::Tensor t = at::detail::make_tensor<c10::TensorImpl>(std::move(storage),
+                                                          c10::DispatchKeySet(c10::DispatchKey::CPU), options.dtype());
   t.unsafeGetTensorImpl()->set_sizes_contiguous(sizes);
   return t;
 }

@@ -18,7 +18,8 @@ bool tuning_allowed() {
     const std::string s = v;
     if (s == "0") return false;
     if (s != "1" && !s.empty()) {
-      std::fprintf(stderr, "fsdp: FSDP_MALLOC_TUNING='%s' is not 0 or 1; tuning malloc (set 0 to keep glibc's default)\n",
+      std::fprintf(stderr,
+                   "fsdp: FSDP_MALLOC_TUNING='%s' is not 0 or 1; tuning malloc (set 0 to keep glibc's default)\n",
                    s.c_str());
     }
   }

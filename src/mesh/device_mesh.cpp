@@ -86,14 +86,16 @@ DeviceMesh DeviceMesh::slice(const std::vector<std::string>& dims) const {
     if (!keep.empty() && d <= keep.back()) {
       std::string order;
       for (const auto& n : dim_names_) order += (order.empty() ? "" : ", ") + ("\"" + n + "\"");
-      throw std::invalid_argument("fsdp::DeviceMesh: the dimensions to slice must be distinct and in the mesh's order (" +
-                                  order + "); got \"" + name + "\" out of place");
+      throw std::invalid_argument(
+          "fsdp::DeviceMesh: the dimensions to slice must be distinct and in the mesh's order (" + order + "); got \"" +
+          name + "\" out of place");
     }
     keep.push_back(d);
   }
   at::Tensor sub = mesh_;
   for (int other = ndim() - 1; other >= 0; --other) {
-    if (std::find(keep.begin(), keep.end(), other) == keep.end()) sub = sub.select(other, coordinate_[static_cast<size_t>(other)]);
+    if (std::find(keep.begin(), keep.end(), other) == keep.end())
+      sub = sub.select(other, coordinate_[static_cast<size_t>(other)]);
   }
   std::vector<std::shared_ptr<comm::Comm>> comms;
   for (int d : keep) comms.push_back(dim_comms_[static_cast<size_t>(d)]);
@@ -143,11 +145,15 @@ std::string DeviceMesh::to_string() const {
 DeviceMesh init_device_mesh(std::vector<int64_t> shape, std::vector<std::string> dim_names,
                             const std::string& requested_device_type) {
   if (!dist::is_initialized()) dist::init_distributed();
-  const std::string device_type = requested_device_type.empty() ? dist::init_options().device_type : requested_device_type;
-  if (shape.empty()) throw std::invalid_argument("fsdp::init_device_mesh: the mesh shape is empty; use e.g. {world_size}");
+  const std::string device_type =
+      requested_device_type.empty() ? dist::init_options().device_type : requested_device_type;
+  if (shape.empty())
+    throw std::invalid_argument("fsdp::init_device_mesh: the mesh shape is empty; use e.g. {world_size}");
   int64_t product = 1;
   for (int64_t s : shape) {
-    if (s < 1) throw std::invalid_argument("fsdp::init_device_mesh: every dimension needs at least one rank, got " + shape_string(shape));
+    if (s < 1)
+      throw std::invalid_argument("fsdp::init_device_mesh: every dimension needs at least one rank, got " +
+                                  shape_string(shape));
     product *= s;
   }
   const int world_size = dist::world_size();
@@ -168,7 +174,8 @@ DeviceMesh init_device_mesh(std::vector<int64_t> shape, std::vector<std::string>
   for (const auto& n : dim_names) {
     if (n.empty()) throw std::invalid_argument("fsdp::init_device_mesh: a dimension name is empty");
     if (!seen.insert(n).second) {
-      throw std::invalid_argument("fsdp::init_device_mesh: dimension name \"" + n + "\" is used twice; names must be unique");
+      throw std::invalid_argument("fsdp::init_device_mesh: dimension name \"" + n +
+                                  "\" is used twice; names must be unique");
     }
   }
   comm::backend_for_device(device_type);  // names unknown or unavailable device types

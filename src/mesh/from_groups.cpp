@@ -32,7 +32,8 @@ std::vector<int64_t> ranks_of(const at::Tensor& t) {
 }
 
 // The device type asked for, or the runtime's; one the build can serve.
-std::string device_type_for(const char* fn, const std::string& requested, const std::vector<std::shared_ptr<comm::Comm>>& groups) {
+std::string device_type_for(const char* fn, const std::string& requested,
+                            const std::vector<std::shared_ptr<comm::Comm>>& groups) {
   const std::string device_type =
       !requested.empty() ? requested : (dist::is_initialized() ? dist::init_options().device_type : std::string("cpu"));
   comm::backend_for_device(device_type);  // names unknown or unavailable device types
@@ -85,10 +86,11 @@ std::vector<std::string> names_for(const char* fn, std::vector<std::string> name
 
 DeviceMesh DeviceMesh::from_group(std::shared_ptr<comm::Comm> group, const std::string& device_type,
                                   const std::string& dim_name) {
-  if (!group) refuse("from_group", "the group is null; pass a Comm such as fsdp::dist::world_comm() or one from dist::new_group");
+  if (!group)
+    refuse("from_group", "the group is null; pass a Comm such as fsdp::dist::world_comm() or one from dist::new_group");
   at::Tensor mesh = at::tensor(ranks_of(*group), at::kLong);
-  return from_groups({std::move(group)}, mesh, dim_name.empty() ? std::vector<std::string>{} : std::vector<std::string>{dim_name},
-                     device_type);
+  return from_groups({std::move(group)}, mesh,
+                     dim_name.empty() ? std::vector<std::string>{} : std::vector<std::string>{dim_name}, device_type);
 }
 
 DeviceMesh DeviceMesh::from_groups(std::vector<std::shared_ptr<comm::Comm>> groups, at::Tensor mesh,
@@ -97,7 +99,8 @@ DeviceMesh DeviceMesh::from_groups(std::vector<std::shared_ptr<comm::Comm>> grou
   if (!mesh.defined() || mesh.dim() == 0 || mesh.numel() == 0) {
     refuse(fn, "the mesh is empty or 0-D; pass the global ranks shaped like the mesh, e.g. at::arange(4).view({2, 2})");
   }
-  if (at::isFloatingType(mesh.scalar_type()) || at::isComplexType(mesh.scalar_type()) || mesh.scalar_type() == at::kBool) {
+  if (at::isFloatingType(mesh.scalar_type()) || at::isComplexType(mesh.scalar_type()) ||
+      mesh.scalar_type() == at::kBool) {
     refuse(fn, std::string("the mesh holds ") + c10::toString(mesh.scalar_type()) +
                    " values; pass integer global ranks (e.g. at::arange(4, at::kLong).view({2, 2}))");
   }
@@ -127,8 +130,8 @@ DeviceMesh DeviceMesh::from_groups(std::vector<std::shared_ptr<comm::Comm>> grou
   }
   at::Tensor where = (mesh == me).nonzero();
   if (where.size(0) != 1) {
-    refuse(fn, "this process (global rank " + std::to_string(me) + ") is not in the mesh " + ranks_text(ranks_of(mesh)) +
-                   "; only the mesh's ranks build it, with their own groups");
+    refuse(fn, "this process (global rank " + std::to_string(me) + ") is not in the mesh " +
+                   ranks_text(ranks_of(mesh)) + "; only the mesh's ranks build it, with their own groups");
   }
   // Each group is the line through this rank along its dimension, in the mesh's order.
   for (int64_t d = 0; d < mesh.dim(); ++d) {

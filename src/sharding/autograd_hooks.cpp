@@ -25,9 +25,7 @@ struct PostBackwardHook : torch::autograd::Function<PostBackwardHook> {
   }
 };
 
-bool takes_grad(const at::Tensor& t) {
-  return t.defined() && t.requires_grad() && at::isFloatingType(t.scalar_type());
-}
+bool takes_grad(const at::Tensor& t) { return t.defined() && t.requires_grad() && at::isFloatingType(t.scalar_type()); }
 
 }  // namespace
 

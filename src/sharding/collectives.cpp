@@ -220,8 +220,8 @@ void copy_in_all_gather_input(const FSDPParams& params, const std::vector<int64_
   }
 }
 
-void copy_out_all_gather_output(const FSDPParams& params, const std::vector<int64_t>& offsets,
-                                const at::Tensor& output, int64_t total) {
+void copy_out_all_gather_output(const FSDPParams& params, const std::vector<int64_t>& offsets, const at::Tensor& output,
+                                int64_t total) {
   torch::NoGradGuard no_grad;
   const at::Tensor gathered = output.view({-1, total});
   for (size_t i = 0; i < params.size(); ++i) {
@@ -248,8 +248,8 @@ at::Tensor build_reduce_scatter_input(std::vector<std::pair<FSDPParam*, at::Tens
   }
   // The unsharded gradients are FSDP's to free from here on: counted until they are.
   count_buffer(BufferOwner::UnshardedGrads, grad_bytes);
-  at::Tensor input =
-      empty_buffer({n, total}, grads.front().second.options().dtype(dtype).requires_grad(false), BufferOwner::ReduceScatterInput);
+  at::Tensor input = empty_buffer({n, total}, grads.front().second.options().dtype(dtype).requires_grad(false),
+                                  BufferOwner::ReduceScatterInput);
   placed.clear();
   int64_t offset = 0;
   torch::NoGradGuard no_grad;

@@ -28,8 +28,8 @@ using FSDPParams = std::vector<std::unique_ptr<FSDPParam>>;
 void copy_in_all_gather_input(const FSDPParams& params, const std::vector<int64_t>& offsets, const at::Tensor& input);
 
 // Allocates every unsharded parameter and copies its rows out of `output` ([N * total], flat).
-void copy_out_all_gather_output(const FSDPParams& params, const std::vector<int64_t>& offsets,
-                                const at::Tensor& output, int64_t total);
+void copy_out_all_gather_output(const FSDPParams& params, const std::vector<int64_t>& offsets, const at::Tensor& output,
+                                int64_t total);
 
 // out: [count, total]; out[i] gets shard rank (first_rank + i)'s padded rows of every parameter.
 void copy_in_post_forward(const FSDPParams& params, const std::vector<int64_t>& offsets, const at::Tensor& out,
@@ -59,19 +59,19 @@ void copy_in_post_forward(const FSDPParams& params, const std::vector<int64_t>& 
 //
 // One all-gather of pieces in flight: what the group keeps until the wait.
 struct GatherPieces {
-  std::vector<at::Tensor> ins;                  // this rank's piece of each exchange
-  std::vector<std::vector<at::Tensor>> outs;    // [exchange][rank]: where rank r's piece lands
-  at::Tensor packed;                            // [N, packed total]: the small shards (or undefined)
-  std::vector<FSDPParam*> packed_params;        // whose shards are in `packed`, in its order
+  std::vector<at::Tensor> ins;                // this rank's piece of each exchange
+  std::vector<std::vector<at::Tensor>> outs;  // [exchange][rank]: where rank r's piece lands
+  at::Tensor packed;                          // [N, packed total]: the small shards (or undefined)
+  std::vector<FSDPParam*> packed_params;      // whose shards are in `packed`, in its order
 };
 // One reduce-scatter of pieces in flight.
 struct ReducePieces {
-  std::vector<at::Tensor> outs;                 // this rank's reduced rows of each exchange
-  std::vector<std::vector<at::Tensor>> ins;     // [exchange][rank]: the rows sent to rank r
+  std::vector<at::Tensor> outs;              // this rank's reduced rows of each exchange
+  std::vector<std::vector<at::Tensor>> ins;  // [exchange][rank]: the rows sent to rank r
   std::vector<std::pair<FSDPParam*, std::pair<at::Tensor, int64_t>>> results;  // param, (flat, offset)
-  std::vector<at::Tensor> grads;                // the unsharded gradients, alive until the sends end
-  int64_t grad_bytes = 0;                       // counted as BufferOwner::UnshardedGrads meanwhile
-  at::Tensor packed;                            // [N, packed total]: the small gradients (or undefined)
+  std::vector<at::Tensor> grads;  // the unsharded gradients, alive until the sends end
+  int64_t grad_bytes = 0;         // counted as BufferOwner::UnshardedGrads meanwhile
+  at::Tensor packed;              // [N, packed total]: the small gradients (or undefined)
 };
 
 // Whether this group's parameters can gather per parameter (same dtype for shard and compute,

@@ -123,9 +123,9 @@ bool FSDPParam::alias_shard_as_unsharded() {
   // The data pointer's context is a reference to the shard's storage: it stays valid even if the
   // shard is replaced (materialize) before this storage is freed.
   auto* keep = new c10::Storage(padded_shard_.storage());
-  storage->set_data_ptr_noswap(at::DataPtr(padded_shard_.data_ptr(), keep,
-                                           [](void* ctx) { delete static_cast<c10::Storage*>(ctx); },
-                                           padded_shard_.device()));
+  storage->set_data_ptr_noswap(at::DataPtr(
+      padded_shard_.data_ptr(), keep, [](void* ctx) { delete static_cast<c10::Storage*>(ctx); },
+      padded_shard_.device()));
   storage->set_nbytes(padded_shard_.nbytes());
   impl->set_sizes_contiguous(global_shape_);
   unsharded_ = true;
@@ -153,8 +153,10 @@ void FSDPParam::accumulate_full_grad(at::Tensor g, std::optional<double> divide)
 
 void FSDPParam::stash_partial_reduce(const at::Tensor& reduced, int64_t offset) {
   at::Tensor mine = reduced.narrow(0, offset, shard_numel());
-  if (partial_reduce_.defined()) partial_reduce_.add_(mine);
-  else partial_reduce_ = mine.clone();
+  if (partial_reduce_.defined())
+    partial_reduce_.add_(mine);
+  else
+    partial_reduce_ = mine.clone();
 }
 
 void FSDPParam::add_partial_reduce(const at::Tensor& reduced, int64_t offset) {
@@ -177,8 +179,10 @@ void FSDPParam::accumulate_unsharded_grad() {
   at::Tensor g = unsharded_param_.grad();
   if (!g.defined()) return;
   torch::NoGradGuard no_grad;
-  if (accumulated_grad_.defined()) accumulated_grad_.add_(g.to(reduce_dtype_));
-  else accumulated_grad_ = g.to(reduce_dtype_);
+  if (accumulated_grad_.defined())
+    accumulated_grad_.add_(g.to(reduce_dtype_));
+  else
+    accumulated_grad_ = g.to(reduce_dtype_);
   unsharded_param_.mutable_grad().reset();
 }
 
@@ -210,7 +214,8 @@ void FSDPParam::materialize(c10::Device device) {
   rekey_shard(old_shard, this);
   // The unsharded tensor keeps its identity (module fields and autograd hold it); only its device
   // changes, to an empty tensor there: the resharded state.
-  at::Tensor empty = at::empty({0}, unsharded_param_.options().device(device).dtype(compute_dtype_).requires_grad(false));
+  at::Tensor empty =
+      at::empty({0}, unsharded_param_.options().device(device).dtype(compute_dtype_).requires_grad(false));
   unsharded_param_.unsafeGetTensorImpl()->shallow_copy_from(empty.getIntrusivePtr());
   unsharded_ = false;
 }

@@ -49,8 +49,8 @@ struct ParamPlacement {
 
 class FSDPParam {
  public:
-  FSDPParam(const at::Tensor& original, std::vector<ParamSlot> slots, std::string fqn, int shard_rank,
-            int shard_size, const ParamDtypes& dtypes = {}, const ParamPlacement& placement = {});
+  FSDPParam(const at::Tensor& original, std::vector<ParamSlot> slots, std::string fqn, int shard_rank, int shard_size,
+            const ParamDtypes& dtypes = {}, const ParamPlacement& placement = {});
 
   const std::string& fqn() const { return fqn_; }
   void set_fqn(std::string fqn) { fqn_ = std::move(fqn); }
@@ -64,8 +64,8 @@ class FSDPParam {
   at::ScalarType dtype() const { return padded_shard_.scalar_type(); }  // original = sharded dtype
   at::ScalarType compute_dtype() const { return compute_dtype_; }       // unsharded / all-gather
   at::ScalarType reduce_dtype() const { return reduce_dtype_; }         // reduce-scatter
-  c10::Device device() const { return unsharded_param_.device(); }  // where forward computes
-  c10::Device shard_device() const { return padded_shard_.device(); }  // CPU when offloaded
+  c10::Device device() const { return unsharded_param_.device(); }      // where forward computes
+  c10::Device shard_device() const { return padded_shard_.device(); }   // CPU when offloaded
 
   const at::Tensor& padded_shard() const { return padded_shard_; }
   const at::Tensor& sharded_param() const { return sharded_param_; }
@@ -108,7 +108,6 @@ class FSDPParam {
   void check_unchanged() const;
 
  private:
-
   std::vector<ParamSlot> slots_;
   std::string fqn_;
   std::vector<int64_t> global_shape_;

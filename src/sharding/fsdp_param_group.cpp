@@ -13,9 +13,7 @@ namespace fsdp::detail {
 
 namespace {
 // HSDP's mesh is (replicate, shard): the parameters are sharded over the last dimension.
-DeviceMesh shard_dim(const DeviceMesh& mesh) {
-  return mesh.ndim() == 1 ? mesh : mesh[mesh.dim_names().back()];
-}
+DeviceMesh shard_dim(const DeviceMesh& mesh) { return mesh.ndim() == 1 ? mesh : mesh[mesh.dim_names().back()]; }
 }  // namespace
 
 FSDPParamGroup::FSDPParamGroup(std::vector<std::unique_ptr<FSDPParam>> params, DeviceMesh mesh)
@@ -114,8 +112,10 @@ void FSDPParamGroup::unshard(bool async_op, const c10::Event* after) {
   if (s) {
     // The shards may have just been updated on the current stream (the optimizer): copy after it,
     // or after the post-optim event when the root was given one.
-    if (after) DeviceStreams::wait_event(s->copy_in, *after);
-    else DeviceStreams::wait_stream(s->copy_in, s->current());
+    if (after)
+      DeviceStreams::wait_event(s->copy_in, *after);
+    else
+      DeviceStreams::wait_stream(s->copy_in, s->current());
     {
       c10::StreamGuard on_copy_in(s->copy_in);
       copy_in();
@@ -313,8 +313,10 @@ void FSDPParamGroup::start_all_reduce() {
 }
 
 void FSDPParamGroup::advance_reduce() {
-  if (needs_all_reduce_start()) start_all_reduce();
-  else finish_reduce();
+  if (needs_all_reduce_start())
+    start_all_reduce();
+  else
+    finish_reduce();
 }
 
 bool FSDPParamGroup::gathers_pieces() const {

@@ -89,7 +89,7 @@ class FSDPParamGroup {
   std::shared_ptr<comm::Comm> comm_;            // the shard group
   std::shared_ptr<comm::Comm> replicate_comm_;  // HSDP's replicate group, else null
   at::Tensor post_forward_shard_;               // [S/k, total] in the compute dtype, while post-forward
-  std::vector<int64_t> offsets_;  // each parameter's column in the flat [N, total] layout
+  std::vector<int64_t> offsets_;                // each parameter's column in the flat [N, total] layout
   int64_t total_shard_numel_ = 0;
   State state_ = State::Sharded;
 
@@ -115,7 +115,9 @@ class FSDPParamGroup {
 
   // A shard group of one on the CPU, no replicas: unshard copies each shard straight into its
   // unsharded storage and post_backward hands the gradients over without a reduce-scatter.
-  bool direct_world_of_one() const { return comm_->size() == 1 && !replicate_comm_ && !post_forward_comm && !streams(); }
+  bool direct_world_of_one() const {
+    return comm_->size() == 1 && !replicate_comm_ && !post_forward_comm && !streams();
+  }
   // The CPU's per-parameter collectives apply (Gloo shard group of CPU tensors, no side streams).
   bool gathers_pieces() const;
   bool reduces_pieces(const std::vector<std::pair<FSDPParam*, at::Tensor>>& grads) const;

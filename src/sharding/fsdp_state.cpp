@@ -9,8 +9,8 @@
 
 #include "../memory/buffer_pool.h"
 #include "autograd_hooks.h"
-#include "phase_timers.h"
 #include "fsdp/sharding/call.h"
+#include "phase_timers.h"
 #include "registry.h"
 
 namespace fsdp::detail {

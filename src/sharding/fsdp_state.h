@@ -34,14 +34,14 @@ class FSDPState;
 
 // Shared by the root and every state below it, set at the root's lazy init.
 struct RootContext {
-  std::vector<FSDPState*> states;  // the root first, then its descendants in module order
+  std::vector<FSDPState*> states;                  // the root first, then its descendants in module order
   std::vector<FSDPState*> forward_order;           // this step, in pre-forward order
   std::vector<FSDPState*> previous_forward_order;  // last step's: drives forward prefetch
   // This step, in post-forward order (a unit's forward ends after those nested in it: the root is
   // last): drives backward prefetch, as FSDP2's post_forward_order does. The unit before a unit
   // here runs next in backward; so the root's pre-backward prefetches the last block.
   std::vector<FSDPState*> post_forward_order;
-  std::vector<FSDPParamGroup*> pending_reduces;    // reduce-scatters in flight, oldest first
+  std::vector<FSDPParamGroup*> pending_reduces;  // reduce-scatters in flight, oldest first
   bool final_callback_queued = false;
   bool is_last_backward = true;
 };

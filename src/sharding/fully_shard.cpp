@@ -68,23 +68,25 @@ void check_mesh(const DeviceMesh& mesh) {
     }
   }
   if (mesh.ndim() > 2) {
-    throw std::invalid_argument("fsdp::fully_shard: a " + std::to_string(mesh.ndim()) + "-D mesh (" +
-                                mesh.to_string() +
+    throw std::invalid_argument("fsdp::fully_shard: a " + std::to_string(mesh.ndim()) + "-D mesh (" + mesh.to_string() +
                                 "); fully_shard takes a 1-D mesh (FSDP) or a 2-D one (HSDP, replicate x shard): pass "
                                 "the data-parallel sub-mesh");
   }
   if (mesh.ndim() == 2) {
     const auto& names = mesh.dim_names();
     const std::string fix = "; build it as fsdp::init_device_mesh({" + std::to_string(mesh.size(0)) + ", " +
-                            std::to_string(mesh.size(1)) + "}, {\"replicate\", \"shard\"}) (dim 0 replicates, dim 1 shards)";
+                            std::to_string(mesh.size(1)) +
+                            "}, {\"replicate\", \"shard\"}) (dim 0 replicates, dim 1 shards)";
     if (names[0] == "dim0" && names[1] == "dim1") {
       throw std::invalid_argument("fsdp::fully_shard: HSDP needs a 2-D mesh with named dimensions, got " +
                                   mesh.to_string() + fix);
     }
     if (names[0].find("shard") != std::string::npos || names[1].find("replicate") != std::string::npos) {
-      throw std::invalid_argument("fsdp::fully_shard: HSDP mesh " + mesh.to_string() + " has dimensions (\"" + names[0] +
-                                  "\", \"" + names[1] + "\"), but dim 0 must be the replicate dimension and dim 1 the "
-                                  "shard dimension (FSDP2's order)" + fix);
+      throw std::invalid_argument("fsdp::fully_shard: HSDP mesh " + mesh.to_string() + " has dimensions (\"" +
+                                  names[0] + "\", \"" + names[1] +
+                                  "\"), but dim 0 must be the replicate dimension and dim 1 the "
+                                  "shard dimension (FSDP2's order)" +
+                                  fix);
     }
   }
   // Every dimension's group must be the ranks the mesh lists along it, in order.
@@ -92,10 +94,12 @@ void check_mesh(const DeviceMesh& mesh) {
     const auto& ranks = mesh.comm(d)->global_ranks();
     auto listed = mesh[mesh.dim_names()[static_cast<size_t>(d)]].mesh().reshape(-1);
     bool same = static_cast<int64_t>(ranks.size()) == listed.numel();
-    for (size_t i = 0; same && i < ranks.size(); ++i) same = listed[static_cast<int64_t>(i)].item<int64_t>() == ranks[i];
+    for (size_t i = 0; same && i < ranks.size(); ++i)
+      same = listed[static_cast<int64_t>(i)].item<int64_t>() == ranks[i];
     if (!same) {
-      throw std::invalid_argument("fsdp::fully_shard: the mesh's ranks do not match its process group; build the "
-                                  "mesh with fsdp::init_device_mesh");
+      throw std::invalid_argument(
+          "fsdp::fully_shard: the mesh's ranks do not match its process group; build the "
+          "mesh with fsdp::init_device_mesh");
     }
   }
 }
@@ -162,10 +166,11 @@ void validate_modules(const std::vector<std::shared_ptr<torch::nn::Module>>& mod
 // Step 2: the mixed-precision dtypes are floating point.
 void validate_mp_policy(const MixedPrecisionPolicy& mp) {
   for (auto [name, dtype] : {std::pair{"param_dtype", mp.param_dtype}, std::pair{"reduce_dtype", mp.reduce_dtype},
-                              std::pair{"output_dtype", mp.output_dtype}}) {
+                             std::pair{"output_dtype", mp.output_dtype}}) {
     if (dtype && !at::isFloatingType(*dtype)) {
       throw std::invalid_argument(std::string("fsdp::fully_shard: MixedPrecisionPolicy::") + name + " is " +
-                                  c10::toString(*dtype) + "; mixed precision dtypes must be floating point "
+                                  c10::toString(*dtype) +
+                                  "; mixed precision dtypes must be floating point "
                                   "(e.g. at::kBFloat16, at::kHalf, at::kFloat)");
     }
   }
@@ -217,8 +222,8 @@ void validate_managed_params(const ManagedParams& managed, const DeviceMesh& mes
     const std::string& fqn = managed.fqn(t);
     const std::string& first = managed.fqn(front);
     if (t.device() != front.device()) {
-      throw std::invalid_argument("fsdp::fully_shard: parameters '" + first + "' (" + front.device().str() +
-                                  ") and '" + fqn + "' (" + t.device().str() +
+      throw std::invalid_argument("fsdp::fully_shard: parameters '" + first + "' (" + front.device().str() + ") and '" +
+                                  fqn + "' (" + t.device().str() +
                                   ") are on different devices; move the module to one device first");
     }
     if (t.scalar_type() != front.scalar_type()) {
@@ -248,10 +253,11 @@ std::unique_ptr<FSDPParamGroup> build_param_group(ManagedParams& managed, const 
   std::vector<std::unique_ptr<FSDPParam>> params;
   for (const auto& t : managed.order) {
     auto& [param_slots, fqn] = managed.slots[t.unsafeGetTensorImpl()];
-    params.push_back(std::make_unique<FSDPParam>(
-        t, param_slots, fqn, shard_rank, shard_size,
-        ParamDtypes{options.mp_policy.param_dtype, options.mp_policy.reduce_dtype},
-        ParamPlacement{options.offload_policy.has_value(), options.offload_policy && options.offload_policy->pin_memory}));
+    params.push_back(
+        std::make_unique<FSDPParam>(t, param_slots, fqn, shard_rank, shard_size,
+                                    ParamDtypes{options.mp_policy.param_dtype, options.mp_policy.reduce_dtype},
+                                    ParamPlacement{options.offload_policy.has_value(),
+                                                   options.offload_policy && options.offload_policy->pin_memory}));
   }
   return std::make_unique<FSDPParamGroup>(std::move(params), mesh);
 }
@@ -374,7 +380,9 @@ void FSDPModule::set_gradient_divide_factor(double factor) {
   if (state_->group()) state_->group()->gradient_divide_factor = factor;
 }
 
-void FSDPModule::set_post_optim_event(std::shared_ptr<c10::Event> event) { state_->post_optim_event = std::move(event); }
+void FSDPModule::set_post_optim_event(std::shared_ptr<c10::Event> event) {
+  state_->post_optim_event = std::move(event);
+}
 
 std::vector<torch::nn::Module*> FSDPModule::modules() const { return state_->modules(); }
 

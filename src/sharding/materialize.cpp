@@ -124,7 +124,8 @@ void normal_(const at::Tensor& param, double mean, double std, uint64_t seed) {
   torch::NoGradGuard no_grad;
   for_each_row(param, [&](at::Tensor row, int64_t r, const RowSlice& slice) {
     auto gen = at::detail::createCPUGenerator(splitmix64(seed + static_cast<uint64_t>(r)));
-    at::Tensor values = at::normal(mean, std, {full_row_numel(row, slice)}, gen, row.options().dtype(at::kFloat).device(at::kCPU));
+    at::Tensor values =
+        at::normal(mean, std, {full_row_numel(row, slice)}, gen, row.options().dtype(at::kFloat).device(at::kCPU));
     row.copy_(local_part(values, slice));
   });
 }

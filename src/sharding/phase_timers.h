@@ -34,9 +34,10 @@ class PhaseScope {
     if (nested_) --hook_depth();
     if (!on_) return;
     if (phase_ == Phase::Hooks) --hook_depth();
-    add_phase_time(phase_, static_cast<uint64_t>(std::chrono::duration_cast<std::chrono::nanoseconds>(
-                               std::chrono::steady_clock::now() - start_)
-                               .count()));
+    add_phase_time(
+        phase_,
+        static_cast<uint64_t>(
+            std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - start_).count()));
   }
   PhaseScope(const PhaseScope&) = delete;
   PhaseScope& operator=(const PhaseScope&) = delete;

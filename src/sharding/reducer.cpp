@@ -93,8 +93,10 @@ void Reducer::launch(Bucket& b) {
     if (g.defined() && g.data_ptr() == slot.data_ptr() && g.sizes() == slot.sizes() && g.strides() == slot.strides()) {
       continue;  // already the slot: backward accumulated into the bucket
     }
-    if (g.defined()) slot.copy_(g);
-    else slot.zero_();  // unused here this time; another rank may have a gradient
+    if (g.defined())
+      slot.copy_(g);
+    else
+      slot.zero_();  // unused here this time; another rank may have a gradient
     if (g.defined()) g = slot;
   }
   b.work = comm_->all_reduce(b.flat, comm::ReduceOp::Avg, /*async_op=*/true);

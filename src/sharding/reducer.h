@@ -2,13 +2,12 @@
 // Reducer: fsdp::replicate's gradient all-reduce, in buckets that overlap backward (DDP's reducer).
 //
 // Buckets hold parameters in reverse registration order (about the order backward produces their
-// gradients), one dtype per bucket, up to bucket_cap_bytes each (the first one smaller). A post-hook on each parameter's
-// AccumulateGrad node marks the parameter ready once its .grad is final for this backward (so it
-// includes what no-sync steps accumulated); when every parameter of the next bucket in order is
-// ready, its gradients are copied into one flat buffer and all-reduced asynchronously. Buckets are
-// launched strictly in index order, so every rank issues the same collectives in the same order.
-// The final callback (queued on the autograd engine by the first hook, as FSDP's state does)
-// launches what is left (parameters without a gradient this time contribute zeros) and waits.
+// gradients), one dtype per bucket, up to bucket_cap_bytes each (the first one smaller). A post-hook on each
+// parameter's AccumulateGrad node marks the parameter ready once its .grad is final for this backward (so it includes
+// what no-sync steps accumulated); when every parameter of the next bucket in order is ready, its gradients are copied
+// into one flat buffer and all-reduced asynchronously. Buckets are launched strictly in index order, so every rank
+// issues the same collectives in the same order. The final callback (queued on the autograd engine by the first hook,
+// as FSDP's state does) launches what is left (parameters without a gradient this time contribute zeros) and waits.
 //
 // Gradients as bucket views (DDP's gradient_as_bucket_view): each bucket's flat buffer lives as
 // long as the reducer, and once a parameter's gradient has been copied into its slot, .grad *is*
@@ -41,11 +40,11 @@ class Reducer : public std::enable_shared_from_this<Reducer> {
 
  private:
   struct Bucket {
-    std::vector<size_t> params;   // indices into params_
+    std::vector<size_t> params;    // indices into params_
     std::vector<int64_t> offsets;  // each parameter's start in the flat buffer
     int64_t numel = 0;
-    size_t pending = 0;  // parameters not ready yet this backward
-    at::Tensor flat;  // allocated on first use, kept: the gradients are slots of it
+    size_t pending = 0;             // parameters not ready yet this backward
+    at::Tensor flat;                // allocated on first use, kept: the gradients are slots of it
     std::vector<at::Tensor> slots;  // each parameter's gradient as a tensor on flat's storage
     comm::Work work;
     bool launched = false;

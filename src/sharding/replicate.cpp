@@ -15,8 +15,9 @@ ReplicateModule replicate(const std::shared_ptr<torch::nn::Module>& module, Repl
   using namespace detail;
   if (!module) throw std::invalid_argument("fsdp::replicate: the module is null");
   if (options.bucket_cap_bytes < 1 || options.first_bucket_cap_bytes < 1) {
-    throw std::invalid_argument("fsdp::replicate: bucket_cap_bytes and first_bucket_cap_bytes must be positive "
-                                "(DDP's defaults: 25 MiB and 1 MiB)");
+    throw std::invalid_argument(
+        "fsdp::replicate: bucket_cap_bytes and first_bucket_cap_bytes must be positive "
+        "(DDP's defaults: 25 MiB and 1 MiB)");
   }
   for (const auto& sub : module->modules(/*include_self=*/true)) {
     if (is_replicated(sub.get())) {
@@ -33,9 +34,9 @@ ReplicateModule replicate(const std::shared_ptr<torch::nn::Module>& module, Repl
   std::shared_ptr<comm::Comm> comm = dist::world_comm();
   if (options.mesh) {
     if (options.mesh->ndim() != 1) {
-      throw std::invalid_argument("fsdp::replicate: a " + std::to_string(options.mesh->ndim()) + "-D mesh (" +
-                                  options.mesh->to_string() +
-                                  "); replicate takes the 1-D mesh of the data-parallel ranks, e.g. mesh[\"replicate\"]");
+      throw std::invalid_argument(
+          "fsdp::replicate: a " + std::to_string(options.mesh->ndim()) + "-D mesh (" + options.mesh->to_string() +
+          "); replicate takes the 1-D mesh of the data-parallel ranks, e.g. mesh[\"replicate\"]");
     }
     comm = options.mesh->comm(0);
   }
@@ -51,8 +52,8 @@ ReplicateModule replicate(const std::shared_ptr<torch::nn::Module>& module, Repl
     }
     for (const auto& b : module->buffers()) comm->broadcast(b.detach(), 0);
   }
-  auto reducer = std::make_shared<Reducer>(std::move(params), comm, options.bucket_cap_bytes,
-                                           options.first_bucket_cap_bytes);
+  auto reducer =
+      std::make_shared<Reducer>(std::move(params), comm, options.bucket_cap_bytes, options.first_bucket_cap_bytes);
   reducer->install_hooks();
   // Every submodule too: fully_shard on a part of a replicated model is refused.
   for (const auto& sub : module->modules(/*include_self=*/true)) register_replicated(sub, reducer);
@@ -65,7 +66,9 @@ std::optional<ReplicateModule> replicate_module(const torch::nn::Module& module)
   return ReplicateModule(r);
 }
 
-void ReplicateModule::set_requires_gradient_sync(bool requires_sync) { reducer_->requires_gradient_sync = requires_sync; }
+void ReplicateModule::set_requires_gradient_sync(bool requires_sync) {
+  reducer_->requires_gradient_sync = requires_sync;
+}
 
 size_t ReplicateModule::num_buckets() const { return reducer_->num_buckets(); }
 

@@ -21,7 +21,8 @@ DeviceStreams* DeviceStreams::get(c10::Device device) {
   if (!device.is_cuda()) return nullptr;
   static std::mutex mu;
   static std::array<std::unique_ptr<DeviceStreams>, 64> per_device;  // CUDA device indices
-  const c10::DeviceIndex index = device.has_index() ? device.index() : c10::impl::VirtualGuardImpl(device.type()).getDevice().index();
+  const c10::DeviceIndex index =
+      device.has_index() ? device.index() : c10::impl::VirtualGuardImpl(device.type()).getDevice().index();
   std::lock_guard<std::mutex> lock(mu);
   auto& slot = per_device.at(static_cast<size_t>(index));
   if (!slot) {
@@ -35,9 +36,7 @@ DeviceStreams* DeviceStreams::get(c10::Device device) {
   return slot.get();
 }
 
-c10::Stream DeviceStreams::current() const {
-  return c10::impl::VirtualGuardImpl(device().type()).getStream(device());
-}
+c10::Stream DeviceStreams::current() const { return c10::impl::VirtualGuardImpl(device().type()).getStream(device()); }
 
 void DeviceStreams::wait_stream(const c10::Stream& waiter, const c10::Stream& producer) {
   if (waiter == producer) return;

@@ -33,8 +33,9 @@ std::shared_ptr<comm::Comm> comm_from_handle(int64_t handle) {
   auto it = handles().find(handle);
   auto comm = it == handles().end() ? nullptr : it->second.lock();
   if (!comm) {
-    throw std::logic_error("fsdp::tp: the tp process group was destroyed before backward; keep the DeviceMesh alive "
-                           "until the backward pass has run");
+    throw std::logic_error(
+        "fsdp::tp: the tp process group was destroyed before backward; keep the DeviceMesh alive "
+        "until the backward pass has run");
   }
   return comm;
 }
@@ -206,7 +207,8 @@ struct ShardToShard : torch::autograd::Function<ShardToShard> {
 
 }  // namespace
 
-at::Tensor shard_to_shard(const at::Tensor& x, int64_t from_dim, int64_t to_dim, const std::shared_ptr<comm::Comm>& comm) {
+at::Tensor shard_to_shard(const at::Tensor& x, int64_t from_dim, int64_t to_dim,
+                          const std::shared_ptr<comm::Comm>& comm) {
   const int64_t handle = detail::comm_handle(comm);
   const int64_t a = detail::normalize_dim(from_dim, x.dim()), b = detail::normalize_dim(to_dim, x.dim());
   if (comm->size() == 1 || a == b) return x;

@@ -21,7 +21,9 @@ struct ParallelCrossEntropy : torch::autograd::Function<ParallelCrossEntropy> {
     const int64_t vl = logits.size(-1);
     const int64_t first = static_cast<int64_t>(comm->rank()) * vl;
     // Reduce in float32 at least (as cross_entropy does for half inputs).
-    const auto acc = (logits.scalar_type() == at::kHalf || logits.scalar_type() == at::kBFloat16) ? at::kFloat : logits.scalar_type();
+    const auto acc = (logits.scalar_type() == at::kHalf || logits.scalar_type() == at::kBFloat16)
+                         ? at::kFloat
+                         : logits.scalar_type();
     at::Tensor x = logits.reshape({-1, vl}).to(acc);
     at::Tensor t = targets.reshape({-1});
     // 1. The global max per token, for a stable log-sum-exp.

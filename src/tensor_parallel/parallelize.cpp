@@ -88,7 +88,9 @@ bool matches(const std::string& pattern, const std::string& name) {
 
 std::string in_quotes(const std::string& name) { return "\"" + name + "\""; }
 
-[[noreturn]] void fail(const std::string& what) { throw std::invalid_argument("fsdp::tp::parallelize_module: " + what); }
+[[noreturn]] void fail(const std::string& what) {
+  throw std::invalid_argument("fsdp::tp::parallelize_module: " + what);
+}
 
 // named_parameters() returns its dict by value: it must outlive the pointer find() gives (a
 // pointer into a destroyed temporary read freed memory: LibTorch 2.14 crashed in 1 run of ~10).
@@ -175,7 +177,6 @@ struct Target {
   std::optional<KindInfo> kind;
 };
 
-
 // Everything that can be refused, before anything changes.
 void validate(const Target& t, const DeviceMesh& mesh) {
   const int64_t n = mesh.size(0);
@@ -200,24 +201,30 @@ void validate(const Target& t, const DeviceMesh& mesh) {
       if (*l == o || (l->is_shard() && o.is_shard() && o.dim == 999)) return;
     }
     std::string allowed;
-    for (const auto& o : ok) allowed += (allowed.empty() ? "" : " or ") + (o.dim == 999 ? std::string("Shard(d)") : o.to_string());
+    for (const auto& o : ok)
+      allowed += (allowed.empty() ? "" : " or ") + (o.dim == 999 ? std::string("Shard(d)") : o.to_string());
     fail(where + ": " + field + " " + l->to_string() + " is not supported; use " + allowed);
   };
   const Layout any_shard = Shard(999);
   if (const auto* c = std::get_if<ColwiseParallel>(t.style)) {
     need_kind();
     at::Tensor w = own_param(*t.module, "weight");
-    if (c->fused < 1) fail(where + ": fused " + std::to_string(c->fused) + " is not a block count; use 1 (plain) or more (3 for a fused q|k|v)");
+    if (c->fused < 1)
+      fail(where + ": fused " + std::to_string(c->fused) +
+           " is not a block count; use 1 (plain) or more (3 for a fused q|k|v)");
     if (c->fused > 1) {
-      if (t.kind->kind != ModuleKind::Linear) fail(where + ": fused applies to a Linear only; drop it for an Embedding");
+      if (t.kind->kind != ModuleKind::Linear)
+        fail(where + ": fused applies to a Linear only; drop it for an Embedding");
       if (c->output_layouts && !c->output_layouts->is_shard())
-        fail(where + ": fused " + std::to_string(c->fused) + " with output_layouts Replicate() is not supported; keep Shard(-1) and split the local blocks");
+        fail(where + ": fused " + std::to_string(c->fused) +
+             " with output_layouts Replicate() is not supported; keep Shard(-1) and split the local blocks");
       if (w.defined() && w.dim() == 2 && w.size(0) % c->fused != 0)
         fail(where + " has " + std::to_string(w.size(0)) + " output features, which do not split into " +
              std::to_string(c->fused) + " fused blocks; fix fused or the layer");
       if (w.defined() && w.dim() == 2 && (w.size(0) / c->fused) % n != 0)
-        fail(where + " has fused blocks of " + std::to_string(w.size(0) / c->fused) + " output features, which the tp size " +
-             std::to_string(n) + " does not divide; choose a tp size that divides each block (e.g. the head count)");
+        fail(where + " has fused blocks of " + std::to_string(w.size(0) / c->fused) +
+             " output features, which the tp size " + std::to_string(n) +
+             " does not divide; choose a tp size that divides each block (e.g. the head count)");
     }
     if (t.kind->kind == ModuleKind::Linear) {
       check_divides(w, 0, "output features");
@@ -241,12 +248,14 @@ void validate(const Target& t, const DeviceMesh& mesh) {
   } else if (const auto* pi = std::get_if<PrepareModuleInput>(t.style)) {
     if (pi->input_layouts.size() != pi->desired_input_layouts.size()) {
       fail(where + ": " + std::to_string(pi->input_layouts.size()) + " input_layouts but " +
-           std::to_string(pi->desired_input_layouts.size()) + " desired_input_layouts; give one of each per tensor argument");
+           std::to_string(pi->desired_input_layouts.size()) +
+           " desired_input_layouts; give one of each per tensor argument");
     }
   } else if (const auto* po = std::get_if<PrepareModuleOutput>(t.style)) {
     if (po->output_layouts.size() != po->desired_output_layouts.size()) {
       fail(where + ": " + std::to_string(po->output_layouts.size()) + " output_layouts but " +
-           std::to_string(po->desired_output_layouts.size()) + " desired_output_layouts; give one of each per output tensor");
+           std::to_string(po->desired_output_layouts.size()) +
+           " desired_output_layouts; give one of each per output tensor");
     }
   }
   if (std::holds_alternative<ColwiseParallel>(*t.style) || std::holds_alternative<RowwiseParallel>(*t.style)) {
@@ -266,7 +275,8 @@ void apply(const Target& t, const DeviceMesh& mesh) {
       shard_in_place(own_param(*m, "weight"), 0, mesh, c->fused);
       if (at::Tensor b = own_param(*m, "bias"); b.defined()) shard_in_place(b, 0, mesh, c->fused);
       hooks.input = [in, comm](std::vector<at::Tensor> args) {
-        if (!args.empty()) args[0] = in.is_shard() ? gather_along_dim(args[0], in.dim, comm) : copy_to_tp_region(args[0], comm);
+        if (!args.empty())
+          args[0] = in.is_shard() ? gather_along_dim(args[0], in.dim, comm) : copy_to_tp_region(args[0], comm);
         return args;
       };
     } else {
@@ -385,8 +395,8 @@ void parallelize_module(const std::shared_ptr<torch::nn::Module>& module, const 
       if (std::holds_alternative<ColwiseParallel>(style) || std::holds_alternative<RowwiseParallel>(style)) {
         auto [it, fresh] = sharded_by.emplace(m.get(), pattern);
         if (!fresh) {
-          fail("module " + in_quotes(name) + " is matched by both " + in_quotes(it->second) + " and " + in_quotes(pattern) +
-               "; give each module one sharding style");
+          fail("module " + in_quotes(name) + " is matched by both " + in_quotes(it->second) + " and " +
+               in_quotes(pattern) + "; give each module one sharding style");
         }
       }
     }

@@ -119,7 +119,10 @@ TEST(ActivationCheckpoint, WithoutRngPreservationDropoutGradientsDiffer) {
   torch::manual_seed(7);
   act::CheckpointOptions o;
   o.preserve_rng_state = false;
-  act::checkpoint(o, [&](const at::Tensor& in) { return net.run(in, 0.5); }, x).sum().backward();
+  act::checkpoint(
+      o, [&](const at::Tensor& in) { return net.run(in, 0.5); }, x)
+      .sum()
+      .backward();
   EXPECT_GT(max_diff(net.grads(), want), 1e-3);
 }
 
@@ -157,7 +160,12 @@ TEST(ActivationCheckpoint, SideEffectsRunTwiceUnlessGuarded) {
   EXPECT_EQ(guarded, 1);
   {
     torch::NoGradGuard no_grad;  // evaluation: runs once, nothing to recompute
-    act::checkpoint([&](const at::Tensor& in) { ++calls; return net.run(in, 0); }, x);
+    act::checkpoint(
+        [&](const at::Tensor& in) {
+          ++calls;
+          return net.run(in, 0);
+        },
+        x);
   }
   EXPECT_EQ(calls, 3);
 }
@@ -215,8 +223,7 @@ TEST(ActivationCheckpoint, WrapperCheckpointsPlainCalls) {
 TEST(ActivationCheckpoint, PredicateSelectingNothingIsAnError) {
   GPT model(tiny());
   auto none = [](const std::string&, torch::nn::Module&) { return false; };
-  EXPECT_ERROR_CONTAINS(act::apply_activation_checkpointing(*model, none),
-                        "selected no submodule");
+  EXPECT_ERROR_CONTAINS(act::apply_activation_checkpointing(*model, none), "selected no submodule");
   EXPECT_ERROR_CONTAINS((void)act::every_kth<fsdp::models::BlockImpl>(0), "k must be at least 1");
 }
 
@@ -248,7 +255,8 @@ struct ProbeNetImpl : torch::nn::Module {
   ProbeNetImpl() {
     // std::string("b").append(...), not "b" + to_string(i): GCC 12 at -O3 warns a false
     // -Wstringop-overflow on that operator+ (GCC bug 105651).
-    for (int i = 0; i < 6; ++i) blocks.push_back(register_module(std::string("b").append(std::to_string(i)), ProbeBlock()));
+    for (int i = 0; i < 6; ++i)
+      blocks.push_back(register_module(std::string("b").append(std::to_string(i)), ProbeBlock()));
   }
   torch::Tensor forward(torch::Tensor x) {
     for (auto& b : blocks) x = fsdp::call(b, x);
@@ -258,7 +266,8 @@ struct ProbeNetImpl : torch::nn::Module {
 };
 TORCH_MODULE(ProbeNet);
 
-std::pair<fsdp::comm::OpCounters, fsdp::comm::OpCounters> gathers_and_reduces(bool checkpointed, int reshard_after_forward) {
+std::pair<fsdp::comm::OpCounters, fsdp::comm::OpCounters> gathers_and_reduces(bool checkpointed,
+                                                                              int reshard_after_forward) {
   ProbeNet net;
   g_blocks.clear();
   fsdp::FullyShardOptions o;
@@ -295,7 +304,7 @@ TEST(ActivationCheckpointFsdp, OnlyTheRecomputingUnitIsUnsharded) {
     EXPECT_EQ(ckpt.first.calls, plain.first.calls) << "all-gathers per step, reshard_after_forward " << raf;
     EXPECT_EQ(ckpt.second.calls, plain.second.calls) << "reduce-scatters per step, reshard_after_forward " << raf;
     std::cout << "reshard_after_forward " << raf << ": all-gathers/step " << ckpt.first.calls << " (plain "
-              << plain.first.calls << "), reduce-scatters/step " << ckpt.second.calls << " (plain " << plain.second.calls
-              << ")" << std::endl;
+              << plain.first.calls << "), reduce-scatters/step " << ckpt.second.calls << " (plain "
+              << plain.second.calls << ")" << std::endl;
   }
 }

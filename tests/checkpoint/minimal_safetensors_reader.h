@@ -18,10 +18,10 @@
 #include <vector>
 
 struct MinimalTensor {
-  std::string dtype;             // "F32", "BF16", ...
+  std::string dtype;  // "F32", "BF16", ...
   std::vector<int64_t> shape;
-  std::vector<uint8_t> bytes;    // the tensor's raw little-endian data
-  uint64_t data_begin = 0;       // offsets as written in the header (relative to the buffer)
+  std::vector<uint8_t> bytes;  // the tensor's raw little-endian data
+  uint64_t data_begin = 0;     // offsets as written in the header (relative to the buffer)
   uint64_t data_end = 0;
 };
 
@@ -63,13 +63,20 @@ class Parser {
     ++i_;
   }
   static void put_utf8(std::string& out, uint32_t cp) {
-    if (cp < 0x80) { out += char(cp); }
-    else if (cp < 0x800) { out += char(0xC0 | (cp >> 6)); out += char(0x80 | (cp & 0x3F)); }
-    else if (cp < 0x10000) {
-      out += char(0xE0 | (cp >> 12)); out += char(0x80 | ((cp >> 6) & 0x3F)); out += char(0x80 | (cp & 0x3F));
+    if (cp < 0x80) {
+      out += char(cp);
+    } else if (cp < 0x800) {
+      out += char(0xC0 | (cp >> 6));
+      out += char(0x80 | (cp & 0x3F));
+    } else if (cp < 0x10000) {
+      out += char(0xE0 | (cp >> 12));
+      out += char(0x80 | ((cp >> 6) & 0x3F));
+      out += char(0x80 | (cp & 0x3F));
     } else {
-      out += char(0xF0 | (cp >> 18)); out += char(0x80 | ((cp >> 12) & 0x3F));
-      out += char(0x80 | ((cp >> 6) & 0x3F)); out += char(0x80 | (cp & 0x3F));
+      out += char(0xF0 | (cp >> 18));
+      out += char(0x80 | ((cp >> 12) & 0x3F));
+      out += char(0x80 | ((cp >> 6) & 0x3F));
+      out += char(0x80 | (cp & 0x3F));
     }
   }
   uint32_t hex4() {
@@ -85,7 +92,10 @@ class Parser {
       if (i_ >= s_.size()) error("unterminated string");
       char c = s_[i_++];
       if (c == '"') return out;
-      if (c != '\\') { out += c; continue; }
+      if (c != '\\') {
+        out += c;
+        continue;
+      }
       if (i_ >= s_.size()) error("unterminated escape");
       char e = s_[i_++];
       switch (e) {
@@ -116,12 +126,18 @@ class Parser {
     if (c == '{') {
       v.kind = Value::Object;
       ++i_;
-      if (peek() == '}') { ++i_; return v; }
+      if (peek() == '}') {
+        ++i_;
+        return v;
+      }
       while (true) {
         std::string key = string();
         expect(':');
         v.members.emplace_back(std::move(key), value());
-        if (peek() == ',') { ++i_; continue; }
+        if (peek() == ',') {
+          ++i_;
+          continue;
+        }
         expect('}');
         return v;
       }
@@ -129,10 +145,16 @@ class Parser {
     if (c == '[') {
       v.kind = Value::Array;
       ++i_;
-      if (peek() == ']') { ++i_; return v; }
+      if (peek() == ']') {
+        ++i_;
+        return v;
+      }
       while (true) {
         v.items.push_back(value());
-        if (peek() == ',') { ++i_; continue; }
+        if (peek() == ',') {
+          ++i_;
+          continue;
+        }
         expect(']');
         return v;
       }

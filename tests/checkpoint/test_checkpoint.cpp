@@ -23,8 +23,8 @@ using fsdp::models::GPT;
 
 namespace {
 
-constexpr int kSaveStep = 5;   // the checkpoint holds the state after this many steps
-constexpr int kSteps = 10;     // an uninterrupted run's length
+constexpr int kSaveStep = 5;    // the checkpoint holds the state after this many steps
+constexpr int kSteps = 10;      // an uninterrupted run's length
 constexpr int64_t kBatch = 12;  // divisible by 1, 2, 3 and 4
 constexpr double kTolerance = 1e-6;
 
@@ -76,7 +76,8 @@ double train_step(GPT& model, torch::optim::AdamW& opt, const fsdp::models::GPTC
   const int64_t local = kBatch / world->size();
   opt.zero_grad();
   auto data = global_batch(c, kBatch, step, 0).narrow(0, world->rank() * local, local);
-  auto loss = fsdp::models::gpt_loss(fsdp::call(model, data.narrow(1, 0, c.block_size)), data.narrow(1, 1, c.block_size));
+  auto loss =
+      fsdp::models::gpt_loss(fsdp::call(model, data.narrow(1, 0, c.block_size)), data.narrow(1, 1, c.block_size));
   loss.backward();
   opt.step();
   auto global = at::tensor({loss.item<double>()}, at::kDouble);
@@ -118,7 +119,8 @@ void expect_same_state(Trainer& a, Trainer& b) {
   for (const auto& p : pa) {
     const at::Tensor& q = pb[p.key()];
     EXPECT_TRUE(at::equal(p.value(), q)) << p.key();
-    auto& sa = static_cast<torch::optim::AdamWParamState&>(*a.opt->state().at(fsdp::compat::optimizer_state_key(p.value())));
+    auto& sa =
+        static_cast<torch::optim::AdamWParamState&>(*a.opt->state().at(fsdp::compat::optimizer_state_key(p.value())));
     auto& sb = static_cast<torch::optim::AdamWParamState&>(*b.opt->state().at(fsdp::compat::optimizer_state_key(q)));
     EXPECT_TRUE(at::equal(sa.exp_avg(), sb.exp_avg())) << p.key();
     EXPECT_TRUE(at::equal(sa.exp_avg_sq(), sb.exp_avg_sq())) << p.key();
@@ -204,7 +206,10 @@ at::Tensor big_values() { return at::arange(kBigRows * kBigCols, at::kFloat).res
 
 FSDP_RANK_WORKER(big_save) {
   Big big;
-  { at::NoGradGuard g; big->w.copy_(big_values()); }
+  {
+    at::NoGradGuard g;
+    big->w.copy_(big_values());
+  }
   fsdp::fully_shard(big);
   ckpt::save(env("CKPT_DIR"), ckpt::State{big.ptr()});
 }
@@ -354,7 +359,9 @@ std::string read_text(const fs::path& p) {
   std::ifstream in(p, std::ios::binary);
   return std::string(std::istreambuf_iterator<char>(in), {});
 }
-void write_text(const fs::path& p, const std::string& text) { std::ofstream(p, std::ios::binary | std::ios::trunc) << text; }
+void write_text(const fs::path& p, const std::string& text) {
+  std::ofstream(p, std::ios::binary | std::ios::trunc) << text;
+}
 
 }  // namespace
 
@@ -366,7 +373,8 @@ class CheckpointErrors : public CheckpointTest {
     auto t = local_trainer();
     const auto c = uneven_config();
     auto data = global_batch(c, kBatch, 0, 0);
-    fsdp::models::gpt_loss(t.model->forward(data.narrow(1, 0, c.block_size)), data.narrow(1, 1, c.block_size)).backward();
+    fsdp::models::gpt_loss(t.model->forward(data.narrow(1, 0, c.block_size)), data.narrow(1, 1, c.block_size))
+        .backward();
     t.opt->step();
     t.progress.ints["step"] = 1;
     ckpt::save(good_.string(), t.state());
@@ -377,8 +385,10 @@ class CheckpointErrors : public CheckpointTest {
 TEST_F(CheckpointErrors, DirectoryWithoutCommittedCheckpoint) {
   fs::create_directories(root_ / "empty");
   auto t = local_trainer();
-  EXPECT_NE(error_of([&] { ckpt::load((root_ / "empty").string(), t.state()); }).find("no committed checkpoint"), std::string::npos);
-  EXPECT_NE(error_of([&] { ckpt::load((root_ / "absent").string(), t.state()); }).find("does not exist"), std::string::npos);
+  EXPECT_NE(error_of([&] { ckpt::load((root_ / "empty").string(), t.state()); }).find("no committed checkpoint"),
+            std::string::npos);
+  EXPECT_NE(error_of([&] { ckpt::load((root_ / "absent").string(), t.state()); }).find("does not exist"),
+            std::string::npos);
   EXPECT_FALSE(ckpt::is_committed((root_ / "empty").string()));
   EXPECT_EQ(ckpt::latest_checkpoint(root_.string()), good_.string());
 }

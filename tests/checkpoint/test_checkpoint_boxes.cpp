@@ -43,7 +43,8 @@ struct Box {
 
 // LAYOUT at `world` ranks: "rows" (dim 0 over all ranks), "cols" (dim 1 over all ranks), "grid"
 // (2 x (world/2): dim 0 over 2, dim 1 over world/2), "replicated_cols" (dim 1 over world/2, each
-// box held by 2 ranks, the first writes), "last_dim" (the last dim over all ranks), "whole" (every rank holds everything, rank 0 writes).
+// box held by 2 ranks, the first writes), "last_dim" (the last dim over all ranks), "whole" (every rank holds
+// everything, rank 0 writes).
 Box box_for(const std::string& layout, int rank, int world, const std::vector<int64_t>& shape) {
   Box b{std::vector<int64_t>(shape.size(), 0), shape};
   if (shape.empty()) {  // a 0-d tensor: whole everywhere
@@ -408,13 +409,16 @@ TEST_F(CheckpointBoxes, GatherStepsRebuildTensorsSplitAlongTwoDims) {
 TEST_F(CheckpointBoxes, BytesReadStayBounded) {
   const std::string grid = tmp_ / "big_grid", cols = tmp_ / "big_cols";
   EXPECT_RANKS_PASS(4, "big_boxes_save", with({{"SAVE_LAYOUT", "grid"}, {"CKPT_DIR", grid}}));
-  auto load = [&](int world, const std::string& layout, const std::string& dir, const std::string& saved, int saved_world) {
+  auto load = [&](int world, const std::string& layout, const std::string& dir, const std::string& saved,
+                  int saved_world) {
     EXPECT_RANKS_PASS(world, "big_boxes_load",
-                      with({{"LOAD_LAYOUT", layout}, {"CKPT_DIR", dir}, {"SAVE_LAYOUT", saved},
+                      with({{"LOAD_LAYOUT", layout},
+                            {"CKPT_DIR", dir},
+                            {"SAVE_LAYOUT", saved},
                             {"SAVE_WORLD", std::to_string(saved_world)}}));
   };
-  load(3, "rows", grid, "grid", 4);   // whole rows of each chunk: bytes + at most a block per end
-  load(2, "cols", grid, "grid", 4);   // chunks inside the box: read exactly
+  load(3, "rows", grid, "grid", 4);  // whole rows of each chunk: bytes + at most a block per end
+  load(2, "cols", grid, "grid", 4);  // chunks inside the box: read exactly
   EXPECT_RANKS_PASS(2, "big_boxes_save", with({{"SAVE_LAYOUT", "cols"}, {"CKPT_DIR", cols}}));
   load(3, "rows", cols, "cols", 2);
   load(1, "whole", cols, "cols", 2);  // everything, exactly once
@@ -450,7 +454,9 @@ std::string read_text(const fs::path& p) {
   std::ifstream in(p, std::ios::binary);
   return std::string(std::istreambuf_iterator<char>(in), {});
 }
-void write_text(const fs::path& p, const std::string& text) { std::ofstream(p, std::ios::binary | std::ios::trunc) << text; }
+void write_text(const fs::path& p, const std::string& text) {
+  std::ofstream(p, std::ios::binary | std::ios::trunc) << text;
+}
 }  // namespace
 
 TEST_F(CheckpointBoxes, BoxesThatDoNotTileAreRefused) {
@@ -458,12 +464,15 @@ TEST_F(CheckpointBoxes, BoxesThatDoNotTileAreRefused) {
   ckpt::State half;  // the left half of 'a' only: nobody holds the rest
   half.tensors["a"] = ckpt::ShardedTensor{a.narrow(1, 0, 5).contiguous(), {12, 10}, {0, 0}};
   const std::string dir = tmp_ / "half";
-  EXPECT_ERROR_CONTAINS(ckpt::save(dir, half), "the chunks of 'a' (shape [12, 10]) do not tile it exactly: the chunks cover 60 of its 120 elements");
+  EXPECT_ERROR_CONTAINS(
+      ckpt::save(dir, half),
+      "the chunks of 'a' (shape [12, 10]) do not tile it exactly: the chunks cover 60 of its 120 elements");
   EXPECT_FALSE(ckpt::is_committed(dir));
 
   ckpt::State outside;
   outside.tensors["a"] = ckpt::ShardedTensor{a.narrow(0, 0, 4).contiguous(), {12, 10}, {10, 0}};
-  EXPECT_ERROR_CONTAINS(ckpt::save(dir, outside), "State::tensors['a'] is a box at [10, 0] of size [4, 10] that does not fit");
+  EXPECT_ERROR_CONTAINS(ckpt::save(dir, outside),
+                        "State::tensors['a'] is a box at [10, 0] of size [4, 10] that does not fit");
   ckpt::State flat;
   flat.tensors["a"] = ckpt::ShardedTensor{a, {120}, {0}};
   EXPECT_ERROR_CONTAINS(ckpt::save(dir, flat), "give one offset and one global size per dimension");
@@ -490,18 +499,22 @@ TEST_F(CheckpointBoxes, DamagedChunksGiveClearErrors) {
     EXPECT_ERROR_CONTAINS(ckpt::load(dir, state), needle);
   };
   auto chunks = [](nlohmann::json& j) -> nlohmann::json& { return j.at("tensors").at("a").at("chunks"); };
-  load_error([&](auto& j) { chunks(j).push_back(chunks(j)[0]); },
-             "the chunks of 'a' (shape [12, 10]) do not tile it exactly: the chunk at [0, 0] of size [12, 10] overlaps");
+  load_error(
+      [&](auto& j) { chunks(j).push_back(chunks(j)[0]); },
+      "the chunks of 'a' (shape [12, 10]) do not tile it exactly: the chunk at [0, 0] of size [12, 10] overlaps");
   load_error([&](auto& j) { chunks(j)[0]["offsets"] = {1, 0}; }, "of size [12, 10] lies outside the tensor");
   load_error([&](auto& j) { chunks(j)[0]["sizes"] = {12, 9}; }, "the chunks cover 108 of its 120 elements");
-  load_error([&](auto& j) { chunks(j)[0]["sizes"] = {120}; }, "has offsets of 2 and sizes of 1 dimensions, the tensor 2");
+  load_error([&](auto& j) { chunks(j)[0]["sizes"] = {120}; },
+             "has offsets of 2 and sizes of 1 dimensions, the tensor 2");
   load_error([&](auto& j) { j["version"] = 3; }, "reads versions 1 to 2; load it with a newer build");
   // Chunk sizes that tile but disagree with the data file's tensor.
-  load_error([&](auto& j) {
-    chunks(j)[0]["sizes"] = {6, 10};
-    chunks(j).push_back(chunks(j)[0]);
-    chunks(j)[1]["offsets"] = {6, 0};
-  }, "bytes but the index describes");
+  load_error(
+      [&](auto& j) {
+        chunks(j)[0]["sizes"] = {6, 10};
+        chunks(j).push_back(chunks(j)[0]);
+        chunks(j)[1]["offsets"] = {6, 0};
+      },
+      "bytes but the index describes");
 
   // A flipped byte in the data file: the box read verifies its blocks.
   write_text(index_path, good);
@@ -532,7 +545,8 @@ TEST_F(CheckpointBoxes, LargeChunkReadsInWindows) {
     ckpt::State part;
     part.tensors["big"] = ckpt::ShardedTensor{at::zeros(sizes, at::kFloat), {4500, 1000}, offsets};
     const auto stats = ckpt::load(dir, part);
-    EXPECT_TRUE(at::equal(part.tensors["big"].local, big.narrow(0, offsets[0], sizes[0]).narrow(1, offsets[1], sizes[1])))
+    EXPECT_TRUE(
+        at::equal(part.tensors["big"].local, big.narrow(0, offsets[0], sizes[0]).narrow(1, offsets[1], sizes[1])))
         << detail_text(offsets);
     const uint64_t local = static_cast<uint64_t>(sizes[0] * sizes[1]) * 4;
     EXPECT_LE(stats.bytes_read, sizes[1] == 1000 ? local + 2 * (1u << 20) : total) << detail_text(offsets);

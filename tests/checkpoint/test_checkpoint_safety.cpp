@@ -100,7 +100,8 @@ std::string error_of(const std::function<void()>& fn) {
 
 // The three damages of the issue: nonsense, an empty object, a truncated index.
 std::vector<std::pair<std::string, std::string>> damages(const std::string& index_text) {
-  return {{"nonsense", "this is not json \x01\x02"}, {"empty object", "{}"},
+  return {{"nonsense", "this is not json \x01\x02"},
+          {"empty object", "{}"},
           {"truncated", index_text.substr(0, index_text.size() / 2)}};
 }
 
@@ -120,7 +121,8 @@ FSDP_RANK_WORKER(save_then_fail) {
   const std::string dir = env("CKPT_DIR");
   save_step(dir, 1, /*shard=*/true);
   ckpt::SaveOptions options;
-  if (fsdp::dist::rank() == std::atoi(env("FAIL_RANK").c_str())) options.fail_after_files = std::atoi(env("FAIL_AFTER").c_str());
+  if (fsdp::dist::rank() == std::atoi(env("FAIL_RANK").c_str()))
+    options.fail_after_files = std::atoi(env("FAIL_AFTER").c_str());
   expect_error([&] { save_step(dir, 2, /*shard=*/true, options); }, "nothing was committed");
 }
 
@@ -201,7 +203,8 @@ TEST(CheckpointSaveSafety, CommitDeletesOnlyTheReplacedFilesAndUncommittedLeftov
   // Leftovers of a save that never committed here, and files that are not the library's.
   const std::vector<std::string> leftovers = {"data-00000000deadbeef-rank00000.safetensors",
                                               "data-00000000deadbeef-rank00001.safetensors.tmp", "index.json.tmp"};
-  const std::vector<std::string> foreign = {"notes.txt", "data-notes.txt", "data-00000000deadbeef-rank00000.safetensors.bak"};
+  const std::vector<std::string> foreign = {"notes.txt", "data-notes.txt",
+                                            "data-00000000deadbeef-rank00000.safetensors.bak"};
   for (const auto& n : leftovers) write_bytes(fs::path(dir) / n, "leftover");
   for (const auto& n : foreign) write_bytes(fs::path(dir) / n, "mine");
   save_step(dir, 2, false);
@@ -222,7 +225,8 @@ TEST(CheckpointSaveSafety, FailedSaveRemovesItsFilesOnEveryRank) {
   TempDir root("ckpt_failed");
   // {rank that fails, fail_after_files}: rank 1's data file fails half way (rank 0's data file is
   // complete and must go); rank 0's index.json.tmp fails half way (both data files must go).
-  for (const auto& [rank, after] : std::vector<std::pair<std::string, std::string>>{{"1", "0"}, {"0", "0"}, {"0", "1"}}) {
+  for (const auto& [rank, after] :
+       std::vector<std::pair<std::string, std::string>>{{"1", "0"}, {"0", "0"}, {"0", "1"}}) {
     SCOPED_TRACE("rank " + rank + " fails after " + after + " files");
     const std::string dir = root / ("r" + rank + "_a" + after);
     RanksOptions o;

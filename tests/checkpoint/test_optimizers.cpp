@@ -103,7 +103,8 @@ std::unique_ptr<torch::optim::Optimizer> make_opt(const std::string& name, torch
     return std::make_pair(std::move(g), options);
   };
   if (name == "adamw") {
-    auto [g, d] = groups(o::AdamWOptions(lr).weight_decay(variant ? 0.0 : 0.1).eps(1e-3).betas({0.9, variant ? 0.5 : 0.99}));
+    auto [g, d] =
+        groups(o::AdamWOptions(lr).weight_decay(variant ? 0.0 : 0.1).eps(1e-3).betas({0.9, variant ? 0.5 : 0.99}));
     return std::make_unique<o::AdamW>(std::move(g), d);
   }
   if (name == "adam") {
@@ -111,15 +112,18 @@ std::unique_ptr<torch::optim::Optimizer> make_opt(const std::string& name, torch
     return std::make_unique<o::Adam>(std::move(g), d);
   }
   if (name == "sgd") {
-    auto [g, d] = groups(o::SGDOptions(lr * 10).momentum(variant ? 0.1 : 0.9).nesterov(variant == 0).weight_decay(0.01));
+    auto [g, d] =
+        groups(o::SGDOptions(lr * 10).momentum(variant ? 0.1 : 0.9).nesterov(variant == 0).weight_decay(0.01));
     return std::make_unique<o::SGD>(std::move(g), d);
   }
   if (name == "adagrad") {
-    auto [g, d] = groups(o::AdagradOptions(lr * 10).eps(1e-3).lr_decay(variant ? 0.0 : 0.01).initial_accumulator_value(0.1));
+    auto [g, d] =
+        groups(o::AdagradOptions(lr * 10).eps(1e-3).lr_decay(variant ? 0.0 : 0.01).initial_accumulator_value(0.1));
     return std::make_unique<o::Adagrad>(std::move(g), d);
   }
   if (name == "rmsprop") {
-    auto [g, d] = groups(o::RMSpropOptions(lr).eps(1e-3).momentum(variant ? 0.0 : 0.5).centered(variant == 0).alpha(0.95));
+    auto [g, d] =
+        groups(o::RMSpropOptions(lr).eps(1e-3).momentum(variant ? 0.0 : 0.5).centered(variant == 0).alpha(0.95));
     return std::make_unique<o::RMSprop>(std::move(g), d);
   }
   if (name == "heavyball") {
@@ -158,7 +162,8 @@ void train_step(GPT& model, torch::optim::Optimizer& opt, int step) {
   const int64_t local = kBatch / world;
   opt.zero_grad();
   auto data = global_batch(c, kBatch, step, 0).narrow(0, rank * local, local);
-  fsdp::models::gpt_loss(fsdp::call(model, data.narrow(1, 0, c.block_size)), data.narrow(1, 1, c.block_size)).backward();
+  fsdp::models::gpt_loss(fsdp::call(model, data.narrow(1, 0, c.block_size)), data.narrow(1, 1, c.block_size))
+      .backward();
   opt.step();
 }
 
@@ -231,7 +236,8 @@ FSDP_RANK_WORKER(optimizer_load_continue) {
   TORCH_CHECK(hyperparameters(*opt) != hyperparameters(*want_hypers), "the variant must differ");
   ckpt::load(env("CKPT_DIR"), ckpt::State{model.ptr(), opt.get()});
   TORCH_CHECK(hyperparameters(*opt) == hyperparameters(*want_hypers), name, ": hyperparameters not restored");
-  TORCH_CHECK(opt->param_groups()[0].options().get_lr() == kChangedLr, "lr ", opt->param_groups()[0].options().get_lr());
+  TORCH_CHECK(opt->param_groups()[0].options().get_lr() == kChangedLr, "lr ",
+              opt->param_groups()[0].options().get_lr());
   check_params_match(model, reference(name, kSaveStep), kTolerance);
   for (int s = kSaveStep; s < kSteps; ++s) train_step(model, *opt, s);
   const double worst = check_params_match(model, reference(name, kSteps), kTolerance);
@@ -259,7 +265,9 @@ FSDP_RANK_WORKER(optimizer_state_dict_hyperparameters) {
   TORCH_CHECK(full.count("param_groups.1.centered") && full.at("param_groups.1.centered").item<double>() == 1.0);
   int square_avg = 0, grad_avg = 0, momentum = 0;
   for (const auto& [k, t] : full) {
-    auto ends = [&](const std::string& f) { return k.size() > f.size() && k.compare(k.size() - f.size(), f.size(), f) == 0; };
+    auto ends = [&](const std::string& f) {
+      return k.size() > f.size() && k.compare(k.size() - f.size(), f.size(), f) == 0;
+    };
     square_avg += ends(".square_avg");
     grad_avg += ends(".grad_avg");
     momentum += ends(".momentum_buffer");

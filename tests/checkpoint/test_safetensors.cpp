@@ -77,9 +77,9 @@ std::vector<st::NamedTensor> sample_tensors() {
       {"bf16", ramp(at::kBFloat16, {7})},
       {"f32", ramp(at::kFloat, {2, 5})},
       {"f64", ramp(at::kDouble, {1, 1, 3})},
-      {"scalar", torch::tensor(3.5, torch::kFloat)},             // 0-d
-      {"empty", torch::empty({0}, torch::kFloat)},               // numel 0
-      {"empty2d", torch::empty({4, 0}, torch::kBFloat16)},       // numel 0, non-trivial shape
+      {"scalar", torch::tensor(3.5, torch::kFloat)},                      // 0-d
+      {"empty", torch::empty({0}, torch::kFloat)},                        // numel 0
+      {"empty2d", torch::empty({4, 0}, torch::kBFloat16)},                // numel 0, non-trivial shape
       {"noncontig", torch::arange(12, torch::kInt).reshape({3, 4}).t()},  // written contiguous
   };
 }
@@ -270,8 +270,8 @@ TEST(SafetensorsHeader, AcceptsValidEdgeCases) {
   EXPECT_EQ(h.find("t")->dtype, at::kChar);
   EXPECT_EQ(h.find("s")->numel(), 1);
   // A zero dim makes the tensor empty even when the other dims are huge.
-  EXPECT_NO_THROW(parse(image(
-      R"({"x":{"dtype":"F64","shape":[4611686018427387904,4611686018427387904,0],"data_offsets":[0,0]}})", 0)));
+  EXPECT_NO_THROW(parse(
+      image(R"({"x":{"dtype":"F64","shape":[4611686018427387904,4611686018427387904,0],"data_offsets":[0,0]}})", 0)));
 }
 
 TEST(SafetensorsHeader, RejectsMalformed) {
@@ -302,18 +302,29 @@ TEST(SafetensorsHeader, RejectsMalformed) {
       {"missing offsets", image(one(R"("dtype":"F32","shape":[1])"), 4), "missing field 'data_offsets'"},
       {"dtype not string", image(one(R"("dtype":1,"shape":[1],"data_offsets":[0,4])"), 4), "dtype must be a string"},
       {"shape not array", image(one(R"("dtype":"F32","shape":1,"data_offsets":[0,4])"), 4), "shape must be an array"},
-      {"offsets not pair", image(one(R"("dtype":"F32","shape":[1],"data_offsets":[0])"), 4), "data_offsets must be an array of two"},
-      {"offsets not array", image(one(R"("dtype":"F32","shape":[1],"data_offsets":4)"), 4), "data_offsets must be an array of two"},
-      {"shape float", image(one(R"("dtype":"F32","shape":[1.5],"data_offsets":[0,4])"), 4), "shape must hold non-negative integers"},
-      {"shape string", image(one(R"("dtype":"F32","shape":["1"],"data_offsets":[0,4])"), 4), "shape must hold non-negative integers"},
-      {"offset float", image(one(R"("dtype":"F32","shape":[1],"data_offsets":[0,4.0])"), 4), "data_offsets must hold non-negative integers"},
-      {"offset negative", image(one(R"("dtype":"F32","shape":[1],"data_offsets":[-4,0])"), 4), "data_offsets holds negative value -4"},
+      {"offsets not pair", image(one(R"("dtype":"F32","shape":[1],"data_offsets":[0])"), 4),
+       "data_offsets must be an array of two"},
+      {"offsets not array", image(one(R"("dtype":"F32","shape":[1],"data_offsets":4)"), 4),
+       "data_offsets must be an array of two"},
+      {"shape float", image(one(R"("dtype":"F32","shape":[1.5],"data_offsets":[0,4])"), 4),
+       "shape must hold non-negative integers"},
+      {"shape string", image(one(R"("dtype":"F32","shape":["1"],"data_offsets":[0,4])"), 4),
+       "shape must hold non-negative integers"},
+      {"offset float", image(one(R"("dtype":"F32","shape":[1],"data_offsets":[0,4.0])"), 4),
+       "data_offsets must hold non-negative integers"},
+      {"offset negative", image(one(R"("dtype":"F32","shape":[1],"data_offsets":[-4,0])"), 4),
+       "data_offsets holds negative value -4"},
       {"unknown dtype", image(one(R"("dtype":"C64","shape":[1],"data_offsets":[0,8])"), 8), "unsupported dtype 'C64'"},
-      {"negative shape", image(one(R"("dtype":"F32","shape":[-1],"data_offsets":[0,4])"), 4), "shape holds negative value -1"},
-      {"numel overflow", image(one(R"("dtype":"U8","shape":[4294967296,4294967296],"data_offsets":[0,1])"), 1), "overflows the element count"},
-      {"numel over int64", image(one(R"("dtype":"U8","shape":[9223372036854775807,2],"data_offsets":[0,1])"), 1), "overflows the element count"},
-      {"bytes overflow", image(one(R"("dtype":"F64","shape":[4611686018427387904],"data_offsets":[0,1])"), 1), "overflows the byte size"},
-      {"dim over int64", image(one(R"("dtype":"U8","shape":[9223372036854775808],"data_offsets":[0,1])"), 1), "too large"},
+      {"negative shape", image(one(R"("dtype":"F32","shape":[-1],"data_offsets":[0,4])"), 4),
+       "shape holds negative value -1"},
+      {"numel overflow", image(one(R"("dtype":"U8","shape":[4294967296,4294967296],"data_offsets":[0,1])"), 1),
+       "overflows the element count"},
+      {"numel over int64", image(one(R"("dtype":"U8","shape":[9223372036854775807,2],"data_offsets":[0,1])"), 1),
+       "overflows the element count"},
+      {"bytes overflow", image(one(R"("dtype":"F64","shape":[4611686018427387904],"data_offsets":[0,1])"), 1),
+       "overflows the byte size"},
+      {"dim over int64", image(one(R"("dtype":"U8","shape":[9223372036854775808],"data_offsets":[0,1])"), 1),
+       "too large"},
       {"end before begin", image(one(R"("dtype":"F32","shape":[0],"data_offsets":[8,4])"), 8), "end before begin"},
       {"size mismatch", image(one(R"("dtype":"F32","shape":[2,2],"data_offsets":[0,12])"), 12),
        "tensor 'w': data_offsets [0, 12) hold 12 bytes but F32 shape [2, 2] needs 16"},
@@ -321,18 +332,27 @@ TEST(SafetensorsHeader, RejectsMalformed) {
       {"trailing bytes", image(one(ok_entry), 20), "trailing bytes"},
       {"hole at start", image(one(R"("dtype":"F32","shape":[1],"data_offsets":[4,8])"), 8), "leaving a hole"},
       {"hole between",
-       image(R"({"a":{"dtype":"F32","shape":[1],"data_offsets":[0,4]},"b":{"dtype":"F32","shape":[1],"data_offsets":[8,12]}})", 12),
+       image(
+           R"({"a":{"dtype":"F32","shape":[1],"data_offsets":[0,4]},"b":{"dtype":"F32","shape":[1],"data_offsets":[8,12]}})",
+           12),
        "tensor 'b': data_offsets begin at 8 leaving a hole"},
       {"overlap",
-       image(R"({"a":{"dtype":"F32","shape":[2],"data_offsets":[0,8]},"b":{"dtype":"F32","shape":[1],"data_offsets":[4,8]}})", 8),
+       image(
+           R"({"a":{"dtype":"F32","shape":[2],"data_offsets":[0,8]},"b":{"dtype":"F32","shape":[1],"data_offsets":[4,8]}})",
+           8),
        "overlap"},
       {"aliasing",
-       image(R"({"a":{"dtype":"F32","shape":[1],"data_offsets":[0,4]},"b":{"dtype":"F32","shape":[1],"data_offsets":[0,4]}})", 4),
+       image(
+           R"({"a":{"dtype":"F32","shape":[1],"data_offsets":[0,4]},"b":{"dtype":"F32","shape":[1],"data_offsets":[0,4]}})",
+           4),
        "overlap"},
       {"duplicate tensor",
-       image(R"({"w":{"dtype":"F32","shape":[1],"data_offsets":[0,4]},"w":{"dtype":"F32","shape":[1],"data_offsets":[4,8]}})", 8),
+       image(
+           R"({"w":{"dtype":"F32","shape":[1],"data_offsets":[0,4]},"w":{"dtype":"F32","shape":[1],"data_offsets":[4,8]}})",
+           8),
        "duplicate key 'w'"},
-      {"duplicate field", image(one(R"("dtype":"F32","dtype":"F64","shape":[1],"data_offsets":[0,4])"), 4), "duplicate key 'dtype'"},
+      {"duplicate field", image(one(R"("dtype":"F32","dtype":"F64","shape":[1],"data_offsets":[0,4])"), 4),
+       "duplicate key 'dtype'"},
       {"duplicate metadata", image(R"({"__metadata__":{"k":"a","k":"b"}})", 0), "duplicate key 'k'"},
       {"metadata value", image(R"({"__metadata__":{"k":1}})", 0), "__metadata__ value for 'k' must be a string"},
       {"metadata not object", image(R"({"__metadata__":["k"]})", 0), "__metadata__ must be an object"},
@@ -417,7 +437,7 @@ TEST(Safetensors, DtypeNames) {
 
 TEST(Safetensors, Crc32) {
   const char* s = "123456789";
-  EXPECT_EQ(st::crc32(s, 9), 0xCBF43926u);  // the standard check value
+  EXPECT_EQ(st::crc32(s, 9), 0xCBF43926u);                       // the standard check value
   EXPECT_EQ(st::crc32(s + 4, 5, st::crc32(s, 4)), 0xCBF43926u);  // chaining
   EXPECT_EQ(st::crc32(nullptr, 0), 0u);
 }
@@ -463,5 +483,5 @@ TEST(SafetensorsStreamWriter, AppendsInOrderAndChecksEachTensor) {
   fsdp::safetensors::StreamWriter w(path, {{"a", at::kFloat, {2, 3}}, {"b", at::kLong, {4}}});
   EXPECT_THROW(w.append(b), fsdp::safetensors::SafetensorsError);  // declared F32 [2, 3]
   w.append(a);
-  EXPECT_THROW(w.finish(), fsdp::safetensors::SafetensorsError);   // 'b' never appended
+  EXPECT_THROW(w.finish(), fsdp::safetensors::SafetensorsError);  // 'b' never appended
 }

@@ -107,7 +107,8 @@ FSDP_RANK_WORKER(optimizer_state_round_trip) {
   for (int s = 0; s < 2; ++s) {
     opt.zero_grad();
     auto data = global_batch(c, 6, s, 0).narrow(0, rank * (6 / world), 6 / world);
-    fsdp::models::gpt_loss(fsdp::call(model, data.narrow(1, 0, c.block_size)), data.narrow(1, 1, c.block_size)).backward();
+    fsdp::models::gpt_loss(fsdp::call(model, data.narrow(1, 0, c.block_size)), data.narrow(1, 1, c.block_size))
+        .backward();
     opt.step();
   }
   auto full = ckpt::get_optimizer_state_dict(*model, opt, {.full_state_dict = true});

@@ -52,7 +52,8 @@ void train_step(GPT& model, torch::optim::Optimizer& opt, int step) {
   const int world = fsdp::dist::world_size(), rank = fsdp::dist::rank();
   opt.zero_grad();
   auto data = global_batch(c, kBatch, step, 0).narrow(0, rank * (kBatch / world), kBatch / world);
-  fsdp::models::gpt_loss(fsdp::call(model, data.narrow(1, 0, c.block_size)), data.narrow(1, 1, c.block_size)).backward();
+  fsdp::models::gpt_loss(fsdp::call(model, data.narrow(1, 0, c.block_size)), data.narrow(1, 1, c.block_size))
+      .backward();
   opt.step();
 }
 
@@ -110,7 +111,8 @@ FSDP_RANK_WORKER(frozen_params) {
   for (const auto& p : model->named_parameters()) {
     const bool frozen = is_frozen_name(p.key());
     const bool has_state = opt.state().count(fsdp::compat::optimizer_state_key(p.value())) > 0;
-    TORCH_CHECK(has_state != frozen, p.key(), frozen ? " is frozen but has optimizer state" : " has no optimizer state");
+    TORCH_CHECK(has_state != frozen, p.key(),
+                frozen ? " is frozen but has optimizer state" : " has no optimizer state");
     if (frozen) {
       TORCH_CHECK(!p.value().grad().defined(), p.key(), " is frozen but has a gradient");
       TORCH_CHECK(at::equal(p.value(), initial.at(p.key())), p.key(), " is frozen but changed");
@@ -123,9 +125,11 @@ FSDP_RANK_WORKER(frozen_params) {
   const std::string dir = env("CKPT_DIR");
   ckpt::save(dir, ckpt::State{model.ptr(), &opt});
   const auto saved = ckpt::describe(dir);
-  TORCH_CHECK(saved.count("model.h.0.attn.c_attn.weight") && saved.count("model.wpe.weight"), "frozen weights not saved");
+  TORCH_CHECK(saved.count("model.h.0.attn.c_attn.weight") && saved.count("model.wpe.weight"),
+              "frozen weights not saved");
   for (const auto& [key, meta] : saved)
-    TORCH_CHECK(key.rfind("optim.h.0.", 0) != 0 && key.rfind("optim.wpe.", 0) != 0, key, ": optimizer state of a frozen parameter");
+    TORCH_CHECK(key.rfind("optim.h.0.", 0) != 0 && key.rfind("optim.wpe.", 0) != 0, key,
+                ": optimizer state of a frozen parameter");
   auto loaded = sharded(5, [](GPT& m) { freeze(*m->blocks[0]); });
   freeze(*loaded->wpe);
   auto loaded_opt = make_opt(loaded);
@@ -162,12 +166,14 @@ FSDP_RANK_WORKER(submodule_state_dicts) {
   TORCH_CHECK(!h0.empty());
   for (const auto& [k, t] : h0) TORCH_CHECK(k.rfind("h.0.", 0) == 0, k, " is not in h.0");
   TORCH_CHECK(h0.size() == model->blocks[0]->parameters().size() + model->blocks[0]->buffers().size());
-  auto relative = ckpt::get_model_state_dict(*model, {.full_state_dict = true, .submodules = {"h.0"}, .keep_submodule_prefixes = false});
+  auto relative = ckpt::get_model_state_dict(
+      *model, {.full_state_dict = true, .submodules = {"h.0"}, .keep_submodule_prefixes = false});
   TORCH_CHECK(relative.size() == h0.size() && relative.count("attn.c_attn.weight"), "relative keys");
   for (const auto& [k, t] : relative) TORCH_CHECK(at::equal(t, h0.at("h.0." + k)), k);
   // Relative keys of h.0 set into h.1: block 1 becomes a copy of block 0, nothing else changes.
   const auto before = ckpt::get_model_state_dict(*model, {.full_state_dict = true});
-  ckpt::set_model_state_dict(*model, relative, {.full_state_dict = true, .submodules = {"h.1"}, .keep_submodule_prefixes = false});
+  ckpt::set_model_state_dict(*model, relative,
+                             {.full_state_dict = true, .submodules = {"h.1"}, .keep_submodule_prefixes = false});
   const auto after = ckpt::get_model_state_dict(*model, {.full_state_dict = true});
   for (const auto& [k, t] : after) {
     const std::string source = k.rfind("h.1.", 0) == 0 ? "h.0." + k.substr(4) : k;
@@ -176,9 +182,13 @@ FSDP_RANK_WORKER(submodule_state_dicts) {
   // Two submodules, prefixes kept; sharded (local) dicts too.
   auto both = ckpt::get_model_state_dict(*model, {.submodules = {"h.0", "ln_f"}});
   TORCH_CHECK(both.size() == h0.size() + 2 && both.count("ln_f.weight"), both.size());
-  expect_error([&] { ckpt::get_model_state_dict(*model, {.submodules = {"h.7"}}); }, "'h.7' is not a submodule of the model");
-  expect_error([&] { ckpt::get_model_state_dict(*model, {.submodules = {"h.0", "h.1"}, .keep_submodule_prefixes = false}); },
-               "both become");
+  expect_error([&] { ckpt::get_model_state_dict(*model, {.submodules = {"h.7"}}); },
+               "'h.7' is not a submodule of the model");
+  expect_error(
+      [&] {
+        ckpt::get_model_state_dict(*model, {.submodules = {"h.0", "h.1"}, .keep_submodule_prefixes = false});
+      },
+      "both become");
 }
 
 // get_state_dict / set_state_dict: model and optimizer together, full dicts on every rank.
@@ -187,7 +197,8 @@ FSDP_RANK_WORKER(model_and_optimizer_together) {
   auto opt = make_opt(model);
   for (int s = 0; s < 2; ++s) train_step(model, opt, s);
   auto [model_sd, optim_sd] = ckpt::get_state_dict(*model, opt, {.full_state_dict = true});
-  TORCH_CHECK(model_sd.count("wte.weight") && optim_sd.count("wte.weight.exp_avg") && optim_sd.count("param_groups.0.lr"));
+  TORCH_CHECK(model_sd.count("wte.weight") && optim_sd.count("wte.weight.exp_avg") &&
+              optim_sd.count("param_groups.0.lr"));
   auto fresh = sharded(3);
   auto fresh_opt = torch::optim::AdamW(fresh->parameters(), torch::optim::AdamWOptions(0.5));
   auto r = ckpt::set_state_dict(*fresh, fresh_opt, {model_sd, optim_sd}, {.full_state_dict = true});
@@ -198,10 +209,12 @@ FSDP_RANK_WORKER(model_and_optimizer_together) {
   train_step(model, opt, 2);
   train_step(fresh, fresh_opt, 2);
   for (const auto& p : fresh->named_parameters())
-    TORCH_CHECK(at::equal(p.value(), model->named_parameters()[p.key()]), p.key(), " differs a step after set_state_dict");
+    TORCH_CHECK(at::equal(p.value(), model->named_parameters()[p.key()]), p.key(),
+                " differs a step after set_state_dict");
   // A wrong key is reported with the optimizer prefix.
   optim_sd["no.such.exp_avg"] = at::zeros({1});
-  auto loose = ckpt::set_state_dict(*fresh, fresh_opt, {model_sd, optim_sd}, {.full_state_dict = true, .strict = false});
+  auto loose =
+      ckpt::set_state_dict(*fresh, fresh_opt, {model_sd, optim_sd}, {.full_state_dict = true, .strict = false});
   TORCH_CHECK(loose.unexpected_keys.size() == 1 && loose.unexpected_keys[0] == "optim.no.such.exp_avg");
 }
 

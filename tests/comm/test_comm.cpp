@@ -30,9 +30,7 @@ void expect_equal(const at::Tensor& got, const at::Tensor& want, const std::stri
   TORCH_CHECK(diff <= atol, what, ": max abs difference ", diff, " > ", atol, "\n got ", got, "\n want ", want);
 }
 
-double tolerance(at::ScalarType dtype) {
-  return dtype == at::kBFloat16 ? 2e-2 : dtype == at::kHalf ? 2e-3 : 1e-6;
-}
+double tolerance(at::ScalarType dtype) { return dtype == at::kBFloat16 ? 2e-2 : dtype == at::kHalf ? 2e-3 : 1e-6; }
 
 }  // namespace
 
@@ -260,7 +258,8 @@ FSDP_RANK_WORKER(gloo_capabilities_are_real) {
       at::Tensor in = rank_values(4, r, at::kFloat), out = at::empty({n * 4}, at::kFloat);
       c10d::AllgatherOptions opts;
       fsdp::compat::all_gather_single(backend, out, in, opts)->wait();
-      for (int k = 0; k < n; ++k) expect_equal(out.narrow(0, 4 * k, 4), rank_values(4, k, at::kFloat), "all_gather_base");
+      for (int k = 0; k < n; ++k)
+        expect_equal(out.narrow(0, 4 * k, 4), rank_values(4, k, at::kFloat), "all_gather_base");
     });
   }
   if (caps.reduce_scatter_base) {
@@ -294,9 +293,8 @@ TEST_P(CommTest, Bf16AllGatherHalvesBytes) { EXPECT_RANKS_PASS(GetParam(), "bf16
 TEST_P(CommTest, BadArgumentsNameTheProblem) { EXPECT_RANKS_PASS(GetParam(), "bad_arguments"); }
 TEST_P(CommTest, GlooCapabilitiesAreReal) { EXPECT_RANKS_PASS(GetParam(), "gloo_capabilities_are_real"); }
 
-INSTANTIATE_TEST_SUITE_P(Ranks, CommTest, ::testing::Values(2, 3), [](const auto& info) {
-  return std::to_string(info.param) + "ranks";
-});
+INSTANTIATE_TEST_SUITE_P(Ranks, CommTest, ::testing::Values(2, 3),
+                         [](const auto& info) { return std::to_string(info.param) + "ranks"; });
 
 TEST(CommTimeout, MissingRankFailsWithinTimeout) {
   RanksOptions opts;

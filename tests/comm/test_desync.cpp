@@ -127,8 +127,8 @@ FSDP_RANK_WORKER(equal_models_train) {
   std::ostringstream os;
   os << std::setprecision(17);
   for (double l : losses) os << l << ' ';
-  std::cout << "LOSSES " << os.str() << "\nBYTES " << world->stats().snapshot().total_bytes() << "\nSEQ " << world->seq()
-            << "\nCHECKS " << counters.checks << "\nCHECK_BYTES " << counters.bytes_sent << std::endl;
+  std::cout << "LOSSES " << os.str() << "\nBYTES " << world->stats().snapshot().total_bytes() << "\nSEQ "
+            << world->seq() << "\nCHECKS " << counters.checks << "\nCHECK_BYTES " << counters.bytes_sent << std::endl;
   if (fsdp::comm::desync_detection_enabled()) {
     // Every collective of the world group was checked, each with one 192-byte fingerprint.
     TORCH_CHECK(counters.checks == world->seq(), "checks ", counters.checks, " != collectives ", world->seq());
@@ -145,8 +145,10 @@ FSDP_RANK_WORKER(desync_op_kind) {
   world->all_reduce(t);  // sequence number 1 matches
   expect_desync(
       [&] {
-        if (world->rank() == 0) world->all_reduce(t);
-        else world->broadcast(t, 0);
+        if (world->rank() == 0)
+          world->all_reduce(t);
+        else
+          world->broadcast(t, 0);
       },
       {"collective desync in group 'world' at sequence number 2: ", "rank 0 called all_reduce float32 [4] sum",
        "rank 1 called broadcast float32 [4] root 0"});
@@ -160,9 +162,8 @@ FSDP_RANK_WORKER(desync_dtype_and_shape) {
   auto world = fsdp::dist::world_comm();
   const int r = world->rank();
   at::Tensor t = at::ones({8}, r == 0 ? at::kFloat : at::kDouble);
-  expect_desync([&] { world->all_reduce(t); },
-                {"at sequence number 1: ", "rank 0 called all_reduce float32 [8] sum",
-                 "rank 1 called all_reduce float64 [8] sum"});
+  expect_desync([&] { world->all_reduce(t); }, {"at sequence number 1: ", "rank 0 called all_reduce float32 [8] sum",
+                                                "rank 1 called all_reduce float64 [8] sum"});
   at::Tensor in = r == 0 ? at::ones({2, 3}) : at::ones({6});
   at::Tensor out = at::empty({12});
   expect_desync([&] { world->all_gather_into_tensor(out, in); },
@@ -170,8 +171,8 @@ FSDP_RANK_WORKER(desync_dtype_and_shape) {
                  "rank 1 called all_gather_into_tensor float32 [6] -> [12]"});
   // Different roots of a broadcast.
   at::Tensor b = at::ones({3});
-  expect_desync([&] { world->broadcast(b, r); }, {"rank 0 called broadcast float32 [3] root 0",
-                                                  "rank 1 called broadcast float32 [3] root 1"});
+  expect_desync([&] { world->broadcast(b, r); },
+                {"rank 0 called broadcast float32 [3] root 0", "rank 1 called broadcast float32 [3] root 1"});
 }
 
 // Three ranks, rank 2 differs: the message groups the ranks that agree. A subgroup names its
@@ -180,8 +181,9 @@ FSDP_RANK_WORKER(desync_three_ranks) {
   auto world = fsdp::dist::world_comm();
   const int r = world->rank();
   at::Tensor t = at::ones({r == 2 ? 5 : 4});
-  expect_desync([&] { world->all_reduce(t, ReduceOp::Max); },
-                {"at sequence number 1: ranks 0,1 called all_reduce float32 [4] max, rank 2 called all_reduce float32 [5] max"});
+  expect_desync(
+      [&] { world->all_reduce(t, ReduceOp::Max); },
+      {"at sequence number 1: ranks 0,1 called all_reduce float32 [4] max, rank 2 called all_reduce float32 [5] max"});
   world->barrier();
   TORCH_CHECK(world->seq() == 2, "world seq ", world->seq());
 }
@@ -224,8 +226,8 @@ TEST(Desync, RanksWithDifferentModelSizesFailAtOnceNamingBothCalls) {
     EXPECT_EQ(m[1], seq) << "both ranks name the same sequence number\n" << result.report();
     const double detected = std::stod(line_after(rank.output, "DESYNC_SECONDS"));
     EXPECT_LT(detected, 30.0) << result.report();
-    std::cout << "rank " << r << " failed after " << detected << " s of training: "
-              << line_after(rank.output, "failed:") << "\n";
+    std::cout << "rank " << r << " failed after " << detected
+              << " s of training: " << line_after(rank.output, "failed:") << "\n";
   }
   EXPECT_LT(took, 60.0) << "whole run, process start included (collective timeout 120 s)";
   std::cout << "whole run " << took << " s\n";
@@ -254,9 +256,7 @@ TEST(Desync, EqualModelsTrainToTheSameLossesWithAndWithoutTheCheck) {
 
 TEST(Desync, MismatchedOperationIsNamed) { EXPECT_RANKS_PASS(2, "desync_op_kind", with_env(kDetail)); }
 
-TEST(Desync, MismatchedDtypeShapeAndRootAreNamed) {
-  EXPECT_RANKS_PASS(2, "desync_dtype_and_shape", with_env(kDetail));
-}
+TEST(Desync, MismatchedDtypeShapeAndRootAreNamed) { EXPECT_RANKS_PASS(2, "desync_dtype_and_shape", with_env(kDetail)); }
 
 TEST(Desync, ThreeRanksGroupTheRanksThatAgree) { EXPECT_RANKS_PASS(3, "desync_three_ranks", with_env(kDetail)); }
 
@@ -277,8 +277,10 @@ TEST(Desync, ThroughFsdprunTheFailedWorkerIsNamedWithTheMessage) {
   fsdp::testing::ProcessSpec spec;
   spec.argv = {std::string(FSDPRUN_PATH), "--nproc-per-node", "2", "--master-port", "0", "--grace-period-s", "5", "--",
                fsdp::testing::self_exe()};
-  spec.env_set = {{"FSDP_TEST_WORKER", "desync_model_sizes"}, {"TORCH_DISTRIBUTED_DEBUG", "DETAIL"},
-                  {"FSDP_COLLECTIVE_TIMEOUT_S", "120"}, {"OMP_NUM_THREADS", "1"}};
+  spec.env_set = {{"FSDP_TEST_WORKER", "desync_model_sizes"},
+                  {"TORCH_DISTRIBUTED_DEBUG", "DETAIL"},
+                  {"FSDP_COLLECTIVE_TIMEOUT_S", "120"},
+                  {"OMP_NUM_THREADS", "1"}};
   spec.timeout = std::chrono::milliseconds(240000);
   const auto t0 = std::chrono::steady_clock::now();
   auto result = fsdp::testing::run_process(spec);

@@ -196,8 +196,9 @@ TEST(FlightRecorder, ForcedTimeoutDumpsEveryRankAndFsdpFrNamesTheMissingRank) {
   TempDir dir("fr_skip");
   auto result = fsdp::testing::run_ranks(2, "fr_skip", timeout_options(dir.path));
   ASSERT_TRUE(result.all_ok()) << result.report();
-  EXPECT_NE(result.ranks[0].output.find("Flight recorder: this rank's last collectives are in " + (dir / "rank_0.jsonl")),
-            std::string::npos)
+  EXPECT_NE(
+      result.ranks[0].output.find("Flight recorder: this rank's last collectives are in " + (dir / "rank_0.jsonl")),
+      std::string::npos)
       << result.ranks[0].output;
   ASSERT_EQ(count_files(dir.path), 2u);
 
@@ -266,9 +267,10 @@ TEST(FsdpFr, DivergingCollectivesAreNamed) {
   }
   const auto fr = run_fsdp_fr({dir.path});
   EXPECT_EQ(fr.exit_code, 1) << fr.output;
-  EXPECT_NE(fr.output.find("first problem: group 'world' seq 2 diverges: rank 0 called all_gather_into_tensor(Float, in 4, "
-                           "out 8); rank 1 called barrier"),
-            std::string::npos)
+  EXPECT_NE(
+      fr.output.find("first problem: group 'world' seq 2 diverges: rank 0 called all_gather_into_tensor(Float, in 4, "
+                     "out 8); rank 1 called barrier"),
+      std::string::npos)
       << fr.output;
   std::cout << fr.output;
 }
@@ -327,9 +329,10 @@ TEST(FsdpFr, MissingEmptyOrDamagedFolderIsOneClearLine) {
   EXPECT_EQ(empty.exit_code, 2);
   EXPECT_NE(empty.output.find("holds no flight-recorder dumps"), std::string::npos) << empty.output;
 
-  std::ofstream(dir / "rank_0.jsonl") << "{\"format\":\"fsdp-flight-recorder\",\"version\":1,\"rank\":0,\"capacity\":5,"
-                                         "\"recorded\":1,\"groups\":[{\"name\":\"world\",\"ranks\":[0,1],\"issued\":1}]}\n"
-                                         "{\"id\":0,\"group\":\"world\",\"gro";
+  std::ofstream(dir / "rank_0.jsonl")
+      << "{\"format\":\"fsdp-flight-recorder\",\"version\":1,\"rank\":0,\"capacity\":5,"
+         "\"recorded\":1,\"groups\":[{\"name\":\"world\",\"ranks\":[0,1],\"issued\":1}]}\n"
+         "{\"id\":0,\"group\":\"world\",\"gro";
   auto damaged = run_fsdp_fr({dir.path});
   EXPECT_EQ(damaged.exit_code, 2);
   EXPECT_NE(damaged.output.find(dir / "rank_0.jsonl" + " line 2: not JSON"), std::string::npos) << damaged.output;

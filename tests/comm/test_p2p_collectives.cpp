@@ -102,8 +102,8 @@ FSDP_RANK_WORKER(p2p_scratch_is_one_chunk) {
     TORCH_CHECK(st.current[static_cast<int>(fsdp::BufferOwner::CommScratch)] == 0, "scratch still alive after wait()");
     scratch_peak[how == GlooFallback::Collective] = st.at_peak[static_cast<int>(fsdp::BufferOwner::CommScratch)];
   }
-  TORCH_CHECK(scratch_peak[0] == static_cast<uint64_t>(out.nbytes()), "p2p scratch ", scratch_peak[0], " B, expected one chunk ",
-              out.nbytes(), " B");
+  TORCH_CHECK(scratch_peak[0] == static_cast<uint64_t>(out.nbytes()), "p2p scratch ", scratch_peak[0],
+              " B, expected one chunk ", out.nbytes(), " B");
   TORCH_CHECK(scratch_peak[1] == static_cast<uint64_t>(in.nbytes()), "all_to_all scratch ", scratch_peak[1],
               " B, expected the input's ", in.nbytes(), " B");
 }
@@ -121,9 +121,8 @@ TEST_P(P2PTest, EqualsCollective) { EXPECT_RANKS_PASS(GetParam(), "p2p_equals_co
 TEST_P(P2PTest, TwoInFlightAnyOrder) { EXPECT_RANKS_PASS(GetParam(), "p2p_two_in_flight_any_order"); }
 TEST_P(P2PTest, ScratchIsOneChunk) { EXPECT_RANKS_PASS(GetParam(), "p2p_scratch_is_one_chunk"); }
 
-INSTANTIATE_TEST_SUITE_P(Ranks, P2PTest, ::testing::Values(2, 3), [](const auto& info) {
-  return std::to_string(info.param) + "ranks";
-});
+INSTANTIATE_TEST_SUITE_P(Ranks, P2PTest, ::testing::Values(2, 3),
+                         [](const auto& info) { return std::to_string(info.param) + "ranks"; });
 
 TEST(P2PSetting, BadValueIsNamed) {
   fsdp::testing::RanksOptions opts;

@@ -61,7 +61,8 @@ FSDP_RANK_WORKER(pieces_all_gather) {
         for (int q = 0; q < n; ++q) {
           const at::Tensor want = value(piece_numel(i, q, n), i, q, 0, dtype);
           TORCH_CHECK(torch::equal(outs[static_cast<size_t>(i)][static_cast<size_t>(q)], want), "all_gather_pieces ",
-                      c10::toString(dtype), " in place ", own_in_place, ": exchange ", i, " piece of rank ", q, " wrong");
+                      c10::toString(dtype), " in place ", own_in_place, ": exchange ", i, " piece of rank ", q,
+                      " wrong");
         }
       }
     }
@@ -90,8 +91,9 @@ FSDP_RANK_WORKER(pieces_reduce_scatter) {
             want = op == ReduceOp::Max ? at::maximum(want, v) : want + v;
           }
           if (op == ReduceOp::Avg) want = want / n;
-          TORCH_CHECK(torch::allclose(outs[static_cast<size_t>(i)], want), "reduce_scatter_pieces ", c10::toString(dtype),
-                      " op ", static_cast<int>(op), " in place ", in_place, ": exchange ", i, " wrong");
+          TORCH_CHECK(torch::allclose(outs[static_cast<size_t>(i)], want), "reduce_scatter_pieces ",
+                      c10::toString(dtype), " op ", static_cast<int>(op), " in place ", in_place, ": exchange ", i,
+                      " wrong");
         }
       }
     }
@@ -104,8 +106,8 @@ FSDP_RANK_WORKER(pieces_reduce_scatter) {
   const auto st = fsdp::buffer_memory_stats();
   const int scratch = static_cast<int>(fsdp::BufferOwner::CommScratch);
   TORCH_CHECK(st.current[scratch] == 0, "scratch alive after wait()");
-  TORCH_CHECK(st.at_peak[scratch] == static_cast<uint64_t>(outs[0].nbytes()), "scratch ", st.at_peak[scratch], " B, expected ",
-              outs[0].nbytes());
+  TORCH_CHECK(st.at_peak[scratch] == static_cast<uint64_t>(outs[0].nbytes()), "scratch ", st.at_peak[scratch],
+              " B, expected ", outs[0].nbytes());
   TORCH_CHECK(torch::equal(outs[0], at::full({64 * 1024}, static_cast<double>(n))), "sum of ones wrong");
 }
 
@@ -119,14 +121,16 @@ FSDP_RANK_WORKER(pieces_two_in_flight) {
   const std::vector<at::Tensor> mine{at::full({3000}, static_cast<double>(r + 1))};
   const std::vector<std::vector<at::Tensor>> gathered{by_rank};
   auto gather = comm->all_gather_pieces(mine, gathered, true);
-  const std::vector<std::vector<at::Tensor>> to{std::vector<at::Tensor>(static_cast<size_t>(n), at::full({3000}, static_cast<double>(r)))};
+  const std::vector<std::vector<at::Tensor>> to{
+      std::vector<at::Tensor>(static_cast<size_t>(n), at::full({3000}, static_cast<double>(r)))};
   at::Tensor out = at::empty({3000});
   const std::vector<at::Tensor> outs{out};
   auto reduce = comm->reduce_scatter_pieces(outs, to, ReduceOp::Sum, true);
   if (r % 2) reduce.wait();
   gather.wait();
   reduce.wait();
-  for (int q = 0; q < n; ++q) TORCH_CHECK(torch::equal(by_rank[static_cast<size_t>(q)], at::full({3000}, q + 1.0)), "gather mixed up");
+  for (int q = 0; q < n; ++q)
+    TORCH_CHECK(torch::equal(by_rank[static_cast<size_t>(q)], at::full({3000}, q + 1.0)), "gather mixed up");
   TORCH_CHECK(torch::equal(out, at::full({3000}, n * (n - 1) / 2.0)), "reduce mixed up");
 }
 
@@ -143,7 +147,8 @@ FSDP_RANK_WORKER(pieces_bad_arguments) {
                               "this rank's piece has 3 elements in the list but 2 alone");
   if (!comm->capabilities().bfloat16) {  // LibTorch 1.13's Gloo: no bf16 arithmetic
     const std::vector<at::Tensor> out{at::empty({2}, at::kBFloat16)};
-    const std::vector<std::vector<at::Tensor>> in{std::vector<at::Tensor>(static_cast<size_t>(n), at::ones({2}, at::kBFloat16))};
+    const std::vector<std::vector<at::Tensor>> in{
+        std::vector<at::Tensor>(static_cast<size_t>(n), at::ones({2}, at::kBFloat16))};
     fsdp::testing::expect_error([&] { comm->reduce_scatter_pieces(out, in); }, "cannot add BFloat16");
   }
 }
@@ -154,9 +159,8 @@ TEST_P(PiecesTest, AllGather) { EXPECT_RANKS_PASS(GetParam(), "pieces_all_gather
 TEST_P(PiecesTest, ReduceScatter) { EXPECT_RANKS_PASS(GetParam(), "pieces_reduce_scatter"); }
 TEST_P(PiecesTest, TwoInFlight) { EXPECT_RANKS_PASS(GetParam(), "pieces_two_in_flight"); }
 
-INSTANTIATE_TEST_SUITE_P(Ranks, PiecesTest, ::testing::Values(2, 3), [](const auto& info) {
-  return std::to_string(info.param) + "ranks";
-});
+INSTANTIATE_TEST_SUITE_P(Ranks, PiecesTest, ::testing::Values(2, 3),
+                         [](const auto& info) { return std::to_string(info.param) + "ranks"; });
 
 TEST(Pieces, BadArgumentsAreNamed) { EXPECT_RANKS_PASS(2, "pieces_bad_arguments"); }
 

@@ -22,7 +22,7 @@ TEST(CpuTuning, RecognisedCpuOrNoOpenBlasIsLeftAlone) {
   EXPECT_EQ(openblas_coretype_for("SkylakeX", avx512), "");
   EXPECT_EQ(openblas_coretype_for("Cooperlake", avx512), "");
   EXPECT_EQ(openblas_coretype_for("Haswell", avx512), "");
-  EXPECT_EQ(openblas_coretype_for("", avx512), "");            // reference BLAS: nothing to tune
+  EXPECT_EQ(openblas_coretype_for("", avx512), "");                  // reference BLAS: nothing to tune
   EXPECT_EQ(openblas_coretype_for("Prescott", "flags : sse2"), "");  // an old CPU really is generic
   // Whole flags only: "avx2" inside another word does not count.
   EXPECT_EQ(openblas_coretype_for("Prescott", "flags : xavx2 fma"), "");
@@ -56,7 +56,8 @@ TEST(CpuTuning, GenericFallbackReexecutesOnceWithTheCore) {
   // re-execute itself once, and then run with OpenBLAS on that core.
   fsdp::testing::ProcessSpec spec;
   spec.argv = {fsdp::testing::self_exe()};
-  spec.env_set = {{"FSDP_TEST_WORKER", "print_blas"}, {"FSDP_TEST_INIT", "0"}, {"FSDP_TEST_OPENBLAS_CORENAME", "Prescott"}};
+  spec.env_set = {
+      {"FSDP_TEST_WORKER", "print_blas"}, {"FSDP_TEST_INIT", "0"}, {"FSDP_TEST_OPENBLAS_CORENAME", "Prescott"}};
   spec.env_unset = {"OPENBLAS_CORETYPE", "FSDP_CPU_TUNED", "FSDP_NO_REEXEC"};
   auto r = fsdp::testing::run_process(spec);
   ASSERT_TRUE(r.ok()) << r.output;

@@ -26,9 +26,14 @@ TEST(LaunchEnv, NoVariablesIsAWorldOfOne) {
 }
 
 TEST(LaunchEnv, TorchrunContract) {
-  auto e = parse_launch_env({{"RANK", "3"}, {"WORLD_SIZE", "4"}, {"LOCAL_RANK", "1"}, {"LOCAL_WORLD_SIZE", "2"},
-                             {"MASTER_ADDR", "10.0.0.1"}, {"MASTER_PORT", "1234"},
-                             {"TORCHELASTIC_USE_AGENT_STORE", "True"}, {"TORCHELASTIC_RESTART_COUNT", "2"}});
+  auto e = parse_launch_env({{"RANK", "3"},
+                             {"WORLD_SIZE", "4"},
+                             {"LOCAL_RANK", "1"},
+                             {"LOCAL_WORLD_SIZE", "2"},
+                             {"MASTER_ADDR", "10.0.0.1"},
+                             {"MASTER_PORT", "1234"},
+                             {"TORCHELASTIC_USE_AGENT_STORE", "True"},
+                             {"TORCHELASTIC_RESTART_COUNT", "2"}});
   EXPECT_TRUE(e.from_launcher);
   EXPECT_EQ(e.rank, 3);
   EXPECT_EQ(e.world_size, 4);
@@ -41,7 +46,8 @@ TEST(LaunchEnv, TorchrunContract) {
 }
 
 TEST(LaunchEnv, RankHostsStoreWithoutAgent) {
-  auto e = parse_launch_env({{"RANK", "0"}, {"WORLD_SIZE", "2"}, {"MASTER_ADDR", "127.0.0.1"}, {"MASTER_PORT", "29500"}});
+  auto e =
+      parse_launch_env({{"RANK", "0"}, {"WORLD_SIZE", "2"}, {"MASTER_ADDR", "127.0.0.1"}, {"MASTER_PORT", "29500"}});
   EXPECT_FALSE(e.use_agent_store);
   EXPECT_EQ(e.store_prefix(), "");
   EXPECT_EQ(e.local_rank, 0);  // defaults to the global layout on one node

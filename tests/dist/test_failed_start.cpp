@@ -34,14 +34,19 @@ int repeats() {
 
 // One rank of `world` running the worker `expect_init_error` (test_runtime.cpp): it calls
 // init_distributed itself and passes when that throws an error containing `expect`.
-ProcessSpec rank_spec(int rank, int world, int port, const std::string& expect, std::map<std::string, std::string> extra = {}) {
+ProcessSpec rank_spec(int rank, int world, int port, const std::string& expect,
+                      std::map<std::string, std::string> extra = {}) {
   ProcessSpec spec;
   spec.argv = {fsdp::testing::self_exe()};
   spec.timeout = std::chrono::seconds(60);
-  spec.env_set = {{"FSDP_TEST_WORKER", "expect_init_error"}, {"FSDP_TEST_INIT", "0"},
-                  {"RANK", std::to_string(rank)},           {"WORLD_SIZE", std::to_string(world)},
-                  {"MASTER_ADDR", "127.0.0.1"},            {"MASTER_PORT", std::to_string(port)},
-                  {"FSDP_COLLECTIVE_TIMEOUT_S", std::to_string(kTimeoutS)}, {"EXPECT_ERROR", expect}};
+  spec.env_set = {{"FSDP_TEST_WORKER", "expect_init_error"},
+                  {"FSDP_TEST_INIT", "0"},
+                  {"RANK", std::to_string(rank)},
+                  {"WORLD_SIZE", std::to_string(world)},
+                  {"MASTER_ADDR", "127.0.0.1"},
+                  {"MASTER_PORT", std::to_string(port)},
+                  {"FSDP_COLLECTIVE_TIMEOUT_S", std::to_string(kTimeoutS)},
+                  {"EXPECT_ERROR", expect}};
   for (auto& [k, v] : extra) spec.env_set[k] = v;
   spec.env_unset = {"TORCHELASTIC_USE_AGENT_STORE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "FSDP_STORE_FILE"};
   return spec;
@@ -58,7 +63,8 @@ void expect_prompt_failed_start(const std::vector<ProcessSpec>& specs, const std
       ProcessResult res = children[r].wait();
       const double s = std::chrono::duration<double>(Clock::now() - t0).count();
       EXPECT_FALSE(res.timed_out) << what << ", run " << i << ", process " << r
-                                  << ": did not exit after the failed start (killed after 60 s)\n" << res.output;
+                                  << ": did not exit after the failed start (killed after 60 s)\n"
+                                  << res.output;
       EXPECT_TRUE(res.ok()) << what << ", run " << i << ", process " << r << "\n" << res.output;
       EXPECT_LT(s, kExitBoundS) << what << ", run " << i << ", process " << r << "\n" << res.output;
       EXPECT_NE(res.output.find("could not form the world group"), std::string::npos) << res.output;

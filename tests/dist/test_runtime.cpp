@@ -108,14 +108,14 @@ TEST(Runtime, WorldOfOneWithoutEnvironment) {
 
 namespace {
 fsdp::testing::ProcessResult run_one_rank(int rank, int world, int port, const std::string& expect_error,
-                                           std::map<std::string, std::string> extra = {}) {
+                                          std::map<std::string, std::string> extra = {}) {
   ProcessSpec spec;
   spec.argv = {fsdp::testing::self_exe()};
   spec.timeout = std::chrono::seconds(60);
-  spec.env_set = {{"FSDP_TEST_WORKER", "expect_init_error"}, {"FSDP_TEST_INIT", "0"},
-                  {"RANK", std::to_string(rank)},           {"WORLD_SIZE", std::to_string(world)},
-                  {"MASTER_ADDR", "127.0.0.1"},            {"MASTER_PORT", std::to_string(port)},
-                  {"FSDP_COLLECTIVE_TIMEOUT_S", "2"},      {"EXPECT_ERROR", expect_error}};
+  spec.env_set = {
+      {"FSDP_TEST_WORKER", "expect_init_error"}, {"FSDP_TEST_INIT", "0"},       {"RANK", std::to_string(rank)},
+      {"WORLD_SIZE", std::to_string(world)},     {"MASTER_ADDR", "127.0.0.1"},  {"MASTER_PORT", std::to_string(port)},
+      {"FSDP_COLLECTIVE_TIMEOUT_S", "2"},        {"EXPECT_ERROR", expect_error}};
   for (auto& [k, v] : extra) spec.env_set[k] = v;
   spec.env_unset = {"TORCHELASTIC_USE_AGENT_STORE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"};
   return fsdp::testing::run_process(spec);

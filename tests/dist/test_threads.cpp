@@ -38,6 +38,4 @@ TEST(Threads, SetNumThreadsAlsoSetsOpenBlas) {
   // LibTorch 1.13 every core, the oversubscription this fixes.)
 }
 
-TEST(Threads, RejectsLessThanOne) {
-  EXPECT_ERROR_CONTAINS(fsdp::dist::set_num_threads(0), "use 1 or more");
-}
+TEST(Threads, RejectsLessThanOne) { EXPECT_ERROR_CONTAINS(fsdp::dist::set_num_threads(0), "use 1 or more"); }

@@ -48,15 +48,15 @@ void use(T&&...) {}
 }  // namespace fsdp_header_examples
 
 // Opens an example's scope: the context's names as locals (an example may shadow them).
-#define FSDP_EXAMPLE_CONTEXT(ctx)                          \
-  [[maybe_unused]] GPTConfig& config = (ctx).config;       \
-  [[maybe_unused]] GPT& model = (ctx).model;               \
-  [[maybe_unused]] auto& block = (ctx).block;              \
+#define FSDP_EXAMPLE_CONTEXT(ctx)                                     \
+  [[maybe_unused]] GPTConfig& config = (ctx).config;                  \
+  [[maybe_unused]] GPT& model = (ctx).model;                          \
+  [[maybe_unused]] auto& block = (ctx).block;                         \
   [[maybe_unused]] torch::optim::AdamW& optimizer = *(ctx).optimizer; \
   [[maybe_unused]] torch::optim::AdamW& opt = *(ctx).optimizer;       \
-  [[maybe_unused]] at::Tensor& tokens = (ctx).tokens;      \
-  [[maybe_unused]] at::Tensor& targets = (ctx).targets;    \
-  [[maybe_unused]] at::Tensor& x = (ctx).x;                \
-  [[maybe_unused]] at::Tensor& loss = (ctx).loss;          \
-  [[maybe_unused]] auto& fn = (ctx).fn;                    \
+  [[maybe_unused]] at::Tensor& tokens = (ctx).tokens;                 \
+  [[maybe_unused]] at::Tensor& targets = (ctx).targets;               \
+  [[maybe_unused]] at::Tensor& x = (ctx).x;                           \
+  [[maybe_unused]] at::Tensor& loss = (ctx).loss;                     \
+  [[maybe_unused]] auto& fn = (ctx).fn;                               \
   [[maybe_unused]] int64_t step = 0

@@ -45,10 +45,10 @@ std::string gpu_skip_reason(bool needs_nccl) {
 #endif
 }
 
-#define SKIP_WITHOUT_GPU(needs_nccl)                                  \
-  do {                                                                \
-    const std::string why_ = gpu_skip_reason(needs_nccl);             \
-    if (!why_.empty()) GTEST_SKIP() << why_;                          \
+#define SKIP_WITHOUT_GPU(needs_nccl)                      \
+  do {                                                    \
+    const std::string why_ = gpu_skip_reason(needs_nccl); \
+    if (!why_.empty()) GTEST_SKIP() << why_;              \
   } while (0)
 
 GPTConfig small_config() {
@@ -137,8 +137,8 @@ void check_losses(const std::vector<double>& got, const std::vector<double>& wan
   TORCH_CHECK(got.size() == want.size());
   for (size_t i = 0; i < got.size(); ++i) {
     const double rel = std::abs(got[i] - want[i]) / std::abs(want[i]);
-    TORCH_CHECK(std::isfinite(got[i]) && rel <= tol, "step ", i, ": loss ", got[i], " vs plain ", want[i], " (relative ",
-                rel, ", tolerance ", tol, ")");
+    TORCH_CHECK(std::isfinite(got[i]) && rel <= tol, "step ", i, ": loss ", got[i], " vs plain ", want[i],
+                " (relative ", rel, ", tolerance ", tol, ")");
   }
 }
 
@@ -168,7 +168,8 @@ Run train_fsdp(const GPTConfig& c, int steps, const std::function<void(GPT&)>& s
     r.losses.push_back(l.item<double>());
     if (want) {
       const double rel = std::abs(r.losses.back() - (*want)[s]) / std::abs((*want)[s]);
-      TORCH_CHECK(rel <= tol, "step ", s, ": loss ", r.losses.back(), " vs plain ", (*want)[s], " (relative ", rel, ")");
+      TORCH_CHECK(rel <= tol, "step ", s, ": loss ", r.losses.back(), " vs plain ", (*want)[s], " (relative ", rel,
+                  ")");
     }
   }
   for (const auto& p : model->parameters()) {
@@ -211,19 +212,20 @@ void parity_worker(bool gloo, bool bf16) {
   const Run want = train_plain(c, steps, bf16);
   const double loss_tol = bf16 ? 2e-3 : 1e-6, param_tol = bf16 ? 5e-3 : 1e-6;
   const auto o = gpu_options(bf16);
-  Run got = train_fsdp(c, steps, [&](GPT& m) { shard_blocks_then_root(m, o); }, bf16);
+  Run got = train_fsdp(
+      c, steps, [&](GPT& m) { shard_blocks_then_root(m, o); }, bf16);
   check_losses(got.losses, want.losses, loss_tol);
   const double worst = check_shards(got.model, want.params, param_tol);
   if (fsdp::dist::rank() == 0) {
-    std::cout << "ranks " << fsdp::dist::world_size() << (gloo ? " (gloo on cuda)" : " (nccl)") << (bf16 ? " bf16" : " fp32")
-              << ": last loss " << got.losses.back() << " vs plain " << want.losses.back()
+    std::cout << "ranks " << fsdp::dist::world_size() << (gloo ? " (gloo on cuda)" : " (nccl)")
+              << (bf16 ? " bf16" : " fp32") << ": last loss " << got.losses.back() << " vs plain " << want.losses.back()
               << ", worst shard difference " << worst << std::endl;
   }
 }
 
 RanksOptions gpu_ranks() {
   RanksOptions o;
-  o.init_runtime = false;  // the workers initialise a "cuda" runtime themselves
+  o.init_runtime = false;                         // the workers initialise a "cuda" runtime themselves
   o.timeout = std::chrono::milliseconds(120000);  // gpu-check.sh gives the whole binary 150 s
   return o;
 }
@@ -287,7 +289,8 @@ FSDP_RANK_WORKER(gpu_meta_init) {
   for (const auto& p : model->parameters()) TORCH_CHECK(p.is_cuda(), "materialised shards must be on the GPU");
   check_shards(model, want, 0.0);  // identical
   auto data = batch_of(c, 0).to(gpu());
-  auto loss = fsdp::models::gpt_loss(fsdp::call(model, data.narrow(1, 0, c.block_size)), data.narrow(1, 1, c.block_size));
+  auto loss =
+      fsdp::models::gpt_loss(fsdp::call(model, data.narrow(1, 0, c.block_size)), data.narrow(1, 1, c.block_size));
   loss.backward();
   TORCH_CHECK(std::isfinite(loss.item<double>()), "the materialised model must train");
 }

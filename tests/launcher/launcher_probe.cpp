@@ -108,9 +108,10 @@ int main(int argc, char** argv) {
   const int attempt = env_int("TORCHELASTIC_RESTART_COUNT");
 
   if (mode == "env") {
-    for (const char* name : {"RANK", "LOCAL_RANK", "GROUP_RANK", "ROLE_RANK", "ROLE_NAME", "LOCAL_WORLD_SIZE", "WORLD_SIZE",
-                             "GROUP_WORLD_SIZE", "ROLE_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RESTART_COUNT",
-                             "TORCHELASTIC_MAX_RESTARTS", "TORCHELASTIC_RUN_ID", "TORCHELASTIC_USE_AGENT_STORE", "OMP_NUM_THREADS", "OPENBLAS_CORETYPE"}) {
+    for (const char* name : {"RANK", "LOCAL_RANK", "GROUP_RANK", "ROLE_RANK", "ROLE_NAME", "LOCAL_WORLD_SIZE",
+                             "WORLD_SIZE", "GROUP_WORLD_SIZE", "ROLE_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
+                             "TORCHELASTIC_RESTART_COUNT", "TORCHELASTIC_MAX_RESTARTS", "TORCHELASTIC_RUN_ID",
+                             "TORCHELASTIC_USE_AGENT_STORE", "OMP_NUM_THREADS", "OPENBLAS_CORETYPE"}) {
       say(std::string(name) + "=" + env_or(name));
     }
     return 0;

@@ -34,8 +34,15 @@ const std::string kFsdprun = FSDPRUN_PATH;
 const std::string kProbe = PROBE_PATH;
 
 // Variables a surrounding launcher (or CI) could have set; the tests want fsdprun's own.
-const std::vector<std::string> kScrub = {"RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
-                                         "OMP_NUM_THREADS", "TORCHELASTIC_RESTART_COUNT", "TORCHELASTIC_USE_AGENT_STORE"};
+const std::vector<std::string> kScrub = {"RANK",
+                                         "WORLD_SIZE",
+                                         "LOCAL_RANK",
+                                         "LOCAL_WORLD_SIZE",
+                                         "MASTER_ADDR",
+                                         "MASTER_PORT",
+                                         "OMP_NUM_THREADS",
+                                         "TORCHELASTIC_RESTART_COUNT",
+                                         "TORCHELASTIC_USE_AGENT_STORE"};
 
 ProcessSpec fsdprun_spec(const std::vector<std::string>& args, std::chrono::milliseconds timeout = 60s) {
   ProcessSpec spec;
@@ -145,8 +152,8 @@ TEST(Launcher, UserThreadAndBlasSettingsAreKept) {
 
 TEST(Launcher, TorchrunSpellingsAndProgramArgumentsPassThrough) {
   // Underscores, --flag=value, and a program given without `--`: its own flags stay its own.
-  auto r = fsdprun({"--nproc_per_node=2", "--max_restarts=0", "--no_python", "--master_addr=127.0.0.1", "--master_port=0",
-                    "--rdzv_id=job7", kProbe, "echo", "--nproc-per-node", "5"});
+  auto r = fsdprun({"--nproc_per_node=2", "--max_restarts=0", "--no_python", "--master_addr=127.0.0.1",
+                    "--master_port=0", "--rdzv_id=job7", kProbe, "echo", "--nproc-per-node", "5"});
   ASSERT_TRUE(r.ok()) << r.output;
   auto ranks = by_rank(r.output);
   ASSERT_EQ(ranks.size(), 2u) << r.output;
@@ -171,7 +178,8 @@ TEST(Launcher, StdoutAndStderrStaySeparateAndPartialLinesAreFlushed) {
 TEST(Launcher, FailingWorkerStopsTheGroupWithinTheGracePeriod) {
   TempDir dir;
   const auto t0 = Clock::now();
-  auto r = fsdprun({"--nproc-per-node", "2", "--master-port", "0", "--grace-period-s", "2", kProbe, "exit", "1", "3", dir.path});
+  auto r = fsdprun(
+      {"--nproc-per-node", "2", "--master-port", "0", "--grace-period-s", "2", kProbe, "exit", "1", "3", dir.path});
   const double elapsed = seconds_since(t0);
   EXPECT_EQ(r.exit_code, 1) << r.output;
   EXPECT_FALSE(r.timed_out);
@@ -206,8 +214,8 @@ TEST(Launcher, WorkerIgnoringSigtermIsKilledAfterTheGracePeriod) {
 
 TEST(Launcher, RestartsTheWholeGroupOnce) {
   TempDir dir;
-  auto r = fsdprun({"--nproc-per-node", "2", "--master-port", "0", "--max-restarts", "1", "--grace-period-s", "2", kProbe,
-                    "fail-once", "3", dir.path});
+  auto r = fsdprun({"--nproc-per-node", "2", "--master-port", "0", "--max-restarts", "1", "--grace-period-s", "2",
+                    kProbe, "fail-once", "3", dir.path});
   ASSERT_TRUE(r.ok()) << r.output;
   auto ranks = by_rank(r.output);
   for (int rank : {0, 1}) {
@@ -218,8 +226,8 @@ TEST(Launcher, RestartsTheWholeGroupOnce) {
 
 TEST(Launcher, GivesUpAfterMaxRestarts) {
   TempDir dir;
-  auto r = fsdprun({"--nproc-per-node", "2", "--master-port", "0", "--max-restarts", "1", "--grace-period-s", "2", kProbe,
-                    "always-fail", "5", dir.path});
+  auto r = fsdprun({"--nproc-per-node", "2", "--master-port", "0", "--max-restarts", "1", "--grace-period-s", "2",
+                    kProbe, "always-fail", "5", dir.path});
   EXPECT_EQ(r.exit_code, 1) << r.output;
   auto ranks = by_rank(r.output);
   for (int rank : {0, 1}) {
@@ -231,8 +239,8 @@ TEST(Launcher, GivesUpAfterMaxRestarts) {
 TEST(Launcher, TwoNodesOnOneMachineFormOneJob) {
   const std::string port = std::to_string(pick_free_port());
   auto node = [&](int rank) {
-    return fsdprun_spec({"--nnodes", "2", "--node-rank", std::to_string(rank), "--nproc-per-node", "2", "--master-port", port,
-                         "--rdzv-timeout-s", "60", "--", kProbe, "store"});
+    return fsdprun_spec({"--nnodes", "2", "--node-rank", std::to_string(rank), "--nproc-per-node", "2", "--master-port",
+                         port, "--rdzv-timeout-s", "60", "--", kProbe, "store"});
   };
   Child n0(node(0));
   Child n1(node(1));
@@ -257,8 +265,8 @@ TEST(Launcher, FailureOnOneNodeStopsTheOtherNode) {
   const std::string port = std::to_string(pick_free_port());
   TempDir dir;
   auto node = [&](int rank) {
-    return fsdprun_spec({"--nnodes", "2", "--node-rank", std::to_string(rank), "--master-port", port, "--grace-period-s", "2",
-                         "--rdzv-timeout-s", "60", kProbe, "exit", "1", "3", dir.path});
+    return fsdprun_spec({"--nnodes", "2", "--node-rank", std::to_string(rank), "--master-port", port,
+                         "--grace-period-s", "2", "--rdzv-timeout-s", "60", kProbe, "exit", "1", "3", dir.path});
   };
   const auto t0 = Clock::now();
   Child n0(node(0));
@@ -281,8 +289,8 @@ TEST(Launcher, FailureOnOneNodeStopsTheOtherNode) {
 TEST(Launcher, TwoNodesRestartTogether) {
   const std::string port = std::to_string(pick_free_port());
   auto node = [&](int rank) {
-    return fsdprun_spec({"--nnodes", "2", "--node-rank", std::to_string(rank), "--master-port", port, "--max-restarts", "1",
-                         "--grace-period-s", "2", "--rdzv-timeout-s", "60", kProbe, "store-fail-once", "3"});
+    return fsdprun_spec({"--nnodes", "2", "--node-rank", std::to_string(rank), "--master-port", port, "--max-restarts",
+                         "1", "--grace-period-s", "2", "--rdzv-timeout-s", "60", kProbe, "store-fail-once", "3"});
   };
   Child n0(node(0));
   Child n1(node(1));
@@ -302,7 +310,8 @@ class LauncherSignal : public ::testing::TestWithParam<int> {};
 TEST_P(LauncherSignal, IsForwardedToTheWorkers) {
   const int sig = GetParam();
   TempDir dir;
-  Child c(fsdprun_spec({"--nproc-per-node", "2", "--master-port", "0", "--grace-period-s", "5", kProbe, "sleep", dir.path}));
+  Child c(fsdprun_spec(
+      {"--nproc-per-node", "2", "--master-port", "0", "--grace-period-s", "5", kProbe, "sleep", dir.path}));
   std::vector<int> pids;
   const auto deadline = Clock::now() + 30s;
   while (pids.size() < 2 && Clock::now() < deadline) {
@@ -367,27 +376,28 @@ TEST_P(LauncherBadInput, ExitsWithCode2AndOneClearLine) {
 
 INSTANTIATE_TEST_SUITE_P(
     Cases, LauncherBadInput,
-    ::testing::Values(BadInput{{"--nproc-per-node", "0", "PROBE", "env"}, "--nproc-per-node '0' is not valid; give a positive"},
-                      BadInput{{"--nnodes", "2", "--node-rank", "2", "PROBE", "env"}, "--node-rank 2 must be below --nnodes 2"},
-                      BadInput{{"--nproc-per-node", "2"}, "no program given"},
-                      BadInput{{"--nproc-per-node", "2", "--"}, "no program given"},
-                      BadInput{{"--nproc-per-node"}, "--nproc-per-node needs a value"},
-                      BadInput{{"--bogus", "PROBE"}, "unknown option '--bogus'"},
-                      BadInput{{"--master-port", "70000", "PROBE"}, "--master-port '70000' is not valid"},
-                      BadInput{{"--max-restarts", "-1", "PROBE"}, "--max-restarts '-1' is not valid"},
-                      BadInput{{"--nnodes", "3:2", "PROBE"}, "--nnodes 3:2 has MIN above MAX"},
-                      BadInput{{"--nnodes", "2", "--master-port", "0", "PROBE"}, "only works with one node"},
-                      BadInput{{"--standalone", "--nnodes", "2", "PROBE"}, "--standalone runs a single node"},
-                      BadInput{{"-m", "train"}, "drop -m"},
-                      BadInput{{"--", "/nonexistent/program"}, "cannot run '/nonexistent/program'"}));
+    ::testing::Values(
+        BadInput{{"--nproc-per-node", "0", "PROBE", "env"}, "--nproc-per-node '0' is not valid; give a positive"},
+        BadInput{{"--nnodes", "2", "--node-rank", "2", "PROBE", "env"}, "--node-rank 2 must be below --nnodes 2"},
+        BadInput{{"--nproc-per-node", "2"}, "no program given"},
+        BadInput{{"--nproc-per-node", "2", "--"}, "no program given"},
+        BadInput{{"--nproc-per-node"}, "--nproc-per-node needs a value"},
+        BadInput{{"--bogus", "PROBE"}, "unknown option '--bogus'"},
+        BadInput{{"--master-port", "70000", "PROBE"}, "--master-port '70000' is not valid"},
+        BadInput{{"--max-restarts", "-1", "PROBE"}, "--max-restarts '-1' is not valid"},
+        BadInput{{"--nnodes", "3:2", "PROBE"}, "--nnodes 3:2 has MIN above MAX"},
+        BadInput{{"--nnodes", "2", "--master-port", "0", "PROBE"}, "only works with one node"},
+        BadInput{{"--standalone", "--nnodes", "2", "PROBE"}, "--standalone runs a single node"},
+        BadInput{{"-m", "train"}, "drop -m"},
+        BadInput{{"--", "/nonexistent/program"}, "cannot run '/nonexistent/program'"}));
 
 TEST(Launcher, HelpDocumentsEveryFlag) {
   auto r = fsdprun({"--help"}, 30s);
   ASSERT_TRUE(r.ok()) << r.output;
-  for (const char* flag : {"--nproc-per-node", "--nnodes", "--node-rank", "--master-addr", "--master-port", "--standalone",
-                           "--max-restarts", "--grace-period-s", "--rdzv-timeout-s", "--monitor-interval", "--rdzv-id",
-                           "--role", "--no-python", "TORCHELASTIC_USE_AGENT_STORE", "OMP_NUM_THREADS", "--store",
-                           "FSDP_STORE_FILE", "unauthenticated", "trusted network"}) {
+  for (const char* flag : {"--nproc-per-node", "--nnodes", "--node-rank", "--master-addr", "--master-port",
+                           "--standalone", "--max-restarts", "--grace-period-s", "--rdzv-timeout-s",
+                           "--monitor-interval", "--rdzv-id", "--role", "--no-python", "TORCHELASTIC_USE_AGENT_STORE",
+                           "OMP_NUM_THREADS", "--store", "FSDP_STORE_FILE", "unauthenticated", "trusted network"}) {
     EXPECT_NE(r.output.find(flag), std::string::npos) << flag;
   }
 }

@@ -41,8 +41,17 @@ TEST(LauncherFlightRecorder, FailedWorkerLinePointsAtTheDumps) {
   fsdp::testing::TempDir dir("fsdprun_fr");
   const std::string fr_dir = dir / "fr";
   fsdp::testing::ProcessSpec spec;
-  spec.argv = {kFsdprun, "--nproc-per-node", "2", "--master-port", "0", "--grace-period-s", "2",
-               "--flight-recorder-dir", fr_dir, "--", fsdp::testing::self_exe()};
+  spec.argv = {kFsdprun,
+               "--nproc-per-node",
+               "2",
+               "--master-port",
+               "0",
+               "--grace-period-s",
+               "2",
+               "--flight-recorder-dir",
+               fr_dir,
+               "--",
+               fsdp::testing::self_exe()};
   spec.env_set = {{"FSDP_TEST_WORKER", "all_gather_without_rank1"}, {"FSDP_COLLECTIVE_TIMEOUT_S", "2"}};
   spec.env_unset = {"FSDP_FLIGHT_RECORDER_DIR", "FSDP_FLIGHT_RECORDER_SIZE"};
   spec.timeout = std::chrono::seconds(90);
@@ -51,8 +60,8 @@ TEST(LauncherFlightRecorder, FailedWorkerLinePointsAtTheDumps) {
   EXPECT_NE(result.exit_code, 0) << result.output;
   EXPECT_TRUE(std::filesystem::exists(fr_dir + "/rank_0.jsonl")) << result.output;
   // One line: where, which files, the command.
-  const std::regex line("fsdprun: flight recorder: [0-9]+ dumps? in " + fr_dir + " \\([^)]*rank_0\\.jsonl[^)]*\\); line the ranks up with: fsdp-fr " +
-                        fr_dir + "\n");
+  const std::regex line("fsdprun: flight recorder: [0-9]+ dumps? in " + fr_dir +
+                        " \\([^)]*rank_0\\.jsonl[^)]*\\); line the ranks up with: fsdp-fr " + fr_dir + "\n");
   EXPECT_TRUE(std::regex_search(result.output, line)) << result.output;
 }
 

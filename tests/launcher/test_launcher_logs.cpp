@@ -28,8 +28,14 @@ ProcessResult fsdprun(const std::vector<std::string>& args, std::chrono::millise
   ProcessSpec spec;
   spec.argv = {kFsdprun};
   spec.argv.insert(spec.argv.end(), args.begin(), args.end());
-  spec.env_unset = {"RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
-                    "TORCHELASTIC_RESTART_COUNT", "TORCHELASTIC_USE_AGENT_STORE"};
+  spec.env_unset = {"RANK",
+                    "WORLD_SIZE",
+                    "LOCAL_RANK",
+                    "LOCAL_WORLD_SIZE",
+                    "MASTER_ADDR",
+                    "MASTER_PORT",
+                    "TORCHELASTIC_RESTART_COUNT",
+                    "TORCHELASTIC_USE_AGENT_STORE"};
   spec.timeout = timeout;
   return run_process(spec);
 }
@@ -64,7 +70,8 @@ TEST(LauncherLogs, LogDirWritesEachWorkersStreamsToFilesAndStillToTheConsole) {
 
 TEST(LauncherLogs, RedirectsTakeAStreamOffTheConsole) {
   fsdp::testing::TempDir dir("fsdprun_logs");
-  auto r = fsdprun({"--nproc-per-node", "2", "--rdzv-id", "job", "--log-dir", dir.path, "--redirects", "1", "--", kProbe, "output"});
+  auto r = fsdprun(
+      {"--nproc-per-node", "2", "--rdzv-id", "job", "--log-dir", dir.path, "--redirects", "1", "--", kProbe, "output"});
   ASSERT_TRUE(r.ok()) << r.output;
   EXPECT_FALSE(has(r.output, "out-line")) << r.output;  // stdout only in the files
   EXPECT_TRUE(has(r.output, "[rank1]: err-line")) << r.output;
@@ -74,8 +81,8 @@ TEST(LauncherLogs, RedirectsTakeAStreamOffTheConsole) {
 
 TEST(LauncherLogs, TeePerLocalRankAndShortFlags) {
   fsdp::testing::TempDir dir("fsdprun_logs");
-  auto r = fsdprun({"--nproc-per-node", "2", "--rdzv-id", "job", "--log-dir", dir.path, "-t", "1:3", "-r", "0:2", "--", kProbe,
-                    "output"});
+  auto r = fsdprun({"--nproc-per-node", "2", "--rdzv-id", "job", "--log-dir", dir.path, "-t", "1:3", "-r", "0:2", "--",
+                    kProbe, "output"});
   ASSERT_TRUE(r.ok()) << r.output;
   // local rank 0: stderr redirected (file only); local rank 1: both teed (files and console).
   EXPECT_EQ(read(log_file(dir.path, 0, "stderr")), "err-line\n");
@@ -108,8 +115,8 @@ TEST(LauncherLogs, RedirectsWithoutLogDirUseANewFolderThatIsNamed) {
 
 TEST(LauncherLogs, LocalRanksFilterShowsOnlyThoseRanksOnTheConsole) {
   fsdp::testing::TempDir dir("fsdprun_logs");
-  auto r = fsdprun({"--nproc-per-node", "3", "--rdzv-id", "job", "--log-dir", dir.path, "--local-ranks-filter", "1", "--", kProbe,
-                    "output"});
+  auto r = fsdprun({"--nproc-per-node", "3", "--rdzv-id", "job", "--log-dir", dir.path, "--local-ranks-filter", "1",
+                    "--", kProbe, "output"});
   ASSERT_TRUE(r.ok()) << r.output;
   EXPECT_TRUE(has(r.output, "[rank1]: out-line")) << r.output;
   EXPECT_FALSE(has(r.output, "[rank0]:")) << r.output;
@@ -121,8 +128,8 @@ TEST(LauncherLogs, LocalRanksFilterShowsOnlyThoseRanksOnTheConsole) {
 // printed, with its rank, after the failure line (and not when they reached the console).
 TEST(LauncherLogs, FailedWorkersLastLinesArePrintedWithItsRank) {
   fsdp::testing::TempDir dir("fsdprun_logs");
-  auto r = fsdprun({"--nproc-per-node", "2", "--rdzv-id", "job", "--log-dir", dir.path, "--redirects", "3", "--", kProbe, "lines",
-                    "30", "7"});
+  auto r = fsdprun({"--nproc-per-node", "2", "--rdzv-id", "job", "--log-dir", dir.path, "--redirects", "3", "--",
+                    kProbe, "lines", "30", "7"});
   EXPECT_EQ(r.exit_code, 1) << r.output;
   EXPECT_TRUE(has(r.output, "fsdprun: last 20 output lines of rank 1:\n  [rank1]: r1 line 11\n")) << r.output;
   EXPECT_TRUE(has(r.output, "  [rank1]: r1 line 30\n")) << r.output;

@@ -139,10 +139,20 @@ JobSockets listening_sockets_of_job(const std::vector<std::string>& flags) {
   ProcessSpec spec;
   spec.argv = {kFsdprun};
   spec.argv.insert(spec.argv.end(), flags.begin(), flags.end());
-  spec.argv.insert(spec.argv.end(), {"--nproc-per-node", "2", "--grace-period-s", "5", "--", fsdp::testing::self_exe()});
-  spec.env_set = {{"FSDP_TEST_WORKER", "pause_in_rendezvous"}, {"FSDP_TEST_DIR", dir.path}, {"FSDP_COLLECTIVE_TIMEOUT_S", "60"}};
-  spec.env_unset = {"RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
-                    "TORCHELASTIC_RESTART_COUNT", "TORCHELASTIC_USE_AGENT_STORE", "FSDP_STORE_FILE", "GLOO_SOCKET_IFNAME"};
+  spec.argv.insert(spec.argv.end(),
+                   {"--nproc-per-node", "2", "--grace-period-s", "5", "--", fsdp::testing::self_exe()});
+  spec.env_set = {
+      {"FSDP_TEST_WORKER", "pause_in_rendezvous"}, {"FSDP_TEST_DIR", dir.path}, {"FSDP_COLLECTIVE_TIMEOUT_S", "60"}};
+  spec.env_unset = {"RANK",
+                    "WORLD_SIZE",
+                    "LOCAL_RANK",
+                    "LOCAL_WORLD_SIZE",
+                    "MASTER_ADDR",
+                    "MASTER_PORT",
+                    "TORCHELASTIC_RESTART_COUNT",
+                    "TORCHELASTIC_USE_AGENT_STORE",
+                    "FSDP_STORE_FILE",
+                    "GLOO_SOCKET_IFNAME"};
   spec.timeout = 120s;
   JobSockets job;
   Child child(spec);
@@ -159,7 +169,8 @@ JobSockets listening_sockets_of_job(const std::vector<std::string>& flags) {
   }
   if (!job.store_file.empty() && job.store_file != "-") {
     struct stat st {};
-    if (stat(std::filesystem::path(job.store_file).parent_path().c_str(), &st) == 0) job.store_dir_mode = st.st_mode & 07777;
+    if (stat(std::filesystem::path(job.store_file).parent_path().c_str(), &st) == 0)
+      job.store_dir_mode = st.st_mode & 07777;
   }
   if (pids.size() == 3) {
     // Rank 0 is now entering (or inside) the second group's rendezvous: collect the job's
@@ -189,7 +200,8 @@ JobSockets listening_sockets_of_job(const std::vector<std::string>& flags) {
 
 std::string describe(const std::vector<Listener>& ls) {
   std::string s;
-  for (const auto& l : ls) s += "  " + l.address + ":" + std::to_string(l.port) + (l.loopback ? "" : "  <- not loopback") + "\n";
+  for (const auto& l : ls)
+    s += "  " + l.address + ":" + std::to_string(l.port) + (l.loopback ? "" : "  <- not loopback") + "\n";
   return s.empty() ? "  (none)\n" : s;
 }
 
@@ -212,17 +224,26 @@ TEST(LauncherNetwork, SingleNodeJobListensOnLoopbackOnly) {
 // Restarted workers meet again in the same FileStore (under the next attempt's prefix).
 TEST(LauncherNetwork, FileStoreServesRestartedWorkers) {
   ProcessSpec spec;
-  spec.argv = {kFsdprun, "--nproc-per-node", "2", "--master-port", "0", "--max-restarts", "1", "--grace-period-s", "2",
-               "--", PROBE_PATH, "store-fail-once", "3"};
-  spec.env_unset = {"RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
-                    "TORCHELASTIC_RESTART_COUNT", "TORCHELASTIC_USE_AGENT_STORE", "FSDP_STORE_FILE"};
+  spec.argv = {
+      kFsdprun,   "--nproc-per-node", "2", "--master-port", "0", "--max-restarts", "1", "--grace-period-s", "2", "--",
+      PROBE_PATH, "store-fail-once",  "3"};
+  spec.env_unset = {"RANK",
+                    "WORLD_SIZE",
+                    "LOCAL_RANK",
+                    "LOCAL_WORLD_SIZE",
+                    "MASTER_ADDR",
+                    "MASTER_PORT",
+                    "TORCHELASTIC_RESTART_COUNT",
+                    "TORCHELASTIC_USE_AGENT_STORE",
+                    "FSDP_STORE_FILE"};
   spec.timeout = 90s;
   auto r = fsdp::testing::run_process(spec);
   ASSERT_TRUE(r.ok()) << r.output;
   for (int rank : {0, 1}) {
     const std::string prefix = "[rank" + std::to_string(rank) + "]: ";
     EXPECT_NE(r.output.find(prefix + "store=file\n"), std::string::npos) << r.output;
-    EXPECT_NE(r.output.find(prefix + "OK rank=" + std::to_string(rank) + " world=2 port="), std::string::npos) << r.output;
+    EXPECT_NE(r.output.find(prefix + "OK rank=" + std::to_string(rank) + " world=2 port="), std::string::npos)
+        << r.output;
   }
   EXPECT_NE(r.output.find(" attempt=1\n"), std::string::npos) << r.output;
   EXPECT_NE(r.output.find("restarting all workers (restart 1 of 1)"), std::string::npos) << r.output;
@@ -237,14 +258,15 @@ TEST(LauncherNetwork, TcpStoreListensOnTheMasterAddrWhereLibTorchAllows) {
   ASSERT_FALSE(job.listening.empty()) << job.result.output;
   const bool everywhere = job.result.output.find("listens on every interface") != std::string::npos;
   if (fsdp::compat::tcp_store_can_choose_address<>) {
-  EXPECT_FALSE(everywhere) << job.result.output;
-  for (const auto& l : job.listening) EXPECT_TRUE(l.loopback) << "listening sockets:\n" << describe(job.listening);
+    EXPECT_FALSE(everywhere) << job.result.output;
+    for (const auto& l : job.listening) EXPECT_TRUE(l.loopback) << "listening sockets:\n" << describe(job.listening);
   } else {
-  EXPECT_TRUE(everywhere) << "fsdprun should say that 1.13's store listens on every interface\n" << job.result.output;
-  std::set<int> open_ports;
-  for (const auto& l : job.listening) {
-    if (!l.loopback) open_ports.insert(l.port);
-  }
-  EXPECT_EQ(open_ports.size(), 1u) << "only the store's port may be open beyond loopback:\n" << describe(job.listening);
+    EXPECT_TRUE(everywhere) << "fsdprun should say that 1.13's store listens on every interface\n" << job.result.output;
+    std::set<int> open_ports;
+    for (const auto& l : job.listening) {
+      if (!l.loopback) open_ports.insert(l.port);
+    }
+    EXPECT_EQ(open_ports.size(), 1u) << "only the store's port may be open beyond loopback:\n"
+                                     << describe(job.listening);
   }
 }

@@ -11,7 +11,8 @@ void expect_invalid(F&& f, const std::string& needle) {
   try {
     f();
   } catch (const std::invalid_argument& e) {
-    TORCH_CHECK(std::string(e.what()).find(needle) != std::string::npos, "message '", e.what(), "' lacks '", needle, "'");
+    TORCH_CHECK(std::string(e.what()).find(needle) != std::string::npos, "message '", e.what(), "' lacks '", needle,
+                "'");
     return;
   }
   TORCH_CHECK(false, "expected an error mentioning '", needle, "'");
@@ -57,7 +58,8 @@ FSDP_RANK_WORKER(mesh_2d) {
   auto again = fsdp::init_device_mesh({2, 2}, {"replicate", "shard"});
   auto g = at::ones({3});
   again["shard"].comm()->all_gather_into_tensor(at::empty({6}), g);
-  expect_invalid([&] { (void)mesh["tensor"]; }, "no dimension named \"tensor\"; this mesh has \"replicate\", \"shard\"");
+  expect_invalid([&] { (void)mesh["tensor"]; },
+                 "no dimension named \"tensor\"; this mesh has \"replicate\", \"shard\"");
 }
 
 FSDP_RANK_WORKER(mesh_errors) {

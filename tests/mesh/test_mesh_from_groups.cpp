@@ -48,7 +48,8 @@ FSDP_RANK_WORKER(from_groups_2x2) {
   auto mesh = DeviceMesh::from_groups({g.dp, g.tp}, at::arange(4, at::kLong).view({2, 2}), {"dp", "tp"});
   std::cout << mesh.to_string() << std::endl;
   // The groups given, not copies: same objects on the mesh and its sub-meshes.
-  TORCH_CHECK(mesh.comm("dp").get() == g.dp.get() && mesh.comm("tp").get() == g.tp.get(), "the mesh's comms are not the groups given");
+  TORCH_CHECK(mesh.comm("dp").get() == g.dp.get() && mesh.comm("tp").get() == g.tp.get(),
+              "the mesh's comms are not the groups given");
   TORCH_CHECK(mesh["dp"].comm() == g.dp && mesh["tp"].comm() == g.tp);
   const DeviceMesh both = mesh.slice({"dp", "tp"});
   TORCH_CHECK(both.comm(0) == g.dp && both.comm(1) == g.tp);
@@ -64,7 +65,8 @@ FSDP_RANK_WORKER(from_groups_2x2) {
   TORCH_CHECK((g.tp->stats().snapshot() - tp_before)[fsdp::comm::OpKind::AllReduce].calls == 1);
   // The same groups under another layout: the transposed mesh takes them in the other order.
   auto t = DeviceMesh::from_groups({g.tp, g.dp}, at::arange(4, at::kLong).view({2, 2}).t(), {"a", "b"});
-  TORCH_CHECK(t.get_coordinate() == (std::vector<int64_t>{me % 2, me / 2}) && t.comm("a") == g.tp && t.comm("b") == g.dp);
+  TORCH_CHECK(t.get_coordinate() == (std::vector<int64_t>{me % 2, me / 2}) && t.comm("a") == g.tp &&
+              t.comm("b") == g.dp);
   // Flattening a from_groups mesh makes a group over all four (its own).
   auto flat = mesh.flatten("all");
   TORCH_CHECK(flat.size() == 4 && flat.get_local_rank(0) == me && sum_over(flat.comm()) == 6);
@@ -73,7 +75,8 @@ FSDP_RANK_WORKER(from_groups_2x2) {
   TORCH_CHECK(world.comm() == fsdp::dist::world_comm() && world.size() == 4 && world.get_local_rank(0) == me &&
               world.dim_names() == std::vector<std::string>{"dp"});
   auto row = DeviceMesh::from_group(g.tp, "cpu");
-  TORCH_CHECK(row.comm() == g.tp && row.dim_names() == std::vector<std::string>{"dim0"} && row.get_local_rank(0) == me % 2);
+  TORCH_CHECK(row.comm() == g.tp && row.dim_names() == std::vector<std::string>{"dim0"} &&
+              row.get_local_rank(0) == me % 2);
   TORCH_CHECK(row.mesh().equal(at::tensor({me / 2 * 2, me / 2 * 2 + 1}, at::kLong)), "row mesh ", row.mesh());
 }
 
@@ -86,27 +89,49 @@ FSDP_RANK_WORKER(from_groups_errors) {
   expect_error([&] { DeviceMesh::from_groups({g.dp, nullptr}, grid); }, "group 1 is null");
   expect_error([&] { DeviceMesh::from_group(nullptr); }, "from_group: the group is null");
   // The groups swapped: each is checked against the mesh's line along its dimension.
-  expect_error([&] { DeviceMesh::from_groups({g.tp, g.dp}, grid, {"dp", "tp"}); },
-               "but the mesh's line along \"dp\" through rank " + std::to_string(me));
-  expect_error([&] { DeviceMesh::from_groups({g.tp, g.dp}, grid, {"dp", "tp"}); },
-               "pass, for each dimension in order, the group of the ranks that differ from this one only along it");
+  expect_error(
+      [&] {
+        DeviceMesh::from_groups({g.tp, g.dp}, grid, {"dp", "tp"});
+      },
+      "but the mesh's line along \"dp\" through rank " + std::to_string(me));
+  expect_error(
+      [&] {
+        DeviceMesh::from_groups({g.tp, g.dp}, grid, {"dp", "tp"});
+      },
+      "pass, for each dimension in order, the group of the ranks that differ from this one only along it");
   // The right ranks in another order: [[1, 0], [3, 2]] puts the tp row backwards.
-  expect_error([&] { DeviceMesh::from_groups({g.dp, g.tp}, grid.flip({1}), {"dp", "tp"}); }, "holds ranks [" +
-               std::to_string(me / 2 * 2) + ", " + std::to_string(me / 2 * 2 + 1) + "] but the mesh's line along \"tp\"");
-  expect_error([&] { DeviceMesh::from_groups({g.dp, g.tp}, at::tensor({0, 1, 1, 3}, at::kLong).view({2, 2})); },
-               "the mesh lists rank 1 twice");
-  expect_error([&] { DeviceMesh::from_groups({g.dp, g.tp}, at::tensor({0, 1, 2, 7}, at::kLong).view({2, 2})); },
-               "lists rank 7, outside the world of 4 ranks");
-  expect_error([&] { DeviceMesh::from_groups({g.dp, g.tp}, at::arange(4, at::kFloat).view({2, 2})); },
-               "the mesh holds Float values; pass integer global ranks");
+  expect_error(
+      [&] {
+        DeviceMesh::from_groups({g.dp, g.tp}, grid.flip({1}), {"dp", "tp"});
+      },
+      "holds ranks [" + std::to_string(me / 2 * 2) + ", " + std::to_string(me / 2 * 2 + 1) +
+          "] but the mesh's line along \"tp\"");
+  expect_error(
+      [&] {
+        DeviceMesh::from_groups({g.dp, g.tp}, at::tensor({0, 1, 1, 3}, at::kLong).view({2, 2}));
+      },
+      "the mesh lists rank 1 twice");
+  expect_error(
+      [&] {
+        DeviceMesh::from_groups({g.dp, g.tp}, at::tensor({0, 1, 2, 7}, at::kLong).view({2, 2}));
+      },
+      "lists rank 7, outside the world of 4 ranks");
+  expect_error(
+      [&] {
+        DeviceMesh::from_groups({g.dp, g.tp}, at::arange(4, at::kFloat).view({2, 2}));
+      },
+      "the mesh holds Float values; pass integer global ranks");
   expect_error([&] { DeviceMesh::from_groups({}, at::empty({0}, at::kLong)); }, "the mesh is empty");
   expect_error([&] { DeviceMesh::from_groups({g.dp, g.tp}, grid, {"dp"}); }, "1 dimension names for a 2-D mesh");
   expect_error([&] { DeviceMesh::from_groups({g.dp, g.tp}, grid, {"x", "x"}); }, "\"x\" is used twice");
   expect_error([&] { DeviceMesh::from_groups({g.dp, g.tp}, grid, {}, "tpu"); }, "unknown device type 'tpu'");
   // A mesh of the other row's ranks: this process is not in it.
   const int other = 1 - me / 2;
-  expect_error([&] { DeviceMesh::from_groups({g.tp}, at::tensor({2 * other, 2 * other + 1}, at::kLong)); },
-               "(global rank " + std::to_string(me) + ") is not in the mesh");
+  expect_error(
+      [&] {
+        DeviceMesh::from_groups({g.tp}, at::tensor({2 * other, 2 * other + 1}, at::kLong));
+      },
+      "(global rank " + std::to_string(me) + ") is not in the mesh");
   auto mesh = DeviceMesh::from_groups({g.dp, g.tp}, grid, {"dp", "tp"});
   TORCH_CHECK(sum_over(mesh.comm("tp")) == 2 * (me / 2 * 2) + 1);
 }
@@ -132,7 +157,8 @@ Run train(const DeviceMesh& dp_mesh, const std::optional<DeviceMesh>& tp_mesh) {
   Run run;
   for (int s = 0; s < kSteps; ++s) {
     at::Tensor batch = fsdp::testing::global_batch(c, s, kBatch, 3000);
-    at::Tensor global = fsdp::testing::train_step(model, opt, batch, dp_mesh.get_local_rank(0), dp_mesh.size()).clone().reshape({1});
+    at::Tensor global =
+        fsdp::testing::train_step(model, opt, batch, dp_mesh.get_local_rank(0), dp_mesh.size()).clone().reshape({1});
     dp_mesh.comm()->all_reduce(global, fsdp::comm::ReduceOp::Avg);
     run.losses.push_back(global.item<double>());
   }
@@ -157,7 +183,8 @@ void expect_same_runs(const Run& a, const Run& b, const std::vector<double>& ref
   for (int s = 0; s < kSteps; ++s) {
     std::cout << what << " step " << s << " loss " << a.losses[s] << " (init_device_mesh " << b.losses[s]
               << ", one process " << reference[s] << ")" << std::endl;
-    TORCH_CHECK(a.losses[s] == b.losses[s], what, " step ", s, ": loss ", a.losses[s], " vs init_device_mesh's ", b.losses[s]);
+    TORCH_CHECK(a.losses[s] == b.losses[s], what, " step ", s, ": loss ", a.losses[s], " vs init_device_mesh's ",
+                b.losses[s]);
     TORCH_CHECK(fsdp::testing::rel_diff(a.losses[s], reference[s]) <= 1e-5, what, " step ", s, ": loss ", a.losses[s],
                 " vs one process ", reference[s]);
   }
@@ -184,7 +211,8 @@ FSDP_RANK_WORKER(from_groups_train) {
   auto mesh = DeviceMesh::from_groups({g.dp, g.tp}, at::arange(4, at::kLong).view({2, 2}), {"dp", "tp"});
   const auto tp_before = g.tp->stats().snapshot(), dp_before = g.dp->stats().snapshot();
   const Run both_groups = train(mesh["dp"], mesh["tp"]);
-  TORCH_CHECK((g.tp->stats().snapshot() - tp_before).total_bytes() > 0 && (g.dp->stats().snapshot() - dp_before).total_bytes() > 0,
+  TORCH_CHECK((g.tp->stats().snapshot() - tp_before).total_bytes() > 0 &&
+                  (g.dp->stats().snapshot() - dp_before).total_bytes() > 0,
               "training did not run on the groups given");
   auto init = fsdp::init_device_mesh({2, 2}, {"dp", "tp"});
   const Run both_init = train(init["dp"], init["tp"]);
@@ -210,5 +238,6 @@ TEST(DeviceMeshFromGroups, GroupOfOneWithoutARuntime) {
   EXPECT_EQ(mesh.comm().get(), one.get());
   EXPECT_EQ(mesh.size(), 1);
   EXPECT_EQ(mesh.device_type(), "cpu");
-  EXPECT_ERROR_CONTAINS(DeviceMesh::from_groups({one}, at::full({1}, 1, at::kLong)), "the mesh lists rank 1, outside the world of 1 ranks");
+  EXPECT_ERROR_CONTAINS(DeviceMesh::from_groups({one}, at::full({1}, 1, at::kLong)),
+                        "the mesh lists rank 1, outside the world of 1 ranks");
 }

@@ -85,7 +85,8 @@ void check_module_against_reference(bool fused) {
   auto wa = attn->c_attn->weight.detach().to(torch::kDouble).requires_grad_(true);
   auto wp = attn->c_proj->weight.detach().to(torch::kDouble).requires_grad_(true);
   const int64_t B = 3, T = 11, C = c.n_embd, H = c.n_head;
-  auto qkv = torch::nn::functional::linear(x64.detach(), wa, attn->c_attn->bias.detach().to(torch::kDouble)).split(C, 2);
+  auto qkv =
+      torch::nn::functional::linear(x64.detach(), wa, attn->c_attn->bias.detach().to(torch::kDouble)).split(C, 2);
   auto heads = [&](const torch::Tensor& t) { return t.view({B, T, H, C / H}).transpose(1, 2); };
   auto att = reference_attention(heads(qkv[0]), heads(qkv[1]), heads(qkv[2])).transpose(1, 2).reshape({B, T, C});
   auto out = torch::nn::functional::linear(att, wp, attn->c_proj->bias.detach().to(torch::kDouble));
@@ -106,7 +107,8 @@ TEST(Attention, DetectionFollowsTheLibTorchVersion) {
 TEST(Attention, WrittenOutMatchesAFloat64Reference) { check_module_against_reference(/*fused=*/false); }
 
 TEST(Attention, FusedMatchesAFloat64Reference) {
-  if (!fsdp::compat::kHasFusedAttention) GTEST_SKIP() << "LibTorch " << TORCH_VERSION << " has no scaled_dot_product_attention";
+  if (!fsdp::compat::kHasFusedAttention)
+    GTEST_SKIP() << "LibTorch " << TORCH_VERSION << " has no scaled_dot_product_attention";
   check_module_against_reference(/*fused=*/true);
 }
 

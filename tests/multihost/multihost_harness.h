@@ -16,17 +16,28 @@ using fsdp::testing::NetnsHosts;
 
 inline constexpr int kPort = 29500;  // each host has its own network stack: never taken
 
-#define SKIP_WITHOUT_NETNS()                                                         \
-  do {                                                                               \
-    if (auto why = NetnsHosts::unavailable(); !why.empty()) GTEST_SKIP() << why;     \
+#define SKIP_WITHOUT_NETNS()                                                     \
+  do {                                                                           \
+    if (auto why = NetnsHosts::unavailable(); !why.empty()) GTEST_SKIP() << why; \
   } while (0)
 
 // fsdprun's command line for node k of hosts.size() nodes; node 0 is the master.
-inline std::vector<std::string> node_argv(const NetnsHosts& hosts, int k, int nproc, const std::vector<std::string>& launcher,
+inline std::vector<std::string> node_argv(const NetnsHosts& hosts, int k, int nproc,
+                                          const std::vector<std::string>& launcher,
                                           const std::vector<std::string>& program) {
-  std::vector<std::string> argv = {kFsdprun,       "--nnodes",      std::to_string(hosts.size()), "--node-rank",
-                                   std::to_string(k), "--nproc-per-node", std::to_string(nproc), "--master-addr",
-                                   hosts.addr(0),  "--master-port", std::to_string(kPort),       "--rdzv-timeout-s", "60"};
+  std::vector<std::string> argv = {kFsdprun,
+                                   "--nnodes",
+                                   std::to_string(hosts.size()),
+                                   "--node-rank",
+                                   std::to_string(k),
+                                   "--nproc-per-node",
+                                   std::to_string(nproc),
+                                   "--master-addr",
+                                   hosts.addr(0),
+                                   "--master-port",
+                                   std::to_string(kPort),
+                                   "--rdzv-timeout-s",
+                                   "60"};
   argv.insert(argv.end(), launcher.begin(), launcher.end());
   argv.push_back("--");
   argv.insert(argv.end(), program.begin(), program.end());
@@ -43,7 +54,8 @@ inline ProcessSpec node_spec(const NetnsHosts& hosts, int k, int nproc, const st
 }
 
 // Starts fsdprun on every host at once and waits for all of them.
-inline std::vector<ProcessResult> run_on_hosts(const NetnsHosts& hosts, int nproc, const std::vector<std::string>& launcher,
+inline std::vector<ProcessResult> run_on_hosts(const NetnsHosts& hosts, int nproc,
+                                               const std::vector<std::string>& launcher,
                                                const std::vector<std::string>& program,
                                                std::chrono::milliseconds timeout = 180s) {
   std::vector<Child> nodes;

@@ -34,12 +34,13 @@ class NetnsHosts {
   std::string addr(int k) const;  // "10.77.0.(k+1)"
   // A process spec that runs argv inside host k (argv[0] an absolute path).
   ProcessSpec spec(int k, const std::vector<std::string>& argv, std::chrono::milliseconds timeout) const;
-  void kill_host(int k);             // SIGKILL every process of host k (a host that dies)
-  void set_link(int k, bool up);     // unplug / plug host k's link to the bridge
+  void kill_host(int k);          // SIGKILL every process of host k (a host that dies)
+  void set_link(int k, bool up);  // unplug / plug host k's link to the bridge
   const std::string& prefix() const { return prefix_; }
 
  private:
-  ProcessResult script(const std::vector<std::string>& args, std::chrono::milliseconds timeout = std::chrono::seconds(60)) const;
+  ProcessResult script(const std::vector<std::string>& args,
+                       std::chrono::milliseconds timeout = std::chrono::seconds(60)) const;
   std::string prefix_;
   int n_ = 0;
   bool up_ = false;

@@ -39,12 +39,12 @@ TEST(MultiHostHarness, RemovesEveryNamespaceAndProcess) {
     prefix = hosts.prefix();
     // The shell reports the pid only once it leads its own session: before setsid() has run, the
     // child is still in the shell's process group, which run_process ends when the shell exits.
-    auto r = run_process(hosts.spec(
-        1,
-        {"/bin/sh", "-c",
-         "setsid /bin/sleep 300 </dev/null >/dev/null 2>&1 & p=$!; "
-         "while [ \"$(awk '{print $6}' /proc/$p/stat)\" != \"$p\" ]; do sleep 0.01; done; echo $p"},
-        30s));
+    auto r = run_process(
+        hosts.spec(1,
+                   {"/bin/sh", "-c",
+                    "setsid /bin/sleep 300 </dev/null >/dev/null 2>&1 & p=$!; "
+                    "while [ \"$(awk '{print $6}' /proc/$p/stat)\" != \"$p\" ]; do sleep 0.01; done; echo $p"},
+                   30s));
     ASSERT_TRUE(r.ok()) << r.output;
     pid = std::stoi(r.output);
     ASSERT_TRUE(fsdp::testing::process_alive(pid));
@@ -63,7 +63,8 @@ TEST(MultiHost, TwoHostsFormOneJobThroughNode0sStore) {
   ASSERT_TRUE(all_ok(rs)) << report(rs);
   for (int r = 0; r < 4; ++r) {
     const auto& out = rs[static_cast<size_t>(r / 2)].output;
-    EXPECT_NE(out.find("[rank" + std::to_string(r) + "]: OK rank=" + std::to_string(r)), std::string::npos) << report(rs);
+    EXPECT_NE(out.find("[rank" + std::to_string(r) + "]: OK rank=" + std::to_string(r)), std::string::npos)
+        << report(rs);
   }
   EXPECT_NE(rs[0].output.find("store=tcp"), std::string::npos) << report(rs);
 }

@@ -28,8 +28,9 @@ TEST(MultiHostElastic, ThreeHostsLoseOneAndContinueAsTwoFromTheLastCheckpoint) {
   ASSERT_EQ(reference.size(), 12u);
 
   NetnsHosts hosts(3);
-  const std::vector<std::string> launcher = {"--nnodes",       "2:3", "--max-restarts", "1", "--heartbeat-timeout-s", "3",
-                                             "--grace-period-s", "2",   "--rdzv-last-call-s", "2"};
+  const std::vector<std::string> launcher = {
+      "--nnodes",         "2:3", "--max-restarts",     "1", "--heartbeat-timeout-s", "3",
+      "--grace-period-s", "2",   "--rdzv-last-call-s", "2"};
   std::vector<std::string> program = {kTrainGpt};
   auto args = tiny_args(dir / "m.jsonl", {"--checkpoint-dir", dir / "ckpt", "--checkpoint-every", "4", "--resume"});
   program.insert(program.end(), args.begin(), args.end());
@@ -40,9 +41,11 @@ TEST(MultiHostElastic, ThreeHostsLoseOneAndContinueAsTwoFromTheLastCheckpoint) {
     nodes.push_back(std::make_unique<Child>(spec));
   }
   const auto step4 = fs::path(dir / "ckpt") / "step_000004" / "index.json";
-  ASSERT_TRUE(wait_until({nodes[0].get(), nodes[1].get(), nodes[2].get()}, [&] { return fs::exists(step4); }, 200s))
+  ASSERT_TRUE(wait_until(
+      {nodes[0].get(), nodes[1].get(), nodes[2].get()}, [&] { return fs::exists(step4); }, 200s))
       << nodes[0]->result().output;
-  ASSERT_FALSE(fs::exists(fs::path(dir / "ckpt") / "step_000012" / "index.json")) << "finished before the host was lost";
+  ASSERT_FALSE(fs::exists(fs::path(dir / "ckpt") / "step_000012" / "index.json"))
+      << "finished before the host was lost";
   hosts.kill_host(2);
   auto r0 = nodes[0]->wait();
   auto r1 = nodes[1]->wait();

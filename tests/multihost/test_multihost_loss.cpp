@@ -46,7 +46,8 @@ Loss lose_host_one(const std::function<void(NetnsHosts&)>& cut, const std::strin
   Child n0(node_spec(hosts, 0, 2, kLauncher, program, 240s));
   Child n1(node_spec(hosts, 1, 2, kLauncher, program, 240s));
   Loss out;
-  const bool training = wait_until({&n0, &n1}, [&] { return losses(metrics).size() >= 3; }, 150s);
+  const bool training = wait_until(
+      {&n0, &n1}, [&] { return losses(metrics).size() >= 3; }, 150s);
   if (!training) {
     n0.send_signal(SIGKILL);
     n1.send_signal(SIGKILL);
@@ -57,17 +58,20 @@ Loss lose_host_one(const std::function<void(NetnsHosts&)>& cut, const std::strin
   const auto t0 = Clock::now();
   cut(hosts);
   bool n0_done = false, n1_done = false;
-  wait_until({}, [&] {
-    if (!n0_done && n0.try_wait()) {
-      n0_done = true;
-      out.survivor_s = seconds_since(t0);
-    }
-    if (!n1_done && n1.try_wait()) {
-      n1_done = true;
-      out.lost_s = seconds_since(t0);
-    }
-    return n0_done && n1_done;
-  }, 200s);
+  wait_until(
+      {},
+      [&] {
+        if (!n0_done && n0.try_wait()) {
+          n0_done = true;
+          out.survivor_s = seconds_since(t0);
+        }
+        if (!n1_done && n1.try_wait()) {
+          n1_done = true;
+          out.lost_s = seconds_since(t0);
+        }
+        return n0_done && n1_done;
+      },
+      200s);
   out.survivor = n0.wait();
   out.lost = n1.wait();
   return out;
@@ -82,8 +86,8 @@ TEST(MultiHostLoss, KilledHostIsNamedByTheOtherWithinTheBound) {
   EXPECT_EQ(r.survivor.exit_code, 1) << both;
   EXPECT_NE(r.survivor.output.find("node 1 lost: no heartbeat from its fsdprun for 3 s"), std::string::npos) << both;
   EXPECT_EQ(r.lost.term_signal, SIGKILL) << both;
-  std::printf("[ measured ] host 1 killed: node 0 exited %.2f s later (bound %.0f s + %.0f s)\n", r.survivor_s, kHeartbeatS,
-              kGraceS);
+  std::printf("[ measured ] host 1 killed: node 0 exited %.2f s later (bound %.0f s + %.0f s)\n", r.survivor_s,
+              kHeartbeatS, kGraceS);
   EXPECT_LT(r.survivor_s, kHeartbeatS + kGraceS + kSlackS) << both;
 }
 
@@ -97,8 +101,9 @@ TEST(MultiHostLoss, UnpluggedHostAndNode0NameEachOtherWithinTheBound) {
   EXPECT_NE(r.survivor.output.find("node 1 lost: no heartbeat from its fsdprun for 3 s"), std::string::npos) << both;
   EXPECT_EQ(r.lost.exit_code, 1) << both;
   EXPECT_NE(r.lost.output.find("node 0 lost"), std::string::npos) << both;
-  std::printf("[ measured ] host 1's link down: node 0 exited %.2f s later, node 1 %.2f s later (bound %.0f s + %.0f s)\n",
-              r.survivor_s, r.lost_s, kHeartbeatS, kGraceS);
+  std::printf(
+      "[ measured ] host 1's link down: node 0 exited %.2f s later, node 1 %.2f s later (bound %.0f s + %.0f s)\n",
+      r.survivor_s, r.lost_s, kHeartbeatS, kGraceS);
   EXPECT_LT(r.survivor_s, kHeartbeatS + kGraceS + kSlackS) << both;
   EXPECT_LT(r.lost_s, kHeartbeatS + kGraceS + kSlackS) << both;
 }
@@ -109,15 +114,18 @@ TEST(MultiHostLoss, SecondLiveAgentWithTheSameNodeRankIsRefused) {
   TempDir dir;
   const std::string port = std::to_string(fsdp::testing::pick_free_port());
   auto node = [&](int k) {
-    return spec_of({kFsdprun, "--nnodes", "2", "--node-rank", std::to_string(k), "--master-port", port, "--heartbeat-timeout-s",
-                    "1", "--rdzv-timeout-s", "60", "--", PROBE_PATH, "sleep", dir.path},
+    return spec_of({kFsdprun, "--nnodes", "2", "--node-rank", std::to_string(k), "--master-port", port,
+                    "--heartbeat-timeout-s", "1", "--rdzv-timeout-s", "60", "--", PROBE_PATH, "sleep", dir.path},
                    90s);
   };
   Child n0(node(0)), n1(node(1));
-  ASSERT_TRUE(wait_until({&n0, &n1}, [&] { return fs::exists(dir / "pid_1"); }, 60s)) << n0.result().output << n1.result().output;
+  ASSERT_TRUE(wait_until(
+      {&n0, &n1}, [&] { return fs::exists(dir / "pid_1"); }, 60s))
+      << n0.result().output << n1.result().output;
   auto dup = run_process(node(1));
   EXPECT_EQ(dup.exit_code, 2) << dup.output;
-  EXPECT_NE(dup.output.find("another fsdprun already joined as --node-rank 1 and is alive"), std::string::npos) << dup.output;
+  EXPECT_NE(dup.output.find("another fsdprun already joined as --node-rank 1 and is alive"), std::string::npos)
+      << dup.output;
   n0.send_signal(SIGTERM);
   n1.send_signal(SIGTERM);
 }
@@ -140,7 +148,9 @@ TEST(MultiHostLoss, HostBackRestartsFromTheLastCheckpointBitwise) {
   Child n0(node_spec(hosts, 0, 2, launcher, args("b"), 300s));
   auto first = std::make_unique<Child>(node_spec(hosts, 1, 2, launcher, args("b"), 300s));
   const auto step4 = fs::path(dir / "b") / "step_000004" / "index.json";
-  ASSERT_TRUE(wait_until({&n0, first.get()}, [&] { return fs::exists(step4); }, 200s)) << n0.result().output;
+  ASSERT_TRUE(wait_until(
+      {&n0, first.get()}, [&] { return fs::exists(step4); }, 200s))
+      << n0.result().output;
   hosts.kill_host(1);
   auto killed = first->wait();
   ASSERT_EQ(killed.term_signal, SIGKILL) << killed.output;

@@ -104,8 +104,8 @@ double check_shards_match(models::GPT& model, const std::map<std::string, at::Te
     at::Tensor want = rows.narrow(0, info->dim0_offset, info->local_rows);
     // Relative difference, with magnitudes below 1 counted as 1: biases and LayerNorm shifts start
     // at zero, where a pure ratio would measure float32 rounding against nothing.
-    const double diff = want.numel() ? ((p.value().detach() - want).abs() / want.abs().clamp_min(1.0)).max().item<double>()
-                                     : 0.0;
+    const double diff =
+        want.numel() ? ((p.value().detach() - want).abs() / want.abs().clamp_min(1.0)).max().item<double>() : 0.0;
     TORCH_CHECK(diff <= tolerance, "parameter ", p.key(), " differs from the single-process run by ", diff,
                 " (relative), tolerance ", tolerance);
     worst = std::max(worst, diff);
@@ -113,7 +113,8 @@ double check_shards_match(models::GPT& model, const std::map<std::string, at::Te
   return worst;
 }
 
-double check_full_params_match(models::GPT& model, const std::map<std::string, at::Tensor>& reference, double tolerance) {
+double check_full_params_match(models::GPT& model, const std::map<std::string, at::Tensor>& reference,
+                               double tolerance) {
   double worst = 0;
   for (const auto& p : model->named_parameters()) {
     const at::Tensor& want = reference.at(p.key());
@@ -130,7 +131,8 @@ void check_losses_match(const std::vector<double>& got, const std::vector<double
   TORCH_CHECK(got.size() == want.size());
   for (size_t i = 0; i < got.size(); ++i) {
     const double rel = std::abs(got[i] - want[i]) / std::abs(want[i]);
-    TORCH_CHECK(rel <= tolerance, "step ", i, ": loss ", got[i], " vs single-process ", want[i], " (relative ", rel, ")");
+    TORCH_CHECK(rel <= tolerance, "step ", i, ": loss ", got[i], " vs single-process ", want[i], " (relative ", rel,
+                ")");
   }
 }
 

@@ -28,7 +28,6 @@ at::Tensor global_batch(const models::GPTConfig& c, int64_t batch, int step, int
 // One process, the whole global batch, AdamW; `micro_batches` accumulate into one step.
 TrainResult train_reference(const models::GPTConfig& c, int steps, int64_t batch, int micro_batches);
 
-
 // Applies fully_shard to a fresh model (the caller decides how), then trains with this rank's
 // slice of every global batch. `before_step(step, model)` may change settings per step.
 struct ShardedRun {
@@ -43,7 +42,8 @@ TrainResult train_sharded(const models::GPTConfig& c, int steps, int64_t batch, 
 // the full reference parameters. Throws naming the parameter if above `tolerance`.
 double check_shards_match(models::GPT& model, const std::map<std::string, at::Tensor>& reference, double tolerance);
 // The same for unsharded parameters (fsdp::replicate): whole parameters against the reference.
-double check_full_params_match(models::GPT& model, const std::map<std::string, at::Tensor>& reference, double tolerance);
+double check_full_params_match(models::GPT& model, const std::map<std::string, at::Tensor>& reference,
+                               double tolerance);
 void check_losses_match(const std::vector<double>& got, const std::vector<double>& want, double tolerance);
 
 // The model and optimizer both parity runs start from (seed 42; AdamW, see parity.cpp on eps).

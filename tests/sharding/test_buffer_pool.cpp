@@ -25,13 +25,13 @@ struct PoolRun {
   std::map<std::string, at::Tensor> shards;
   std::vector<fsdp::BufferMemoryStats> after_step;
   std::vector<fsdp::BufferMemoryStats> after_forward;  // as the root's forward returned
-  double largest_unit_bytes = 0;  // the largest fully_shard unit's unsharded parameters
+  double largest_unit_bytes = 0;                       // the largest fully_shard unit's unsharded parameters
 };
 
 PoolRun train(bool pool, int steps, size_t trim_min_bytes = 0) {
   fsdp::BufferPoolOptions options;
   options.enabled = pool;
-  options.min_bytes = 1;  // every buffer through the pool: the test model is small
+  options.min_bytes = 1;                    // every buffer through the pool: the test model is small
   options.trim_min_bytes = trim_min_bytes;  // 0: the cache is trimmed however small it is
   fsdp::set_buffer_pool_options(options);
   fsdp::release_cached_buffers();
@@ -73,8 +73,8 @@ PoolRun train(bool pool, int steps, size_t trim_min_bytes = 0) {
 std::string describe(const fsdp::BufferMemoryStats& s) {
   std::ostringstream os;
   os << "alive " << s.total << " B, peak " << s.peak << " B, pool live " << s.pool_live << " cached " << s.pool_cached
-     << " (resident " << s.pool_cached_resident << ", trimmed so far " << s.pool_trimmed << ") peak mapped " << s.pool_peak_mapped << " hits " << s.pool_hits << " misses " << s.pool_misses
-     << "; at the peak:";
+     << " (resident " << s.pool_cached_resident << ", trimmed so far " << s.pool_trimmed << ") peak mapped "
+     << s.pool_peak_mapped << " hits " << s.pool_hits << " misses " << s.pool_misses << "; at the peak:";
   for (int k = 0; k < fsdp::kBufferOwners; ++k) {
     if (s.at_peak[k]) os << " " << fsdp::buffer_owner_name(static_cast<fsdp::BufferOwner>(k)) << " " << s.at_peak[k];
   }
@@ -103,28 +103,29 @@ FSDP_RANK_WORKER(pool_reuse_exact_and_bounded) {
     // 1.13 holds none), and what stays alive does not grow from step to step.
     const double slack = 2.0 * with.largest_unit_bytes + 64 * 4096;
     TORCH_CHECK(st.total <= slack && st.pool_live <= slack, "after step ", s, ": ", describe(st));
-    if (s > 0) TORCH_CHECK(st.total <= std::max<double>(with.after_step[0].total, slack), "after step ", s, ": ", describe(st));
+    if (s > 0)
+      TORCH_CHECK(st.total <= std::max<double>(with.after_step[0].total, slack), "after step ", s, ": ", describe(st));
     // The pool's footprint stays at the live set's peak: a block serves requests down to half its
     // size, and blocks are whole pages, hence 2x plus a page per block.
-    TORCH_CHECK(st.pool_cached <= st.pool_peak_mapped && st.pool_peak_mapped <= 2 * st.peak + 64 * 4096,
-                "after step ", s, ": ", describe(st));
+    TORCH_CHECK(st.pool_cached <= st.pool_peak_mapped && st.pool_peak_mapped <= 2 * st.peak + 64 * 4096, "after step ",
+                s, ": ", describe(st));
   }
   // The cache's pages are given back when forward ends (BufferPoolOptions::trim_after_forward):
   // none is resident as the root's forward returns, yet no block was mapped anew for it (the reuse
   // bound below).
   for (int s = 1; s < steps && n > 1; ++s) {
     const auto& st = with.after_forward[s];
-    TORCH_CHECK(st.pool_cached_resident == 0 && st.pool_trimmed > with.after_forward[s - 1].pool_trimmed,
-                "step ", s, ": the pool's cache was not trimmed after forward: ", st.pool_cached_resident,
-                " B resident of ", st.pool_cached, " B cached, ", st.pool_trimmed, " B trimmed so far");
+    TORCH_CHECK(st.pool_cached_resident == 0 && st.pool_trimmed > with.after_forward[s - 1].pool_trimmed, "step ", s,
+                ": the pool's cache was not trimmed after forward: ", st.pool_cached_resident, " B resident of ",
+                st.pool_cached, " B cached, ", st.pool_trimmed, " B trimmed so far");
   }
   // ... unless the cache is smaller than trim_min_bytes (refaulting it would cost more than it saves).
   if (n > 1) {
     const PoolRun kept = train(/*pool=*/true, 3, /*trim_min_bytes=*/size_t{1} << 40);
     for (int s = 1; s < 3; ++s) {
       const auto& st = kept.after_forward[s];
-      TORCH_CHECK(st.pool_trimmed == kept.after_forward[0].pool_trimmed && st.pool_cached_resident > 0,
-                  "step ", s, ": a cache below trim_min_bytes was trimmed: ", describe(st));
+      TORCH_CHECK(st.pool_trimmed == kept.after_forward[0].pool_trimmed && st.pool_cached_resident > 0, "step ", s,
+                  ": a cache below trim_min_bytes was trimmed: ", describe(st));
     }
   }
   const auto& last = with.after_step.back();

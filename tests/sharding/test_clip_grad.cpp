@@ -35,11 +35,12 @@ FSDP_RANK_WORKER(clip_grad_norm) {
     auto world = fsdp::dist::world_comm();
     const int64_t local = batch / world->size();
     auto mine = data.narrow(0, world->rank() * local, local);
-    fsdp::models::gpt_loss(fsdp::call(model, mine.narrow(1, 0, c.block_size)), mine.narrow(1, 1, c.block_size)).backward();
+    fsdp::models::gpt_loss(fsdp::call(model, mine.narrow(1, 0, c.block_size)), mine.narrow(1, 1, c.block_size))
+        .backward();
     for (auto& t : o.ignored_params) world->all_reduce(t.grad(), fsdp::comm::ReduceOp::Avg);
     const double got = fsdp::clip_grad_norm_(model->parameters(), max_norm, norm_type);
-    TORCH_CHECK(std::abs(got - want) <= 1e-6 * want, "total norm ", got, " vs single process ", want,
-                " (norm_type ", norm_type, ")");
+    TORCH_CHECK(std::abs(got - want) <= 1e-6 * want, "total norm ", got, " vs single process ", want, " (norm_type ",
+                norm_type, ")");
     TORCH_CHECK(got > max_norm, "the test must actually clip");
     // The clipped shards equal the clipped full gradients.
     std::map<std::string, at::Tensor> want_grads;
@@ -52,7 +53,9 @@ FSDP_RANK_WORKER(clip_grad_norm) {
       const double scale = std::max(expect.abs().max().item<double>(), 1e-12);
       TORCH_CHECK(diff <= 1e-6 * scale + 1e-9, p.key(), ": clipped gradient differs by ", diff);
     }
-    if (world->rank() == 0) std::cout << "norm_type " << norm_type << ": total norm " << got << " (single process " << want << ")" << std::endl;
+    if (world->rank() == 0)
+      std::cout << "norm_type " << norm_type << ": total norm " << got << " (single process " << want << ")"
+                << std::endl;
   }
 }
 

@@ -17,7 +17,8 @@ namespace {
 // The unsharded parameters the modules compute with: zero elements while resharded.
 int64_t unsharded_elements(GPT& m) {
   int64_t n = m->wte->weight.numel() + m->wpe->weight.numel() + m->ln_f->weight.numel() + m->lm_head->weight.numel();
-  for (auto& b : m->blocks) n += b->attn->c_attn->weight.numel() + b->mlp->c_fc->weight.numel() + b->ln_1->weight.numel();
+  for (auto& b : m->blocks)
+    n += b->attn->c_attn->weight.numel() + b->mlp->c_fc->weight.numel() + b->ln_1->weight.numel();
   return n;
 }
 

@@ -33,8 +33,8 @@ void shard_blocks_then_root(GPT& model, fsdp::FullyShardOptions options = {}) {
 void report(const std::string& what, const TrainResult& got, const TrainResult& want, double worst) {
   if (fsdp::dist::rank() != 0) return;
   std::cout << what << ": " << got.losses.size() << " steps, first loss " << got.losses.front() << " last "
-            << got.losses.back() << " (single process " << want.losses.back() << "), worst shard difference "
-            << worst << " relative" << std::endl;
+            << got.losses.back() << " (single process " << want.losses.back() << "), worst shard difference " << worst
+            << " relative" << std::endl;
 }
 
 }  // namespace
@@ -170,16 +170,18 @@ TEST_P(GptParity, MatchesSingleProcess) {
   if (r.all_ok()) std::cout << r.ranks[0].output;
 }
 
-INSTANTIATE_TEST_SUITE_P(
-    Sharded, GptParity,
-    ::testing::Values(ParityCase{"default", 1}, ParityCase{"default", 2}, ParityCase{"default", 3},
-                      ParityCase{"reshard_true", 2}, ParityCase{"reshard_false", 3}, ParityCase{"root_only", 2}, ParityCase{"list_group", 3},
-                      ParityCase{"grad_accumulation", 2}, ParityCase{"grad_accumulation", 3},
-                      ParityCase{"sync_every_micro_batch", 2}, ParityCase{"cpu_offload", 2},
-                      ParityCase{"explicit_unshard", 2}, ParityCase{"explicit_prefetch", 3}, ParityCase{"tied", 2},
-                      ParityCase{"flat", 2}, ParityCase{"every_piece", 2}, ParityCase{"every_piece", 3},
-                      ParityCase{"packed_pieces", 2}),
-    [](const auto& info) { return info.param.mode + "_" + std::to_string(info.param.world) + "ranks"; });
+INSTANTIATE_TEST_SUITE_P(Sharded, GptParity,
+                         ::testing::Values(ParityCase{"default", 1}, ParityCase{"default", 2}, ParityCase{"default", 3},
+                                           ParityCase{"reshard_true", 2}, ParityCase{"reshard_false", 3},
+                                           ParityCase{"root_only", 2}, ParityCase{"list_group", 3},
+                                           ParityCase{"grad_accumulation", 2}, ParityCase{"grad_accumulation", 3},
+                                           ParityCase{"sync_every_micro_batch", 2}, ParityCase{"cpu_offload", 2},
+                                           ParityCase{"explicit_unshard", 2}, ParityCase{"explicit_prefetch", 3},
+                                           ParityCase{"tied", 2}, ParityCase{"flat", 2}, ParityCase{"every_piece", 2},
+                                           ParityCase{"every_piece", 3}, ParityCase{"packed_pieces", 2}),
+                         [](const auto& info) {
+                           return info.param.mode + "_" + std::to_string(info.param.world) + "ranks";
+                         });
 
 // Per-rank bytes of parameters + gradients + AdamW state at N=2 against one process.
 FSDP_RANK_WORKER(memory_halves) {
@@ -219,7 +221,8 @@ FSDP_RANK_WORKER(gradient_divide_factor) {
       fsdp::fsdp_module(*model)->set_gradient_divide_factor(*factor);
     }
     auto data = global_batch(c, 6, 0, 0).narrow(0, 3 * fsdp::dist::rank(), 3);
-    fsdp::models::gpt_loss(fsdp::call(model, data.narrow(1, 0, c.block_size)), data.narrow(1, 1, c.block_size)).backward();
+    fsdp::models::gpt_loss(fsdp::call(model, data.narrow(1, 0, c.block_size)), data.narrow(1, 1, c.block_size))
+        .backward();
     std::vector<at::Tensor> grads;
     for (const auto& p : model->parameters()) grads.push_back(p.grad().clone());
     return grads;

@@ -89,8 +89,8 @@ FSDP_RANK_WORKER(hsdp_parity) {
       if (info.replica_rank == 0) rows.narrow(0, info.dim0_offset, info.local_rows).copy_(p.value().detach());
       fsdp::dist::world_comm()->all_reduce(full);
       const at::Tensor& ref = want.parameters.at(p.key());
-      TORCH_CHECK(((full - ref).abs() / ref.abs().clamp_min(1.0)).max().item<double>() <= kTolerance,
-                  p.key(), ": rows written by replica 0 do not rebuild the parameter");
+      TORCH_CHECK(((full - ref).abs() / ref.abs().clamp_min(1.0)).max().item<double>() <= kTolerance, p.key(),
+                  ": rows written by replica 0 do not rebuild the parameter");
     }
   }
   if (m.find("reshard_int") != std::string::npos) {
@@ -126,17 +126,17 @@ TEST_P(HsdpParity, MatchesSingleProcess) {
   if (r.all_ok()) std::cout << r.ranks[0].output;
 }
 
-INSTANTIATE_TEST_SUITE_P(
-    Hsdp, HsdpParity,
-    ::testing::Values(HsdpCase{"hsdp", "2x2", 4}, HsdpCase{"hsdp_no_sync", "2x2", 4},
-                      HsdpCase{"hsdp_no_all_reduce", "2x2", 4}, HsdpCase{"hsdp", "2x1", 2},
-                      HsdpCase{"reshard_int", "", 4, 2}, HsdpCase{"reshard_int_no_sync", "", 4, 2},
-                      HsdpCase{"reshard_int", "", 2, 1}, HsdpCase{"hsdp_reshard_int", "1x4", 4, 2}),
-    [](const auto& info) {
-      std::string mesh = info.param.mesh.empty() ? "" : "_" + info.param.mesh;
-      std::string k = info.param.reshard ? "_k" + std::to_string(info.param.reshard) : "";
-      return info.param.mode + mesh + k + "_" + std::to_string(info.param.world) + "ranks";
-    });
+INSTANTIATE_TEST_SUITE_P(Hsdp, HsdpParity,
+                         ::testing::Values(HsdpCase{"hsdp", "2x2", 4}, HsdpCase{"hsdp_no_sync", "2x2", 4},
+                                           HsdpCase{"hsdp_no_all_reduce", "2x2", 4}, HsdpCase{"hsdp", "2x1", 2},
+                                           HsdpCase{"reshard_int", "", 4, 2}, HsdpCase{"reshard_int_no_sync", "", 4, 2},
+                                           HsdpCase{"reshard_int", "", 2, 1},
+                                           HsdpCase{"hsdp_reshard_int", "1x4", 4, 2}),
+                         [](const auto& info) {
+                           std::string mesh = info.param.mesh.empty() ? "" : "_" + info.param.mesh;
+                           std::string k = info.param.reshard ? "_k" + std::to_string(info.param.reshard) : "";
+                           return info.param.mode + mesh + k + "_" + std::to_string(info.param.world) + "ranks";
+                         });
 
 // Bad input on 4 ranks (2x2 possible): clear errors that name the problem and the fix.
 FSDP_RANK_WORKER(hsdp_errors) {
@@ -144,7 +144,8 @@ FSDP_RANK_WORKER(hsdp_errors) {
     try {
       f();
     } catch (const std::exception& e) {
-      TORCH_CHECK(std::string(e.what()).find(needle) != std::string::npos, "error '", e.what(), "' lacks '", needle, "'");
+      TORCH_CHECK(std::string(e.what()).find(needle) != std::string::npos, "error '", e.what(), "' lacks '", needle,
+                  "'");
       return;
     }
     TORCH_CHECK(false, "no error; expected one mentioning '", needle, "'");
@@ -152,27 +153,70 @@ FSDP_RANK_WORKER(hsdp_errors) {
   const auto c = uneven_config();
   // Swapped names: dim 0 must replicate.
   auto swapped = fsdp::init_device_mesh({2, 2}, {"shard", "replicate"});
-  expect_error([&] { GPT m(c); fsdp::FullyShardOptions o; o.mesh = swapped; fsdp::fully_shard(m, o); },
-               "dim 0 must be the replicate dimension");
+  expect_error(
+      [&] {
+        GPT m(c);
+        fsdp::FullyShardOptions o;
+        o.mesh = swapped;
+        fsdp::fully_shard(m, o);
+      },
+      "dim 0 must be the replicate dimension");
   // Unnamed dimensions.
   auto unnamed = fsdp::init_device_mesh({2, 2});
-  expect_error([&] { GPT m(c); fsdp::FullyShardOptions o; o.mesh = unnamed; fsdp::fully_shard(m, o); },
-               "{\"replicate\", \"shard\"}");
+  expect_error(
+      [&] {
+        GPT m(c);
+        fsdp::FullyShardOptions o;
+        o.mesh = unnamed;
+        fsdp::fully_shard(m, o);
+      },
+      "{\"replicate\", \"shard\"}");
   // Sizes that do not fit the world.
   expect_error([] { fsdp::init_device_mesh({3, 2}, {"replicate", "shard"}); }, "holds 6 ranks but the world has 4");
   // A 3-D mesh.
   auto three = fsdp::init_device_mesh({1, 2, 2}, {"pp", "replicate", "shard"});
-  expect_error([&] { GPT m(c); fsdp::FullyShardOptions o; o.mesh = three; fsdp::fully_shard(m, o); }, "3-D mesh");
+  expect_error(
+      [&] {
+        GPT m(c);
+        fsdp::FullyShardOptions o;
+        o.mesh = three;
+        fsdp::fully_shard(m, o);
+      },
+      "3-D mesh");
   // An integer that does not divide the shard size (4 on the 1-D mesh, 2 under 2x2 HSDP).
-  expect_error([] { GPT m(uneven_config()); fsdp::FullyShardOptions o; o.reshard_after_forward = 3; fsdp::fully_shard(m, o); },
-               "reshard_after_forward = 3 does not divide the shard size 4; use a divisor of it (1, 2, 4)");
+  expect_error(
+      [] {
+        GPT m(uneven_config());
+        fsdp::FullyShardOptions o;
+        o.reshard_after_forward = 3;
+        fsdp::fully_shard(m, o);
+      },
+      "reshard_after_forward = 3 does not divide the shard size 4; use a divisor of it (1, 2, 4)");
   auto hsdp = fsdp::init_device_mesh({2, 2}, {"replicate", "shard"});
-  expect_error([&] { GPT m(c); fsdp::FullyShardOptions o; o.mesh = hsdp; o.reshard_after_forward = 4; fsdp::fully_shard(m, o); },
-               "does not divide the shard size 2");
-  expect_error([] { GPT m(uneven_config()); fsdp::FullyShardOptions o; o.reshard_after_forward = 0; fsdp::fully_shard(m, o); },
-               "does not divide");
+  expect_error(
+      [&] {
+        GPT m(c);
+        fsdp::FullyShardOptions o;
+        o.mesh = hsdp;
+        o.reshard_after_forward = 4;
+        fsdp::fully_shard(m, o);
+      },
+      "does not divide the shard size 2");
+  expect_error(
+      [] {
+        GPT m(uneven_config());
+        fsdp::FullyShardOptions o;
+        o.reshard_after_forward = 0;
+        fsdp::fully_shard(m, o);
+      },
+      "does not divide");
   // replicate takes a 1-D mesh.
-  expect_error([&] { GPT m(c); fsdp::replicate(m, fsdp::ReplicateOptions{hsdp}); }, "replicate takes the 1-D mesh");
+  expect_error(
+      [&] {
+        GPT m(c);
+        fsdp::replicate(m, fsdp::ReplicateOptions{hsdp});
+      },
+      "replicate takes the 1-D mesh");
   // A refused call changed nothing: the model still shards afterwards.
   GPT ok(c);
   fsdp::FullyShardOptions o;
@@ -204,7 +248,8 @@ FSDP_RANK_WORKER(hsdp_divide_factor) {
     shard_blocks_then_root(model, o);
     if (factor) fsdp::fsdp_module(*model)->set_gradient_divide_factor(*factor);  // only the root's group
     auto data = global_batch(c, kBatch, 0, 0).narrow(0, 2 * fsdp::dist::rank(), 2);
-    fsdp::models::gpt_loss(fsdp::call(model, data.narrow(1, 0, c.block_size)), data.narrow(1, 1, c.block_size)).backward();
+    fsdp::models::gpt_loss(fsdp::call(model, data.narrow(1, 0, c.block_size)), data.narrow(1, 1, c.block_size))
+        .backward();
     std::map<std::string, at::Tensor> grads;
     for (const auto& p : model->named_parameters()) grads[p.key()] = p.value().grad().clone();
     return grads;
@@ -214,7 +259,8 @@ FSDP_RANK_WORKER(hsdp_divide_factor) {
   for (const auto& [name, g] : averaged) {
     const bool root_group = name.rfind("h.", 0) != 0;  // blocks are "h.<i>.*"
     const at::Tensor want = root_group ? g * 4 : g;
-    TORCH_CHECK(summed.at(name).allclose(want, 1e-5, 1e-7), name, ": expected ", root_group ? "the sum" : "the average");
+    TORCH_CHECK(summed.at(name).allclose(want, 1e-5, 1e-7), name, ": expected ",
+                root_group ? "the sum" : "the average");
   }
 }
 

@@ -30,9 +30,9 @@ std::string error_of(F&& f) {
   return "";
 }
 
-#define EXPECT_ERROR_MENTIONS(expr, needle)                              \
-  do {                                                                   \
-    const std::string msg_ = error_of([&] { expr; });                    \
+#define EXPECT_ERROR_MENTIONS(expr, needle)                                 \
+  do {                                                                      \
+    const std::string msg_ = error_of([&] { expr; });                       \
     EXPECT_NE(msg_.find(needle), std::string::npos) << "message: " << msg_; \
   } while (0)
 
@@ -126,7 +126,8 @@ TEST(FullyShardErrors, PoliciesThatCannotApplyAreRefused) {
   GPT model(tiny());
   fsdp::FullyShardOptions o;
   o.mp_policy.param_dtype = at::kLong;
-  EXPECT_ERROR_MENTIONS(fsdp::fully_shard(model, o), "param_dtype is Long; mixed precision dtypes must be floating point");
+  EXPECT_ERROR_MENTIONS(fsdp::fully_shard(model, o),
+                        "param_dtype is Long; mixed precision dtypes must be floating point");
   // Offloading to the CPU from a GPU mesh needs a CUDA build: the mesh itself is refused.
   EXPECT_ERROR_MENTIONS(fsdp::init_device_mesh({1}, {"shard"}, "cuda"), fsdp::comm::nccl_available() ? "" : "NCCL");
   // HSDP's mesh is (replicate, shard), in that order.

@@ -27,7 +27,8 @@ fsdp::FullyShardOptions bf16_options() {
 
 // One process: fp32 master weights stepped by AdamW; each step copies them into a bf16 model,
 // runs forward/backward there, and hands the bf16 gradients back as fp32.
-std::vector<double> reference_losses(const fsdp::models::GPTConfig& c, std::map<std::string, at::Tensor>& final_params) {
+std::vector<double> reference_losses(const fsdp::models::GPTConfig& c,
+                                     std::map<std::string, at::Tensor>& final_params) {
   torch::manual_seed(42);
   GPT master(c);
   torch::manual_seed(42);
@@ -135,7 +136,8 @@ FSDP_RANK_WORKER(fp16_params_fp32_reduce) {
     }
     for (auto& p : compute->parameters()) p.mutable_grad().reset();
     compute->forward(batch_of(s).to(at::kHalf)).pow(2).mean().backward();
-    for (size_t i = 0; i < 2; ++i) master->parameters()[i].mutable_grad() = compute->parameters()[i].grad().to(at::kFloat);
+    for (size_t i = 0; i < 2; ++i)
+      master->parameters()[i].mutable_grad() = compute->parameters()[i].grad().to(at::kFloat);
     ref_opt.step();
   }
   torch::manual_seed(5);
@@ -173,7 +175,8 @@ FSDP_RANK_WORKER(bf16_halves_all_gather) {
     fsdp::fully_shard(model, o);
     auto before = fsdp::comm::process_comm_stats().snapshot();
     auto data = global_batch(c, kBatch, 0, 0).narrow(0, 0, 2);
-    fsdp::models::gpt_loss(fsdp::call(model, data.narrow(1, 0, c.block_size)), data.narrow(1, 1, c.block_size)).backward();
+    fsdp::models::gpt_loss(fsdp::call(model, data.narrow(1, 0, c.block_size)), data.narrow(1, 1, c.block_size))
+        .backward();
     return fsdp::comm::process_comm_stats().snapshot() - before;
   };
   auto fp32 = bytes_of_one_step({});

@@ -30,7 +30,8 @@ int64_t train_two_steps() {
   for (int s = 0; s < 2; ++s) {
     opt.zero_grad();
     auto data = global_batch(c, 2 * world->size(), s, 0).narrow(0, world->rank() * 2, 2);
-    auto loss = fsdp::models::gpt_loss(fsdp::call(model, data.narrow(1, 0, c.block_size)), data.narrow(1, 1, c.block_size));
+    auto loss =
+        fsdp::models::gpt_loss(fsdp::call(model, data.narrow(1, 0, c.block_size)), data.narrow(1, 1, c.block_size));
     loss.backward();
     opt.step();
   }
@@ -66,8 +67,8 @@ FSDP_RANK_WORKER(phase_timers_count_every_phase) {
     TORCH_CHECK(t.ns[static_cast<size_t>(i)] > 0, fsdp::phase_name(p), " was counted but took no time");
     leaves += t.ms(p);
   }
-  TORCH_CHECK(t.ms(Phase::Hooks) >= leaves, "the hooks (", t.ms(Phase::Hooks), " ms) took less than the phases inside them (",
-              leaves, " ms)");
+  TORCH_CHECK(t.ms(Phase::Hooks) >= leaves, "the hooks (", t.ms(Phase::Hooks),
+              " ms) took less than the phases inside them (", leaves, " ms)");
   // Off: nothing more is counted.
   fsdp::set_phase_timers(false);
   fsdp::reset_phase_timers();

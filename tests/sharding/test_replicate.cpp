@@ -61,8 +61,8 @@ FSDP_RANK_WORKER(replicate_parity) {
               ops[fsdp::comm::OpKind::AllReduce].calls);
   if (fsdp::dist::rank() == 0) {
     std::cout << m << " (" << buckets << " buckets): " << kSteps << " steps, last loss " << got.losses.back()
-              << " (single process " << want.losses.back() << "), worst parameter difference " << worst
-              << " relative; " << ops.to_string() << std::endl;
+              << " (single process " << want.losses.back() << "), worst parameter difference " << worst << " relative; "
+              << ops.to_string() << std::endl;
   }
 }
 

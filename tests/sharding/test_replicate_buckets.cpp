@@ -55,7 +55,8 @@ FSDP_RANK_WORKER(replicate_grads_in_buckets) {
     }
     opt.step();
   }
-  if (rank == 0) std::cout << "3 steps: gradients in one bucket, same memory each step, equal on all ranks" << std::endl;
+  if (rank == 0)
+    std::cout << "3 steps: gradients in one bucket, same memory each step, equal on all ranks" << std::endl;
 }
 
 TEST(Replicate, GradientsLiveInTheBuckets) {

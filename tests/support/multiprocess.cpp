@@ -4,8 +4,8 @@
 #include <unistd.h>
 
 #include <cstdlib>
-#include <optional>
 #include <iostream>
+#include <optional>
 
 #include "fsdp/dist/runtime.h"
 
@@ -35,9 +35,9 @@ std::string RanksResult::report() const {
   for (size_t i = 0; i < ranks.size(); ++i) {
     const auto& r = ranks[i];
     out += "---- rank " + std::to_string(i) + ": " +
-           (r.timed_out ? std::string("TIMED OUT") :
-            r.term_signal ? "killed by signal " + std::to_string(r.term_signal) :
-                            "exit code " + std::to_string(r.exit_code)) +
+           (r.timed_out     ? std::string("TIMED OUT")
+            : r.term_signal ? "killed by signal " + std::to_string(r.term_signal)
+                            : "exit code " + std::to_string(r.exit_code)) +
            "\n" + r.output + "\n";
   }
   return out;

@@ -43,14 +43,13 @@ int maybe_run_worker();
 
 }  // namespace fsdp::testing
 
-#define FSDP_RANK_WORKER(name)                                                                   \
-  static void fsdp_worker_##name();                                                              \
-  static const bool fsdp_worker_registered_##name =                                              \
-      ::fsdp::testing::register_rank_worker(#name, fsdp_worker_##name);                          \
+#define FSDP_RANK_WORKER(name)                                                                                        \
+  static void fsdp_worker_##name();                                                                                   \
+  static const bool fsdp_worker_registered_##name = ::fsdp::testing::register_rank_worker(#name, fsdp_worker_##name); \
   static void fsdp_worker_##name()
 
-#define EXPECT_RANKS_PASS(world, name, ...)                                                      \
-  do {                                                                                            \
-    auto fsdp_result_ = ::fsdp::testing::run_ranks(world, name, ##__VA_ARGS__);                  \
-    EXPECT_TRUE(fsdp_result_.all_ok()) << fsdp_result_.report();                                 \
+#define EXPECT_RANKS_PASS(world, name, ...)                                     \
+  do {                                                                          \
+    auto fsdp_result_ = ::fsdp::testing::run_ranks(world, name, ##__VA_ARGS__); \
+    EXPECT_TRUE(fsdp_result_.all_ok()) << fsdp_result_.report();                \
   } while (0)

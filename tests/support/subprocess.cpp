@@ -55,8 +55,7 @@ Child::Child(const ProcessSpec& spec) {
   out_fd_ = fds[0];
 }
 
-Child::Child(Child&& o) noexcept
-    : pid_(o.pid_), out_fd_(o.out_fd_), deadline_(o.deadline_), reaped_(o.reaped_) {
+Child::Child(Child&& o) noexcept : pid_(o.pid_), out_fd_(o.out_fd_), deadline_(o.deadline_), reaped_(o.reaped_) {
   o.pid_ = -1;
   o.out_fd_ = -1;
   o.reaped_ = true;
@@ -80,8 +79,10 @@ void Child::read_available(int timeout_ms) {
   pollfd p{out_fd_, POLLIN, 0};
   if (poll(&p, 1, timeout_ms) <= 0) return;
   ssize_t n = read(out_fd_, buf, sizeof(buf));
-  if (n > 0) result_.output.append(buf, static_cast<size_t>(n));
-  else if (n == 0) eof_ = true;
+  if (n > 0)
+    result_.output.append(buf, static_cast<size_t>(n));
+  else if (n == 0)
+    eof_ = true;
 }
 
 void Child::finalize(int status) {

@@ -52,13 +52,13 @@ inline void expect_error(const std::function<void()>& fn, const std::string& nee
 }  // namespace fsdp::testing
 
 // In a TEST body: the statement must throw an exception whose message contains `needle`.
-#define EXPECT_ERROR_CONTAINS(statement, needle)                                                  \
-  do {                                                                                            \
-    try {                                                                                         \
-      statement;                                                                                  \
-      ADD_FAILURE() << "expected an error containing '" << (needle) << "': nothing was thrown";  \
-    } catch (const std::exception& fsdp_e_) {                                                     \
-      EXPECT_NE(std::string(fsdp_e_.what()).find(needle), std::string::npos)                      \
-          << "error '" << fsdp_e_.what() << "' lacks '" << (needle) << "'";                       \
-    }                                                                                             \
+#define EXPECT_ERROR_CONTAINS(statement, needle)                                                \
+  do {                                                                                          \
+    try {                                                                                       \
+      statement;                                                                                \
+      ADD_FAILURE() << "expected an error containing '" << (needle) << "': nothing was thrown"; \
+    } catch (const std::exception& fsdp_e_) {                                                   \
+      EXPECT_NE(std::string(fsdp_e_.what()).find(needle), std::string::npos)                    \
+          << "error '" << fsdp_e_.what() << "' lacks '" << (needle) << "'";                     \
+    }                                                                                           \
   } while (0)

@@ -64,7 +64,8 @@ void train_and_compare() {
     fsdp::fully_shard(model, opts);
   }
   if (act) {  // every block recomputed in backward: its TP collectives run again, on every rank
-    TORCH_CHECK(fsdp::activation::apply_activation_checkpointing(*model, fsdp::activation::every_kth<fsdp::testing::TPBlockImpl>(1)) == 2);
+    TORCH_CHECK(fsdp::activation::apply_activation_checkpointing(
+                    *model, fsdp::activation::every_kth<fsdp::testing::TPBlockImpl>(1)) == 2);
   }
   if (meta) {
     fsdp::to_empty(*model, torch::kCPU);
@@ -94,8 +95,8 @@ void train_and_compare() {
     const int64_t b = kBatch / dp;
     at::Tensor lx = x.narrow(0, dp_rank * b, b), ly = y.narrow(0, dp_rank * b, b).contiguous();
     at::Tensor logits = fsdp::call(model, lx);
-    at::Tensor loss = lp ? tp::loss_parallel(logits, ly, mesh["tp"])
-                         : F::cross_entropy(logits.view({-1, c.vocab}), ly.reshape(-1));
+    at::Tensor loss =
+        lp ? tp::loss_parallel(logits, ly, mesh["tp"]) : F::cross_entropy(logits.view({-1, c.vocab}), ly.reshape(-1));
     loss.backward();
     const double norm = fsdp::clip_grad_norm_(model->parameters(), 0.5);
     opt.step();
@@ -126,8 +127,8 @@ void train_and_compare() {
     at::Tensor global_loss = loss.detach().clone().reshape({1});
     dp_comm->all_reduce(global_loss, fsdp::comm::ReduceOp::Avg);
     const double l = global_loss.item<double>(), rl = ref_loss.item<double>();
-    std::cout << "step " << s << " loss " << l << " (one process " << rl << ") grad norm " << norm << " ("
-              << ref_norm << ")" << std::endl;
+    std::cout << "step " << s << " loss " << l << " (one process " << rl << ") grad norm " << norm << " (" << ref_norm
+              << ")" << std::endl;
     TORCH_CHECK(rel_diff(l, rl) <= kTol, "step ", s, ": loss ", l, " vs one process ", rl);
     TORCH_CHECK(rel_diff(norm, ref_norm) <= kTol, "step ", s, ": grad norm ", norm, " vs one process ", ref_norm);
   }
@@ -146,9 +147,8 @@ fsdp::testing::RanksOptions opts(const std::string& tp_size, bool sp, bool lp, b
                                  bool act = false) {
   fsdp::testing::RanksOptions o;
   o.timeout = std::chrono::milliseconds(300000);
-  o.env = {{"TP_SIZE", tp_size}, {"TP_SP", sp ? "1" : "0"}, {"TP_LOSS_PARALLEL", lp ? "1" : "0"},
-           {"TP_META", meta ? "1" : "0"}, {"TP_HSDP", hsdp ? "1" : "0"},
-           {"TP_ACT", act ? "1" : "0"}};
+  o.env = {{"TP_SIZE", tp_size},          {"TP_SP", sp ? "1" : "0"},     {"TP_LOSS_PARALLEL", lp ? "1" : "0"},
+           {"TP_META", meta ? "1" : "0"}, {"TP_HSDP", hsdp ? "1" : "0"}, {"TP_ACT", act ? "1" : "0"}};
   return o;
 }
 

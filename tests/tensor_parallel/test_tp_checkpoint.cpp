@@ -62,8 +62,7 @@ void chain_link() {
   }
   auto opt = make_optimizer(*model);
   if (link > 0) {
-    fsdp::checkpoint::load(root + "/link" + std::to_string(link - 1),
-                           fsdp::checkpoint::State{model.ptr(), &opt, {}});
+    fsdp::checkpoint::load(root + "/link" + std::to_string(link - 1), fsdp::checkpoint::State{model.ptr(), &opt, {}});
     const double d = max_param_diff(model, snapshot(ref), kTol);
     std::cout << "link " << link << " (dp " << dp << " x tp " << tp_size << "): loaded, largest parameter difference "
               << d << std::endl;

@@ -46,13 +46,14 @@ FSDP_RANK_WORKER(shard_to_shard) {
     at::Tensor y_ref = tp::split_along_dim(tp::gather_replicated_along_dim(x_ref, a, comm), b, comm);
     (y_ref * slice_of(weight, b, r, n)).sum().backward();
     const auto moved_ref = comm->stats().snapshot() - before - moved;
-    std::cout << "Shard(" << a << ") -> Shard(" << b << ") at " << n << " ranks, forward + backward: "
-              << moved[OpKind::AllToAll].calls << " all-to-alls, " << moved.total_bytes()
-              << " B sent; gather-then-reshard " << moved_ref.total_bytes() << " B (" << moved_ref.to_string() << ")"
-              << std::endl;
+    std::cout << "Shard(" << a << ") -> Shard(" << b << ") at " << n
+              << " ranks, forward + backward: " << moved[OpKind::AllToAll].calls << " all-to-alls, "
+              << moved.total_bytes() << " B sent; gather-then-reshard " << moved_ref.total_bytes() << " B ("
+              << moved_ref.to_string() << ")" << std::endl;
     TORCH_CHECK(y.equal(y_ref), "Shard(", a, ") -> Shard(", b, "): forward differs from gather-then-reshard");
     TORCH_CHECK(y.equal(slice_of(full, b, r, n)), "Shard(", a, ") -> Shard(", b, "): not this rank's slice along ", b);
-    TORCH_CHECK(x.grad().equal(x_ref.grad()), "Shard(", a, ") -> Shard(", b, "): gradient differs from gather-then-reshard");
+    TORCH_CHECK(x.grad().equal(x_ref.grad()), "Shard(", a, ") -> Shard(", b,
+                "): gradient differs from gather-then-reshard");
     TORCH_CHECK(x.grad().equal(slice_of(weight, a, r, n)), "Shard(", a, ") -> Shard(", b, "): wrong gradient");
     // One all-to-all each way, counted like every collective: (n-1)/n of the local tensor.
     const uint64_t local_bytes = static_cast<uint64_t>(x.numel()) * 4;
@@ -67,8 +68,11 @@ FSDP_RANK_WORKER(shard_to_shard) {
     at::NoGradGuard no_grad;
     TORCH_CHECK(tp::shard_to_shard(slice_of(full, 0, r, n), 0, 2, comm).equal(slice_of(full, 2, r, n)));
   }
-  expect_error([&] { tp::shard_to_shard(at::zeros({2, 4, 2 * n + 1}), 1, 2, comm); },
-               "along dim 2 (the new sharded dim) is not divisible by the tp size");
+  expect_error(
+      [&] {
+        tp::shard_to_shard(at::zeros({2, 4, 2 * n + 1}), 1, 2, comm);
+      },
+      "along dim 2 (the new sharded dim) is not divisible by the tp size");
 }
 
 struct RootImpl : torch::nn::Module {
@@ -98,11 +102,13 @@ FSDP_RANK_WORKER(prepare_module_shard_to_shard) {
   at::Tensor y_ref = ref->ln(x_ref);
   (y_ref * weight).sum().backward();
 
-  tp::parallelize_module(model, mesh, {
-      {"ln", tp::SequenceParallel{}},
-      {"ln", tp::PrepareModuleInput{.input_layouts = {tp::Shard(2)}, .desired_input_layouts = {tp::Shard(1)}}},
-      {"ln", tp::PrepareModuleOutput{.output_layouts = {tp::Shard(1)}, .desired_output_layouts = {tp::Shard(-1)}}},
-  });
+  tp::parallelize_module(
+      model, mesh,
+      {
+          {"ln", tp::SequenceParallel{}},
+          {"ln", tp::PrepareModuleInput{.input_layouts = {tp::Shard(2)}, .desired_input_layouts = {tp::Shard(1)}}},
+          {"ln", tp::PrepareModuleOutput{.output_layouts = {tp::Shard(1)}, .desired_output_layouts = {tp::Shard(-1)}}},
+      });
   at::Tensor x = slice_of(full, 2, r, n).clone().requires_grad_(true);
   const auto before = comm->stats().snapshot();
   at::Tensor y = fsdp::call(model->ln, x);
@@ -118,7 +124,8 @@ FSDP_RANK_WORKER(prepare_module_shard_to_shard) {
   TORCH_CHECK(dy <= 1e-6 && dx <= 1e-5 && dw <= 1e-5 && db <= 1e-5, "differs from one process");
   // Two all-to-alls forward, two back (the conjugates); the parameters' gradients all-reduced.
   TORCH_CHECK(moved[OpKind::AllToAll].calls == 4 && moved[OpKind::AllGather].calls == 0, moved.to_string());
-  TORCH_CHECK(moved[OpKind::AllToAll].bytes_sent == 4 * static_cast<uint64_t>(x.numel()) * 4 * (n - 1) / n, moved.to_string());
+  TORCH_CHECK(moved[OpKind::AllToAll].bytes_sent == 4 * static_cast<uint64_t>(x.numel()) * 4 * (n - 1) / n,
+              moved.to_string());
   TORCH_CHECK(moved[OpKind::AllReduce].calls == 2, moved.to_string());
 }
 

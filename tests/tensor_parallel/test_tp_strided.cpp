@@ -71,7 +71,8 @@ double max_local_diff(FusedNet& net, FusedNet& ref) {
       TORCH_CHECK(placement->blocks == 3 && placement->dim == 0, "expected a strided placement of 3 blocks on dim 0");
     }
     at::Tensor want = fsdp::testing::expected_local(item.value(), want_all[item.key()].detach());
-    TORCH_CHECK(item.value().sizes() == want.sizes(), item.key(), ": local ", item.value().sizes(), " vs ", want.sizes());
+    TORCH_CHECK(item.value().sizes() == want.sizes(), item.key(), ": local ", item.value().sizes(), " vs ",
+                want.sizes());
     if (want.numel() > 0) worst = std::max(worst, (item.value().detach() - want).abs().max().item<double>());
   }
   return worst;
@@ -131,10 +132,11 @@ void strided_worker() {
     // The forward gives [q_r | k_r | v_r]; gather_full rebuilds the whole weight.
     const at::Tensor y = net->forward(x).detach(), full_y = ref0->forward(x).detach();
     const int r = static_cast<int>(fsdp::dist::rank()), s = kBlock / tp_size;
-    at::Tensor want = at::cat({full_y.narrow(1, r * s, s), full_y.narrow(1, kBlock + r * s, s),
-                               full_y.narrow(1, 2 * kBlock + r * s, s)}, 1);
+    at::Tensor want = at::cat(
+        {full_y.narrow(1, r * s, s), full_y.narrow(1, kBlock + r * s, s), full_y.narrow(1, 2 * kBlock + r * s, s)}, 1);
     TORCH_CHECK(at::allclose(y, want, 1e-6, 1e-6), "the strided forward's columns are not [q_r | k_r | v_r]");
-    TORCH_CHECK(at::equal(tp::gather_full(net->qkv->weight), ref0->qkv->weight.detach()), "gather_full != the full weight");
+    TORCH_CHECK(at::equal(tp::gather_full(net->qkv->weight), ref0->qkv->weight.detach()),
+                "gather_full != the full weight");
   }
   auto opt = make_optimizer(*net);
   opt.zero_grad();
@@ -155,7 +157,8 @@ void strided_worker() {
   fsdp::checkpoint::load_safetensors(*again, dir + "/net.safetensors");
   TORCH_CHECK(max_local_diff(again, ref1) <= kTol, "load_safetensors put the strided pieces in the wrong places");
   fsdp::checkpoint::save(dir + "/a", fsdp::checkpoint::State{net.ptr(), &opt, {}});
-  std::cout << "rank " << rank << ": dp " << dp << " x tp " << tp_size << ": init, step, state dict, export: ok" << std::endl;
+  std::cout << "rank " << rank << ": dp " << dp << " x tp " << tp_size << ": init, step, state dict, export: ok"
+            << std::endl;
 }
 
 FSDP_RANK_WORKER(tp_strided) { strided_worker(); }
@@ -177,14 +180,15 @@ FSDP_RANK_WORKER(tp_strided_refusals) {
   auto refused = [&](tp::ColwiseParallel style, const std::string& module, const std::string& needle) {
     fsdp::testing::expect_error([&] { tp::parallelize_module(net, mesh, {{module, style}}); }, needle);
   };
-  refused(tp::ColwiseParallel{.fused = 3}, "a", "fused blocks of 5 output features, which the tp size 2 does not divide");
+  refused(tp::ColwiseParallel{.fused = 3}, "a",
+          "fused blocks of 5 output features, which the tp size 2 does not divide");
   refused(tp::ColwiseParallel{.fused = 4}, "a", "do not split into 4 fused blocks");
   refused(tp::ColwiseParallel{.fused = 0}, "a", "is not a block count");
   refused(tp::ColwiseParallel{.fused = 2}, "e", "fused applies to a Linear only");
-  refused(tp::ColwiseParallel{.output_layouts = tp::Replicate(), .fused = 5}, "a", "with output_layouts Replicate() is not supported");
+  refused(tp::ColwiseParallel{.output_layouts = tp::Replicate(), .fused = 5}, "a",
+          "with output_layouts Replicate() is not supported");
   TORCH_CHECK(!tp::tp_placement(net->a->weight), "a refused plan changed the module");
 }
-
 
 fsdp::testing::RanksOptions opts(const std::string& phase, int dp, int tp_size, const std::string& dir) {
   fsdp::testing::RanksOptions o;

@@ -27,7 +27,8 @@ FSDP_RANK_WORKER(loss_parallel_matches) {
   targets[1][2] = -100;  // ignored
   targets[2][0] = -100;
   at::Tensor full_leaf = full.clone().requires_grad_(true);
-  at::Tensor want = F::cross_entropy(full_leaf.view({-1, V}), targets.view(-1), F::CrossEntropyFuncOptions().ignore_index(-100));
+  at::Tensor want =
+      F::cross_entropy(full_leaf.view({-1, V}), targets.view(-1), F::CrossEntropyFuncOptions().ignore_index(-100));
   want.backward();
   at::Tensor local = full.narrow(-1, r * vl, vl).clone().requires_grad_(true);
   auto before = fsdp::comm::process_comm_stats().snapshot();
@@ -57,41 +58,73 @@ FSDP_RANK_WORKER(plan_errors) {
   fsdp::testing::TPModelConfig c;
   fsdp::testing::TPModel model(c);
   auto q_shape = shape_of(model, "blocks.0.attn.q.weight");
-  expect_error([&] { tp::parallelize_module(model, mesh, {{"blocks.*.attn.qq", tp::ColwiseParallel{}}}); },
-               "plan entry \"blocks.*.attn.qq\" matches no module");
-  expect_error([&] { tp::parallelize_module(model, mesh, {{"blocks.*.attn.qq", tp::ColwiseParallel{}}}); },
-               "names look like \"blocks.0.attn.q\"");
-  expect_error([&] { tp::parallelize_module(model, mesh, {{"blocks.0.ln1", tp::ColwiseParallel{}}}); },
-               "takes Linear or Embedding modules");
-  expect_error([&] { tp::parallelize_module(model, mesh2, {{"head", tp::ColwiseParallel{}}}); },
-               "pass the 1-D tensor-parallel sub-mesh");
-  expect_error([&] {
-    tp::parallelize_module(model, mesh, {{"blocks.0.attn.q", tp::ColwiseParallel{}}, {"blocks.*.attn.q", tp::RowwiseParallel{}}});
-  }, "is matched by both");
-  expect_error([&] {
-    tp::parallelize_module(model, mesh, {{"head", tp::ColwiseParallel{.output_layouts = tp::Shard(0)}}});
-  }, "output_layouts Shard(0) is not supported");
-  expect_error([&] {
-    tp::parallelize_module(model, mesh, {{"blocks.0.attn", tp::PrepareModuleInput{.input_layouts = {tp::Shard(1)}}}});
-  }, "1 input_layouts but 0 desired_input_layouts");
+  expect_error(
+      [&] {
+        tp::parallelize_module(model, mesh, {{"blocks.*.attn.qq", tp::ColwiseParallel{}}});
+      },
+      "plan entry \"blocks.*.attn.qq\" matches no module");
+  expect_error(
+      [&] {
+        tp::parallelize_module(model, mesh, {{"blocks.*.attn.qq", tp::ColwiseParallel{}}});
+      },
+      "names look like \"blocks.0.attn.q\"");
+  expect_error(
+      [&] {
+        tp::parallelize_module(model, mesh, {{"blocks.0.ln1", tp::ColwiseParallel{}}});
+      },
+      "takes Linear or Embedding modules");
+  expect_error(
+      [&] {
+        tp::parallelize_module(model, mesh2, {{"head", tp::ColwiseParallel{}}});
+      },
+      "pass the 1-D tensor-parallel sub-mesh");
+  expect_error(
+      [&] {
+        tp::parallelize_module(
+            model, mesh, {{"blocks.0.attn.q", tp::ColwiseParallel{}}, {"blocks.*.attn.q", tp::RowwiseParallel{}}});
+      },
+      "is matched by both");
+  expect_error(
+      [&] {
+        tp::parallelize_module(model, mesh, {{"head", tp::ColwiseParallel{.output_layouts = tp::Shard(0)}}});
+      },
+      "output_layouts Shard(0) is not supported");
+  expect_error(
+      [&] {
+        tp::parallelize_module(model, mesh,
+                               {{"blocks.0.attn", tp::PrepareModuleInput{.input_layouts = {tp::Shard(1)}}}});
+      },
+      "1 input_layouts but 0 desired_input_layouts");
   // A valid entry before a refused one: nothing is applied.
-  expect_error([&] {
-    tp::parallelize_module(model, mesh, {{"blocks.*.attn.q", tp::ColwiseParallel{}}, {"nope", tp::ColwiseParallel{}}});
-  }, "matches no module");
+  expect_error(
+      [&] {
+        tp::parallelize_module(model, mesh,
+                               {{"blocks.*.attn.q", tp::ColwiseParallel{}}, {"nope", tp::ColwiseParallel{}}});
+      },
+      "matches no module");
   TORCH_CHECK(shape_of(model, "blocks.0.attn.q.weight") == q_shape, "a refused plan changed a parameter");
   TORCH_CHECK(!tp::tp_placement(model->named_parameters()["blocks.0.attn.q.weight"]));
 
   fsdp::testing::TPModelConfig odd;
   odd.vocab = 33;
   fsdp::testing::TPModel odd_model(odd);
-  expect_error([&] { tp::parallelize_module(odd_model, mesh, {{"head", tp::ColwiseParallel{}}}); },
-               "has 33 output features, which the tp size 2 does not divide");
-  expect_error([&] { tp::parallelize_module(odd_model, mesh, {{"embed.wte", tp::RowwiseParallel{}}}); },
-               "has 33 vocabulary rows");
+  expect_error(
+      [&] {
+        tp::parallelize_module(odd_model, mesh, {{"head", tp::ColwiseParallel{}}});
+      },
+      "has 33 output features, which the tp size 2 does not divide");
+  expect_error(
+      [&] {
+        tp::parallelize_module(odd_model, mesh, {{"embed.wte", tp::RowwiseParallel{}}});
+      },
+      "has 33 vocabulary rows");
 
   tp::parallelize_module(model, mesh, {{"blocks.*.attn.q", tp::ColwiseParallel{}}});
-  expect_error([&] { tp::parallelize_module(model, mesh, {{"blocks.0.attn.q", tp::RowwiseParallel{}}}); },
-               "is already parallelized");
+  expect_error(
+      [&] {
+        tp::parallelize_module(model, mesh, {{"blocks.0.attn.q", tp::RowwiseParallel{}}});
+      },
+      "is already parallelized");
   auto p = tp::tp_placement(model->named_parameters()["blocks.1.attn.q.weight"]);
   TORCH_CHECK(p && p->dim == 0 && p->offset == fsdp::dist::rank() * 8 && p->size == 8 &&
               p->global_shape == std::vector<int64_t>({16, 16}));
@@ -99,9 +132,15 @@ FSDP_RANK_WORKER(plan_errors) {
   expect_error([&] { fsdp::fully_shard(model, {.mesh = mesh2}); }, "has a \"tp\" dimension");
   // A PrepareModuleInput whose layouts do not match the call.
   fsdp::testing::TPModel m2(c);
-  tp::parallelize_module(m2, mesh, {{"blocks.0.attn", tp::PrepareModuleInput{.input_layouts = {tp::Shard(1), tp::Shard(1)},
-                                                                              .desired_input_layouts = {tp::Replicate(), tp::Replicate()}}}});
-  expect_error([&] { fsdp::call(m2->typed_blocks[0]->attn, at::randn({2, 4, 16})); }, "was called with 1 tensor arguments");
+  tp::parallelize_module(
+      m2, mesh,
+      {{"blocks.0.attn", tp::PrepareModuleInput{.input_layouts = {tp::Shard(1), tp::Shard(1)},
+                                                .desired_input_layouts = {tp::Replicate(), tp::Replicate()}}}});
+  expect_error(
+      [&] {
+        fsdp::call(m2->typed_blocks[0]->attn, at::randn({2, 4, 16}));
+      },
+      "was called with 1 tensor arguments");
 }
 
 // Several dimensions at once, flattening, 3-D meshes.

@@ -85,9 +85,12 @@ void TPModelImpl::reset_parameters() {
     const bool is_norm = name.find("ln") != std::string::npos;
     const uint64_t seed = fsdp::init::param_seed(config.seed, name);
     // Norms and biases drawn too (not constants), so a wrong slice of them shows.
-    if (is_norm && !is_bias) fsdp::init::uniform_(item.value(), 0.8, 1.2, seed);
-    else if (is_bias) fsdp::init::uniform_(item.value(), -0.1, 0.1, seed);
-    else fsdp::init::normal_(item.value(), 0.0, 0.3, seed);
+    if (is_norm && !is_bias)
+      fsdp::init::uniform_(item.value(), 0.8, 1.2, seed);
+    else if (is_bias)
+      fsdp::init::uniform_(item.value(), -0.1, 0.1, seed);
+    else
+      fsdp::init::normal_(item.value(), 0.0, 0.3, seed);
   }
 }
 
@@ -96,14 +99,10 @@ tp::ParallelizePlan tp_plan(bool sequence_parallel, bool loss_parallel) {
   const Layout head_out = loss_parallel ? Shard(-1) : Replicate();
   if (!sequence_parallel) {
     return {
-        {"embed.wte", RowwiseParallel{}},
-        {"blocks.*.attn.q", ColwiseParallel{}},
-        {"blocks.*.attn.k", ColwiseParallel{}},
-        {"blocks.*.attn.v", ColwiseParallel{}},
-        {"blocks.*.attn.o", RowwiseParallel{}},
-        {"blocks.*.mlp.fc", ColwiseParallel{}},
-        {"blocks.*.mlp.proj", RowwiseParallel{}},
-        {"head", ColwiseParallel{.output_layouts = head_out}},
+        {"embed.wte", RowwiseParallel{}},         {"blocks.*.attn.q", ColwiseParallel{}},
+        {"blocks.*.attn.k", ColwiseParallel{}},   {"blocks.*.attn.v", ColwiseParallel{}},
+        {"blocks.*.attn.o", RowwiseParallel{}},   {"blocks.*.mlp.fc", ColwiseParallel{}},
+        {"blocks.*.mlp.proj", RowwiseParallel{}}, {"head", ColwiseParallel{.output_layouts = head_out}},
     };
   }
   return {

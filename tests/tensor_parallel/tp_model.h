@@ -55,7 +55,7 @@ TORCH_MODULE(TPEmbed);
 struct TPModelImpl : torch::nn::Module {
   explicit TPModelImpl(const TPModelConfig& c);
   torch::Tensor forward(const torch::Tensor& idx);  // [B, T] -> logits [B, T, vocab (or vocab / tp)]
-  void reset_parameters();                           // fsdp::init by name: same values for any layout
+  void reset_parameters();                          // fsdp::init by name: same values for any layout
   TPModelConfig config;
   TPEmbed embed{nullptr};
   torch::nn::ModuleList blocks{nullptr};
@@ -96,6 +96,7 @@ at::Tensor expected_local(const at::Tensor& param, const at::Tensor& full);
 // of fully_shard (rows of the TP-local tensor), TP-local tensors, replicated ones. Throws naming
 // the parameter when one differs by more than `tol` or has the wrong shape. gather (TP only, a
 // collective over the tp ranks): also the all-gathered parameter against the whole reference.
-double max_param_diff(TPModel& model, const std::map<std::string, at::Tensor>& reference, double tol, bool gather = false);
+double max_param_diff(TPModel& model, const std::map<std::string, at::Tensor>& reference, double tol,
+                      bool gather = false);
 
 }  // namespace fsdp::testing

@@ -28,10 +28,29 @@ namespace fs = std::filesystem;
 TEST(TrainGpt, HelpDocumentsEveryOption) {
   auto r = run_process(spec_of({kTrainGpt, "--help"}, 30s));
   ASSERT_TRUE(r.ok()) << r.output;
-  for (const char* opt : {"--data", "--layers", "--dim", "--heads", "--seq-len", "--batch-size", "--grad-accum", "--steps",
-                          "--lr", "--warmup", "--weight-decay", "--clip", "--seed", "--parallel", "--shard-size",
-                          "--mixed-precision", "--reshard-after-forward", "--checkpoint-dir", "--checkpoint-every",
-                          "--resume", "--eval-every", "--sample-tokens", "--metrics"}) {
+  for (const char* opt : {"--data",
+                          "--layers",
+                          "--dim",
+                          "--heads",
+                          "--seq-len",
+                          "--batch-size",
+                          "--grad-accum",
+                          "--steps",
+                          "--lr",
+                          "--warmup",
+                          "--weight-decay",
+                          "--clip",
+                          "--seed",
+                          "--parallel",
+                          "--shard-size",
+                          "--mixed-precision",
+                          "--reshard-after-forward",
+                          "--checkpoint-dir",
+                          "--checkpoint-every",
+                          "--resume",
+                          "--eval-every",
+                          "--sample-tokens",
+                          "--metrics"}) {
     EXPECT_NE(r.output.find(opt), std::string::npos) << opt << " missing from --help:\n" << r.output;
   }
 }
@@ -48,7 +67,8 @@ TEST(TrainGpt, InvalidOptionsFailWithOneLine) {
       {{"--batch-size", "8", "--grad-accum", "3"}, "train_gpt: error: --grad-accum 3 does not divide --batch-size 8"},
       {{"--data", dir / "missing.txt"}, "train_gpt: error: cannot read data file '" + (dir / "missing.txt") + "'"},
       {{"--data", "synthetic", "--parallel", "replicate", "--mixed-precision", "bf16"},
-       "train_gpt: error: --mixed-precision bf16 needs fully_shard's MixedPrecisionPolicy: use --parallel fsdp or hsdp"},
+       "train_gpt: error: --mixed-precision bf16 needs fully_shard's MixedPrecisionPolicy: use --parallel fsdp or "
+       "hsdp"},
       {{"--parallel", "bogus"}, "train_gpt: error: --parallel: bogus not in {fsdp,hsdp,replicate,none}"},
       {{"--steps", "0"}, "train_gpt: error: --steps: must be a number >= 1, not '0'"},
       {{"--no-such-option"}, "train_gpt: error: The following argument was not expected: --no-such-option"},
@@ -143,7 +163,8 @@ TEST(TrainGpt, Bf16MixedPrecisionTrains) {
     std::ofstream text(dir / "text.txt");
     for (int i = 0; i < 400; ++i) text << "the quick brown fox " << i << " jumps over the lazy dog.\n";
   }
-  const std::vector<std::string> longer = {"--data", dir / "text.txt", "--steps", "20", "--lr", "0.01", "--warmup", "5"};
+  const std::vector<std::string> longer = {"--data", dir / "text.txt", "--steps",  "20",
+                                           "--lr",   "0.01",           "--warmup", "5"};
   auto fp32 = ranks(2, tiny(dir / "fp32.jsonl", longer));
   ASSERT_TRUE(fp32.ok()) << fp32.output;
   auto extra = longer;
@@ -205,7 +226,9 @@ TEST(TrainGpt, ResumingAnotherModelShapeFailsWithOneLine) {
   argv.insert(argv.end(), args.begin(), args.end());
   auto r = run_process(spec_of(argv, 60s));
   EXPECT_EQ(r.exit_code, 2) << r.output;
-  EXPECT_EQ(r.output.rfind("train_gpt: error: checkpoint " + (dir / "ckpt") + "/step_000002 is of another model shape: ", 0), 0u)
+  EXPECT_EQ(
+      r.output.rfind("train_gpt: error: checkpoint " + (dir / "ckpt") + "/step_000002 is of another model shape: ", 0),
+      0u)
       << r.output;
   EXPECT_EQ(count(r.output, "\n"), 1u) << r.output;
 }

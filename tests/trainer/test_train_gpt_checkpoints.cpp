@@ -35,7 +35,9 @@ std::string read_bytes(const fs::path& p) {
   std::ifstream in(p, std::ios::binary);
   return std::string(std::istreambuf_iterator<char>(in), {});
 }
-void write_bytes(const fs::path& p, const std::string& text) { std::ofstream(p, std::ios::binary | std::ios::trunc) << text; }
+void write_bytes(const fs::path& p, const std::string& text) {
+  std::ofstream(p, std::ios::binary | std::ios::trunc) << text;
+}
 
 // Every file under `dir` with its bytes.
 std::map<std::string, std::string> snapshot(const fs::path& dir) {
@@ -44,7 +46,6 @@ std::map<std::string, std::string> snapshot(const fs::path& dir) {
     if (e.is_regular_file()) files[fs::relative(e.path(), dir).string()] = read_bytes(e.path());
   return files;
 }
-
 
 TEST(TrainGptCheckpoints, HelpDocumentsTheCheckpointOptions) {
   auto r = run_process(spec_of({kTrainGpt, "--help"}, 30s));
@@ -76,7 +77,8 @@ TEST(TrainGptCheckpoints, DamagedIndexStopsResumeAndResumeFromIsTheWayOut) {
     const auto before = snapshot(damaged);
     auto r = alone(checkpointed(dir / "a.jsonl", ckpt, {"--resume", "--steps", "8"}), 60s);
     EXPECT_NE(r.exit_code, 0) << r.output;
-    EXPECT_NE(r.output.find("train_gpt: error: checkpoint " + damaged.string() + " is damaged"), std::string::npos) << r.output;
+    EXPECT_NE(r.output.find("train_gpt: error: checkpoint " + damaged.string() + " is damaged"), std::string::npos)
+        << r.output;
     EXPECT_NE(r.output.find("--resume-from " + ckpt + "/step_000004"), std::string::npos) << r.output;
     EXPECT_FALSE(trained(r.output)) << r.output;
     EXPECT_EQ(snapshot(damaged), before) << "the damaged folder changed";
@@ -91,7 +93,8 @@ TEST(TrainGptCheckpoints, DamagedIndexStopsResumeAndResumeFromIsTheWayOut) {
   // --resume-from an earlier checkpoint into the same directory would save into the damaged folder
   // at step 6: refused at start, nothing changed.
   const auto before = snapshot(damaged);
-  auto into_damaged = alone(checkpointed(dir / "b.jsonl", ckpt, {"--resume-from", ckpt + "/step_000004", "--steps", "8"}), 60s);
+  auto into_damaged =
+      alone(checkpointed(dir / "b.jsonl", ckpt, {"--resume-from", ckpt + "/step_000004", "--steps", "8"}), 60s);
   EXPECT_NE(into_damaged.exit_code, 0) << into_damaged.output;
   EXPECT_NE(into_damaged.output.find(damaged.string() + " is damaged"), std::string::npos) << into_damaged.output;
   EXPECT_NE(into_damaged.output.find("would save into it at step 6"), std::string::npos) << into_damaged.output;
@@ -118,12 +121,14 @@ TEST(TrainGptCheckpoints, DamagedIndexStopsResumeAndResumeFromIsTheWayOut) {
 TEST(TrainGptCheckpoints, SecondRunOnTheSameCheckpointDirIsRefused) {
   TempDir dir;
   const std::string ckpt = dir / "ckpt";
-  Child first(spec_of([&] {
-    std::vector<std::string> argv = {kTrainGpt, "--parallel", "none"};
-    auto args = checkpointed(dir / "first.jsonl", ckpt, {"--steps", "100000", "--checkpoint-every", "0"});
-    argv.insert(argv.end(), args.begin(), args.end());
-    return argv;
-  }(), 180s));
+  Child first(spec_of(
+      [&] {
+        std::vector<std::string> argv = {kTrainGpt, "--parallel", "none"};
+        auto args = checkpointed(dir / "first.jsonl", ckpt, {"--steps", "100000", "--checkpoint-every", "0"});
+        argv.insert(argv.end(), args.begin(), args.end());
+        return argv;
+      }(),
+      180s));
   const auto deadline = std::chrono::steady_clock::now() + 60s;
   while (losses(dir / "first.jsonl").empty() && std::chrono::steady_clock::now() < deadline) {
     ASSERT_FALSE(first.try_wait()) << first.result().output;
@@ -171,7 +176,8 @@ TEST(TrainGptCheckpoints, KeepCheckpointsRemovesOnlyOlderCommittedOnes) {
   auto r = alone(checkpointed(dir / "m.jsonl", ckpt, {"--steps", "8", "--keep-checkpoints", "2"}));
   ASSERT_TRUE(r.ok()) << r.output;
   EXPECT_NE(r.output.find("checkpoint: removed " + (ckpt / "step_000002").string() + " (--keep-checkpoints 2)"),
-            std::string::npos) << r.output;
+            std::string::npos)
+      << r.output;
   EXPECT_FALSE(fs::exists(ckpt / "step_000002"));
   EXPECT_FALSE(fs::exists(ckpt / "step_000004"));
   EXPECT_TRUE(fs::exists(ckpt / "step_000006" / "index.json"));
@@ -199,7 +205,8 @@ TEST(TrainGptCheckpoints, ResumePastStepsSaysSoAndLeavesTheMetricsAlone) {
     ASSERT_TRUE(r.ok()) << r.output;
     EXPECT_NE(r.output.find("train_gpt: checkpoint " + ckpt + "/step_000004 is at step 4, --steps " + steps +
                             ": nothing to train (raise --steps to continue it)"),
-              std::string::npos) << r.output;
+              std::string::npos)
+        << r.output;
     EXPECT_FALSE(trained(r.output)) << r.output;
     EXPECT_EQ(read_bytes(dir / "m.jsonl"), metrics) << "--steps " << steps;
   }
@@ -225,8 +232,10 @@ TEST(TrainGptCheckpoints, UnusableCheckpointDirIsRefusedAtStart) {
   bool mounted = false;
   if (::geteuid() == 0) {
     mounted = ::mount("tmpfs", ro.c_str(), "tmpfs", MS_RDONLY, "size=64k") == 0;
-    if (mounted) cases.push_back({ro, "cannot write in it: Read-only file system"});
-    else std::cout << "[ note ] read-only case skipped: mount failed (" << std::strerror(errno) << ")\n";
+    if (mounted)
+      cases.push_back({ro, "cannot write in it: Read-only file system"});
+    else
+      std::cout << "[ note ] read-only case skipped: mount failed (" << std::strerror(errno) << ")\n";
   } else {
     fs::permissions(ro, fs::perms::owner_read | fs::perms::owner_exec);
     cases.push_back({ro, "cannot write in it: Permission denied"});
@@ -246,8 +255,10 @@ TEST(TrainGptCheckpoints, UnusableCheckpointDirIsRefusedAtStart) {
   EXPECT_NE(two.exit_code, 0) << two.output;
   EXPECT_NE(two.output.find("exists and is not a directory"), std::string::npos) << two.output;
   EXPECT_FALSE(trained(two.output)) << two.output;
-  if (mounted) ::umount2(ro.c_str(), MNT_DETACH);
-  else fs::permissions(ro, fs::perms::owner_all);
+  if (mounted)
+    ::umount2(ro.c_str(), MNT_DETACH);
+  else
+    fs::permissions(ro, fs::perms::owner_all);
 }
 
 }  // namespace

@@ -151,7 +151,8 @@ TEST(TrainGptInput, NonFiniteNumbersExitTwoWithReadableRanges) {
     all.insert(all.end(), args.begin(), args.end());
     auto t = timed(alone_spec(all, 30s));
     expect_one_line_error(t, "train_gpt: error: " + message, args[0] + " " + args[1]);
-    EXPECT_FALSE(std::regex_search(t.r.output, std::regex("[0-9]{20,}[^0-9']"))) << "an unreadable number:\n" << t.r.output;
+    EXPECT_FALSE(std::regex_search(t.r.output, std::regex("[0-9]{20,}[^0-9']"))) << "an unreadable number:\n"
+                                                                                 << t.r.output;
   }
 }
 
@@ -159,8 +160,16 @@ TEST(TrainGptInput, NonFiniteNumbersExitTwoWithReadableRanges) {
 // every rank, within seconds, naming --seed and the values per rank.
 TEST(TrainGptInput, RanksWithDifferentOptionsFailBeforeTheFirstStep) {
   TempDir dir;
-  std::vector<std::string> argv = {kFsdprun, "--nproc-per-node", "2", "--master-port", "0", "--",
-                                   "/bin/sh", "-c", "exec \"$0\" \"$@\" --seed \"$RANK\"", kTrainGpt};
+  std::vector<std::string> argv = {kFsdprun,
+                                   "--nproc-per-node",
+                                   "2",
+                                   "--master-port",
+                                   "0",
+                                   "--",
+                                   "/bin/sh",
+                                   "-c",
+                                   "exec \"$0\" \"$@\" --seed \"$RANK\"",
+                                   kTrainGpt};
   const auto args = tiny(dir / "m.jsonl");
   argv.insert(argv.end(), args.begin(), args.end());
   auto t = timed(spec_of(argv, 120s));
@@ -208,7 +217,8 @@ TEST(TrainGptInput, WholeErrorMessageIsPrinted) {
   spec.env_set["FSDP_COLLECTIVE_TIMEOUT_S"] = "10";
   Child child(spec);
   const auto deadline = Clock::now() + 60s;
-  while (losses(dir / "m.jsonl").size() < 2 && Clock::now() < deadline && !child.try_wait()) std::this_thread::sleep_for(100ms);
+  while (losses(dir / "m.jsonl").size() < 2 && Clock::now() < deadline && !child.try_wait())
+    std::this_thread::sleep_for(100ms);
   ASSERT_GE(losses(dir / "m.jsonl").size(), 2u) << "no training progress\n" << child.result().output;
   const int rank1 = worker_pid(child.pid(), 1);
   ASSERT_GT(rank1, 0) << "rank 1's process not found";
@@ -220,7 +230,8 @@ TEST(TrainGptInput, WholeErrorMessageIsPrinted) {
   ASSERT_NE(err, std::string::npos) << r.output;
   const std::string tail = r.output.substr(err);
   EXPECT_NE(tail.find("FSDP_COLLECTIVE_TIMEOUT_S"), std::string::npos) << "the hint was cut off:\n" << r.output;
-  EXPECT_GE(count(tail.substr(0, tail.find("FSDP_COLLECTIVE_TIMEOUT_S")), "\n"), 1u) << "not a multi-line message:\n" << r.output;
+  EXPECT_GE(count(tail.substr(0, tail.find("FSDP_COLLECTIVE_TIMEOUT_S")), "\n"), 1u) << "not a multi-line message:\n"
+                                                                                     << r.output;
   EXPECT_EQ(r.output.find("Exception raised from"), std::string::npos) << r.output;
   EXPECT_EQ(r.output.find("frame #"), std::string::npos) << r.output;
 }
@@ -232,7 +243,8 @@ TEST(TrainGptInput, ErrorTextKeepsHintsAndDropsBacktraces) {
     TORCH_CHECK(false, "first line\n  the hint on a second line");
   } catch (const c10::Error& e) {
     EXPECT_EQ(train_gpt::error_text(e), "first line\n  the hint on a second line");
-    const std::runtime_error wrapped(std::string("collective failed: ") + e.what() + "\n  If it timed out, see FSDP_COLLECTIVE_TIMEOUT_S.");
+    const std::runtime_error wrapped(std::string("collective failed: ") + e.what() +
+                                     "\n  If it timed out, see FSDP_COLLECTIVE_TIMEOUT_S.");
     const std::string text = train_gpt::error_text(wrapped);
     EXPECT_EQ(text.rfind("collective failed: first line\n  the hint on a second line\n", 0), 0u) << text;
     EXPECT_NE(text.find("\n  If it timed out, see FSDP_COLLECTIVE_TIMEOUT_S."), std::string::npos) << text;
@@ -261,7 +273,8 @@ TEST(TrainGptInput, SigtermDuringModelConstructionExitsWithinSeconds) {
   std::this_thread::sleep_for(1s);  // into fully_shard / to_empty / initialisation
   child.try_wait();
   ASSERT_EQ(child.result().output.find("train_gpt: GPT "), std::string::npos)
-      << "the model was already built: make it larger\n" << child.result().output;
+      << "the model was already built: make it larger\n"
+      << child.result().output;
   const auto t0 = Clock::now();
   child.send_signal(SIGTERM);
   auto r = child.wait();

@@ -13,8 +13,8 @@ namespace {
 using namespace train_gpt_test;
 using namespace std::chrono_literals;
 
-std::vector<std::string> with_optimizer(const std::string& metrics, const std::string& optimizer, const std::string& ckpt,
-                                        const std::vector<std::string>& extra = {}) {
+std::vector<std::string> with_optimizer(const std::string& metrics, const std::string& optimizer,
+                                        const std::string& ckpt, const std::vector<std::string>& extra = {}) {
   // A learning rate each optimizer trains with in 6 steps.
   const std::map<std::string, std::string> lr = {
       {"adamw", "0.003"}, {"adam", "0.003"}, {"sgd", "0.05"}, {"adagrad", "0.005"}, {"rmsprop", "0.0003"}};
@@ -38,7 +38,8 @@ TEST_P(TrainGptOptimizer, SavedAtTwoRanksResumesInOneProcessLikeAnUninterruptedR
   // process resumes its step_000004 (saves going elsewhere) and runs steps 5 and 6.
   auto first = ranks(2, with_optimizer(dir / "a.jsonl", opt, dir / "ckpt"), 120s);
   ASSERT_TRUE(first.ok()) << first.output;
-  auto resumed = alone(with_optimizer(dir / "b.jsonl", opt, dir / "other", {"--resume-from", dir / "ckpt/step_000004"}), 90s);
+  auto resumed =
+      alone(with_optimizer(dir / "b.jsonl", opt, dir / "other", {"--resume-from", dir / "ckpt/step_000004"}), 90s);
   ASSERT_TRUE(resumed.ok()) << resumed.output;
   EXPECT_NE(resumed.output.find("at step 4"), std::string::npos) << resumed.output;
   const auto got = losses(dir / "b.jsonl");
@@ -79,9 +80,17 @@ namespace {
 // while rank 0 has adamw fails before the first step, naming the option.
 TEST(TrainGptOptimizers, RanksWithDifferentOptimizersFailBeforeTheFirstStep) {
   TempDir dir;
-  std::vector<std::string> argv = {kFsdprun, "--nproc-per-node", "2", "--master-port", "0", "--", "/bin/sh", "-c",
-                                   "if [ \"$RANK\" = 1 ]; then exec \"$0\" \"$@\" --optimizer sgd; else exec \"$0\" \"$@\"; fi",
-                                   kTrainGpt};
+  std::vector<std::string> argv = {
+      kFsdprun,
+      "--nproc-per-node",
+      "2",
+      "--master-port",
+      "0",
+      "--",
+      "/bin/sh",
+      "-c",
+      "if [ \"$RANK\" = 1 ]; then exec \"$0\" \"$@\" --optimizer sgd; else exec \"$0\" \"$@\"; fi",
+      kTrainGpt};
   const auto args = tiny(dir / "m.jsonl");
   argv.insert(argv.end(), args.begin(), args.end());
   auto r = run_process(spec_of(argv, 120s));

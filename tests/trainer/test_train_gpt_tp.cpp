@@ -64,7 +64,8 @@ TEST(TrainGptTp, TpTwoAndTwoByTwoGiveOneProcessLossesAndParameters) {
   ASSERT_TRUE(d.ok()) << d.output;
   auto e = ranks(2, tiny(dir / "sgd_tp2.jsonl", append({"--tp-size", "2", "--checkpoint-dir", dir / "sgd_tp2"}, sgd)));
   ASSERT_TRUE(e.ok()) << e.output;
-  auto f = ranks(4, tiny(dir / "sgd_dp2tp2.jsonl", append({"--tp-size", "2", "--checkpoint-dir", dir / "sgd_dp2tp2"}, sgd)), 240s);
+  auto f = ranks(
+      4, tiny(dir / "sgd_dp2tp2.jsonl", append({"--tp-size", "2", "--checkpoint-dir", dir / "sgd_dp2tp2"}, sgd)), 240s);
   ASSERT_TRUE(f.ok()) << f.output;
   expect_close(losses(dir / "sgd_tp2.jsonl"), losses(dir / "sgd_none.jsonl"), 1e-5);
   expect_same_checkpoint(dir / "sgd_tp2/step_000006", dir / "sgd_none/step_000006", 1e-5);
@@ -76,17 +77,24 @@ TEST(TrainGptTp, CheckpointsResumeAcrossTpLayouts) {
   // The uninterrupted run, and a 2 x 2 run that saves at step 3 (and 6).
   auto a = alone(tiny(dir / "none.jsonl", {"--checkpoint-dir", dir / "none", "--checkpoint-every", "3"}));
   ASSERT_TRUE(a.ok()) << a.output;
-  auto b = ranks(4, tiny(dir / "dp2tp2.jsonl", {"--tp-size", "2", "--checkpoint-dir", dir / "dp2tp2", "--checkpoint-every", "3"}), 240s);
+  auto b = ranks(
+      4, tiny(dir / "dp2tp2.jsonl", {"--tp-size", "2", "--checkpoint-dir", dir / "dp2tp2", "--checkpoint-every", "3"}),
+      240s);
   ASSERT_TRUE(b.ok()) << b.output;
   const auto reference = losses(dir / "none.jsonl");
   ASSERT_EQ(reference.size(), 6u);
   const std::vector<double> tail(reference.begin() + 3, reference.end());
   // 2 x 2 -> one process, 2 x 2 -> FSDP 2, one process -> 2 x 2: steps 4..6 continue exactly.
-  auto c = alone(tiny(dir / "r_none.jsonl", {"--resume-from", dir / "dp2tp2/step_000003", "--checkpoint-dir", dir / "r_none"}));
+  auto c = alone(
+      tiny(dir / "r_none.jsonl", {"--resume-from", dir / "dp2tp2/step_000003", "--checkpoint-dir", dir / "r_none"}));
   ASSERT_TRUE(c.ok()) << c.output;
-  auto d = ranks(2, tiny(dir / "r_fsdp.jsonl", {"--resume-from", dir / "dp2tp2/step_000003", "--checkpoint-dir", dir / "r_fsdp"}));
+  auto d = ranks(
+      2, tiny(dir / "r_fsdp.jsonl", {"--resume-from", dir / "dp2tp2/step_000003", "--checkpoint-dir", dir / "r_fsdp"}));
   ASSERT_TRUE(d.ok()) << d.output;
-  auto e = ranks(4, tiny(dir / "r_tp.jsonl", {"--tp-size", "2", "--resume-from", dir / "none/step_000003", "--checkpoint-dir", dir / "r_tp"}), 240s);
+  auto e = ranks(4,
+                 tiny(dir / "r_tp.jsonl",
+                      {"--tp-size", "2", "--resume-from", dir / "none/step_000003", "--checkpoint-dir", dir / "r_tp"}),
+                 240s);
   ASSERT_TRUE(e.ok()) << e.output;
   expect_close(losses(dir / "r_none.jsonl"), tail, 1e-5);
   expect_close(losses(dir / "r_fsdp.jsonl"), tail, 1e-5);
@@ -104,7 +112,9 @@ TEST(TrainGptTp, PreflightErrorsAreOneLineBeforeAnyWork) {
       {{"--tp-size", "2"}, 3, "--tp-size 2 does not divide the world size 3"},
       {{"--tp-size", "2", "--heads", "3", "--dim", "48"}, 2, "--tp-size 2 does not divide --heads 3"},
       {{"--tp-size", "2", "--parallel", "hsdp"}, 0, "--tp-size > 1 with --parallel hsdp is not supported yet"},
-      {{"--tp-size", "2", "--parallel", "replicate"}, 0, "--tp-size > 1 with --parallel replicate is not supported yet"},
+      {{"--tp-size", "2", "--parallel", "replicate"},
+       0,
+       "--tp-size > 1 with --parallel replicate is not supported yet"},
       {{"--tp-size", "2", "--parallel", "none"}, 0, "--tp-size 2 needs ranks"},
       {{"--tp-size", "2", "--batch-size", "7"}, 4, "--batch-size 7 is not divisible by the data-parallel size 2"},
   };

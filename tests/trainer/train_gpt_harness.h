@@ -33,9 +33,16 @@ using fsdp::testing::run_process;
 inline const std::string kFsdprun = FSDPRUN_PATH;
 inline const std::string kTrainGpt = TRAIN_GPT_PATH;
 
-inline const std::vector<std::string> kScrub = {"RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
-                                         "TORCHELASTIC_RESTART_COUNT", "TORCHELASTIC_USE_AGENT_STORE",
-                                         "FSDP_TEST_KILL_AT_STEP", "FSDP_TEST_KILL_RANK"};
+inline const std::vector<std::string> kScrub = {"RANK",
+                                                "WORLD_SIZE",
+                                                "LOCAL_RANK",
+                                                "LOCAL_WORLD_SIZE",
+                                                "MASTER_ADDR",
+                                                "MASTER_PORT",
+                                                "TORCHELASTIC_RESTART_COUNT",
+                                                "TORCHELASTIC_USE_AGENT_STORE",
+                                                "FSDP_TEST_KILL_AT_STEP",
+                                                "FSDP_TEST_KILL_RANK"};
 
 // A fresh directory removed at scope exit (tests/support/test_helpers.h).
 struct TempDir : fsdp::testing::TempDir {
@@ -44,7 +51,8 @@ struct TempDir : fsdp::testing::TempDir {
 
 // `name value` replaced or appended (options may be given once only); "--resume" appended.
 inline std::vector<std::string> apply(std::vector<std::string> args, const std::vector<std::string>& extra);
-inline std::vector<std::string> set_arg(std::vector<std::string> args, const std::string& name, const std::string& value) {
+inline std::vector<std::string> set_arg(std::vector<std::string> args, const std::string& name,
+                                        const std::string& value) {
   for (size_t i = 0; i + 1 < args.size(); ++i) {
     if (args[i] == name) {
       args[i + 1] = value;
@@ -70,10 +78,10 @@ inline std::vector<std::string> apply(std::vector<std::string> args, const std::
 
 // A tiny model on synthetic data: a run of a few steps takes about a second.
 inline std::vector<std::string> tiny(const std::string& metrics, const std::vector<std::string>& extra = {}) {
-  std::vector<std::string> a = {"--data",      "synthetic", "--layers",   "2",  "--dim",           "32",
-                                "--heads",     "2",         "--seq-len",  "16", "--batch-size",    "8",
-                                "--steps",     "6",         "--warmup",   "2",  "--eval-every",    "0",
-                                "--sample-tokens", "0",     "--checkpoint-dir", "", "--metrics",   metrics};
+  std::vector<std::string> a = {"--data",          "synthetic", "--layers",         "2",  "--dim",        "32",
+                                "--heads",         "2",         "--seq-len",        "16", "--batch-size", "8",
+                                "--steps",         "6",         "--warmup",         "2",  "--eval-every", "0",
+                                "--sample-tokens", "0",         "--checkpoint-dir", "",   "--metrics",    metrics};
   return apply(a, extra);
 }
 
@@ -83,8 +91,9 @@ inline ProcessSpec spec_of(std::vector<std::string> argv, std::chrono::milliseco
   spec.env_unset = kScrub;
   // Built whole, not `env_set["K"] = "v"`: GCC 12 at -O3 warns a false -Wstringop-overflow on that
   // assignment once inlined (GCC bug 105651).
-  spec.env_set = {{"OMP_NUM_THREADS", "1"},        // same threads in every mode: same float results
-                  {"CUDA_VISIBLE_DEVICES", ""}};  // CPU runs even on a GPU machine (--device auto; tests/gpu covers GPUs)
+  spec.env_set = {
+      {"OMP_NUM_THREADS", "1"},       // same threads in every mode: same float results
+      {"CUDA_VISIBLE_DEVICES", ""}};  // CPU runs even on a GPU machine (--device auto; tests/gpu covers GPUs)
   spec.timeout = timeout;
   return spec;
 }
@@ -95,7 +104,8 @@ inline ProcessResult alone(const std::vector<std::string>& args, std::chrono::mi
   return run_process(spec_of(argv, timeout));
 }
 
-inline std::vector<std::string> fsdprun_argv(int n, const std::vector<std::string>& args, const std::vector<std::string>& launcher = {}) {
+inline std::vector<std::string> fsdprun_argv(int n, const std::vector<std::string>& args,
+                                             const std::vector<std::string>& launcher = {}) {
   std::vector<std::string> argv = {kFsdprun, "--nproc-per-node", std::to_string(n), "--master-port", "0"};
   argv.insert(argv.end(), launcher.begin(), launcher.end());
   argv.push_back("--");

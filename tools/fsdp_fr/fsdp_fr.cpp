@@ -116,9 +116,11 @@ Dump load_dump(const fs::path& path, std::map<std::string, GroupInfo>& infos) {
     if (!j.is_object()) throw InputError(where + ": not a JSON object" + damaged);
     if (line_no == 1) {
       if (j.value("format", "") != "fsdp-flight-recorder") {
-        throw InputError(where + ": not a flight-recorder dump (the first line lacks \"format\":\"fsdp-flight-recorder\")");
+        throw InputError(where +
+                         ": not a flight-recorder dump (the first line lacks \"format\":\"fsdp-flight-recorder\")");
       }
-      if (field<int>(j, "version", where) != 1) throw InputError(where + ": format version " + j["version"].dump() + ", this fsdp-fr reads 1");
+      if (field<int>(j, "version", where) != 1)
+        throw InputError(where + ": format version " + j["version"].dump() + ", this fsdp-fr reads 1");
       d.rank = field<int>(j, "rank", where);
       d.host = j.value("host", "?");
       d.reason = j.value("reason", "");
@@ -142,10 +144,12 @@ Dump load_dump(const fs::path& path, std::map<std::string, GroupInfo>& infos) {
     r.out_numel = field<int64_t>(j, "out_numel", where);
     r.start_us = field<int64_t>(j, "start_us", where);
     r.end_us = field<int64_t>(j, "end_us", where);
-    const std::string key = group_key(field<std::string>(j, "group", where), field<std::vector<int>>(j, "group_ranks", where));
+    const std::string key =
+        group_key(field<std::string>(j, "group", where), field<std::vector<int>>(j, "group_ranks", where));
     auto g = d.groups.find(key);
     if (g == d.groups.end()) throw InputError(where + ": a record of a group the header does not list" + damaged);
-    if (r.seq >= g->second.issued) throw InputError(where + ": seq " + std::to_string(r.seq) + " beyond the group's issued count" + damaged);
+    if (r.seq >= g->second.issued)
+      throw InputError(where + ": seq " + std::to_string(r.seq) + " beyond the group's issued count" + damaged);
     g->second.recs[r.seq] = r;
   }
   if (line_no == 0) throw InputError(path.string() + ": empty" + damaged);
@@ -227,7 +231,8 @@ std::optional<Finding> analyse_group(const GroupInfo& info, const std::string& k
     std::map<std::string, std::vector<int>> states;
     for (int r : entered) states[rg(r).recs.at(s).state].push_back(r);
     if (states.size() == 1 && states.count("completed")) continue;
-    std::string t = head + first.signature() + (absent.empty() ? ": every rank entered, not every rank completed: " : ": not completed: ");
+    std::string t = head + first.signature() +
+                    (absent.empty() ? ": every rank entered, not every rank completed: " : ": not completed: ");
     bool sep = false;
     for (const auto& [state, rs] : states) {
       t += std::string(sep ? ", " : "") + rank_list(rs) + " " + state;
@@ -254,11 +259,13 @@ std::optional<Finding> analyse_group(const GroupInfo& info, const std::string& k
     problem_seq = s;
   }
   if (!found && !absent.empty()) {
-    found = Finding{0, "group '" + info.name + "': " + rank_list(absent) + " wrote no dump (killed, or never saw a collective fail?); " +
-                           rank_list(present) + " agree on seq " + std::to_string(from) + ".." +
+    found = Finding{0, "group '" + info.name + "': " + rank_list(absent) +
+                           " wrote no dump (killed, or never saw a collective fail?); " + rank_list(present) +
+                           " agree on seq " + std::to_string(from) + ".." +
                            (to == 0 ? std::string("(none)") : std::to_string(to - 1))};
   } else if (found && !absent.empty()) {
-    found->text += "; " + rank_list(absent) + " wrote no dump (stopped before it could, or none of its collectives failed)";
+    found->text +=
+        "; " + rank_list(absent) + " wrote no dump (stopped before it could, or none of its collectives failed)";
   }
   if (found) {
     summary = title + ": PROBLEM\n  " + found->text;
@@ -271,7 +278,8 @@ std::optional<Finding> analyse_group(const GroupInfo& info, const std::string& k
     for (int r : present) {
       for (const auto& [s, rec] : rg(r).recs) {
         if (s < lo || (found && s > problem_seq + 1)) continue;
-        summary += "\n    rank " + std::to_string(r) + " seq " + std::to_string(s) + " " + rec.signature() + " " + rec.state;
+        summary +=
+            "\n    rank " + std::to_string(r) + " seq " + std::to_string(s) + " " + rec.signature() + " " + rec.state;
       }
     }
   }
@@ -279,8 +287,11 @@ std::optional<Finding> analyse_group(const GroupInfo& info, const std::string& k
 }
 
 int run(const std::string& dir, bool show_records) {
-  if (!fs::exists(dir)) throw InputError("no folder " + dir + "; give the folder FSDP_FLIGHT_RECORDER_DIR named (fsdprun --flight-recorder-dir)");
-  if (!fs::is_directory(dir)) throw InputError(dir + " is not a folder; give the folder that holds the rank_<R>.jsonl dumps");
+  if (!fs::exists(dir))
+    throw InputError("no folder " + dir +
+                     "; give the folder FSDP_FLIGHT_RECORDER_DIR named (fsdprun --flight-recorder-dir)");
+  if (!fs::is_directory(dir))
+    throw InputError(dir + " is not a folder; give the folder that holds the rank_<R>.jsonl dumps");
   static const std::regex dump_name("rank_([0-9]+)\\.jsonl");
   std::vector<fs::path> files;
   for (const auto& e : fs::directory_iterator(dir)) {
@@ -288,23 +299,26 @@ int run(const std::string& dir, bool show_records) {
   }
   std::sort(files.begin(), files.end());
   if (files.empty()) {
-    throw InputError(dir + " holds no flight-recorder dumps (rank_<R>.jsonl); a rank writes one when a collective fails "
-                           "or times out with FSDP_FLIGHT_RECORDER_DIR set, or on fsdp::comm::dump_flight_recorder()");
+    throw InputError(dir +
+                     " holds no flight-recorder dumps (rank_<R>.jsonl); a rank writes one when a collective fails "
+                     "or times out with FSDP_FLIGHT_RECORDER_DIR set, or on fsdp::comm::dump_flight_recorder()");
   }
   std::map<std::string, GroupInfo> infos;
   std::map<int, Dump> dumps;
   for (const auto& f : files) {
     Dump d = load_dump(f, infos);
-    if (dumps.count(d.rank)) throw InputError(f.string() + " and " + dumps[d.rank].file + " both hold rank " + std::to_string(d.rank));
+    if (dumps.count(d.rank))
+      throw InputError(f.string() + " and " + dumps[d.rank].file + " both hold rank " + std::to_string(d.rank));
     dumps.emplace(d.rank, std::move(d));
   }
   std::vector<int> ranks;
   for (const auto& [r, d] : dumps) ranks.push_back(r);
-  std::cout << "fsdp-fr: " << dir << ": " << dumps.size() << " dump" << (dumps.size() == 1 ? "" : "s") << " (" << rank_list(ranks)
-            << "), " << infos.size() << " group" << (infos.size() == 1 ? "" : "s") << "\n";
+  std::cout << "fsdp-fr: " << dir << ": " << dumps.size() << " dump" << (dumps.size() == 1 ? "" : "s") << " ("
+            << rank_list(ranks) << "), " << infos.size() << " group" << (infos.size() == 1 ? "" : "s") << "\n";
   for (const auto& [r, d] : dumps) {
     std::cout << "  rank " << r << " on " << d.host << ": " << d.recorded << " collectives recorded, the last "
-              << std::min(d.recorded, d.capacity) << " kept; dumped after: " << d.reason.substr(0, d.reason.find('\n')) << "\n";
+              << std::min(d.recorded, d.capacity) << " kept; dumped after: " << d.reason.substr(0, d.reason.find('\n'))
+              << "\n";
   }
   std::vector<Finding> findings;
   for (const auto& [key, info] : infos) {
@@ -317,7 +331,8 @@ int run(const std::string& dir, bool show_records) {
     std::cout << "fsdp-fr: no problem found: the ranks agree on every collective they all recorded\n";
     return kOk;
   }
-  std::stable_sort(findings.begin(), findings.end(), [](const Finding& a, const Finding& b) { return a.when_us < b.when_us; });
+  std::stable_sort(findings.begin(), findings.end(),
+                   [](const Finding& a, const Finding& b) { return a.when_us < b.when_us; });
   std::cout << "fsdp-fr: first problem: " << findings.front().text << "\n";
   return kProblem;
 }
@@ -325,8 +340,9 @@ int run(const std::string& dir, bool show_records) {
 }  // namespace
 
 int main(int argc, char** argv) {
-  CLI::App app{"fsdp-fr: line up the ranks' flight-recorder dumps (FSDP_FLIGHT_RECORDER_DIR) and name the first "
-               "collective where they diverge, that a rank never entered or never completed"};
+  CLI::App app{
+      "fsdp-fr: line up the ranks' flight-recorder dumps (FSDP_FLIGHT_RECORDER_DIR) and name the first "
+      "collective where they diverge, that a rank never entered or never completed"};
   std::string dir;
   bool records = false;
   app.add_option("DIR", dir, "folder of rank_<R>.jsonl dumps")->required();

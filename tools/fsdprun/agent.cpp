@@ -175,7 +175,8 @@ std::vector<WorkerSpec> Agent::worker_specs(int attempt) const {
     spec.console_out = shown && !(redirected & 1);
     spec.console_err = shown && !(redirected & 2);
     if (!log_base_.empty()) {
-      const int to_files = opts_.redirects.empty() && opts_.tee.empty() ? 3 : (redirected | std_streams_for(opts_.tee, local));
+      const int to_files =
+          opts_.redirects.empty() && opts_.tee.empty() ? 3 : (redirected | std_streams_for(opts_.tee, local));
       const std::string dir = log_base_ + "/attempt_" + std::to_string(attempt) + "/" + std::to_string(local);
       if (to_files != 0) std::filesystem::create_directories(dir);  // throws: the attempt cannot start
       if (to_files & 1) spec.stdout_log = dir + "/stdout.log";
@@ -236,8 +237,9 @@ int Agent::setup_store() {
   // Store calls answer in microseconds; the bound only matters when node 0 goes silent.
   // Node 0 silent for the heartbeat timeout is lost to the other nodes.
   const ms op_timeout = std::min({to_ms(opts_.rdzv_timeout_s), ms(60000), to_ms(opts_.heartbeat_timeout_s)});
-  const std::string nodes_text =
-      opts_.min_nodes == opts_.nnodes ? std::to_string(opts_.nnodes) : std::to_string(opts_.min_nodes) + ":" + std::to_string(opts_.nnodes);
+  const std::string nodes_text = opts_.min_nodes == opts_.nnodes
+                                     ? std::to_string(opts_.nnodes)
+                                     : std::to_string(opts_.min_nodes) + ":" + std::to_string(opts_.nnodes);
   const std::string config = "nnodes=" + nodes_text + " nproc_per_node=" + std::to_string(opts_.nproc_per_node) +
                              " max_restarts=" + std::to_string(opts_.max_restarts) + " rdzv_id=" + opts_.run_id;
   if (opts_.store == "file") {
@@ -259,7 +261,8 @@ int Agent::setup_store() {
       store_->set(kConfigKey, config);
       store_->add("/fsdprun/node_0/claimed", 1);
     } catch (const std::exception& e) {
-      log("cannot create the store file " + store_file_ + ": " + e.what() + "; set TMPDIR to a writable folder, or use --store tcp");
+      log("cannot create the store file " + store_file_ + ": " + e.what() +
+          "; set TMPDIR to a writable folder, or use --store tcp");
       return 1;
     }
     return 0;
@@ -272,8 +275,10 @@ int Agent::setup_store() {
       port_ = store_->port();
       if (store_->listens_everywhere()) {
         log("note: LibTorch " TORCH_VERSION "'s TCP store listens on every interface (port " + std::to_string(port_) +
-            "), not only on " + opts_.master_addr + ", and is unauthenticated: keep the port behind a firewall or on a "
-            "trusted network" + (opts_.nnodes == 1 ? std::string(" (a single node needs no TCP store: drop --store tcp)") : ""));
+            "), not only on " + opts_.master_addr +
+            ", and is unauthenticated: keep the port behind a firewall or on a "
+            "trusted network" +
+            (opts_.nnodes == 1 ? std::string(" (a single node needs no TCP store: drop --store tcp)") : ""));
       }
       store_->set(kConfigKey, config);
       store_->add("/fsdprun/node_0/claimed", 1);
@@ -307,15 +312,17 @@ int Agent::setup_store() {
   try {
     while (!store_->check(kConfigKey)) {  // node 0 writes it right after starting the store
       if (Clock::now() >= deadline) {
-        log("node 0's store at " + endpoint() + " never published its configuration; is another program using that port?");
+        log("node 0's store at " + endpoint() +
+            " never published its configuration; is another program using that port?");
         return 1;
       }
       if (wait_for_signal(signals_, ms(50))) return 128 + signals_.termination();
     }
     const std::string node0 = store_->get(kConfigKey);
     if (node0 != config) {
-      const std::string msg = "node " + std::to_string(opts_.node_rank) + " was started with " + config + " but node 0 with " +
-                              node0 + "; start every node with the same --nnodes, --nproc-per-node, --max-restarts and --rdzv-id";
+      const std::string msg =
+          "node " + std::to_string(opts_.node_rank) + " was started with " + config + " but node 0 with " + node0 +
+          "; start every node with the same --nnodes, --nproc-per-node, --max-restarts and --rdzv-id";
       store_->set(kAbortKey, msg);  // node 0 must not wait for this node until it times out
       log(msg);
       return 2;
@@ -324,8 +331,8 @@ int Agent::setup_store() {
     // The heartbeat has a connection of its own: it goes on while this loop waits on something.
     auto left = std::chrono::duration_cast<ms>(deadline - Clock::now());
     heartbeat_ = std::make_unique<Heartbeat>(
-        StoreClient::connect(opts_.master_addr, opts_.master_port, std::max(left, ms(5000)), op_timeout), opts_.node_rank,
-        std::max(to_ms(opts_.heartbeat_timeout_s) / 5, ms(50)));
+        StoreClient::connect(opts_.master_addr, opts_.master_port, std::max(left, ms(5000)), op_timeout),
+        opts_.node_rank, std::max(to_ms(opts_.heartbeat_timeout_s) / 5, ms(50)));
     if (int rc = find_first_attempt(); rc != 0) return rc;
   } catch (const std::runtime_error& e) {  // StoreLost, or the heartbeat's connection failing
     log("lost node 0's store at " + endpoint() + ": " + e.what());
@@ -342,7 +349,8 @@ int Agent::claim_node_rank() {
   // previous fsdprun that is gone (its host died), whose heartbeat has stopped. Watch it.
   const ms window = to_ms(opts_.heartbeat_timeout_s) + ms(500);
   log("--node-rank " + k + " was taken by another fsdprun; watching its heartbeat for " +
-      seconds_text(static_cast<double>(window.count()) / 1000.0) + " (a node that comes back replaces one that is gone)");
+      seconds_text(static_cast<double>(window.count()) / 1000.0) +
+      " (a node that comes back replaces one that is gone)");
   const int64_t before = store_->counter(beat_key(opts_.node_rank));
   const auto until = Clock::now() + window;
   while (Clock::now() < until) {
@@ -350,12 +358,12 @@ int Agent::claim_node_rank() {
   }
   if (store_->counter(beat_key(opts_.node_rank)) != before) {
     store_->add(claim, -1);
-    log("another fsdprun already joined as --node-rank " + k + " and is alive; give every node its own --node-rank 0.." +
-        std::to_string(opts_.nnodes - 1));
+    log("another fsdprun already joined as --node-rank " + k +
+        " and is alive; give every node its own --node-rank 0.." + std::to_string(opts_.nnodes - 1));
     return 2;
   }
-  log("node " + k + "'s previous fsdprun sent no heartbeat for " + seconds_text(static_cast<double>(window.count()) / 1000.0) +
-      ": this one replaces it");
+  log("node " + k + "'s previous fsdprun sent no heartbeat for " +
+      seconds_text(static_cast<double>(window.count()) / 1000.0) + ": this one replaces it");
   return 0;
 }
 
@@ -378,7 +386,8 @@ int Agent::find_first_attempt() {
       return 0;
     }
     if (!said) {
-      log("the job is running attempt " + std::to_string(current) + " without this node; waiting for node 0 to restart it");
+      log("the job is running attempt " + std::to_string(current) +
+          " without this node; waiting for node 0 to restart it");
       said = true;
     }
     if (Clock::now() >= deadline) {
@@ -400,8 +409,7 @@ void Agent::publish_failure(int attempt, const std::string& reason, bool abort) 
   try {
     if (abort) store_->set(kAbortKey, reason);  // before .../failed, so whoever sees that can see this
     if (store_->add(attempt_key(attempt, "fail_count"), 1) == 1) store_->set(attempt_key(attempt, "failed"), reason);
-  } catch (const StoreLost&) {
-  }
+  } catch (const StoreLost&) {}
 }
 
 void Agent::wait_counter(const std::string& key, int64_t target, ms limit) {
@@ -410,8 +418,7 @@ void Agent::wait_counter(const std::string& key, int64_t target, ms limit) {
     while (store_->counter(key) < target && Clock::now() < deadline) {
       if (wait_for_signal(signals_, ms(50)) && signals_.termination_count() > 1) return;  // asked twice: leave
     }
-  } catch (const StoreLost&) {
-  }
+  } catch (const StoreLost&) {}
 }
 
 bool Agent::is_member(int node) const { return std::find(members_.begin(), members_.end(), node) != members_.end(); }
@@ -456,9 +463,10 @@ int Agent::rendezvous(int attempt) {
         return 1;
       }
       if (Clock::now() >= deadline) {
-        const std::string msg = "timed out after " + seconds_text(opts_.rdzv_timeout_s) + " waiting for the other nodes (" +
-                                std::to_string(joined) + " of " + std::to_string(opts_.min_nodes) + " joined attempt " +
-                                std::to_string(attempt) + "); start every node with the same --nnodes, --master-addr and "
+        const std::string msg = "timed out after " + seconds_text(opts_.rdzv_timeout_s) +
+                                " waiting for the other nodes (" + std::to_string(joined) + " of " +
+                                std::to_string(opts_.min_nodes) + " joined attempt " + std::to_string(attempt) +
+                                "); start every node with the same --nnodes, --master-addr and "
                                 "--master-port and its own --node-rank, or raise --rdzv-timeout-s";
         publish_failure(attempt, "node " + std::to_string(opts_.node_rank) + " " + msg, true);
         log(msg);
@@ -486,7 +494,8 @@ int Agent::rendezvous(int attempt) {
   }
   const auto me = std::find(members_.begin(), members_.end(), opts_.node_rank);
   if (me == members_.end()) {
-    log("attempt " + std::to_string(attempt) + " started without this node (it joined after node 0 closed the rendezvous); "
+    log("attempt " + std::to_string(attempt) +
+        " started without this node (it joined after node 0 closed the rendezvous); "
         "waiting for the next attempt");
     return -2;
   }
@@ -494,9 +503,10 @@ int Agent::rendezvous(int attempt) {
   if (static_cast<int>(members_.size()) != opts_.nnodes) {
     std::string list;
     for (int m : members_) list += (list.empty() ? "" : ", ") + std::to_string(m);
-    log("attempt " + std::to_string(attempt) + " runs on " + std::to_string(members_.size()) + " of " + std::to_string(opts_.nnodes) +
-        " nodes (" + list + "): WORLD_SIZE " + std::to_string(members_.size() * static_cast<size_t>(opts_.nproc_per_node)) +
-        ", this node is group rank " + std::to_string(group_rank_));
+    log("attempt " + std::to_string(attempt) + " runs on " + std::to_string(members_.size()) + " of " +
+        std::to_string(opts_.nnodes) + " nodes (" + list + "): WORLD_SIZE " +
+        std::to_string(members_.size() * static_cast<size_t>(opts_.nproc_per_node)) + ", this node is group rank " +
+        std::to_string(group_rank_));
   }
   return -1;
 }
@@ -663,15 +673,17 @@ int Agent::run() {
       switch (outcome) {
         case Outcome::Signaled: {
           const int sig = signals_.termination();
-          log("got " + signal_name(sig) + "; forwarding it to the workers (SIGKILL after " + seconds_text(opts_.grace_period_s) + ")");
+          log("got " + signal_name(sig) + "; forwarding it to the workers (SIGKILL after " +
+              seconds_text(opts_.grace_period_s) + ")");
           publish_failure(attempt, reason, /*abort=*/true);
           group.stop(sig, grace, signals_);
           break;
         }
         case Outcome::LocalFailure: {
           const auto& f = *group.first_failure();
-          log("worker rank " + std::to_string(f.global_rank) + " (pid " + std::to_string(f.pid) + ") failed: " + f.describe() +
-              "; stopping all workers (SIGTERM, SIGKILL after " + seconds_text(opts_.grace_period_s) + ")");
+          log("worker rank " + std::to_string(f.global_rank) + " (pid " + std::to_string(f.pid) +
+              ") failed: " + f.describe() + "; stopping all workers (SIGTERM, SIGKILL after " +
+              seconds_text(opts_.grace_period_s) + ")");
           publish_failure(attempt, reason, false);
           group.stop(SIGTERM, grace, signals_);
           print_last_lines(group, f.global_rank);
@@ -685,7 +697,8 @@ int Agent::run() {
           group.stop(SIGTERM, grace, signals_);
           break;
         case Outcome::NodeLost:
-          log(reason + "; stopping this node's workers (SIGTERM, SIGKILL after " + seconds_text(opts_.grace_period_s) + ")");
+          log(reason + "; stopping this node's workers (SIGTERM, SIGKILL after " + seconds_text(opts_.grace_period_s) +
+              ")");
           publish_failure(attempt, reason, false);
           group.stop(SIGTERM, grace, signals_);
           break;

@@ -51,8 +51,8 @@ class Agent {
  private:
   enum class Outcome { Succeeded, LocalFailure, RemoteFailure, Signaled, StoreLost, NodeLost };
 
-  int setup_store();                    // 0 or an exit status
-  int rendezvous(int attempt);          // -1: this node is in the attempt; -2: it started without it; else an exit status
+  int setup_store();            // 0 or an exit status
+  int rendezvous(int attempt);  // -1: this node is in the attempt; -2: it started without it; else an exit status
   bool is_member(int node) const;
   int lost_members() const;
   Outcome monitor(WorkerGroup& group, int attempt, std::string& reason);
@@ -63,26 +63,26 @@ class Agent {
   std::vector<WorkerSpec> worker_specs(int attempt) const;
   std::string failure_text(const WorkerExit& e) const;
   std::string endpoint() const;
-  int setup_logs();                      // 0 or an exit status
-  int claim_node_rank();                 // 0 or an exit status (non-zero nodes)
-  int find_first_attempt();              // 0 or an exit status (non-zero nodes)
-  void watch_peers(const char* when);    // node 0: notes the nodes newly lost (log)
+  int setup_logs();                    // 0 or an exit status
+  int claim_node_rank();               // 0 or an exit status (non-zero nodes)
+  int find_first_attempt();            // 0 or an exit status (non-zero nodes)
+  void watch_peers(const char* when);  // node 0: notes the nodes newly lost (log)
   void print_last_lines(const WorkerGroup& group, int global_rank) const;
 
   Options opts_;
   std::string exe_;
   Signals& signals_;
   std::unique_ptr<StoreClient> store_;
-  int port_ = 0;  // the store's real port (differs from opts_.master_port when that is 0)
+  int port_ = 0;            // the store's real port (differs from opts_.master_port when that is 0)
   std::string store_dir_;   // --store file: the private folder (mode 0700) removed at exit
   std::string store_file_;  // --store file: the FileStore, FSDP_STORE_FILE for the workers
   std::map<std::string, std::string> base_env_;  // fsdprun's environment plus the defaults
-  std::unique_ptr<Heartbeat> heartbeat_;  // non-zero nodes of a multi-node job
-  PeerWatch peers_;                       // node 0 of a multi-node job
-  int first_attempt_ = 0;                 // > 0 for a node that comes back into a running job
-  std::vector<int> members_{0};           // the nodes of the current attempt (node ranks, ascending)
-  int group_rank_ = 0;                    // this node's index in members_ (GROUP_RANK)
-  std::string log_base_;  // --log-dir/<run id>_node<K>, "" when workers' output goes to no files
+  std::unique_ptr<Heartbeat> heartbeat_;         // non-zero nodes of a multi-node job
+  PeerWatch peers_;                              // node 0 of a multi-node job
+  int first_attempt_ = 0;                        // > 0 for a node that comes back into a running job
+  std::vector<int> members_{0};                  // the nodes of the current attempt (node ranks, ascending)
+  int group_rank_ = 0;                           // this node's index in members_ (GROUP_RANK)
+  std::string log_base_;                         // --log-dir/<run id>_node<K>, "" when workers' output goes to no files
 };
 
 }  // namespace fsdprun

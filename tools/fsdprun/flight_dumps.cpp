@@ -26,8 +26,8 @@ std::string flight_recorder_note(const std::string& dir) {
   std::string list;
   for (size_t i = 0; i < files.size() && i < 8; ++i) list += (i ? ", " : "") + files[i];
   if (files.size() > 8) list += ", ...";
-  return "flight recorder: " + std::to_string(files.size()) + (files.size() == 1 ? " dump" : " dumps") + " in " + dir + " (" +
-         list + "); line the ranks up with: fsdp-fr " + dir;
+  return "flight recorder: " + std::to_string(files.size()) + (files.size() == 1 ? " dump" : " dumps") + " in " + dir +
+         " (" + list + "); line the ranks up with: fsdp-fr " + dir;
 }
 
 }  // namespace fsdprun

@@ -51,11 +51,12 @@ int parse_nproc(const std::string& value) {
     return cores > 0 ? static_cast<int>(cores) : static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
   }
   if (value == "gpu") {
-    throw UsageError("--nproc-per-node gpu is not supported by fsdprun; give the number of workers, e.g. "
-                     "--nproc-per-node 8");
+    throw UsageError(
+        "--nproc-per-node gpu is not supported by fsdprun; give the number of workers, e.g. "
+        "--nproc-per-node 8");
   }
-  return static_cast<int>(parse_long("--nproc-per-node", value, 1, 4096,
-                                     "a positive number of workers per node, e.g. --nproc-per-node 2"));
+  return static_cast<int>(
+      parse_long("--nproc-per-node", value, 1, 4096, "a positive number of workers per node, e.g. --nproc-per-node 2"));
 }
 
 // torchrun's N or MIN:MAX; sets nnodes (the most) and min_nodes.
@@ -70,7 +71,8 @@ void parse_nnodes(Options& o, const std::string& value) {
   long min_nodes = parse_long("--nnodes", lo, 1, 65536, "a positive number of nodes, e.g. --nnodes 2 or --nnodes 2:3");
   long max_nodes = parse_long("--nnodes", hi, 1, 65536, "a positive number of nodes, e.g. --nnodes 2 or --nnodes 2:3");
   if (min_nodes > max_nodes) {
-    throw UsageError("--nnodes " + value + " has MIN above MAX; give MIN:MAX with MIN <= MAX, e.g. --nnodes " + hi + ":" + lo);
+    throw UsageError("--nnodes " + value + " has MIN above MAX; give MIN:MAX with MIN <= MAX, e.g. --nnodes " + hi +
+                     ":" + lo);
   }
   o.min_nodes = static_cast<int>(min_nodes);
   o.nnodes = static_cast<int>(max_nodes);
@@ -78,7 +80,8 @@ void parse_nnodes(Options& o, const std::string& value) {
 
 // torchrun's Std values: 0 (none), 1 (stdout), 2 (stderr), 3 (both), or per local rank "0:1,1:3".
 std::string check_std(const std::string& flag, const std::string& v) {
-  const std::string fix = "; give 0 (none), 1 (stdout), 2 (stderr), 3 (both), or per local rank, e.g. " + flag + " 0:3,1:2";
+  const std::string fix =
+      "; give 0 (none), 1 (stdout), 2 (stderr), 3 (both), or per local rank, e.g. " + flag + " 0:3,1:2";
   auto digit = [&](const std::string& d) {
     if (d.size() != 1 || d[0] < '0' || d[0] > '3') throw UsageError(flag + " '" + v + "' is not valid" + fix);
   };
@@ -121,21 +124,24 @@ const std::vector<Spec>& specs() {
        [](Options& o, const std::string& v) { o.rdzv_last_call_s = parse_seconds("--rdzv-last-call-s", v, true); }},
       {"--node-rank", true,
        [](Options& o, const std::string& v) {
-         o.node_rank = static_cast<int>(parse_long("--node-rank", v, 0, 65535, "a node rank of 0 or more, e.g. --node-rank 0"));
+         o.node_rank =
+             static_cast<int>(parse_long("--node-rank", v, 0, 65535, "a node rank of 0 or more, e.g. --node-rank 0"));
        }},
       {"--master-addr", true,
        [](Options& o, const std::string& v) {
-         if (v.empty()) throw UsageError("--master-addr is empty; give node 0's host name or address, e.g. --master-addr 127.0.0.1");
+         if (v.empty())
+           throw UsageError("--master-addr is empty; give node 0's host name or address, e.g. --master-addr 127.0.0.1");
          o.master_addr = v;
        }},
       {"--master-port", true,
        [](Options& o, const std::string& v) {
-         o.master_port = static_cast<int>(parse_long("--master-port", v, 0, 65535,
-                                                     "a TCP port 1..65535 (or 0 for a free one), e.g. --master-port 29500"));
+         o.master_port = static_cast<int>(parse_long(
+             "--master-port", v, 0, 65535, "a TCP port 1..65535 (or 0 for a free one), e.g. --master-port 29500"));
        }},
       {"--max-restarts", true,
        [](Options& o, const std::string& v) {
-         o.max_restarts = static_cast<int>(parse_long("--max-restarts", v, 0, INT_MAX, "a count of 0 or more, e.g. --max-restarts 3"));
+         o.max_restarts = static_cast<int>(
+             parse_long("--max-restarts", v, 0, INT_MAX, "a count of 0 or more, e.g. --max-restarts 3"));
        }},
       {"--standalone", false, [](Options& o, const std::string&) { o.standalone = true; }},
       {"--store", true,
@@ -146,12 +152,16 @@ const std::vector<Spec>& specs() {
          o.store = v;
        }},
       {"--no-python", false, [](Options& o, const std::string&) { o.no_python = true; }},
-      {"--grace-period-s", true, [](Options& o, const std::string& v) { o.grace_period_s = parse_seconds("--grace-period-s", v, true); }},
-      {"--rdzv-timeout-s", true, [](Options& o, const std::string& v) { o.rdzv_timeout_s = parse_seconds("--rdzv-timeout-s", v, false); }},
+      {"--grace-period-s", true,
+       [](Options& o, const std::string& v) { o.grace_period_s = parse_seconds("--grace-period-s", v, true); }},
+      {"--rdzv-timeout-s", true,
+       [](Options& o, const std::string& v) { o.rdzv_timeout_s = parse_seconds("--rdzv-timeout-s", v, false); }},
       {"--monitor-interval", true,
        [](Options& o, const std::string& v) { o.monitor_interval_s = parse_seconds("--monitor-interval", v, false); }},
       {"--heartbeat-timeout-s", true,
-       [](Options& o, const std::string& v) { o.heartbeat_timeout_s = parse_seconds("--heartbeat-timeout-s", v, false); }},
+       [](Options& o, const std::string& v) {
+         o.heartbeat_timeout_s = parse_seconds("--heartbeat-timeout-s", v, false);
+       }},
       {"--rdzv-id", true,
        [](Options& o, const std::string& v) {
          if (v.empty()) throw UsageError("--rdzv-id is empty; give the job's id, e.g. --rdzv-id job42");
@@ -160,7 +170,8 @@ const std::vector<Spec>& specs() {
       {"--rdzv-backend", true,
        [](Options&, const std::string& v) {
          if (v != "static") {
-           throw UsageError("--rdzv-backend " + v + " is not supported; fsdprun uses static rendezvous: start every node "
+           throw UsageError("--rdzv-backend " + v +
+                            " is not supported; fsdprun uses static rendezvous: start every node "
                             "with the same --nnodes/--master-addr/--master-port and its own --node-rank");
          }
        }},
@@ -171,15 +182,20 @@ const std::vector<Spec>& specs() {
        }},
       {"--log-dir", true,
        [](Options& o, const std::string& v) {
-         if (v.empty()) throw UsageError("--log-dir is empty; give a folder for the workers' log files, e.g. --log-dir logs");
+         if (v.empty())
+           throw UsageError("--log-dir is empty; give a folder for the workers' log files, e.g. --log-dir logs");
          o.log_dir = v;
        }},
       {"--redirects", true, [](Options& o, const std::string& v) { o.redirects = check_std("--redirects", v); }},
       {"--tee", true, [](Options& o, const std::string& v) { o.tee = check_std("--tee", v); }},
-      {"--local-ranks-filter", true, [](Options& o, const std::string& v) { o.local_ranks_filter = parse_rank_list(v); }},
+      {"--local-ranks-filter", true,
+       [](Options& o, const std::string& v) { o.local_ranks_filter = parse_rank_list(v); }},
       {"--flight-recorder-dir", true,
        [](Options& o, const std::string& v) {
-         if (v.empty()) throw UsageError("--flight-recorder-dir is empty; give a folder for the flight-recorder dumps, e.g. --flight-recorder-dir fr");
+         if (v.empty())
+           throw UsageError(
+               "--flight-recorder-dir is empty; give a folder for the flight-recorder dumps, e.g. "
+               "--flight-recorder-dir fr");
          o.flight_recorder_dir = v;
        }},
       {"--help", false, [](Options& o, const std::string&) { o.help = true; }},
@@ -193,8 +209,9 @@ std::string unsupported_hint(const std::string& name) {
     return "fsdprun runs programs directly (like torchrun --no-python); drop " + name + " and give the program path";
   }
   if (name == "--rdzv-endpoint" || name == "--rdzv-conf" || name == "--local-addr") {
-    return name + " is not supported; fsdprun uses static rendezvous: give every node --nnodes, its own --node-rank, "
-                  "and node 0's --master-addr/--master-port";
+    return name +
+           " is not supported; fsdprun uses static rendezvous: give every node --nnodes, its own --node-rank, "
+           "and node 0's --master-addr/--master-port";
   }
   return {};
 }
@@ -270,12 +287,14 @@ Options parse_options(const std::vector<std::string>& args) {
     if (auto hint = unsupported_hint(name); !hint.empty()) throw UsageError(hint);
     const Spec* spec = find_spec(name);
     if (spec == nullptr) {
-      throw UsageError("unknown option '" + arg + "'; see fsdprun --help (options go before the program; put the "
+      throw UsageError("unknown option '" + arg +
+                       "'; see fsdprun --help (options go before the program; put the "
                        "program's own options after it)");
     }
     if (spec->takes_value) {
       if (!inline_value) {
-        if (i + 1 >= args.size()) throw UsageError(std::string(spec->name) + " needs a value, e.g. " + spec->name + "=VALUE");
+        if (i + 1 >= args.size())
+          throw UsageError(std::string(spec->name) + " needs a value, e.g. " + spec->name + "=VALUE");
         value = args[++i];
       }
     } else if (inline_value) {
@@ -289,26 +308,31 @@ Options parse_options(const std::vector<std::string>& args) {
 
   if (o.standalone) {
     // torchrun's --standalone: one node, a free port on the local host.
-    if (o.nnodes != 1) throw UsageError("--standalone runs a single node; drop --nnodes " + std::to_string(o.nnodes) + " or --standalone");
+    if (o.nnodes != 1)
+      throw UsageError("--standalone runs a single node; drop --nnodes " + std::to_string(o.nnodes) +
+                       " or --standalone");
     for (const char* f : {"--node-rank", "--master-addr", "--master-port"}) {
-      if (given.count(f)) throw UsageError(std::string("--standalone picks the address and a free port itself; drop ") + f);
+      if (given.count(f))
+        throw UsageError(std::string("--standalone picks the address and a free port itself; drop ") + f);
     }
     o.master_addr = "127.0.0.1";
     o.master_port = 0;
     if (!given.count("--rdzv-id")) o.run_id = "standalone-" + std::to_string(getpid());
   }
   if (o.node_rank >= o.nnodes) {
-    throw UsageError("--node-rank " + std::to_string(o.node_rank) + " must be below --nnodes " + std::to_string(o.nnodes) +
-                     "; number the nodes 0.." + std::to_string(o.nnodes - 1));
+    throw UsageError("--node-rank " + std::to_string(o.node_rank) + " must be below --nnodes " +
+                     std::to_string(o.nnodes) + "; number the nodes 0.." + std::to_string(o.nnodes - 1));
   }
   if (o.master_port == 0 && o.nnodes > 1) {
-    throw UsageError("--master-port 0 only works with one node (the other nodes could not know the port); give a "
-                     "fixed port, e.g. --master-port 29500");
+    throw UsageError(
+        "--master-port 0 only works with one node (the other nodes could not know the port); give a "
+        "fixed port, e.g. --master-port 29500");
   }
   if (o.store.empty()) o.store = o.nnodes == 1 ? "file" : "tcp";
   if (o.store == "file" && o.nnodes > 1) {
-    throw UsageError("--store file only works with one node (the other nodes cannot reach this machine's files); "
-                     "drop --store file, or use --store tcp");
+    throw UsageError(
+        "--store file only works with one node (the other nodes cannot reach this machine's files); "
+        "drop --store file, or use --store tcp");
   }
   if (o.program.empty()) {
     throw UsageError("no program given; usage: fsdprun [options] [--] program [args...] (see fsdprun --help)");

@@ -15,8 +15,8 @@ class UsageError : public std::runtime_error {
 
 struct Options {
   int nproc_per_node = 1;
-  int nnodes = 1;     // the most nodes (torchrun's MAX of --nnodes MIN:MAX)
-  int min_nodes = 1;  // the fewest nodes an attempt may start with (MIN; = nnodes unless elastic)
+  int nnodes = 1;                // the most nodes (torchrun's MAX of --nnodes MIN:MAX)
+  int min_nodes = 1;             // the fewest nodes an attempt may start with (MIN; = nnodes unless elastic)
   double rdzv_last_call_s = 30;  // elastic: once MIN nodes joined, wait this long for more
   int node_rank = 0;
   std::string master_addr = "127.0.0.1";
@@ -27,15 +27,15 @@ struct Options {
   // default for one node), "tcp" (node 0 hosts a TCPStore at --master-addr:--master-port; the only
   // choice for several nodes). "" until parse_options picks the default.
   std::string store;
-  bool no_python = false;     // accepted for torchrun compatibility; programs always run directly
-  double grace_period_s = 30;  // SIGTERM -> SIGKILL delay when stopping workers (torchrun: 30 s)
-  double rdzv_timeout_s = 300;  // bound on every cross-node wait (connect, rendezvous, exit barrier)
+  bool no_python = false;           // accepted for torchrun compatibility; programs always run directly
+  double grace_period_s = 30;       // SIGTERM -> SIGKILL delay when stopping workers (torchrun: 30 s)
+  double rdzv_timeout_s = 300;      // bound on every cross-node wait (connect, rendezvous, exit barrier)
   double monitor_interval_s = 0.1;  // how often the store is polled for other nodes' failures
   // A node whose agent sends no heartbeat for this long is lost (node 0 declares it); a node 0
   // whose store does not answer for this long is lost (the other nodes give up on it).
   double heartbeat_timeout_s = 15;
-  std::string run_id = "none";      // TORCHELASTIC_RUN_ID (torchrun's --rdzv-id)
-  std::string role = "default";     // ROLE_NAME
+  std::string run_id = "none";   // TORCHELASTIC_RUN_ID (torchrun's --rdzv-id)
+  std::string role = "default";  // ROLE_NAME
   // Worker logs, as torchrun. --log-dir DIR: each worker's stdout/stderr also go to
   // DIR/<run id>_node<K>/attempt_<n>/<local rank>/{stdout,stderr}.log. --redirects/--tee S: which
   // streams go to those files (S: 0 none, 1 stdout, 2 stderr, 3 both, or per local rank "0:3,1:2"),

@@ -1,11 +1,11 @@
 #include "store_client.h"
 
 #include <fcntl.h>
-#include <cerrno>
 #include <netdb.h>
 #include <poll.h>
 #include <sys/socket.h>
 #include <unistd.h>
+#include <cerrno>
 
 #include <future>
 #include <thread>
@@ -43,7 +43,8 @@ StoreClient::StoreClient(std::shared_ptr<Impl> impl, int port, std::chrono::mill
 
 StoreClient::~StoreClient() = default;  // a hung call's thread keeps its own reference
 
-std::unique_ptr<StoreClient> StoreClient::host(const std::string& addr, int port, std::chrono::milliseconds op_timeout) {
+std::unique_ptr<StoreClient> StoreClient::host(const std::string& addr, int port,
+                                               std::chrono::milliseconds op_timeout) {
   auto impl = std::make_shared<Impl>();
   int real_port = 0;
   bool bound = false;
@@ -71,7 +72,8 @@ std::unique_ptr<StoreClient> StoreClient::file(const std::string& path, std::chr
   return std::unique_ptr<StoreClient>(new StoreClient(std::move(impl), 0, op_timeout));
 }
 
-std::unique_ptr<StoreClient> StoreClient::connect(const std::string& addr, int port, std::chrono::milliseconds connect_timeout,
+std::unique_ptr<StoreClient> StoreClient::connect(const std::string& addr, int port,
+                                                  std::chrono::milliseconds connect_timeout,
                                                   std::chrono::milliseconds op_timeout) {
   auto impl = std::make_shared<Impl>();
   try {
@@ -98,8 +100,8 @@ bool StoreClient::reachable(const std::string& addr, int port, std::chrono::mill
       pollfd p{fd, POLLOUT, 0};
       int err = 0;
       socklen_t len = sizeof(err);
-      ok = ::poll(&p, 1, static_cast<int>(timeout.count())) == 1 && getsockopt(fd, SOL_SOCKET, SO_ERROR, &err, &len) == 0 &&
-           err == 0;
+      ok = ::poll(&p, 1, static_cast<int>(timeout.count())) == 1 &&
+           getsockopt(fd, SOL_SOCKET, SO_ERROR, &err, &len) == 0 && err == 0;
     }
     close(fd);
   }

@@ -29,7 +29,8 @@ class StoreClient {
   // choose (listens_everywhere() then says so).
   static std::unique_ptr<StoreClient> host(const std::string& addr, int port, std::chrono::milliseconds op_timeout);
   // Other nodes: one connection attempt, retried by c10d until `connect_timeout`. Throws.
-  static std::unique_ptr<StoreClient> connect(const std::string& addr, int port, std::chrono::milliseconds connect_timeout,
+  static std::unique_ptr<StoreClient> connect(const std::string& addr, int port,
+                                              std::chrono::milliseconds connect_timeout,
                                               std::chrono::milliseconds op_timeout);
   // A single-node job's store: c10d's FileStore at `path` (its folder must exist). Throws.
   static std::unique_ptr<StoreClient> file(const std::string& path, std::chrono::milliseconds op_timeout);

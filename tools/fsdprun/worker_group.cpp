@@ -45,7 +45,8 @@ void write_all(int fd, const std::string& data) {
 int open_log(const std::string& path) {
   if (path.empty()) return -1;
   int fd = open(path.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
-  if (fd < 0) write_all(STDERR_FILENO, "fsdprun: cannot write the log file " + path + ": " + std::strerror(errno) + "\n");
+  if (fd < 0)
+    write_all(STDERR_FILENO, "fsdprun: cannot write the log file " + path + ": " + std::strerror(errno) + "\n");
   return fd;
 }
 
@@ -325,9 +326,10 @@ void WorkerGroup::stop(int sig, std::chrono::milliseconds grace, Signals& signal
     if (signals.termination_count() > signals_before) break;  // asked again: no more patience
   }
   if (!all_exited()) {
-    write_all(STDERR_FILENO, std::string("fsdprun: workers still running after ") +
-                                 (signals.termination_count() > signals_before ? "a second signal" : "the grace period") +
-                                 "; sending SIGKILL\n");
+    write_all(STDERR_FILENO,
+              std::string("fsdprun: workers still running after ") +
+                  (signals.termination_count() > signals_before ? "a second signal" : "the grace period") +
+                  "; sending SIGKILL\n");
   }
   // Also clears whatever the exited workers left behind in their groups.
   kill_groups(SIGKILL);

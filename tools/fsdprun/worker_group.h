@@ -73,8 +73,8 @@ class WorkerGroup {
 
  private:
   struct Stream {
-    int fd = -1;      // read end of the worker's pipe, -1 once closed
-    int target = 1;   // fsdprun's fd the lines go to
+    int fd = -1;     // read end of the worker's pipe, -1 once closed
+    int target = 1;  // fsdprun's fd the lines go to
     bool console = true;
     int file_fd = -1;  // log file, -1 when none
     std::string partial;

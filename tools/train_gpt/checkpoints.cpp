@@ -89,8 +89,8 @@ ckpt::DirectoryLock lock_checkpoint_dir(const Options& o, int rank, fsdp::comm::
       lock = ckpt::DirectoryLock::try_acquire(o.checkpoint_dir);
       if (!lock.held()) {
         error = "--checkpoint-dir " + o.checkpoint_dir + " is in use by another run (" +
-                (lock.holder().empty() ? std::string("holder unknown") : lock.holder()) + "; lock file " +
-                lock.path() + "): wait for it to end, or give this run another --checkpoint-dir";
+                (lock.holder().empty() ? std::string("holder unknown") : lock.holder()) + "; lock file " + lock.path() +
+                "): wait for it to end, or give this run another --checkpoint-dir";
       }
     } catch (const std::exception& e) {
       error = e.what();
@@ -129,10 +129,11 @@ ResumeChoice choose_resume(const Options& o) {
           break;
         }
       }
-      throw ckpt::CheckpointError(
-          "checkpoint " + c.path + " is damaged: " + c.problem + "; its data files are kept. Resume from a named "
-          "checkpoint with --resume-from PATH" + (earlier.empty() ? "" : " (e.g. --resume-from " + earlier + ")") +
-          ", or move " + c.path + " aside");
+      throw ckpt::CheckpointError("checkpoint " + c.path + " is damaged: " + c.problem +
+                                  "; its data files are kept. Resume from a named "
+                                  "checkpoint with --resume-from PATH" +
+                                  (earlier.empty() ? "" : " (e.g. --resume-from " + earlier + ")") + ", or move " +
+                                  c.path + " aside");
     }
     if (c.problem.rfind("no index.json and no checkpoint files", 0) != 0)
       choice.warnings.push_back("skipping " + c.path + ": " + c.problem);
@@ -141,7 +142,8 @@ ResumeChoice choose_resume(const Options& o) {
   choice.dir = all[chosen].path;
   for (size_t j = 0; j < chosen; ++j) {
     if (all[j].status == ckpt::CheckpointStatus::damaged)
-      choice.warnings.push_back("older checkpoint " + all[j].path + " is damaged (" + all[j].problem + "); left as it is");
+      choice.warnings.push_back("older checkpoint " + all[j].path + " is damaged (" + all[j].problem +
+                                "); left as it is");
   }
   return choice;
 }
@@ -154,8 +156,9 @@ void check_save_targets(const Options& o, int64_t start_step) {
     if (!step || *step <= start_step || *step > o.steps) continue;
     const bool scheduled = *step == o.steps || (o.checkpoint_every > 0 && *step % o.checkpoint_every == 0);
     if (!scheduled) continue;
-    throw ckpt::CheckpointError("checkpoint " + c.path + " is damaged (" + c.problem + ") and this run would save into it at step " +
-                                std::to_string(*step) + ": move it aside first (its data files are kept), or use another "
+    throw ckpt::CheckpointError("checkpoint " + c.path + " is damaged (" + c.problem +
+                                ") and this run would save into it at step " + std::to_string(*step) +
+                                ": move it aside first (its data files are kept), or use another "
                                 "--checkpoint-dir");
   }
 }

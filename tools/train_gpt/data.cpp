@@ -51,7 +51,8 @@ int64_t check_stat(const std::string& path, const struct stat& st) {
     data_error(path, ": it is " + file_kind(st.st_mode) + ", not a regular file" + kDataHint);
   }
   if (st.st_size > kMaxDataBytes) {
-    data_error(path, ": " + std::to_string(st.st_size) + " bytes is more than the " + std::to_string(kMaxDataBytes >> 30) +
+    data_error(path, ": " + std::to_string(st.st_size) + " bytes is more than the " +
+                         std::to_string(kMaxDataBytes >> 30) +
                          " GiB a --data file may have (it is read whole into memory)");
   }
   return static_cast<int64_t>(st.st_size);
@@ -63,10 +64,10 @@ int64_t check_data_file(const std::string& path) {
   struct stat st {};
   if (::stat(path.c_str(), &st) != 0) {
     const int err = errno;
-    data_error(path, std::string(": ") + std::strerror(err) +
-                         (path == kDefaultCorpus
-                              ? " (the default corpus: run scripts/setup.sh, or apt-get install fortunes)"
-                              : kDataHint));
+    data_error(path,
+               std::string(": ") + std::strerror(err) +
+                   (path == kDefaultCorpus ? " (the default corpus: run scripts/setup.sh, or apt-get install fortunes)"
+                                           : kDataHint));
   }
   const int64_t size = check_stat(path, st);
   if (::access(path.c_str(), R_OK) != 0) data_error(path, std::string(": ") + std::strerror(errno) + kDataHint);

@@ -19,8 +19,8 @@ torch::Device pick_device(const std::string& device, int local_rank, int local_w
   }
   if (local_world_size > gpus && !share_gpu) {
     throw std::invalid_argument(std::to_string(local_world_size) + " ranks on this node but " + std::to_string(gpus) +
-                                " GPU(s) visible; start at most " + std::to_string(gpus) + " (fsdprun --nproc-per-node " +
-                                std::to_string(gpus) +
+                                " GPU(s) visible; start at most " + std::to_string(gpus) +
+                                " (fsdprun --nproc-per-node " + std::to_string(gpus) +
                                 "), or pass --share-gpu to put several ranks on one GPU (collectives over Gloo)");
   }
   const torch::Device chosen(torch::kCUDA, static_cast<c10::DeviceIndex>(local_rank % gpus));

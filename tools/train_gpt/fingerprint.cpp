@@ -96,7 +96,8 @@ void check_same_options_on_every_rank(fsdp::comm::Comm& comm, const Options& o) 
   at::Tensor text = at::zeros({shown, kValueChars}, at::kLong);
   for (int64_t s = 0; s < shown; ++s) {
     const std::string& v = options[differing[s]].second;
-    for (int64_t c = 0; c < kValueChars && c < static_cast<int64_t>(v.size()); ++c) text[s][c] = static_cast<unsigned char>(v[c]);
+    for (int64_t c = 0; c < kValueChars && c < static_cast<int64_t>(v.size()); ++c)
+      text[s][c] = static_cast<unsigned char>(v[c]);
   }
   at::Tensor texts = at::empty({world * shown * kValueChars}, at::kLong);
   comm.all_gather_into_tensor(texts, text.view({-1}));
@@ -117,8 +118,10 @@ void check_same_options_on_every_rank(fsdp::comm::Comm& comm, const Options& o) 
     for (int r = 0; r < world; ++r) {
       const std::string v = value_of(r, s);
       auto it = std::find_if(groups.begin(), groups.end(), [&](const auto& g) { return g.first == v; });
-      if (it == groups.end()) groups.push_back({v, {r}});
-      else it->second.push_back(r);
+      if (it == groups.end())
+        groups.push_back({v, {r}});
+      else
+        it->second.push_back(r);
     }
     if (s) msg += "; ";
     msg += options[differing[s]].first + " is ";
@@ -129,7 +132,8 @@ void check_same_options_on_every_rank(fsdp::comm::Comm& comm, const Options& o) 
   }
   if (differing.size() > static_cast<size_t>(shown)) {
     msg += "; also ";
-    for (size_t d = shown; d < differing.size(); ++d) msg += (d > static_cast<size_t>(shown) ? ", " : "") + options[differing[d]].first;
+    for (size_t d = shown; d < differing.size(); ++d)
+      msg += (d > static_cast<size_t>(shown) ? ", " : "") + options[differing[d]].first;
   }
   msg += " (every rank must get the same options: check the per-rank environment or wrapper script)";
   throw std::invalid_argument(msg);

@@ -40,7 +40,8 @@ void MetricsWriter::open(const std::string& path, bool resume, int64_t resumed_s
       auto j = nlohmann::json::parse(line, nullptr, /*allow_exceptions=*/false);
       if (j.is_discarded() || j.value("summary", false)) continue;
       if (j.value("step", int64_t{0}) > resumed_step) continue;
-      if (j.contains("step_time_s") && j.value("step", int64_t{0}) > 0) step_times_.push_back(j["step_time_s"].get<double>());
+      if (j.contains("step_time_s") && j.value("step", int64_t{0}) > 0)
+        step_times_.push_back(j["step_time_s"].get<double>());
       kept.push_back(line);
     }
   }

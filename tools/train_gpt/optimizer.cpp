@@ -15,7 +15,8 @@ namespace train_gpt {
 std::unique_ptr<torch::optim::Optimizer> make_optimizer(const Options& o, const std::vector<at::Tensor>& params) {
   namespace optim = torch::optim;
   if (o.optimizer == "adamw")
-    return std::make_unique<optim::AdamW>(params, optim::AdamWOptions(o.lr).betas({0.9, 0.95}).weight_decay(o.weight_decay));
+    return std::make_unique<optim::AdamW>(params,
+                                          optim::AdamWOptions(o.lr).betas({0.9, 0.95}).weight_decay(o.weight_decay));
   if (o.optimizer == "adam") return std::make_unique<optim::Adam>(params, optim::AdamOptions(o.lr).betas({0.9, 0.95}));
   if (o.optimizer == "sgd") return std::make_unique<optim::SGD>(params, optim::SGDOptions(o.lr).momentum(0.9));
   if (o.optimizer == "adagrad") return std::make_unique<optim::Adagrad>(params, optim::AdagradOptions(o.lr));

@@ -82,12 +82,14 @@ std::optional<Options> parse_options(int argc, char** argv, int& exit_code) {
   app.get_formatter()->column_width(34);
   app.option_defaults()->always_capture_default();
 
-  app.add_option("--data", o.data, "Training text read as bytes (90% train, 10% validation), or 'synthetic' "
-                                   "(tokens drawn from the seed, for benchmarks)");
+  app.add_option("--data", o.data,
+                 "Training text read as bytes (90% train, 10% validation), or 'synthetic' "
+                 "(tokens drawn from the seed, for benchmarks)");
   app.add_option("--layers", o.layers, "Transformer blocks")->check(bounded(1, kMaxLayers, true));
   app.add_option("--dim", o.dim, "Embedding width")->check(bounded(1, kMaxDim, true));
   app.add_option("--heads", o.heads, "Attention heads (must divide --dim)")->check(bounded(1, kMaxHeads, true));
-  app.add_option("--seq-len", o.seq_len, "Tokens per sequence (the model's context)")->check(bounded(1, kMaxSeqLen, true));
+  app.add_option("--seq-len", o.seq_len, "Tokens per sequence (the model's context)")
+      ->check(bounded(1, kMaxSeqLen, true));
   app.add_option("--batch-size", o.batch_size,
                  "Global sequences per optimizer step (world size x grad-accum must divide it)")
       ->check(bounded(1, kMaxBatch, true));
@@ -119,8 +121,7 @@ std::optional<Options> parse_options(int argc, char** argv, int& exit_code) {
   app.add_option("--mixed-precision", o.mixed_precision,
                  "fp32, or bf16 (bf16 parameters and compute, fp32 gradient reduction and optimizer)")
       ->check(CLI::IsMember({"fp32", "bf16"}));
-  app.add_option("--reshard-after-forward", o.reshard_after_forward,
-                 "default (every unit but the root) | true | false")
+  app.add_option("--reshard-after-forward", o.reshard_after_forward, "default (every unit but the root) | true | false")
       ->check(CLI::IsMember({"default", "true", "false"}));
   app.add_option("--activation-checkpointing", o.activation_checkpointing,
                  "none | full (recompute every block's activations in backward: less memory, one more "
@@ -178,21 +179,24 @@ void validate(const Options& o) {
   }
   if (o.resume && o.checkpoint_dir.empty()) fail("--resume needs a --checkpoint-dir");
   if (o.mixed_precision == "bf16" && (o.parallel == "none" || o.parallel == "replicate")) {
-    fail("--mixed-precision bf16 needs fully_shard's MixedPrecisionPolicy: use --parallel fsdp or hsdp (under "
-         "fsdprun, any number of ranks)");
+    fail(
+        "--mixed-precision bf16 needs fully_shard's MixedPrecisionPolicy: use --parallel fsdp or hsdp (under "
+        "fsdprun, any number of ranks)");
   }
   if (o.tp_size > 1) {
     if (o.parallel == "none")
-      fail("--tp-size " + std::to_string(o.tp_size) + " needs ranks: run under fsdprun with --parallel fsdp (or --tp-size 1)");
+      fail("--tp-size " + std::to_string(o.tp_size) +
+           " needs ranks: run under fsdprun with --parallel fsdp (or --tp-size 1)");
     if (o.parallel != "fsdp")
-      fail("--tp-size > 1 with --parallel " + o.parallel + " is not supported yet; use --parallel fsdp (FSDP over dp, TP over tp)");
+      fail("--tp-size > 1 with --parallel " + o.parallel +
+           " is not supported yet; use --parallel fsdp (FSDP over dp, TP over tp)");
     if (o.heads % o.tp_size != 0)
       fail("--tp-size " + std::to_string(o.tp_size) + " does not divide --heads " + std::to_string(o.heads) +
            " (each tp rank takes whole heads); choose a tp size that divides the head count");
     if (o.dim % o.tp_size != 0)
       fail("--tp-size " + std::to_string(o.tp_size) + " does not divide --dim " + std::to_string(o.dim));
   }
-  o.checkpoint_every_kth_block();  // throws on a bad --activation-checkpointing
+  o.checkpoint_every_kth_block();               // throws on a bad --activation-checkpointing
   if (!o.synthetic()) check_data_file(o.data);  // stat only: a FIFO or device is refused unopened
 }
 

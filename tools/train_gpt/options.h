@@ -36,24 +36,24 @@ struct Options {
   int64_t warmup = 20;
   double weight_decay = 0.1;
   std::string optimizer = "adamw";  // adamw | adam | sgd | adagrad | rmsprop (optimizer.h)
-  double clip = 1.0;  // 0: no clipping
+  double clip = 1.0;                // 0: no clipping
   uint64_t seed = 0;
   // parallelism
-  std::string parallel = "fsdp";  // fsdp | hsdp | replicate | none
-  int64_t shard_size = 0;         // HSDP: ranks per shard group (0: the ranks per node)
-  int64_t tp_size = 1;            // tensor parallel ranks per dp group (mesh {"dp", "tp"}; README)
-  std::string device = "auto";    // cpu | cuda | auto (cuda when a GPU is visible)
-  bool share_gpu = false;         // more ranks than GPUs: share them (Gloo on CUDA tensors)
-  std::string mixed_precision = "fp32";        // fp32 | bf16
+  std::string parallel = "fsdp";                  // fsdp | hsdp | replicate | none
+  int64_t shard_size = 0;                         // HSDP: ranks per shard group (0: the ranks per node)
+  int64_t tp_size = 1;                            // tensor parallel ranks per dp group (mesh {"dp", "tp"}; README)
+  std::string device = "auto";                    // cpu | cuda | auto (cuda when a GPU is visible)
+  bool share_gpu = false;                         // more ranks than GPUs: share them (Gloo on CUDA tensors)
+  std::string mixed_precision = "fp32";           // fp32 | bf16
   std::string reshard_after_forward = "default";  // default | true | false
   std::string activation_checkpointing = "none";  // none | full | every:K (every K-th block)
   // checkpoints, evaluation, output
   std::string checkpoint_dir = "runs/train_gpt/checkpoints";  // "": no checkpoints
-  int64_t checkpoint_every = 100;  // 0: only at the end and on SIGINT/SIGTERM
+  int64_t checkpoint_every = 100;                             // 0: only at the end and on SIGINT/SIGTERM
   bool resume = false;
   std::string resume_from;       // a checkpoint folder to continue from ("": --resume decides)
   int64_t keep_checkpoints = 0;  // keep the newest K committed step_* folders (0: all)
-  int64_t eval_every = 50;  // 0: never
+  int64_t eval_every = 50;       // 0: never
   int64_t eval_batches = 4;
   int64_t sample_tokens = 300;
   std::string metrics = "runs/train_gpt/metrics.jsonl";  // "": none

@@ -97,8 +97,10 @@ std::string format_bytes(double bytes) {
     ++u;
   }
   char b[48];
-  if (bytes >= 1e4) std::snprintf(b, sizeof b, "%.3g %s", bytes, units[u]);  // beyond EiB
-  else std::snprintf(b, sizeof b, bytes < 10 && u > 0 ? "%.1f %s" : "%.0f %s", bytes, units[u]);
+  if (bytes >= 1e4)
+    std::snprintf(b, sizeof b, "%.3g %s", bytes, units[u]);  // beyond EiB
+  else
+    std::snprintf(b, sizeof b, bytes < 10 && u > 0 ? "%.1f %s" : "%.0f %s", bytes, units[u]);
   return b;
 }
 
@@ -109,7 +111,8 @@ MemoryEstimate estimate_memory(const Options& o, int world_size, int local_world
   const double world = std::max(1, world_size);
   double shard = 1;  // ranks a parameter is sharded over
   if (o.parallel == "fsdp") shard = world;
-  if (o.parallel == "hsdp") shard = o.shard_size > 0 ? static_cast<double>(o.shard_size) : std::max(1, local_world_size);
+  if (o.parallel == "hsdp")
+    shard = o.shard_size > 0 ? static_cast<double>(o.shard_size) : std::max(1, local_world_size);
   const bool sharded = shard > 1 || o.parallel == "fsdp" || o.parallel == "hsdp";
   const bool bf16 = o.mixed_precision == "bf16";
 
@@ -120,15 +123,16 @@ MemoryEstimate estimate_memory(const Options& o, int world_size, int local_world
   e.state_bytes = 16 * e.parameters / shard;
   if (sharded) e.working_bytes = ((bf16 ? 2 : 4) * 2 + 4) * std::max(block, root);
   // Sequences per micro-batch on this rank (at least one, before the divisibility check).
-  const double b = std::max(1.0, std::ceil(static_cast<double>(o.batch_size) / (world * static_cast<double>(o.grad_accum))));
+  const double b =
+      std::max(1.0, std::ceil(static_cast<double>(o.batch_size) / (world * static_cast<double>(o.grad_accum))));
   const double a = bf16 ? 2 : 4;
   // Activation checkpointing: a checkpointed block keeps only its input (b·T·C) until its
   // backward recomputes it, when one block's full set is alive again.
   const int64_t every_k = o.checkpoint_every_kth_block();
   const double checkpointed = every_k > 0 ? std::floor(L / static_cast<double>(every_k)) : 0;
   const double per_block = a * b * T * (17 * C + H * T);
-  e.activation_bytes = per_block * (L - checkpointed) + a * b * T * C * checkpointed + (checkpointed > 0 ? per_block : 0) +
-                       8 * b * H * T * T + 4 * b * T * (2 * C + 3 * V);
+  e.activation_bytes = per_block * (L - checkpointed) + a * b * T * C * checkpointed +
+                       (checkpointed > 0 ? per_block : 0) + 8 * b * H * T * T + 4 * b * T * (2 * C + 3 * V);
   if (!o.synthetic()) {
     struct stat st {};
     if (::stat(o.data.c_str(), &st) == 0 && S_ISREG(st.st_mode)) e.data_bytes = static_cast<double>(st.st_size);
@@ -180,27 +184,29 @@ std::string check_memory(const Options& o, int world_size, int local_world_size)
                             (e.working_bytes > 0 ? ", gathered unit " + format_bytes(e.working_bytes) : "") +
                             ", activations " + format_bytes(e.activation_bytes) +
                             (e.data_bytes > 0 ? ", data " + format_bytes(e.data_bytes) : "");
-  const std::string per_rank = avail.bytes < 0 ? std::string("unknown")
-                                               : format_bytes(avail.bytes / local);
+  const std::string per_rank = avail.bytes < 0 ? std::string("unknown") : format_bytes(avail.bytes / local);
   const std::string avail_text =
       per_rank + " available per rank (" + avail.source + " " + (avail.bytes < 0 ? "?" : format_bytes(avail.bytes)) +
       (local > 1 ? " / " + std::to_string(local) + " ranks on this host" : std::string()) + ")";
   if (avail.bytes >= 0 && e.total() > avail.bytes / local) {
     // Name the options that drive the largest part.
-    const bool model_dominates = e.state_bytes + e.working_bytes >= e.activation_bytes && e.state_bytes + e.working_bytes >= e.data_bytes;
+    const bool model_dominates =
+        e.state_bytes + e.working_bytes >= e.activation_bytes && e.state_bytes + e.working_bytes >= e.data_bytes;
     const bool data_dominates = !model_dominates && e.data_bytes > e.activation_bytes;
     std::string culprit, fix;
     if (model_dominates) {
       culprit = "--layers " + i(o.layers) + " --dim " + i(o.dim) + " (" + params + " parameters)";
-      fix = o.parallel == "fsdp" || o.parallel == "hsdp" ? "lower --layers or --dim, or shard over more ranks"
-                                                         : "lower --layers or --dim, or shard them with --parallel fsdp";
+      fix = o.parallel == "fsdp" || o.parallel == "hsdp"
+                ? "lower --layers or --dim, or shard over more ranks"
+                : "lower --layers or --dim, or shard them with --parallel fsdp";
     } else if (data_dominates) {
       culprit = "--data " + o.data;
       fix = "use a smaller --data file";
     } else {
       culprit = "--batch-size " + i(o.batch_size) + " --seq-len " + i(o.seq_len) + " (" +
-                i(static_cast<int64_t>(std::max(1.0, std::ceil(static_cast<double>(o.batch_size) /
-                                                               (std::max(1, world_size) * static_cast<double>(o.grad_accum)))))) +
+                i(static_cast<int64_t>(
+                    std::max(1.0, std::ceil(static_cast<double>(o.batch_size) /
+                                            (std::max(1, world_size) * static_cast<double>(o.grad_accum)))))) +
                 " sequences per micro-batch on a rank)";
       fix = "lower --batch-size or --seq-len, or raise --grad-accum";
     }

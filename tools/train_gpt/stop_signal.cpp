@@ -47,7 +47,8 @@ void install() {
 void set_phase(Phase phase) {
   g_phase.store(phase);
   if (phase == kNothingToSave) {
-    if (const int sig = g_signal.load()) exit_now(sig, "before the first step finished: nothing to save, exiting now\n");
+    if (const int sig = g_signal.load())
+      exit_now(sig, "before the first step finished: nothing to save, exiting now\n");
   }
 }
 

@@ -58,13 +58,13 @@ struct Run {
   Options opt;
   int rank = 0;
   int world = 1;
-  std::shared_ptr<fsdp::comm::Comm> comm;  // null with --parallel none
-  std::optional<fsdp::DeviceMesh> mesh;    // hsdp: replicate x shard; fsdp/replicate: all ranks;
-                                           // --tp-size: the "dp" dim of {"dp", "tp"}
-  std::optional<fsdp::DeviceMesh> tp_mesh; // --tp-size > 1: the "tp" dim (tensor parallel)
-  int dp_rank = 0;                         // which slice of the global batch this rank trains:
-  int dp_size = 1;                         //   the tp ranks of one dp group share it
-  torch::Device device = torch::kCPU;      // --device: this rank's GPU, or the CPU
+  std::shared_ptr<fsdp::comm::Comm> comm;   // null with --parallel none
+  std::optional<fsdp::DeviceMesh> mesh;     // hsdp: replicate x shard; fsdp/replicate: all ranks;
+                                            // --tp-size: the "dp" dim of {"dp", "tp"}
+  std::optional<fsdp::DeviceMesh> tp_mesh;  // --tp-size > 1: the "tp" dim (tensor parallel)
+  int dp_rank = 0;                          // which slice of the global batch this rank trains:
+  int dp_size = 1;                          //   the tp ranks of one dp group share it
+  torch::Device device = torch::kCPU;       // --device: this rank's GPU, or the CPU
   bool distributed() const { return comm != nullptr; }
   // fully_shard applies (not under replicate, nor under TP over the whole world: dp = 1).
   bool sharded() const { return distributed() && opt.parallel != "replicate" && !(tp_mesh && dp_size == 1); }
@@ -72,9 +72,9 @@ struct Run {
 
 struct Model {
   GPT gpt{nullptr};
-  std::vector<fsdp::FSDPModule> units;  // the blocks, then the root (empty: unsharded)
+  std::vector<fsdp::FSDPModule> units;       // the blocks, then the root (empty: unsharded)
   std::optional<fsdp::ReplicateModule> ddp;  // --parallel replicate
-  Shapes full_shapes;                   // "model.<fqn>" -> unsharded shape (checkpoint keys)
+  Shapes full_shapes;                        // "model.<fqn>" -> unsharded shape (checkpoint keys)
   int64_t n_params = 0;
 };
 
@@ -172,7 +172,8 @@ Model build_model_meta(const Run& run, const std::function<void(const Shapes&)>&
   // Activation checkpointing: the chosen blocks recompute their activations in backward (every
   // fsdp::call(block, x) is checkpointed; composes with fully_shard below and with replicate).
   if (const int64_t k = o.checkpoint_every_kth_block(); k > 0) {
-    fsdp::activation::apply_activation_checkpointing(*m.gpt, fsdp::activation::every_kth<fsdp::models::BlockImpl>(static_cast<int>(k)));
+    fsdp::activation::apply_activation_checkpointing(
+        *m.gpt, fsdp::activation::every_kth<fsdp::models::BlockImpl>(static_cast<int>(k)));
   }
   if (run.sharded()) {
     fsdp::FullyShardOptions so;
@@ -186,7 +187,7 @@ Model build_model_meta(const Run& run, const std::function<void(const Shapes&)>&
     m.units.push_back(fsdp::fully_shard(m.gpt, so));                                    // then the root
   }
   fsdp::to_empty(*m.gpt, run.device);  // this rank's shards only
-  m.gpt->reset_parameters();            // fsdp::init: same values for any world size
+  m.gpt->reset_parameters();           // fsdp::init: same values for any world size
   if (run.distributed() && !run.sharded() && !run.tp_mesh) m.ddp = fsdp::replicate(m.gpt);  // whole model per rank
   return m;
 }
@@ -230,7 +231,7 @@ StepResult train_step(const Run& run, Model& m, torch::optim::Optimizer& opt, co
   // Sharded (FSDP or TP): the norm over every rank's shards. Replicated or one process: the
   // gradients are whole (and, replicated, already averaged, so equal on every rank).
   r.grad_norm = run.sharded() || run.tp_mesh ? fsdp::clip_grad_norm_(m.gpt->parameters(), max_norm)
-                              : torch::nn::utils::clip_grad_norm_(m.gpt->parameters(), max_norm);
+                                             : torch::nn::utils::clip_grad_norm_(m.gpt->parameters(), max_norm);
   opt.step();
   return r;
 }
@@ -268,7 +269,8 @@ int64_t checkpoint_load(const Run& run, Model& m, torch::optim::Optimizer& opt, 
   fsdp::checkpoint::load(dir, fsdp::checkpoint::State{m.gpt.ptr(), &opt, {{"trainer", &scalars}}, {}});
   if (scalars.ints["seed"] != static_cast<int64_t>(run.opt.seed) && run.rank == 0) {
     std::printf("note: %s was trained with --seed %lld; continuing with --seed %llu changes the data order\n",
-                dir.c_str(), static_cast<long long>(scalars.ints["seed"]), static_cast<unsigned long long>(run.opt.seed));
+                dir.c_str(), static_cast<long long>(scalars.ints["seed"]),
+                static_cast<unsigned long long>(run.opt.seed));
   }
   return scalars.ints["step"];
 }
@@ -336,7 +338,9 @@ std::string sample_text(const Run& run, Model& m, const TokenSource& data) {
   at::Tensor ctx = data.prompt(std::min<int64_t>(48, o.seq_len));
   auto gen = at::detail::createCPUGenerator(o.seed + 12345);
   std::string out;
-  auto printable = [](int64_t b) { return (b == '\n' || b == '\t' || (b >= 32 && b < 127)) ? static_cast<char>(b) : '?'; };
+  auto printable = [](int64_t b) {
+    return (b == '\n' || b == '\t' || (b >= 32 && b < 127)) ? static_cast<char>(b) : '?';
+  };
   for (int64_t i = 0; i < ctx.size(1); ++i) out += printable(ctx[0][i].item<int64_t>());
   out += "|";  // where the model takes over
   for (int64_t i = 0; i < o.sample_tokens; ++i) {
@@ -378,7 +382,8 @@ int run_training(const Options& options) {
   check_checkpoint_dir(options);  // every rank, before any work: a directory it cannot write stops it here
   // Memory preflight (preflight.h), before the process group and any allocation. Every rank
   // computes the same estimate; rank 0 prints it before the model is allocated.
-  const fsdp::dist::LaunchEnv env = options.parallel == "none" ? fsdp::dist::LaunchEnv{} : fsdp::dist::read_launch_env();
+  const fsdp::dist::LaunchEnv env =
+      options.parallel == "none" ? fsdp::dist::LaunchEnv{} : fsdp::dist::read_launch_env();
   const std::string memory = check_memory(options, env.world_size, env.local_world_size);
   if (options.parallel != "none") validate_for_world(options, env.world_size);  // --tp-size | world, before joining
   // -- 1
@@ -410,8 +415,9 @@ int run_training(const Options& options) {
   if (resume_dir) start_step = checkpoint_load(run, m, *opt, *resume_dir);
   if (resume_dir && start_step >= o.steps) {  // nothing to do: say so, leave the metrics file alone
     if (r0) {
-      std::printf("train_gpt: checkpoint %s is at step %lld, --steps %lld: nothing to train (raise --steps to continue it)\n",
-                  resume_dir->c_str(), static_cast<long long>(start_step), static_cast<long long>(o.steps));
+      std::printf(
+          "train_gpt: checkpoint %s is at step %lld, --steps %lld: nothing to train (raise --steps to continue it)\n",
+          resume_dir->c_str(), static_cast<long long>(start_step), static_cast<long long>(o.steps));
       std::fflush(stdout);
     }
     if (run.distributed()) {
@@ -423,8 +429,8 @@ int run_training(const Options& options) {
   check_save_targets(o, start_step);  // a scheduled save into a damaged folder: refused now, not after training
 
   Reporter report(o, r0, start_step);  // rank 0's banner, progress lines, metrics file (report.h)
-  report.banner({run.world, at::get_num_threads(), m.n_params, tensor_bytes(m.gpt->parameters()) / 4,
-                 data.describe(), resume_dir});
+  report.banner({run.world, at::get_num_threads(), m.n_params, tensor_bytes(m.gpt->parameters()) / 4, data.describe(),
+                 resume_dir});
   const KillHook kill_hook = KillHook::from_env();  // tests only (kill_hook.h)
 
   std::string last_saved;
@@ -479,7 +485,7 @@ int run_training(const Options& options) {
 
 int main(int argc, char** argv) {
   fsdp::dist::tune_cpu_or_reexec(argc, argv);
-  fsdp::tune_malloc();  // glibc: freed tensors of 1 MiB and more go back to the kernel (FSDP_MALLOC_TUNING=0: off)
+  fsdp::tune_malloc();     // glibc: freed tensors of 1 MiB and more go back to the kernel (FSDP_MALLOC_TUNING=0: off)
   stop_signal::install();  // until the first step has finished, a signal exits at once
   int exit_code = 0;
   auto options = parse_options(argc, argv, exit_code);

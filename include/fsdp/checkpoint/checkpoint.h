@@ -108,11 +108,11 @@ struct ShardedTensor {
 };
 
 struct State {
-  std::shared_ptr<torch::nn::Module> model;       // sharded by fully_shard or not (optional when
-                                                   // `tensors` is not empty)
-  torch::optim::Optimizer* optimizer = nullptr;    // optional (needs `model`): see optimizer_state.h
-  std::map<std::string, Stateful*> extras;         // optional
-  std::map<std::string, ShardedTensor> tensors;    // optional: saved under their keys as given
+  std::shared_ptr<torch::nn::Module> model;      // sharded by fully_shard or not (optional when
+                                                 // `tensors` is not empty)
+  torch::optim::Optimizer* optimizer = nullptr;  // optional (needs `model`): see optimizer_state.h
+  std::map<std::string, Stateful*> extras;       // optional
+  std::map<std::string, ShardedTensor> tensors;  // optional: saved under their keys as given
 };
 
 // Example: SaveOptions o; o.fail_after_files = 0;   // this rank's data-file write fails (test)
@@ -154,8 +154,8 @@ class AsyncSave {
  public:
   AsyncSave() = default;
   explicit AsyncSave(std::shared_future<void> done) : done_(std::move(done)) {}
-  void wait();          // rethrows the background error, if any
-  bool ready() const;   // finished (successfully or not)
+  void wait();         // rethrows the background error, if any
+  bool ready() const;  // finished (successfully or not)
   bool valid() const { return done_.valid(); }
 
  private:
@@ -192,7 +192,7 @@ std::optional<std::string> latest_checkpoint(const std::string& root);
 
 // What a committed checkpoint holds, without loading it.
 struct TensorMeta {
-  std::string dtype;                  // safetensors dtype name
+  std::string dtype;  // safetensors dtype name
   std::vector<int64_t> global_shape;
 };
 std::map<std::string, TensorMeta> describe(const std::string& dir);

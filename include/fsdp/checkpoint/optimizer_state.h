@@ -53,13 +53,13 @@
 namespace fsdp::checkpoint {
 
 struct OptimizerCodec {
-  std::string name;                     // in error messages ("SGD")
-  std::type_index type = typeid(void);  // the optimizer's exact dynamic type
+  std::string name;                                                                // in error messages ("SGD")
+  std::type_index type = typeid(void);                                             // the optimizer's exact dynamic type
   std::function<std::unique_ptr<torch::optim::OptimizerParamState>()> make_state;  // a fresh one
 
   struct Field {
     std::string name;
-    bool like_param = true;              // true: a tensor shaped like the parameter; false: a scalar
+    bool like_param = true;                  // true: a tensor shaped like the parameter; false: a scalar
     at::ScalarType scalar_type = at::kLong;  // scalars: kLong (int64_t) or kDouble
     // Tensor fields: the state's tensor itself (undefined: absent, not saved). Scalars: a 0-d copy.
     std::function<at::Tensor(torch::optim::OptimizerParamState&)> get;
@@ -106,7 +106,9 @@ class OptimizerCodecBuilder {
     if constexpr (std::is_same_v<T, at::Tensor>) {
       f.like_param = true;
       f.get = [accessor](torch::optim::OptimizerParamState& s) { return accessor(static_cast<State&>(s)); };
-      f.set = [accessor](torch::optim::OptimizerParamState& s, const at::Tensor& t) { accessor(static_cast<State&>(s)) = t; };
+      f.set = [accessor](torch::optim::OptimizerParamState& s, const at::Tensor& t) {
+        accessor(static_cast<State&>(s)) = t;
+      };
     } else {
       static_assert(std::is_same_v<T, int64_t> || std::is_same_v<T, double>,
                     "an optimizer state field is an at::Tensor, an int64_t or a double");
@@ -147,8 +149,10 @@ class OptimizerCodecBuilder {
       };
       h.set = [accessor](torch::optim::OptimizerOptions& o, const at::Tensor& t) {
         const double v = t[0].item<double>();
-        if constexpr (std::is_same_v<T, bool>) accessor(static_cast<Options&>(o)) = v != 0;
-        else accessor(static_cast<Options&>(o)) = static_cast<T>(v);
+        if constexpr (std::is_same_v<T, bool>)
+          accessor(static_cast<Options&>(o)) = v != 0;
+        else
+          accessor(static_cast<Options&>(o)) = static_cast<T>(v);
       };
     }
     codec_.hyperparameters.push_back(std::move(h));

@@ -42,9 +42,9 @@ struct TensorEntry {
 };
 
 struct Header {
-  std::vector<TensorEntry> tensors;            // sorted by begin offset
-  std::map<std::string, std::string> metadata;  // "__metadata__"
-  uint64_t data_start = 0;                      // file offset of the data buffer (8 + N)
+  std::vector<TensorEntry> tensors;                        // sorted by begin offset
+  std::map<std::string, std::string> metadata;             // "__metadata__"
+  uint64_t data_start = 0;                                 // file offset of the data buffer (8 + N)
   const TensorEntry* find(const std::string& name) const;  // nullptr when absent
 };
 
@@ -54,8 +54,7 @@ struct Header {
 // shapes without overflow, end - begin == numel * element size, offsets inside the buffer, sorted
 // offsets contiguous from 0 with no overlap or hole, buffer size == file_size - data_start,
 // no duplicate names, __metadata__ a string map. Throws SafetensorsError naming `source`.
-Header parse_header(const uint8_t* bytes, size_t size, uint64_t file_size,
-                    const std::string& source = "<memory>");
+Header parse_header(const uint8_t* bytes, size_t size, uint64_t file_size, const std::string& source = "<memory>");
 
 // Reads a safetensors file with positioned reads (no mmap; a rank reads only what it needs).
 class Reader {

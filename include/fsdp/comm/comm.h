@@ -7,8 +7,8 @@
 //   - bfloat16 or float16 on a backend without it: moved as its bytes where only data moves,
 //     reduced locally in float32 otherwise (an all_reduce becomes reduce-scatter + all-gather);
 //   - AVG: sum, then divide.
-// Every operation has a timeout (InitOptions::timeout, or FSDP_COLLECTIVE_TIMEOUT_S): a rank that never joins makes the others
-// fail with an error instead of hanging.
+// Every operation has a timeout (InitOptions::timeout, or FSDP_COLLECTIVE_TIMEOUT_S): a rank that never joins makes the
+// others fail with an error instead of hanging.
 #include <ATen/ATen.h>
 
 #include <chrono>
@@ -37,9 +37,9 @@ struct Capabilities {
 };
 
 // How Comm builds the collectives Gloo lacks on CPU tensors (reduce_scatter_tensor everywhere; the
-// flat all_gather_into_tensor, whose Gloo implementation copies through a flat buffer of its own): PointToPoint (default) over the backend's send/recv,
-// defined in comm/p2p_collectives.cpp: the reduce-scatter sends each rank its chunk and adds what
-// arrives one chunk at a time (scratch: 1/N of the input; for N > 2 only the first chunk moves
+// flat all_gather_into_tensor, whose Gloo implementation copies through a flat buffer of its own): PointToPoint
+// (default) over the backend's send/recv, defined in comm/p2p_collectives.cpp: the reduce-scatter sends each rank its
+// chunk and adds what arrives one chunk at a time (scratch: 1/N of the input; for N > 2 only the first chunk moves
 // before wait()), the all-gather receives every chunk straight into the output (no scratch, no
 // copy back); Collective: all_to_all into a scratch as large as the input, then a local sum, and
 // the list all-gather (through c10d's own flat buffer). Same bytes either way. The environment
@@ -131,7 +131,7 @@ class Comm {
                              bool async_op, uint64_t bytes);
   Work reduce_scatter_pieces_p2p(const std::vector<at::Tensor>& outs, const std::vector<std::vector<at::Tensor>>& ins,
                                  ReduceOp op, bool async_op, uint64_t bytes);
-  int take_p2p_tags(size_t count);  // the first of `count` consecutive send/recv tags
+  int take_p2p_tags(size_t count);                // the first of `count` consecutive send/recv tags
   bool moves_as_bits(const at::Tensor& t) const;  // a 16-bit float the backend does not take
   std::string describe(const char* op) const;
 

@@ -54,8 +54,8 @@ namespace detail {
 // `seq` is the collective's sequence number in the group (Comm::seq()); `in`/`out` may be
 // undefined (barrier; in-place ops pass the tensor once); reduce_op and root are -1 where they do
 // not apply.
-void check_collective_matches(const Comm& comm, uint64_t seq, OpKind op, const at::Tensor& in,
-                              const at::Tensor& out, int reduce_op = -1, int root = -1);
+void check_collective_matches(const Comm& comm, uint64_t seq, OpKind op, const at::Tensor& in, const at::Tensor& out,
+                              int reduce_op = -1, int root = -1);
 
 }  // namespace detail
 }  // namespace fsdp::comm

@@ -48,9 +48,9 @@ const char* flight_state_name(FlightState state);
 
 // One collective. Plain data: the ring is an array of these, filled in place.
 struct FlightRecord {
-  uint64_t id = 0;       // this process's record number: 0, 1, 2, ...
-  uint64_t seq = 0;      // per-group sequence number
-  const char* op = "";   // a string literal (the Comm operation's name)
+  uint64_t id = 0;      // this process's record number: 0, 1, 2, ...
+  uint64_t seq = 0;     // per-group sequence number
+  const char* op = "";  // a string literal (the Comm operation's name)
   int64_t in_numel = 0;
   int64_t out_numel = 0;
   int64_t start_us = 0;  // wall clock (system_clock), microseconds since the epoch

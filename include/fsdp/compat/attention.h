@@ -17,7 +17,7 @@ namespace fsdp::compat {
 namespace detail {
 template <typename T>
 concept HasScaledDotProductAttention = requires(const T& q) {
-  { scaled_dot_product_attention(q, q, q, {}, 0.0, /*is_causal=*/true) };
+  {scaled_dot_product_attention(q, q, q, {}, 0.0, /*is_causal=*/true)};
 };
 }  // namespace detail
 

@@ -10,11 +10,11 @@
 //  - 2.14: Backend gained the torchcomms names all_gather_single / all_to_all_single /
 //          reduce_scatter_single; _allgather_base / alltoall_base / _reduce_scatter_base remain as
 //          forwarding aliases (deprecated on ProcessGroup). Call through the helpers below.
+#include <torch/version.h>
 #include <torch/csrc/distributed/c10d/PrefixStore.hpp>
 #include <torch/csrc/distributed/c10d/ProcessGroupGloo.hpp>
 #include <torch/csrc/distributed/c10d/TCPStore.hpp>
 #include <torch/csrc/distributed/c10d/Work.hpp>
-#include <torch/version.h>
 
 #include <chrono>
 #include <cstdint>
@@ -60,8 +60,7 @@ inline c10d::TCPStoreOptions tcp_store_options() {
 // presence is tested directly (templates: a requires-expression on a missing member must be a
 // substitution failure, not an error); the version guard keeps 1.13 on the old names.
 template <typename B = Backend>
-inline WorkPtr all_gather_single(B& backend, at::Tensor& out, at::Tensor& in,
-                                 const c10d::AllgatherOptions& opts) {
+inline WorkPtr all_gather_single(B& backend, at::Tensor& out, at::Tensor& in, const c10d::AllgatherOptions& opts) {
 #if FSDP_TORCH_AT_LEAST(2, 0)
   if constexpr (requires { backend.all_gather_single(out, in, opts); }) {
     return backend.all_gather_single(out, in, opts);

@@ -14,8 +14,8 @@
 
 namespace fsdp::compat {
 
-using OptimizerStateMap = std::remove_cv_t<
-    std::remove_reference_t<decltype(std::declval<torch::optim::Optimizer&>().state())>>;
+using OptimizerStateMap =
+    std::remove_cv_t<std::remove_reference_t<decltype(std::declval<torch::optim::Optimizer&>().state())>>;
 using OptimizerStateKey = typename OptimizerStateMap::key_type;
 
 namespace detail {

@@ -28,7 +28,9 @@ namespace fsdp::compat {
 // True where a TCPStore server can listen on one address (listen_only_on does something).
 // Templates: a requires-expression on a missing member must be a substitution failure.
 template <typename O = c10d::TCPStoreOptions>
-inline constexpr bool tcp_store_can_choose_address = requires(O o) { o.masterListenFd = 0; };
+inline constexpr bool tcp_store_can_choose_address = requires(O o) {
+  o.masterListenFd = 0;
+};
 
 // Makes the TCPStore server of `opts` listen on `addr` only, where this LibTorch allows it: binds
 // a socket to addr:opts.port (port 0: a free one), hands it over through opts.masterListenFd and

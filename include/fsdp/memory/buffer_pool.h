@@ -44,8 +44,8 @@ const char* buffer_owner_name(BufferOwner owner);
 struct BufferMemoryStats {
   std::array<uint64_t, kBufferOwners> current{};  // bytes alive now, by owner
   std::array<uint64_t, kBufferOwners> at_peak{};  // by owner, at the moment `peak` was reached
-  uint64_t total = 0;  // alive now, all owners
-  uint64_t peak = 0;   // the most alive at once since the last reset
+  uint64_t total = 0;                             // alive now, all owners
+  uint64_t peak = 0;                              // the most alive at once since the last reset
   // The pool (CPU): blocks alive, blocks cached (freed, kept for reuse), the most mapped at once,
   // and how many requests a cached block served (hits) or needed a new mapping (misses).
   uint64_t pool_live = 0, pool_cached = 0, pool_peak_mapped = 0, pool_hits = 0, pool_misses = 0;

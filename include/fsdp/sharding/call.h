@@ -112,8 +112,8 @@ auto call_unwrapped(M& module, Args&&... args) {
   std::tuple<decltype(detail::substitute(std::forward<Args>(args), next))...> forwarded{
       detail::substitute(std::forward<Args>(args), next)...};
   try {
-    auto output = std::apply([&](auto&&... a) { return module->forward(std::forward<decltype(a)>(a)...); },
-                             std::move(forwarded));
+    auto output =
+        std::apply([&](auto&&... a) { return module->forward(std::forward<decltype(a)>(a)...); }, std::move(forwarded));
     std::vector<at::Tensor*> outputs;
     detail::collect_outputs(output, outputs);
     std::vector<at::Tensor> out_tensors;
@@ -180,7 +180,8 @@ auto call(M& module, Args&&... args) {
   if (auto wrapper = detail::find_call_wrapper(detail::module_pointer(module))) {
     std::decay_t<M> handle = module;  // a holder or pointer: the wrapper may call again in backward
     return detail::call_through(
-        *wrapper, [handle](auto&&... a) mutable { return detail::call_unwrapped(handle, std::forward<decltype(a)>(a)...); },
+        *wrapper,
+        [handle](auto&&... a) mutable { return detail::call_unwrapped(handle, std::forward<decltype(a)>(a)...); },
         std::forward<Args>(args)...);
   }
   return detail::call_unwrapped(module, std::forward<Args>(args)...);

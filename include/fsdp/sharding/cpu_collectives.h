@@ -35,9 +35,9 @@ namespace fsdp {
 //   o.min_piece_bytes = 1 << 20;                              // shards of 1 MiB or more
 //   fsdp::set_cpu_collective_options(o);     // between steps, the same on every rank
 struct CpuCollectiveOptions {
-  bool gather_per_parameter = false;   // the all-gather (forward and backward unshard)
-  bool reduce_per_parameter = false;   // the reduce-scatter of the gradients
-  size_t min_piece_bytes = 1u << 20;   // shards below this travel packed in one flat message
+  bool gather_per_parameter = false;  // the all-gather (forward and backward unshard)
+  bool reduce_per_parameter = false;  // the reduce-scatter of the gradients
+  size_t min_piece_bytes = 1u << 20;  // shards below this travel packed in one flat message
 };
 void set_cpu_collective_options(const CpuCollectiveOptions& options);
 CpuCollectiveOptions cpu_collective_options();

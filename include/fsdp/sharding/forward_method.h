@@ -36,8 +36,10 @@ template <typename M, typename Method, typename... Args>
 auto call_method(M& module, Method method, Args&&... args) {
   torch::nn::Module* base = detail::module_pointer(module);
   auto* self = [&] {
-    if constexpr (std::is_pointer_v<std::decay_t<M>>) return module;
-    else return module.get();
+    if constexpr (std::is_pointer_v<std::decay_t<M>>)
+      return module;
+    else
+      return module.get();
   }();
   detail::FSDPState* state = detail::find_state(base);
   if (state == nullptr) return (self->*method)(std::forward<Args>(args)...);
@@ -50,8 +52,8 @@ auto call_method(M& module, Method method, Args&&... args) {
   std::tuple<decltype(detail::substitute(std::forward<Args>(args), next))...> forwarded{
       detail::substitute(std::forward<Args>(args), next)...};
   try {
-    auto output = std::apply([&](auto&&... a) { return (self->*method)(std::forward<decltype(a)>(a)...); },
-                             std::move(forwarded));
+    auto output =
+        std::apply([&](auto&&... a) { return (self->*method)(std::forward<decltype(a)>(a)...); }, std::move(forwarded));
     std::vector<at::Tensor*> outputs;
     detail::collect_outputs(output, outputs);
     std::vector<at::Tensor> out_tensors;

@@ -35,9 +35,9 @@ enum class Phase : int {
   ReduceScatterInput,  // unsharded gradients -> reduce-scatter input
   ReduceScatterIssue,  // the reduce-scatter call
   ReduceScatterWait,   // blocked until this rank's reduced shard is here (and HSDP's all-reduce)
-  GradAccumulate,      // reduced shard -> .grad of the sharded parameters (a custom divide factor's division is not in it)
-  PoolTrim,            // trim_cached_buffers after forward
-  Hooks,               // inclusive: every FSDP hook (pre/post forward, pre/post backward, final callback)
+  GradAccumulate,  // reduced shard -> .grad of the sharded parameters (a custom divide factor's division is not in it)
+  PoolTrim,        // trim_cached_buffers after forward
+  Hooks,           // inclusive: every FSDP hook (pre/post forward, pre/post backward, final callback)
   Count
 };
 const char* phase_name(Phase p);

@@ -34,6 +34,7 @@ at::Tensor gather_along_dim(const at::Tensor& x, int64_t dim, const std::shared_
 at::Tensor reduce_scatter_along_dim(const at::Tensor& x, int64_t dim, const std::shared_ptr<comm::Comm>& comm);
 at::Tensor split_along_dim(const at::Tensor& x, int64_t dim, const std::shared_ptr<comm::Comm>& comm);
 at::Tensor gather_replicated_along_dim(const at::Tensor& x, int64_t dim, const std::shared_ptr<comm::Comm>& comm);
-at::Tensor shard_to_shard(const at::Tensor& x, int64_t from_dim, int64_t to_dim, const std::shared_ptr<comm::Comm>& comm);
+at::Tensor shard_to_shard(const at::Tensor& x, int64_t from_dim, int64_t to_dim,
+                          const std::shared_ptr<comm::Comm>& comm);
 
 }  // namespace fsdp::tp

@@ -84,14 +84,15 @@ struct PrepareModuleInput {
   std::vector<Layout> input_layouts;          // one per tensor argument, in order
   std::vector<Layout> desired_input_layouts;  // same count
 };
-// Example: tp::PrepareModuleOutput style{.output_layouts = {tp::Replicate()}, .desired_output_layouts = {tp::Shard(1)}};
+// Example: tp::PrepareModuleOutput style{.output_layouts = {tp::Replicate()}, .desired_output_layouts =
+// {tp::Shard(1)}};
 struct PrepareModuleOutput {
   std::vector<Layout> output_layouts;          // one per output tensor, in order
   std::vector<Layout> desired_output_layouts;  // same count
 };
 
-using ParallelStyle = std::variant<ColwiseParallel, RowwiseParallel, SequenceParallel, PrepareModuleInput,
-                                   PrepareModuleOutput>;
+using ParallelStyle =
+    std::variant<ColwiseParallel, RowwiseParallel, SequenceParallel, PrepareModuleInput, PrepareModuleOutput>;
 // Module names (as named_modules() gives them, relative to the module parallelized) to styles,
 // applied in order. '*' matches within one name component ("blocks.*.attn.q"); "" is the module
 // itself.

@@ -20,6 +20,7 @@ PACKAGES=(
   libcli11-dev          # train_gpt's command line (CLI11)
   fortunes              # train_gpt's default corpus: /usr/share/games/fortunes/cookie (245 KB of English)
   gnuplot-nox           # tools/plot: metrics -> PNG
+  clang-format          # the pinned formatter (14): the CTest test `format`
 )
 
 missing=()

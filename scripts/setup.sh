@@ -21,6 +21,7 @@ PACKAGES=(
   fortunes              # train_gpt's default corpus: /usr/share/games/fortunes/cookie (245 KB of English)
   gnuplot-nox           # tools/plot: metrics -> PNG
   clang-format          # the pinned formatter (14): the CTest test `format`
+  libsentencepiece-dev sentencepiece  # fsdp-tokenize's SentencePiece tokenizers (spm_train/spm_encode: tests)
 )
 
 missing=()

@@ -1,9 +1,8 @@
 #include "fsdp/dist/env.h"
 
-#include <cerrno>
-#include <climits>
-#include <cstdlib>
 #include <vector>
+
+#include "launchers.h"
 
 extern char** environ;
 
@@ -15,43 +14,28 @@ std::string LaunchEnv::store_prefix() const {
 
 namespace {
 
+using detail::lookup;
+
 const char* kHowToLaunch =
-    "start the program with `fsdprun --nproc-per-node N -- program` (or torchrun), or set RANK, "
+    "start the program with `fsdprun --nproc-per-node N -- program` (or torchrun, mpirun, srun), or set RANK, "
     "WORLD_SIZE, MASTER_ADDR and MASTER_PORT yourself";
 
-std::optional<std::string> lookup(const std::map<std::string, std::string>& env, const std::string& k) {
-  auto it = env.find(k);
-  if (it == env.end() || it->second.empty()) return std::nullopt;
-  return it->second;
-}
-
 int parse_int(const std::string& name, const std::string& value, int min_value) {
-  errno = 0;
-  char* end = nullptr;
-  long v = std::strtol(value.c_str(), &end, 10);
-  if (errno != 0 || end == value.c_str() || *end != '\0' || v < min_value || v > INT_MAX) {
-    throw DistError("fsdp: environment variable " + name + "='" + value + "' is not " +
-                    (min_value > 0 ? "a positive integer" : "a non-negative integer") + "; " + kHowToLaunch);
-  }
-  return static_cast<int>(v);
+  return detail::parse_int(name, value, min_value, kHowToLaunch);
 }
 
-}  // namespace
-
-LaunchEnv parse_launch_env(const std::map<std::string, std::string>& env) {
+// torchrun's variables (also fsdprun's, and a PyTorchJob pod's): RANK and WORLD_SIZE given.
+LaunchEnv from_torchrun(const std::map<std::string, std::string>& env) {
   LaunchEnv e;
   auto rank = lookup(env, "RANK");
   auto world = lookup(env, "WORLD_SIZE");
-  if (!rank && !world) {
-    // No launcher at all: one process that still works (world size 1, no store, no network).
-    return e;
-  }
   if (!rank || !world) {
     throw DistError(std::string("fsdp: ") +
                     (rank ? "RANK is set but WORLD_SIZE is not" : "WORLD_SIZE is set but RANK is not") + "; " +
                     kHowToLaunch);
   }
   e.from_launcher = true;
+  e.launcher = lookup(env, "TORCHELASTIC_RUN_ID") || lookup(env, "TORCHELASTIC_RESTART_COUNT") ? "torchrun" : "env";
   e.rank = parse_int("RANK", *rank, 0);
   e.world_size = parse_int("WORLD_SIZE", *world, 1);
   if (e.rank >= e.world_size) {
@@ -62,6 +46,7 @@ LaunchEnv parse_launch_env(const std::map<std::string, std::string>& env) {
   auto local_world = lookup(env, "LOCAL_WORLD_SIZE");
   e.local_rank = local_rank ? parse_int("LOCAL_RANK", *local_rank, 0) : e.rank;
   e.local_world_size = local_world ? parse_int("LOCAL_WORLD_SIZE", *local_world, 1) : e.world_size;
+  e.all_local = local_world && e.local_world_size == e.world_size;
   if (e.local_rank >= e.local_world_size) {
     throw DistError("fsdp: LOCAL_RANK=" + std::to_string(e.local_rank) +
                     " is not below LOCAL_WORLD_SIZE=" + std::to_string(e.local_world_size));
@@ -96,6 +81,21 @@ LaunchEnv parse_launch_env(const std::map<std::string, std::string>& env) {
   return e;
 }
 
+}  // namespace
+
+LaunchEnv parse_launch_env(const std::map<std::string, std::string>& env) {
+  // Precedence when launchers nest: the innermost sets the most specific variables. fsdprun or
+  // torchrun started by srun or mpirun gives its workers RANK (torchrun's win); mpirun inside an
+  // sbatch script or salloc shell runs its ranks outside any srun step (Open MPI's win, and
+  // Slurm's count only inside an srun step anyway).
+  if (lookup(env, "RANK") || lookup(env, "WORLD_SIZE")) return from_torchrun(env);
+  if (auto e = detail::from_openmpi(env)) return *e;
+  if (auto e = detail::from_slurm(env)) return *e;
+  detail::refuse_unknown_launcher(env);
+  // No launcher at all: one process that still works (world size 1, no store, no network).
+  return LaunchEnv{};
+}
+
 LaunchEnv read_launch_env() {
   std::map<std::string, std::string> env;
   for (char** p = environ; *p != nullptr; ++p) {
@@ -104,6 +104,23 @@ LaunchEnv read_launch_env() {
     if (eq != std::string::npos) env.emplace(kv.substr(0, eq), kv.substr(eq + 1));
   }
   return parse_launch_env(env);
+}
+
+std::string describe(const LaunchEnv& e) {
+  static const std::map<std::string, std::string> read = {
+      {"none", "no launcher variables"},
+      {"torchrun", "RANK, WORLD_SIZE, ..."},
+      {"env", "RANK, WORLD_SIZE, ... without torchrun's TORCHELASTIC_*"},
+      {"openmpi", "OMPI_COMM_WORLD_*"},
+      {"slurm", "SLURM_PROCID, SLURM_STEP_NUM_TASKS, SLURM_LOCALID"}};
+  const auto it = read.find(e.launcher);
+  std::string s = "launcher " + e.launcher + " (" + (it == read.end() ? "?" : it->second) +
+                  "): " + std::to_string(e.world_size) + (e.world_size == 1 ? " rank, " : " ranks, ") +
+                  std::to_string(e.local_world_size) + " on this host, master " + e.master_addr + ":" +
+                  std::to_string(e.master_port);
+  if (!e.master_from.empty()) s += " (" + e.master_from + ")";
+  if (e.use_agent_store) s += ", the launcher's store under " + e.store_prefix();
+  return s;
 }
 
 }  // namespace fsdp::dist

@@ -25,8 +25,9 @@ namespace {
 //   FSDP_STORE_FILE   the store is the c10d FileStore at this path (under the same
 //                     /worker/attempt_<n> prefix with TORCHELASTIC_USE_AGENT_STORE=True) instead of
 //                     the TCPStore at MASTER_ADDR:MASTER_PORT: nothing listens on the network.
-// A job is single-host when FSDP_STORE_FILE is set or the launcher's LOCAL_WORLD_SIZE equals
-// WORLD_SIZE; Gloo then binds the loopback interface (unless GLOO_SOCKET_IFNAME is set).
+// A job is single-host when FSDP_STORE_FILE is set or the launcher says every rank is on this
+// host (LaunchEnv::all_local: torchrun's LOCAL_WORLD_SIZE, Open MPI's or Slurm's local size equals
+// the world's); Gloo then binds the loopback interface (unless GLOO_SOCKET_IFNAME is set).
 struct StoreEnv {
   std::string file;
   bool single_host = false;
@@ -35,9 +36,7 @@ struct StoreEnv {
 StoreEnv read_store_env(const LaunchEnv& env) {
   StoreEnv s;
   if (const char* f = std::getenv("FSDP_STORE_FILE"); f != nullptr) s.file = f;
-  const char* local_world = std::getenv("LOCAL_WORLD_SIZE");
-  s.single_host =
-      !s.file.empty() || (local_world != nullptr && *local_world != '\0' && env.local_world_size == env.world_size);
+  s.single_host = !s.file.empty() || env.all_local;
   return s;
 }
 
@@ -163,6 +162,9 @@ void init_distributed(const InitOptions& options) {
   rt->backend = comm::backend_for_device(options.device_type);  // checks the device type either way
   if (options.backend) rt->backend = *options.backend;
   const LaunchEnv& env = rt->env;
+  // One line from rank 0: whose variables were read and what was taken from them (with mpirun or
+  // srun, the first thing to check when ranks do not meet).
+  if (env.from_launcher && env.rank == 0) std::fprintf(stderr, "fsdp: %s\n", describe(env).c_str());
   if (env.world_size == 1) {
     rt->store = c10::make_intrusive<c10d::HashStore>();
     // A world of one on a GPU still runs NCCL (same streams and kernels as a real job); on the

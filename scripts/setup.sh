@@ -3,7 +3,8 @@
 # Idempotent: installs only what is missing, then an incremental build (seconds when nothing
 # changed). Fine as root; uses sudo otherwise.
 #
-#   scripts/setup.sh                 # deps + configure + build
+#   scripts/setup.sh                 # deps + configure + build everything (what the tests need)
+#   scripts/setup.sh fsdprun train_gpt   # deps + configure + only these targets (and the library)
 #   BUILD_DIR=out scripts/setup.sh   # another build folder
 #   CMAKE_ARGS="-DCMAKE_PREFIX_PATH=/opt/libtorch" scripts/setup.sh   # another LibTorch
 set -euo pipefail
@@ -22,6 +23,7 @@ PACKAGES=(
   gnuplot-nox           # tools/plot: metrics -> PNG
   clang-format          # the pinned formatter (14): the CTest test `format`
   libsentencepiece-dev sentencepiece  # fsdp-tokenize's SentencePiece tokenizers (spm_train/spm_encode: tests)
+  openmpi-bin           # mpirun: tests/launcher/test_real_launchers starts train_gpt with Open MPI (docs/launching.md)
 )
 
 missing=()
@@ -44,5 +46,15 @@ if [ ! -f "$BUILD_DIR/build.ninja" ]; then
   # shellcheck disable=SC2086
   cmake -S . -B "$BUILD_DIR" -G Ninja -DCMAKE_BUILD_TYPE=Release ${CMAKE_ARGS:-} >/dev/null
 fi
+# Targets named on the command line: only those (and what they link), so that the main job starts
+# before the ~50 test programs are compiled; none: everything.
+targets=()
+for t in "$@"; do
+  case "$t" in
+    -h | --help) awk 'NR > 1 && /^#/ { print; next } NR > 1 { exit }' "$0"; exit 0 ;;
+    -*) echo "setup: unknown option '$t'; give CMake target names (e.g. fsdprun train_gpt) or nothing for all" >&2; exit 2 ;;
+    *) targets+=(--target "$t") ;;
+  esac
+done
 # Two cores, heavy headers: more parallel jobs only thrash memory.
-cmake --build "$BUILD_DIR" -- -j"$(nproc)"
+cmake --build "$BUILD_DIR" "${targets[@]}" -- -j"$(nproc)"

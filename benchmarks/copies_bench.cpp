@@ -1,6 +1,6 @@
 // copies_bench: FSDP's own work in a world of one (copies, allocations, hooks; no network), counted
 // in instructions with callgrind, which repeats to the instruction where a timing on a shared
-// machine does not (issue 16).
+// machine does not.
 //
 //   valgrind --tool=callgrind --instr-atstart=no build/bin/copies_bench --mode plain
 //   valgrind --tool=callgrind --instr-atstart=no build/bin/copies_bench --mode fsdp

@@ -16,8 +16,8 @@
 # rank spends per step against one process doing the same share: the extra is FSDP's and Gloo's
 # work (copies, collectives, the kernel's socket copies). Rows alternate within each round;
 # the median over rounds is printed, with the load average. CPU time still grows with cache and
-# core contention: at a load average of ~20 the same binary's rows moved by +-20% between rounds
-# (docs/benchmarks.md), so use it on a quiet machine; under load prefer fsdp_cpu_profile.sh.
+# core contention: under load the same binary's rows move between rounds by more than FSDP's
+# share (docs/benchmarks-history.md), so use it on a quiet machine; under load prefer fsdp_cpu_profile.sh.
 set -euo pipefail
 BUILD="${1:-build}"
 ROUNDS="${2:-2}"

@@ -1,4 +1,4 @@
-// memory_bench: where a rank's memory goes under fully_shard, against one process (issue 16).
+// memory_bench: where a rank's memory goes under fully_shard, against one process.
 //
 //   build/bin/memory_bench                       # GPT 12 x 768, 12 heads, seq 256 (85.6M), 1 vs 2 and 4 ranks
 //   build/bin/memory_bench --small               # GPT 4 x 256, 4 heads, seq 128 (3.2M)

@@ -10,7 +10,7 @@
 # (GPTImpl::forward, gpt_loss), backward (autograd Engine::execute), step (AdamW::step),
 # start-up (model build and init, data load, loader), trainer (the rest of main: clipping,
 # zero_grad, the batch slice, loss and memory reads, metrics), unattributed (stack not unwound).
-# The difference of the two runs is S2 - S1 steady-state steps. Target (issue 16): trainer < 2%.
+# The difference of the two runs is S2 - S1 steady-state steps. Target: trainer < 2%.
 set -euo pipefail
 BUILD="${1:-build}"
 [ $# -gt 0 ] && shift

@@ -17,10 +17,10 @@ namespace fsdp::detail {
 
 namespace {
 // FSDP_REDUCE_SCATTER_OVERLAP (read once): 1 (default) lets a unit's reduce-scatter run during the
-// next unit's backward; 0 finishes it before the next unit's parameters are gathered (on the 85.6M
-// GPT at 2 ranks, before the pool's cache was trimmed after forward: 31 MB less peak RSS per rank,
-// 89% of the sharding saving realized instead of 84%; with the trim the default realizes 89% too;
-// the exchange is then not hidden behind compute; docs/benchmarks.md).
+// next unit's backward; 0 finishes it before the next unit's parameters are gathered (one unit's
+// reduce-scatter buffers fewer at FSDP's peak, the exchange no longer hidden behind compute; since
+// the pool's cache is trimmed after forward the default reaches the same peak: docs/benchmarks.md,
+// "Memory").
 bool reduce_scatter_overlaps() {
   static const bool overlap = [] {
     const char* v = std::getenv("FSDP_REDUCE_SCATTER_OVERLAP");

@@ -1,4 +1,4 @@
-// Collective desync detection (TORCH_DISTRIBUTED_DEBUG=DETAIL, issue 15), with real processes:
+// Collective desync detection (TORCH_DISTRIBUTED_DEBUG=DETAIL), with real processes:
 // two ranks whose fully_shard GPTs differ in width fail at once (not at the 120 s collective
 // timeout) naming the operation, its sequence number and both ranks' calls; equal models train to
 // the same losses with and without the check; a mismatched operation or dtype is named; off by

@@ -1,4 +1,4 @@
-// Elastic membership (issue 15): --nnodes MIN:MAX as torchrun. Three hosts train; one is lost and
+// Elastic membership: --nnodes MIN:MAX as torchrun. Three hosts train; one is lost and
 // does not come back; the survivors re-rendezvous as a world of two (after --rdzv-last-call-s)
 // and `train_gpt --resume` continues from the last checkpoint at the new size.
 #include <chrono>

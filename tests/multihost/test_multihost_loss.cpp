@@ -1,4 +1,4 @@
-// Losing a host (issue 15): every process of one host killed, or its link taken down, mid-step.
+// Losing a host: every process of one host killed, or its link taken down, mid-step.
 // The other host's fsdprun stops its workers and exits non-zero naming the lost node within
 // --heartbeat-timeout-s + --grace-period-s (docs/multihost.md states the bound; these tests
 // measure it and print the figure). With --max-restarts and the host back (fsdprun started there

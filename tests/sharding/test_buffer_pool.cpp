@@ -145,12 +145,12 @@ FSDP_RANK_WORKER(pool_reuse_exact_and_bounded) {
   TORCH_CHECK(last.pool_hits > third.pool_hits && later_misses * 10 <= last.pool_hits - third.pool_hits,
               "the pool keeps mapping new blocks in the steady state: step 2: ", describe(with.after_step[1]),
               "; last: ", describe(last));
-  // FSDP's buffers at their peak: issue 16's target, 5 units (2 units' parameters + gradients + one
+  // FSDP's buffers at their peak: the target is 5 units (2 units' parameters + gradients + one
   // prefetched unit), whatever the depth. What is alive at most: the unit in backward's parameters,
   // the prefetched all-gather output, and the previous unit's reduce-scatter (input + 1/N scratch of
-  // the point-to-point fallback; the output is a row of the input), ~3.5 units at 2 ranks. Before:
-  // 6.5 allowed, 6.08 measured on LibTorch 2.14, where Gloo's worker thread released finished
-  // buffers late (now released at wait(): release_buffer, on every LibTorch version).
+  // the point-to-point fallback; the output is a row of the input), ~3.5 units at 2 ranks. The
+  // bound holds on LibTorch 2.x too because finished buffers are released at wait()
+  // (release_buffer), not when Gloo's worker thread drops them.
   const double units = 5.0;
   const double bound = units * with.largest_unit_bytes;
   TORCH_CHECK(last.peak <= bound, "FSDP's buffers peaked at ", last.peak, " B, over ", units, " units (", bound, " B)");

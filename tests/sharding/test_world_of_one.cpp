@@ -1,4 +1,4 @@
-// fully_shard in a world of one (issue 16: FSDP's own cost near zero). With nothing to gather,
+// fully_shard in a world of one (FSDP's own cost near zero). With nothing to gather,
 // each unsharded parameter is its shard's memory, not a copy: unshard allocates and copies nothing,
 // forward reads what the optimizer wrote, and training equals plain LibTorch bit for bit. Where
 // the unsharded parameter needs another dtype (mixed precision), it is still a copy.

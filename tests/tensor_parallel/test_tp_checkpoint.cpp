@@ -1,4 +1,4 @@
-// Checkpoints of tensor-parallel models (issue 14): a chain through every layout, each link
+// Checkpoints of tensor-parallel models: a chain through every layout, each link
 // loading the previous one's checkpoint and training on:
 //   dp=2 x tp=2 (4 ranks) -> FSDP at 3 ranks -> one process -> dp=1 x tp=2 (2 ranks)
 // Every link starts from parameters equal to an uninterrupted one-process run's (1e-5) and its

@@ -1,4 +1,4 @@
-// The strided column-wise placement (issue 14: ColwiseParallel{.fused = 3}, a fused [q | k | v]
+// The strided column-wise placement (ColwiseParallel{.fused = 3}, a fused [q | k | v]
 // split by heads): rank r holds the r-th slice of each of the three blocks. Checked on a fused
 // Linear(5 -> 3 x 6) at tp 2 alone and under fully_shard at dp 2 (4 ranks, where an FSDP shard of
 // the TP-local rows cuts the blocks: ranks hold 2 pieces each):

@@ -69,15 +69,14 @@ struct BufferPoolOptions {
   size_t min_bytes = 64 * 1024;  // smaller buffers come from LibTorch's allocator
   // fully_shard trims the cache (trim_cached_buffers) when the root's forward ends: from there
   // until the first unit's backward is done the activations are at their largest, while the
-  // cache holds blocks that backward needs only later (85.6M GPT at 2 ranks: 102 MB cached at
-  // the end of forward, 43 MB still cached at the step's peak RSS in the last block's backward).
-  // The blocks stay mapped (no new mapping, no miss): their pages are faulted in again when they
-  // are handed out. false: the cache stays resident (issue 16's measurements in docs/benchmarks.md).
+  // cache holds blocks that backward needs only later (docs/benchmarks.md, "Memory": the pool's
+  // cache was most of the difference between the trimmed and untrimmed peaks). The blocks stay mapped (no new mapping,
+  // no miss): their pages are faulted in again when they are handed out. false: the cache stays resident
+  // (docs/benchmarks.md, "Memory").
   bool trim_after_forward = true;
   // ... but only when at least this many cached bytes are resident: a trim costs faulting the same
-  // pages in again during backward, every step (bench's 3.3M GPT at 2 ranks: ~15 MB cached, +5 ms
-  // of a 300 ms step, for no measurable peak RSS), while on the 85.6M GPT it takes 100 MB off the
-  // peak for ~1% of the step. 0: always trim.
+  // pages in again during backward, every step: worth it where the cache is large against the
+  // peak, not where it is a few MB (docs/benchmarks.md, "Memory"). 0: always trim.
   size_t trim_min_bytes = 32u << 20;
 };
 void set_buffer_pool_options(const BufferPoolOptions& options);

@@ -5,10 +5,10 @@
 // glibc starts with a 128 KiB threshold and raises it (up to 32 MiB) to the size of each large block
 // that is freed; after a few steps activations and autograd's gradients of up to 32 MiB come from
 // the heap and stay resident when freed, so a rank's peak RSS measures the heap's high-water mark
-// rather than what was alive at once (issue 16: at 2 ranks the sharding saving hardly reached the
+// rather than what was alive at once (then, at 2 ranks, the sharding saving hardly reached the
 // process). A fixed threshold of 1 MiB keeps the heap to small blocks; large tensors are mapped
 // and unmapped (FSDP's own large buffers come from its pool, fsdp/memory/buffer_pool.h, and are
-// not affected). Measured in docs/benchmarks.md ("Memory and copies").
+// not affected). Measured in docs/benchmarks.md ("Memory").
 //
 // Example:
 //   fsdp::tune_malloc();  // first thing in main(), before tensors are allocated
@@ -27,8 +27,8 @@ bool tune_malloc(size_t mmap_threshold = size_t{1} << 20);
 // M_TRIM_THRESHOLD, both fixed: no dynamic threshold). After the first step activations and
 // gradients come from the heap again and no page is faulted in each step; the peak RSS becomes
 // the heap's high-water mark. Under glibc's default (a threshold that moves with the sizes freed)
-// FSDP's ranks fault in ~2,000-3,000 pages per step on bench's GPT at 2 ranks (one process: ~900):
-// ~12 ms of a ~265 ms step there (docs/benchmarks.md, "Page faults"). Same environment switch and
+// FSDP's ranks fault pages in again every step, more than one process does (figures in
+// docs/benchmarks.md, "fully_shard against the one-process limit"). Same environment switch and
 // return value as tune_malloc.
 //
 // Example:

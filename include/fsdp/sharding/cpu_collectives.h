@@ -15,10 +15,9 @@
 // src/sharding/collectives.h.
 //
 // Why flat is the default: on a 2-core machine with both cores computing, a message costs more
-// than the copy it saves for shards of up to a few hundred KiB (docs/benchmarks.md, "Per-parameter
-// collectives"; measured with benchmarks/layout_bench.cpp): bench's 3.3M GPT 1.03-1.08x slower per
-// parameter, the 85.6M GPT (shards of 1.2-4.7 MB) 0.93x-1.01x, within the noise. Try it where
-// shards are large and cores spare.
+// than the copy it saves for shards of up to a few hundred KiB, and larger shards gain nothing
+// measurable (benchmarks/layout_bench.cpp; docs/benchmarks.md, "Where FSDP's time goes"). Try it
+// where shards are large and cores spare.
 //
 // The flat layout is always used on GPUs (NCCL), for HSDP's reduce, integer
 // reshard_after_forward, mixed precision that casts, and 16-bit reductions.

@@ -183,6 +183,10 @@ void validate(const Options& o) {
         "--mixed-precision bf16 needs fully_shard's MixedPrecisionPolicy: use --parallel fsdp or hsdp (under "
         "fsdprun, any number of ranks)");
   }
+  if (o.reshard_after_forward != "default" && (o.parallel == "none" || o.parallel == "replicate")) {
+    fail("--reshard-after-forward " + o.reshard_after_forward + " needs fully_shard: --parallel " + o.parallel +
+         " keeps whole parameters on every rank (drop the option, or use --parallel fsdp or hsdp)");
+  }
   if (o.tp_size > 1) {
     if (o.parallel == "none")
       fail("--tp-size " + std::to_string(o.tp_size) +

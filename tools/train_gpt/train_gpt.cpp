@@ -66,8 +66,10 @@ struct Run {
   int dp_size = 1;                          //   the tp ranks of one dp group share it
   torch::Device device = torch::kCPU;       // --device: this rank's GPU, or the CPU
   bool distributed() const { return comm != nullptr; }
-  // fully_shard applies (not under replicate, nor under TP over the whole world: dp = 1).
-  bool sharded() const { return distributed() && opt.parallel != "replicate" && !(tp_mesh && dp_size == 1); }
+  // fully_shard applies: every distributed run but replicate. Under TP over the whole world it
+  // shards over the dp dimension of size 1 (as FSDP2 does: the shards are the whole parameters),
+  // so the mixed-precision policy, clipping and checkpoints take the path of every other run.
+  bool sharded() const { return distributed() && opt.parallel != "replicate"; }
 };
 
 struct Model {
@@ -135,7 +137,7 @@ Run init_distributed(const Options& o) {
     run.tp_mesh = mesh["tp"];
     run.dp_rank = static_cast<int>(run.rank / o.tp_size);
     run.dp_size = static_cast<int>(run.world / o.tp_size);
-    if (run.dp_size > 1) run.mesh = mesh["dp"];
+    run.mesh = mesh["dp"];  // size 1 when TP spans the world: fully_shard still applies its policies
   }
   if (std::getenv("OMP_NUM_THREADS") == nullptr) {
     fsdp::dist::set_num_threads(fsdp::dist::default_omp_threads(fsdp::dist::local_world_size()));
@@ -431,6 +433,13 @@ int run_training(const Options& options) {
   Reporter report(o, r0, start_step);  // rank 0's banner, progress lines, metrics file (report.h)
   report.banner({run.world, at::get_num_threads(), m.n_params, tensor_bytes(m.gpt->parameters()) / 4, data.describe(),
                  resume_dir});
+  if (r0 && run.sharded() && run.dp_size == 1 && o.reshard_after_forward != "default") {
+    std::printf(
+        "train_gpt: note: --reshard-after-forward %s has no effect with a data-parallel size of 1 (each "
+        "rank's shards are the whole parameters: nothing is gathered or freed)\n",
+        o.reshard_after_forward.c_str());
+    std::fflush(stdout);
+  }
   const KillHook kill_hook = KillHook::from_env();  // tests only (kill_hook.h)
 
   std::string last_saved;

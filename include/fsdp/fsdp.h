@@ -21,6 +21,7 @@
 #include "fsdp/sharding/clip_grad.h"
 #include "fsdp/sharding/cpu_collectives.h"
 #include "fsdp/sharding/forward_method.h"
+#include "fsdp/sharding/fsdp1.h"
 #include "fsdp/sharding/fully_shard.h"
 #include "fsdp/sharding/gpu_stats.h"
 #include "fsdp/sharding/materialize.h"

@@ -24,6 +24,7 @@ PACKAGES=(
   clang-format          # the pinned formatter (14): the CTest test `format`
   libsentencepiece-dev sentencepiece  # fsdp-tokenize's SentencePiece tokenizers (spm_train/spm_encode: tests)
   openmpi-bin           # mpirun: tests/launcher/test_real_launchers starts train_gpt with Open MPI (docs/launching.md)
+  slurmd slurmctld slurm-client munge  # srun/sbatch: scripts/slurm-local.sh, a one-machine cluster for test_real_launchers
 )
 
 missing=()

@@ -1,5 +1,7 @@
 #include "agent.h"
 
+#include <ifaddrs.h>
+#include <netdb.h>
 #include <netinet/in.h>
 #include <poll.h>
 #include <sys/socket.h>
@@ -54,6 +56,39 @@ std::string seconds_text(double s) {
 
 std::string attempt_key(int attempt, const char* name) {
   return "/fsdprun/attempt_" + std::to_string(attempt) + "/" + name;
+}
+
+// True when `host` names this machine: one of its resolved addresses is a loopback address or an
+// address of one of its interfaces (torchrun's c10d rendezvous decides who hosts the store so).
+bool names_this_machine(const std::string& host) {
+  addrinfo hints{};
+  hints.ai_family = AF_UNSPEC;
+  hints.ai_socktype = SOCK_STREAM;
+  addrinfo* found = nullptr;
+  if (getaddrinfo(host.c_str(), nullptr, &hints, &found) != 0) return false;
+  ifaddrs* ifs = nullptr;
+  if (getifaddrs(&ifs) != 0) ifs = nullptr;
+  bool mine = false;
+  for (addrinfo* a = found; a != nullptr && !mine; a = a->ai_next) {
+    if (a->ai_family == AF_INET) {
+      const auto& in = reinterpret_cast<const sockaddr_in*>(a->ai_addr)->sin_addr;
+      if ((ntohl(in.s_addr) >> 24) == 127) mine = true;
+      for (ifaddrs* i = ifs; i != nullptr && !mine; i = i->ifa_next) {
+        if (i->ifa_addr != nullptr && i->ifa_addr->sa_family == AF_INET)
+          mine = reinterpret_cast<const sockaddr_in*>(i->ifa_addr)->sin_addr.s_addr == in.s_addr;
+      }
+    } else if (a->ai_family == AF_INET6) {
+      const auto& in6 = reinterpret_cast<const sockaddr_in6*>(a->ai_addr)->sin6_addr;
+      if (IN6_IS_ADDR_LOOPBACK(&in6)) mine = true;
+      for (ifaddrs* i = ifs; i != nullptr && !mine; i = i->ifa_next) {
+        if (i->ifa_addr != nullptr && i->ifa_addr->sa_family == AF_INET6)
+          mine = std::memcmp(&reinterpret_cast<const sockaddr_in6*>(i->ifa_addr)->sin6_addr, &in6, sizeof(in6)) == 0;
+      }
+    }
+  }
+  if (ifs != nullptr) freeifaddrs(ifs);
+  freeaddrinfo(found);
+  return mine;
 }
 
 // Sleeps up to `timeout`, waking early for a termination signal. True when one has arrived.
@@ -267,7 +302,13 @@ int Agent::setup_store() {
     }
     return 0;
   }
-  if (opts_.node_rank == 0) {
+  // torchrun's c10d form without --node-rank: the node the endpoint names hosts the store and is
+  // node 0 (--rdzv-conf is_host decides instead when given). Two agents on one machine both
+  // qualify: the one that gets the port first hosts, the other joins it as a client.
+  const bool auto_rank = opts_.node_rank == kAutoNodeRank;
+  bool host = opts_.node_rank == 0;
+  if (auto_rank) host = opts_.is_host != -1 ? opts_.is_host == 1 : names_this_machine(opts_.master_addr);
+  if (host) {
     // The agent hosts the store before any worker starts, as torchrun does: workers only connect.
     // It listens on --master-addr only where c10d allows choosing (see StoreClient::host).
     try {
@@ -282,13 +323,20 @@ int Agent::setup_store() {
       }
       store_->set(kConfigKey, config);
       store_->add("/fsdprun/node_0/claimed", 1);
+      if (auto_rank) {
+        opts_.node_rank = 0;
+        log("hosting the c10d rendezvous store at " + endpoint() + " as node 0");
+      }
+      return 0;
     } catch (const std::exception& e) {
-      log("cannot host the store at " + endpoint() + ": " + e.what() +
-          "; pick a free --master-port (or --master-port 0 / --standalone on a single node), and a --master-addr "
-          "that reaches this machine");
-      return 1;
+      if (!auto_rank || opts_.is_host == 1) {
+        log("cannot host the store at " + endpoint() + ": " + e.what() +
+            "; pick a free --master-port (or --master-port 0 / --standalone on a single node), and a --master-addr "
+            "that reaches this machine");
+        return 1;
+      }
+      store_.reset();  // the port is taken, most likely by another node's agent on this machine: join it
     }
-    return 0;
   }
 
   port_ = opts_.master_port;
@@ -326,6 +374,19 @@ int Agent::setup_store() {
       store_->set(kAbortKey, msg);  // node 0 must not wait for this node until it times out
       log(msg);
       return 2;
+    }
+    if (auto_rank) {
+      // Numbers in the order the nodes join; node 0 is the store's host.
+      const int64_t n = store_->add("/fsdprun/next_auto_node_rank", 1);
+      if (n >= opts_.nnodes) {
+        log("node rank " + std::to_string(n) + " would exceed --nnodes " + std::to_string(opts_.nnodes) +
+            ": more nodes joined " + endpoint() +
+            " than --nnodes (a node started twice, or one that came back: restart every node, or give each "
+            "its own --node-rank)");
+        return 2;
+      }
+      opts_.node_rank = static_cast<int>(n);
+      log("joined the c10d rendezvous at " + endpoint() + " as node " + std::to_string(n));
     }
     if (int rc = claim_node_rank(); rc != 0) return rc;
     // The heartbeat has a connection of its own: it goes on while this loop waits on something.
@@ -645,8 +706,15 @@ int Agent::finish_failed_attempt(int attempt, const std::string& reason, bool& r
 }
 
 int Agent::run() {
-  if (int rc = setup_logs(); rc != 0) return rc;
+  // The log folder's name holds the node rank, which the c10d form knows only once it has joined.
+  const bool rank_known = opts_.node_rank != kAutoNodeRank;
+  if (rank_known) {
+    if (int rc = setup_logs(); rc != 0) return rc;
+  }
   if (int rc = setup_store(); rc != 0) return rc;
+  if (!rank_known) {
+    if (int rc = setup_logs(); rc != 0) return rc;
+  }
   const ms grace = to_ms(opts_.grace_period_s);
   for (int attempt = first_attempt_;; ++attempt) {
     if (int rc = rendezvous(attempt); rc == -2) {  // elastic: the attempt started without this node

@@ -116,6 +116,62 @@ std::vector<int> parse_rank_list(const std::string& v) {
   return out;
 }
 
+// torchrun's HOST[:PORT] (IPv6 as [ADDR]:PORT); torchrun's default port for a c10d endpoint is
+// 29400. The endpoint is node 0's store: fsdprun's --master-addr/--master-port.
+void parse_endpoint(Options& o, const std::string& v) {
+  const std::string fix = "; give HOST:PORT of the node that hosts the store, e.g. --rdzv-endpoint node01:29400";
+  std::string host = v, port = "29400";
+  if (!v.empty() && v[0] == '[') {
+    const auto close = v.find(']');
+    if (close == std::string::npos) throw UsageError("--rdzv-endpoint '" + v + "' has no closing ']'" + fix);
+    host = v.substr(1, close - 1);
+    if (close + 1 < v.size()) {
+      if (v[close + 1] != ':') throw UsageError("--rdzv-endpoint '" + v + "' is not valid" + fix);
+      port = v.substr(close + 2);
+    }
+  } else if (const auto colon = v.rfind(':'); colon != std::string::npos) {
+    if (v.find(':') != colon)
+      throw UsageError("--rdzv-endpoint '" + v + "': write an IPv6 address in brackets, e.g. [::1]:29400");
+    host = v.substr(0, colon);
+    port = v.substr(colon + 1);
+  }
+  if (host.empty()) throw UsageError("--rdzv-endpoint '" + v + "' names no host" + fix);
+  o.master_addr = host;
+  o.master_port = static_cast<int>(parse_long("--rdzv-endpoint", port, 1, 65535, "a TCP port 1..65535" + fix));
+}
+
+// torchrun's --rdzv-conf k=v,...: the keys fsdprun can honour; the others are refused.
+void parse_rdzv_conf(Options& o, const std::string& v) {
+  size_t start = 0;
+  while (start < v.size()) {
+    size_t end = v.find(',', start);
+    if (end == std::string::npos) end = v.size();
+    const std::string item = v.substr(start, end - start);
+    const auto eq = item.find('=');
+    const std::string key = item.substr(0, eq), value = eq == std::string::npos ? "" : item.substr(eq + 1);
+    if (eq == std::string::npos || value.empty())
+      throw UsageError("--rdzv-conf '" + v + "': '" + item + "' is not KEY=VALUE, e.g. --rdzv-conf join_timeout=600");
+    if (key == "join_timeout" || key == "timeout") {
+      o.rdzv_timeout_s = parse_seconds("--rdzv-conf " + key, value, false);
+    } else if (key == "last_call_timeout") {
+      o.rdzv_last_call_s = parse_seconds("--rdzv-conf " + key, value, true);
+    } else if (key == "is_host") {
+      static const std::set<std::string> yes = {"1", "true", "True", "yes"}, no = {"0", "false", "False", "no"};
+      if (!yes.count(value) && !no.count(value))
+        throw UsageError("--rdzv-conf is_host='" + value + "' is not valid; give true or false");
+      o.is_host = yes.count(value) ? 1 : 0;
+    } else if (key == "read_timeout" || key == "close_timeout" || key == "use_libuv") {
+      // Tuning of torchrun's own store client; fsdprun bounds its store calls by --rdzv-timeout-s
+      // and --heartbeat-timeout-s instead. Accepted so that a torchrun command line runs as it is.
+    } else {
+      throw UsageError("--rdzv-conf key '" + key +
+                       "' is not supported by fsdprun; it reads join_timeout, last_call_timeout and is_host "
+                       "(read_timeout, close_timeout and use_libuv are accepted and ignored)");
+    }
+    start = end + 1;
+  }
+}
+
 const std::vector<Spec>& specs() {
   static const std::vector<Spec> table = {
       {"--nproc-per-node", true, [](Options& o, const std::string& v) { o.nproc_per_node = parse_nproc(v); }},
@@ -168,12 +224,21 @@ const std::vector<Spec>& specs() {
          o.run_id = v;
        }},
       {"--rdzv-backend", true,
-       [](Options&, const std::string& v) {
-         if (v != "static") {
+       [](Options& o, const std::string& v) {
+         if (v != "static" && v != "c10d") {
            throw UsageError("--rdzv-backend " + v +
-                            " is not supported; fsdprun uses static rendezvous: start every node "
-                            "with the same --nnodes/--master-addr/--master-port and its own --node-rank");
+                            " is not supported; use c10d (a TCP store at --rdzv-endpoint, the same command on "
+                            "every node) or static (every node with its own --node-rank)");
          }
+         o.rdzv_backend = v;
+       }},
+      {"--rdzv-endpoint", true, [](Options& o, const std::string& v) { parse_endpoint(o, v); }},
+      {"--rdzv-conf", true, [](Options& o, const std::string& v) { parse_rdzv_conf(o, v); }},
+      {"--start-method", true,
+       [](Options&, const std::string& v) {
+         // torchrun's way of starting Python workers; fsdprun always executes the program itself.
+         if (v != "spawn" && v != "fork" && v != "forkserver")
+           throw UsageError("--start-method '" + v + "' is not valid; give spawn, fork or forkserver");
        }},
       {"--role", true,
        [](Options& o, const std::string& v) {
@@ -208,10 +273,13 @@ std::string unsupported_hint(const std::string& name) {
   if (name == "-m" || name == "--module") {
     return "fsdprun runs programs directly (like torchrun --no-python); drop " + name + " and give the program path";
   }
-  if (name == "--rdzv-endpoint" || name == "--rdzv-conf" || name == "--local-addr") {
+  if (name == "--local-addr") {
+    return "--local-addr is not supported; fsdprun tells the workers node 0's address (MASTER_ADDR): drop it";
+  }
+  if (name == "--logs-specs" || name == "--run-path") {
     return name +
-           " is not supported; fsdprun uses static rendezvous: give every node --nnodes, its own --node-rank, "
-           "and node 0's --master-addr/--master-port";
+           " is not supported by fsdprun (it runs programs directly, with torchrun's log layout under "
+           "--log-dir); drop it";
   }
   return {};
 }
@@ -319,6 +387,21 @@ Options parse_options(const std::vector<std::string>& args) {
     o.master_port = 0;
     if (!given.count("--rdzv-id")) o.run_id = "standalone-" + std::to_string(getpid());
   }
+  const bool endpoint = given.count("--rdzv-endpoint") > 0;
+  for (const char* f : {"--master-addr", "--master-port"}) {
+    if (endpoint && given.count(f))
+      throw UsageError(std::string("--rdzv-endpoint and ") + f + " both name node 0's store; give one of them");
+  }
+  if (o.rdzv_backend == "c10d" && o.nnodes > 1) {
+    if (!endpoint && !given.count("--master-addr"))
+      throw UsageError(
+          "--rdzv-backend c10d with several nodes needs --rdzv-endpoint HOST:PORT (a host every node reaches, "
+          "e.g. the first node's name)");
+    if (!given.count("--node-rank")) o.node_rank = kAutoNodeRank;  // the same command on every node
+  }
+  if (o.is_host != -1 && o.node_rank != kAutoNodeRank)
+    throw UsageError(
+        "--rdzv-conf is_host applies to --rdzv-backend c10d with several nodes and no --node-rank; drop it");
   if (o.node_rank >= o.nnodes) {
     throw UsageError("--node-rank " + std::to_string(o.node_rank) + " must be below --nnodes " +
                      std::to_string(o.nnodes) + "; number the nodes 0.." + std::to_string(o.nnodes - 1));
@@ -382,7 +465,18 @@ options:
                          for S seconds is lost to the others (default 15). A lost node is named
                          within S + --grace-period-s seconds (docs/multihost.md)
   --rdzv-id ID           job id, passed as TORCHELASTIC_RUN_ID (default "none")
-  --rdzv-backend static  accepted for compatibility; rendezvous is always static
+  --rdzv-backend static|c10d  static (default): every node gets its own --node-rank. c10d:
+                         torchrun's multi-node form, the identical command on every node: the node
+                         whose addresses include the --rdzv-endpoint host hosts the store (node
+                         0), the others are numbered 1, 2, ... as they join (--node-rank, if
+                         given, still wins)
+  --rdzv-endpoint H[:P]  node 0's store, as --master-addr H --master-port P (P default 29400;
+                         IPv6 as [ADDR]:P)
+  --rdzv-conf K=V,...    join_timeout (= --rdzv-timeout-s), last_call_timeout (= --rdzv-last-call-s),
+                         is_host=true|false (whether this node hosts the c10d store); read_timeout,
+                         close_timeout and use_libuv are accepted and ignored; others refused
+  --start-method M       accepted for torchrun compatibility (spawn|fork|forkserver: programs
+                         always run directly)
   --role NAME            ROLE_NAME of the workers (default "default")
   --no-python            accepted for torchrun compatibility (programs always run directly)
   --log-dir DIR          also write each worker's stdout and stderr to files, in

@@ -18,6 +18,9 @@ struct Options {
   int nnodes = 1;                // the most nodes (torchrun's MAX of --nnodes MIN:MAX)
   int min_nodes = 1;             // the fewest nodes an attempt may start with (MIN; = nnodes unless elastic)
   double rdzv_last_call_s = 30;  // elastic: once MIN nodes joined, wait this long for more
+  // -1 (kAutoNodeRank): torchrun's c10d form with no --node-rank (the same command on every
+  // node): the node that can host the store at the endpoint is node 0, the others take 1, 2, ...
+  // in the order they join.
   int node_rank = 0;
   std::string master_addr = "127.0.0.1";
   int master_port = 29500;  // 0: node 0 picks a free port (single node only)
@@ -34,7 +37,13 @@ struct Options {
   // A node whose agent sends no heartbeat for this long is lost (node 0 declares it); a node 0
   // whose store does not answer for this long is lost (the other nodes give up on it).
   double heartbeat_timeout_s = 15;
-  std::string run_id = "none";   // TORCHELASTIC_RUN_ID (torchrun's --rdzv-id)
+  std::string run_id = "none";  // TORCHELASTIC_RUN_ID (torchrun's --rdzv-id)
+  // torchrun's --rdzv-backend: "static" (fixed --node-rank per node) or "c10d" (a TCP store at
+  // --rdzv-endpoint, node ranks given out as nodes join when --node-rank is not given).
+  std::string rdzv_backend = "static";
+  // torchrun's --rdzv-conf is_host=true|false: whether this node hosts the c10d store (node 0).
+  // Unset: the node whose addresses include the endpoint's host hosts it.
+  int is_host = -1;              // -1 unset, 0 false, 1 true
   std::string role = "default";  // ROLE_NAME
   // Worker logs, as torchrun. --log-dir DIR: each worker's stdout/stderr also go to
   // DIR/<run id>_node<K>/attempt_<n>/<local rank>/{stdout,stderr}.log. --redirects/--tee S: which
@@ -51,6 +60,8 @@ struct Options {
   bool help = false;
   std::vector<std::string> program;  // program and its arguments
 };
+
+constexpr int kAutoNodeRank = -1;
 
 // Which streams `spec` (a --redirects/--tee value) names for `local_rank`: bit 1 stdout, bit 2
 // stderr. "" names none. The value was validated by parse_options.

@@ -1,0 +1,263 @@
+// Real launchers start train_gpt as they would start a PyTorch program: Open MPI's mpirun (the
+// ranks find each other from OMPI_COMM_WORLD_* alone) and torchrun 2.x (its agent's store) train
+// as under fsdprun. A process that sees a launcher we do not read refuses to train alone. Each
+// test skips, saying why, when its launcher is absent (Debian's openmpi-bin, which
+// scripts/setup.sh installs; torchrun from python3-torch 2.x, e.g. the sid chroot of
+// scripts/libtorch2-check.sh).
+#include <unistd.h>
+
+#include <cstdlib>
+#include <fstream>
+#include <memory>
+#include <sstream>
+#include <thread>
+
+#include "../trainer/train_gpt_harness.h"
+
+using namespace train_gpt_test;
+
+extern char** environ;
+
+namespace {
+
+// Every launcher's variables in the test's own environment (the test may itself run under srun
+// or mpirun): the children must see only the launcher each test starts.
+std::vector<std::string> launcher_scrub() {
+  std::vector<std::string> out = kScrub;
+  for (char** p = environ; *p != nullptr; ++p) {
+    const std::string kv(*p);
+    const std::string name = kv.substr(0, kv.find('='));
+    for (const char* prefix : {"OMPI_", "PMIX_", "PMI_", "SLURM_", "MV2_", "TORCHELASTIC_", "FSDP_STORE_FILE"}) {
+      if (name.rfind(prefix, 0) == 0) out.push_back(name);
+    }
+  }
+  return out;
+}
+
+ProcessSpec scrubbed(std::vector<std::string> argv, std::chrono::milliseconds timeout) {
+  ProcessSpec spec = spec_of(std::move(argv), timeout);
+  spec.env_unset = launcher_scrub();
+  return spec;
+}
+
+// The first executable `name` on PATH, or "".
+std::string on_path(const std::string& name) {
+  const char* path = std::getenv("PATH");
+  std::stringstream dirs(path ? path : "");
+  std::string dir;
+  while (std::getline(dirs, dir, ':')) {
+    const std::string candidate = (dir.empty() ? "." : dir) + "/" + name;
+    if (::access(candidate.c_str(), X_OK) == 0) return candidate;
+  }
+  return "";
+}
+
+// Open MPI's mpirun on PATH, or "" (with the reason in `why`).
+std::string find_open_mpi(std::string& why) {
+  if (const std::string candidate = on_path("mpirun"); !candidate.empty()) {
+    auto version = run_process(scrubbed({candidate, "--version"}, 30s));
+    if (version.output.find("Open MPI") == std::string::npos && version.output.find("OpenRTE") == std::string::npos) {
+      why = candidate + " is not Open MPI's (--version: " + version.output.substr(0, 80) + ")";
+      return "";
+    }
+    return candidate;
+  }
+  why = "mpirun is not on PATH (install Debian's openmpi-bin, as scripts/setup.sh does)";
+  return "";
+}
+
+}  // namespace
+
+// `mpirun -np 2 train_gpt ...` trains one job of two ranks (not two jobs of one) with fsdprun's
+// losses.
+TEST(Mpirun, TrainsWithFsdprunsLosses) {
+  std::string why;
+  const std::string mpirun = find_open_mpi(why);
+  if (mpirun.empty()) GTEST_SKIP() << why;
+  TempDir dir;
+  const auto ref = ranks(2, tiny(dir / "fsdprun.jsonl"));
+  ASSERT_TRUE(ref.ok()) << ref.output;
+
+  std::vector<std::string> argv = {mpirun, "--allow-run-as-root", "--oversubscribe", "-np", "2",
+                                   // what spec_of sets, passed on explicitly (remote-launch safe)
+                                   "-x", "OMP_NUM_THREADS", "-x", "CUDA_VISIBLE_DEVICES", kTrainGpt};
+  const auto args = tiny(dir / "mpirun.jsonl");
+  argv.insert(argv.end(), args.begin(), args.end());
+  const auto r = run_process(scrubbed(argv, 120s));
+  ASSERT_TRUE(r.ok()) << r.output;
+  // Rank 0 says whose variables it read: one line, once (not two one-rank jobs).
+  EXPECT_EQ(count(r.output, "fsdp: launcher openmpi (OMPI_COMM_WORLD_*): 2 ranks, 2 on this host, master 127.0.0.1:"),
+            1u)
+      << r.output;
+  EXPECT_TRUE(trained(r.output)) << r.output;
+  const auto got = losses(dir / "mpirun.jsonl");
+  EXPECT_EQ(got.size(), 6u);
+  expect_close(got, losses(dir / "fsdprun.jsonl"), 1e-5);
+}
+
+// A rank of a launcher whose variables we do not read stops before training, naming them.
+TEST(Mpirun, UnknownLauncherIsRefusedNotTrainedAlone) {
+  TempDir dir;
+  std::vector<std::string> argv = {kTrainGpt};
+  const auto args = tiny(dir / "m.jsonl");
+  argv.insert(argv.end(), args.begin(), args.end());
+  auto spec = scrubbed(argv, 60s);
+  spec.env_set["PMI_RANK"] = std::string("1");  // MPICH's Hydra (mpiexec.hydra -np 2)
+  spec.env_set["PMI_SIZE"] = std::string("2");
+  const auto r = run_process(spec);
+  EXPECT_FALSE(r.ok()) << r.output;
+  EXPECT_NE(r.output.find("found PMI_RANK=1 (MPICH/Intel MPI (Hydra))"), std::string::npos) << r.output;
+  EXPECT_FALSE(trained(r.output)) << r.output;
+  EXPECT_FALSE(fs::exists(dir / "m.jsonl"));
+}
+
+// `torchrun --no_python --nproc_per_node 2 train_gpt ...` (torchrun 2.x: its agent hosts the store,
+// TORCHELASTIC_USE_AGENT_STORE=True) gives fsdprun's losses.
+TEST(Torchrun, TrainsWithFsdprunsLosses) {
+  const std::string torchrun = on_path("torchrun");
+  if (torchrun.empty()) GTEST_SKIP() << "torchrun is not on PATH (python3-torch 2.x provides it)";
+  // Debian 12's torchrun (1.13) fails on Python 3.11 before any worker starts: not a test of ours.
+  const auto version =
+      run_process(scrubbed({on_path("python3"), "-c",
+                            "import torch, sys; print(torch.__version__); sys.exit(int(torch.__version__[0]) < 2)"},
+                           60s));
+  if (!version.ok()) GTEST_SKIP() << "torchrun's torch is not 2.x: " << version.output;
+  TempDir dir;
+  const auto ref = ranks(2, tiny(dir / "fsdprun.jsonl"));
+  ASSERT_TRUE(ref.ok()) << ref.output;
+  std::vector<std::string> argv = {torchrun, "--no_python",   "--nproc_per_node",
+                                   "2",      "--master_port", std::to_string(fsdp::testing::pick_free_port()),
+                                   kTrainGpt};
+  const auto args = tiny(dir / "torchrun.jsonl");
+  argv.insert(argv.end(), args.begin(), args.end());
+  const auto r = run_process(scrubbed(argv, 180s));
+  ASSERT_TRUE(r.ok()) << r.output;
+  EXPECT_EQ(count(r.output, "fsdp: launcher torchrun"), 1u) << r.output;
+  EXPECT_NE(r.output.find("the launcher's store under /worker/attempt_0"), std::string::npos) << r.output;
+  expect_close(losses(dir / "torchrun.jsonl"), losses(dir / "fsdprun.jsonl"), 1e-5);
+}
+
+// Slurm: a one-machine cluster (scripts/slurm-local.sh) for this suite; `srun -n 2 train_gpt`, an
+// sbatch script and scancel, each as a user would run them.
+class Slurm : public ::testing::Test {
+ protected:
+  static void SetUpTestSuite() {
+    if (on_path("srun").empty() || on_path("sbatch").empty() || on_path("scancel").empty()) {
+      skip_ = "srun/sbatch are not on PATH (Debian's slurm-client, slurmd, slurmctld, munge)";
+      return;
+    }
+    if (::geteuid() != 0) {
+      skip_ = "a local Slurm cluster needs root (slurmd)";
+      return;
+    }
+    dir_ = std::make_unique<fsdp::testing::TempDir>("slurm_local");
+    const int port = fsdp::testing::pick_free_port();
+    ProcessSpec up = scrubbed({SLURM_LOCAL_SCRIPT, "up"}, 60s);
+    up.env_set = {{"SLURM_LOCAL_DIR", dir_->path + "/cluster"}, {"SLURM_LOCAL_PORT", std::to_string(port)}};
+    const auto r = run_process(up);
+    if (!r.ok()) {
+      skip_ = "scripts/slurm-local.sh up failed here: " + r.output;
+      return;
+    }
+    conf_ = dir_->path + "/cluster/slurm.conf";
+  }
+  static void TearDownTestSuite() {
+    if (!conf_.empty()) {
+      ProcessSpec down = scrubbed({SLURM_LOCAL_SCRIPT, "down"}, 60s);
+      down.env_set = {{"SLURM_LOCAL_DIR", dir_->path + "/cluster"}};
+      run_process(down);
+    }
+    dir_.reset();
+  }
+  void SetUp() override {
+    if (!skip_.empty()) GTEST_SKIP() << skip_;
+  }
+  // A command of the cluster's, with the test's environment scrubbed of launchers.
+  static ProcessResult slurm(std::vector<std::string> argv, std::chrono::milliseconds timeout = 120s) {
+    ProcessSpec spec = scrubbed(std::move(argv), timeout);
+    spec.env_set["SLURM_CONF"] = conf_;
+    return run_process(spec);
+  }
+  static inline std::unique_ptr<fsdp::testing::TempDir> dir_;
+  static inline std::string conf_, skip_;
+};
+
+TEST_F(Slurm, SrunTrainsWithFsdprunsLosses) {
+  TempDir dir;
+  const auto ref = ranks(2, tiny(dir / "fsdprun.jsonl"));
+  ASSERT_TRUE(ref.ok()) << ref.output;
+  std::vector<std::string> argv = {on_path("srun"), "-N", "1", "-n", "2", "--kill-on-bad-exit=1", kTrainGpt};
+  const auto args = tiny(dir / "srun.jsonl");
+  argv.insert(argv.end(), args.begin(), args.end());
+  const auto r = slurm(argv);
+  ASSERT_TRUE(r.ok()) << r.output;
+  EXPECT_EQ(count(r.output,
+                  "fsdp: launcher slurm (SLURM_PROCID, SLURM_STEP_NUM_TASKS, SLURM_LOCALID): 2 ranks, 2 "
+                  "on this host, master 127.0.0.1:"),
+            1u)
+      << r.output;
+  expect_close(losses(dir / "srun.jsonl"), losses(dir / "fsdprun.jsonl"), 1e-5);
+}
+
+// An sbatch script whose srun step trains; the batch shell itself is no rank (no SLURM_STEP_ID).
+TEST_F(Slurm, SbatchScriptTrainsWithFsdprunsLosses) {
+  TempDir dir;
+  const auto ref = ranks(2, tiny(dir / "fsdprun.jsonl"));
+  ASSERT_TRUE(ref.ok()) << ref.output;
+  std::string cmd = "srun " + kTrainGpt;
+  for (const auto& a : tiny(dir / "sbatch.jsonl")) cmd += " '" + a + "'";
+  {
+    std::ofstream script(dir / "job.sh");
+    script << "#!/bin/bash\n#SBATCH -N 1\n#SBATCH -n 2\n"
+           << "echo \"batch shell: SLURM_STEP_ID=${SLURM_STEP_ID:-unset}\"\n"
+           << "export OMP_NUM_THREADS=1\n"
+           << cmd << "\n";
+  }
+  const auto r = slurm({on_path("sbatch"), "--wait", "-o", dir / "job.out", dir / "job.sh"});
+  std::ifstream out(dir / "job.out");
+  const std::string job_output((std::istreambuf_iterator<char>(out)), std::istreambuf_iterator<char>());
+  ASSERT_TRUE(r.ok()) << r.output << job_output;
+  EXPECT_NE(job_output.find("batch shell: SLURM_STEP_ID=unset"), std::string::npos) << job_output;
+  EXPECT_EQ(count(job_output, "fsdp: launcher slurm"), 1u) << job_output;
+  expect_close(losses(dir / "sbatch.jsonl"), losses(dir / "fsdprun.jsonl"), 1e-5);
+}
+
+// scancel sends SIGTERM to every task of the step: the ranks agree to stop, save a checkpoint of
+// the last finished step and exit 0, well within the cluster's KillWait (30 s).
+TEST_F(Slurm, ScancelSavesACheckpointOnEveryRank) {
+  TempDir dir;
+  const std::string name = "fsdp-stop-" + std::to_string(::getpid());
+  std::vector<std::string> argv = {on_path("srun"), "-J", name, "-N", "1", "-n", "2", kTrainGpt};
+  const auto args =
+      tiny(dir / "m.jsonl", {"--steps", "1000000", "--checkpoint-dir", dir / "ck", "--checkpoint-every", "1000000"});
+  argv.insert(argv.end(), args.begin(), args.end());
+  ProcessSpec spec = scrubbed(argv, 120s);
+  spec.env_set["SLURM_CONF"] = conf_;
+  Child job(spec);
+  // Cancel once the ranks are training: the metrics file (one line per step) has a few steps.
+  const auto steps_written = [&] {
+    std::ifstream in(dir / "m.jsonl");
+    const std::string text((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+    return count(text, "\n");
+  };
+  const auto deadline = std::chrono::steady_clock::now() + 90s;
+  while (steps_written() < 3 && std::chrono::steady_clock::now() < deadline && !job.try_wait())
+    std::this_thread::sleep_for(100ms);
+  ASSERT_FALSE(job.try_wait()) << job.result().output;
+  const auto t0 = std::chrono::steady_clock::now();
+  ASSERT_TRUE(slurm({on_path("scancel"), "-n", name}, 30s).ok());
+  const auto r = job.wait();
+  const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  EXPECT_TRUE(r.ok()) << r.output;
+  EXPECT_LT(seconds, 30.0) << r.output;
+  EXPECT_EQ(count(r.output, "train_gpt: stopped by a signal after step"), 1u) << r.output;
+  // The checkpoint holds every rank's shard.
+  int saved = 0;
+  for (const auto& e : fs::directory_iterator(dir / "ck")) {
+    if (e.path().filename().string().rfind("step_", 0) == 0) {
+      ++saved;
+      EXPECT_EQ(data_files(e.path().string()).size(), 2u) << e.path();
+    }
+  }
+  EXPECT_EQ(saved, 1) << r.output;
+}

@@ -43,6 +43,8 @@ std::vector<std::pair<std::string, std::string>> rank_agreed_options(const Optio
   auto i = [](int64_t v) { return std::to_string(v); };
   return {
       {"--data", o.data},
+      {"--val-data", o.val_data},
+      {"--vocab-size", i(o.vocab_size)},
       {"--layers", i(o.layers)},
       {"--dim", i(o.dim)},
       {"--heads", i(o.heads)},

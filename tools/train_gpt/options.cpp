@@ -84,7 +84,18 @@ std::optional<Options> parse_options(int argc, char** argv, int& exit_code) {
 
   app.add_option("--data", o.data,
                  "Training text read as bytes (90% train, 10% validation), or 'synthetic' "
-                 "(tokens drawn from the seed, for benchmarks)");
+                 "(tokens drawn from the seed, for benchmarks), or tokens:PATTERN: llm.c token shards (a file "
+                 "or a glob; memory-mapped; each epoch a seeded permutation of the windows; shards named "
+                 "*_val_* are the validation data unless --val-data is given)");
+  app.add_option("--val-data", o.val_data,
+                 "Validation token shards, tokens:PATTERN (with --data tokens:...; default: its *_val_* shards)");
+  app.add_option("--vocab-size", o.vocab_size,
+                 "The GPT's vocabulary (0: from the data: 256 for bytes; for token shards the vocabulary "
+                 "fsdp-tokenize recorded in them, else their largest id + 1)")
+      ->check(bounded(0, 1 << 24, true));
+  app.add_option("--tokenizer", o.tokenizer,
+                 "A SentencePiece tokenizer.model: decodes the sample of --data tokens:... (without it, ids "
+                 "are shown as <N>, or as bytes for byte-level shards)");
   app.add_option("--layers", o.layers, "Transformer blocks")->check(bounded(1, kMaxLayers, true));
   app.add_option("--dim", o.dim, "Embedding width")->check(bounded(1, kMaxDim, true));
   app.add_option("--heads", o.heads, "Attention heads (must divide --dim)")->check(bounded(1, kMaxHeads, true));
@@ -200,8 +211,8 @@ void validate(const Options& o) {
     if (o.dim % o.tp_size != 0)
       fail("--tp-size " + std::to_string(o.tp_size) + " does not divide --dim " + std::to_string(o.dim));
   }
-  o.checkpoint_every_kth_block();               // throws on a bad --activation-checkpointing
-  if (!o.synthetic()) check_data_file(o.data);  // stat only: a FIFO or device is refused unopened
+  o.checkpoint_every_kth_block();                              // throws on a bad --activation-checkpointing
+  if (!o.synthetic() && !o.tokens()) check_data_file(o.data);  // stat only: a FIFO or device is refused unopened
 }
 
 int64_t Options::checkpoint_every_kth_block() const {

@@ -23,7 +23,10 @@ inline constexpr int64_t kMaxBatch = 1 << 20;  // --batch-size, --grad-accum
 // Example: Options o; o.layers = 6; o.dim = 256; validate(o);
 struct Options {
   // data and model
-  std::string data = kDefaultCorpus;  // a file read as bytes, or "synthetic"
+  std::string data = kDefaultCorpus;  // a file read as bytes, "synthetic", or "tokens:PATTERN" (llm.c shards)
+  std::string val_data;               // tokens:PATTERN ("": the shards of --data named *_val_*)
+  int64_t vocab_size = 0;             // 0: from the data (256 for bytes; main() resolves it, data.h)
+  std::string tokenizer;              // SentencePiece tokenizer.model: decodes the sample of token shards
   int64_t layers = 4;
   int64_t dim = 128;
   int64_t heads = 4;
@@ -59,6 +62,7 @@ struct Options {
   std::string metrics = "runs/train_gpt/metrics.jsonl";  // "": none
 
   bool synthetic() const { return data == "synthetic"; }
+  bool tokens() const { return data.rfind("tokens:", 0) == 0; }
   // --activation-checkpointing as "checkpoint every K-th block": 0 for none, 1 for full.
   int64_t checkpoint_every_kth_block() const;
 };

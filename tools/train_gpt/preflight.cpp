@@ -107,7 +107,7 @@ std::string format_bytes(double bytes) {
 MemoryEstimate estimate_memory(const Options& o, int world_size, int local_world_size) {
   // All in double: the options are bounded (options.h), but their products need not fit int64.
   const double C = static_cast<double>(o.dim), T = static_cast<double>(o.seq_len), L = static_cast<double>(o.layers),
-               H = static_cast<double>(o.heads), V = kVocab;
+               H = static_cast<double>(o.heads), V = o.vocab_size > 0 ? static_cast<double>(o.vocab_size) : kVocab;
   const double world = std::max(1, world_size);
   double shard = 1;  // ranks a parameter is sharded over
   if (o.parallel == "fsdp") shard = world;

@@ -84,6 +84,11 @@ void Reporter::step(const StepReport& s) {
                          {"peak_rss_bytes", s.peak_rss_bytes},
                          {"max_peak_rss_bytes", s.max_peak_rss_bytes}};
   if (s.val_loss) line["val_loss"] = *s.val_loss;
+  line["tokens_seen"] = s.step * tokens_per_step_;
+  if (s.data_position) {
+    line["data_epoch"] = s.data_position->epoch;
+    line["data_index"] = s.data_position->index;
+  }
   metrics_.step(line);
   if (now_s() - t_print_ < 2.0 && s.step != start_step_ + 1 && s.step != o_.steps && !s.val_loss) return;
   t_print_ = now_s();

@@ -13,6 +13,7 @@
 #include <string>
 #include <vector>
 
+#include "fsdp/data/token_shards.h"
 #include "metrics.h"
 #include "options.h"
 
@@ -40,6 +41,7 @@ struct StepReport {
   int64_t peak_rss_bytes = 0;                                // rank 0
   int64_t max_peak_rss_bytes = 0;                            // over ranks
   std::optional<double> val_loss;
+  std::optional<fsdp::data::Position> data_position;  // token shards: where the next step reads
 };
 
 class Reporter {

@@ -152,7 +152,7 @@ Run init_distributed(const Options& o) {
 Model build_model_meta(const Run& run, const std::function<void(const Shapes&)>& before_allocating) {
   const Options& o = run.opt;
   GPTConfig config;
-  config.vocab_size = 256;  // bytes
+  config.vocab_size = o.vocab_size;  // main() resolved it: 256 for bytes, else from the data (data.h)
   config.block_size = o.seq_len;
   config.n_layer = o.layers;
   config.n_head = o.heads;
@@ -256,19 +256,38 @@ std::string step_dir(const std::string& root, int64_t step) {
   return (std::filesystem::path(root) / name).string();
 }
 
-std::string checkpoint_save(const Run& run, Model& m, torch::optim::Optimizer& opt, int64_t step) {
+std::string checkpoint_save(const Run& run, Model& m, torch::optim::Optimizer& opt, int64_t step,
+                            const TokenSource& data) {
   const std::string dir = step_dir(run.opt.checkpoint_dir, step);
   TrainerScalars scalars;
   scalars.ints["step"] = step;
   scalars.ints["seed"] = static_cast<int64_t>(run.opt.seed);
+  if (data.tokens()) {  // token shards: where the next step reads (epoch, index in its permutation)
+    const fsdp::data::Position next = data.position(step);
+    scalars.ints["data_epoch"] = next.epoch;
+    scalars.ints["data_index"] = next.index;
+  }
   fsdp::checkpoint::save(dir, fsdp::checkpoint::State{m.gpt.ptr(), &opt, {{"trainer", &scalars}}, {}});
   return dir;
 }
 
 // Returns the number of steps the checkpoint had completed.
-int64_t checkpoint_load(const Run& run, Model& m, torch::optim::Optimizer& opt, const std::string& dir) {
+int64_t checkpoint_load(const Run& run, Model& m, torch::optim::Optimizer& opt, const std::string& dir,
+                        const TokenSource& data) {
   TrainerScalars scalars;
   fsdp::checkpoint::load(dir, fsdp::checkpoint::State{m.gpt.ptr(), &opt, {{"trainer", &scalars}}, {}});
+  if (data.tokens() && scalars.ints.count("data_epoch") && run.rank == 0) {
+    // The order is a function of (seed, step): another position means other shards or batch shape.
+    const fsdp::data::Position here = data.position(scalars.ints["step"]);
+    if (here != fsdp::data::Position{scalars.ints["data_epoch"], scalars.ints["data_index"]}) {
+      std::printf(
+          "note: %s stopped at data epoch %lld, index %lld; with these shards and --batch-size step %lld reads "
+          "epoch %lld, index %lld\n",
+          dir.c_str(), static_cast<long long>(scalars.ints["data_epoch"]),
+          static_cast<long long>(scalars.ints["data_index"]), static_cast<long long>(scalars.ints["step"]),
+          static_cast<long long>(here.epoch), static_cast<long long>(here.index));
+    }
+  }
   if (scalars.ints["seed"] != static_cast<int64_t>(run.opt.seed) && run.rank == 0) {
     std::printf("note: %s was trained with --seed %lld; continuing with --seed %llu changes the data order\n",
                 dir.c_str(), static_cast<long long>(scalars.ints["seed"]),
@@ -339,15 +358,11 @@ std::string sample_text(const Run& run, Model& m, const TokenSource& data) {
   torch::NoGradGuard no_grad;
   at::Tensor ctx = data.prompt(std::min<int64_t>(48, o.seq_len));
   auto gen = at::detail::createCPUGenerator(o.seed + 12345);
-  std::string out;
-  auto printable = [](int64_t b) {
-    return (b == '\n' || b == '\t' || (b >= 32 && b < 127)) ? static_cast<char>(b) : '?';
-  };
-  for (int64_t i = 0; i < ctx.size(1); ++i) out += printable(ctx[0][i].item<int64_t>());
-  out += "|";  // where the model takes over
+  const int64_t prompt_len = ctx.size(1);
+  std::string stopped;
   for (int64_t i = 0; i < o.sample_tokens; ++i) {
     if (agreed_stop(run)) {  // the ranks agree before each token
-      out += " [stopped by a signal]";
+      stopped = " [stopped by a signal]";
       break;
     }
     const int64_t len = ctx.size(1);
@@ -362,10 +377,13 @@ std::string sample_text(const Run& run, Model& m, const TokenSource& data) {
       next = on_device.cpu();
     }
     ctx = at::cat({ctx, next.view({1, 1})}, 1);
-    out += printable(next.item<int64_t>());
   }
   for (auto& u : m.units) u.reshard();
-  return out;
+  // The prompt, "|" where the model takes over, the generated text (data.h decodes: bytes, or tokens).
+  const at::Tensor flat = ctx[0].contiguous();
+  const std::vector<int64_t> all(flat.data_ptr<int64_t>(), flat.data_ptr<int64_t>() + flat.numel());
+  return data.decode({all.begin(), all.begin() + prompt_len}) + "|" +
+         data.decode({all.begin() + prompt_len, all.end()}) + stopped;
 }
 
 // Global loss and the stop flag in one all-reduce: every rank must agree to stop together.
@@ -395,7 +413,7 @@ int run_training(const Options& options) {
   const bool r0 = run.rank == 0;
   // One run per --checkpoint-dir: rank 0 holds the lock until the process ends (checkpoints.h).
   const auto checkpoint_lock = lock_checkpoint_dir(o, run.rank, run.comm.get());
-  TokenSource data(o.data, o.seq_len, o.seed);
+  TokenSource data(o);  // token shards: those resolve_vocab() opened and checked in main()
 
   // -- 2 (the resume checkpoint is checked against the model's shapes before anything is allocated)
   const ResumeChoice resume = choose_resume(o);  // --resume-from, or --resume's latest committed one
@@ -414,7 +432,7 @@ int run_training(const Options& options) {
   auto opt = build_optimizer(run, m);
   // -- 5 (load)
   int64_t start_step = 0;
-  if (resume_dir) start_step = checkpoint_load(run, m, *opt, *resume_dir);
+  if (resume_dir) start_step = checkpoint_load(run, m, *opt, *resume_dir, data);
   if (resume_dir && start_step >= o.steps) {  // nothing to do: say so, leave the metrics file alone
     if (r0) {
       std::printf(
@@ -465,14 +483,15 @@ int run_training(const Options& options) {
     if (r0) {
       report.step({step, loss, lr, r.grad_norm, cost.seconds, cost.comm_bytes, tensor_bytes(m.gpt->parameters()),
                    grad_bytes(m.gpt->parameters()), optimizer_state_bytes(*opt), memory_now.current_bytes,
-                   memory_now.peak_bytes.at(0), memory_now.max_peak_bytes(), val});
+                   memory_now.peak_bytes.at(0), memory_now.max_peak_bytes(), val,
+                   data.tokens() ? std::optional(data.position(step)) : std::nullopt});
     }
 
     // -- 5 (save): every --checkpoint-every steps, at the end, and when asked to stop.
     const bool due = (o.checkpoint_every > 0 && step % o.checkpoint_every == 0) || step == o.steps || stop;
     if (!o.checkpoint_dir.empty() && due) {
       const StepTimer save_timer;
-      last_saved = checkpoint_save(run, m, *opt, step);
+      last_saved = checkpoint_save(run, m, *opt, step, data);
       if (r0) report.checkpoint_saved(step, last_saved, save_timer.finish().seconds, apply_retention(o, last_saved));
     }
     if (stop) {
@@ -501,6 +520,7 @@ int main(int argc, char** argv) {
   if (!options) return exit_code;
   try {
     validate(*options);
+    options->vocab_size = resolve_vocab(*options);  // token shards checked here, before any work (data.h)
     return run_training(*options);
   } catch (const std::invalid_argument& e) {
     std::fprintf(stderr, "train_gpt: error: %s\n", error_text(e).c_str());

@@ -1,0 +1,130 @@
+// train_gpt on llm.c token shards (--data tokens:PATTERN): the same losses for one process and
+// FSDP on 2 ranks, a run stopped at step k and resumed at 3 ranks continues the same stream (the
+// checkpoint holds the data position), every bad input is one line and exit 2 with nothing
+// written, and byte-level shards from fsdp-tokenize train and sample as text.
+#include <gtest/gtest.h>
+
+#include <numeric>
+
+#include "fsdp/checkpoint/inspect.h"
+#include "shard_writer.h"
+#include "train_gpt_harness.h"
+
+namespace {
+
+using namespace train_gpt_test;
+using fsdp_data_test::write_shard;
+
+// A learnable token language over `vocab` ids: x[t] follows from x[t-1] and x[t-2], with a jump
+// every 37 tokens so that the windows differ.
+std::vector<uint32_t> corpus(size_t n, uint32_t vocab, uint32_t salt) {
+  std::vector<uint32_t> x(n);
+  for (size_t t = 0; t < n; ++t) {
+    x[t] = t < 2 || t % 37 == 0 ? static_cast<uint32_t>((t * 131 + salt) % vocab)
+                                : (x[t - 1] * 7 + x[t - 2] * 3 + 1) % vocab;
+  }
+  return x;
+}
+
+// Training shards c_000000.bin, c_000001.bin (uint16, then uint32: both of llm.c's formats) and
+// validation c_val_000000.bin, vocabulary 300 recorded in the headers.
+std::string make_shards(const TempDir& dir, size_t train_tokens = 2000) {
+  const auto train = corpus(train_tokens, 300, 1);
+  const size_t half = train_tokens / 2;
+  write_shard(dir / "c_000000.bin", {train.begin(), train.begin() + static_cast<std::ptrdiff_t>(half)}, false, 300);
+  write_shard(dir / "c_000001.bin", {train.begin() + static_cast<std::ptrdiff_t>(half), train.end()}, true, 300);
+  write_shard(dir / "c_val_000000.bin", corpus(400, 300, 2), false, 300);
+  return "tokens:" + (dir / "c_*.bin");
+}
+
+TEST(TrainGptTokens, OneProcessAndFsdpTwoRanksGiveTheSameLosses) {
+  TempDir dir;
+  const std::string data = make_shards(dir);
+  const std::vector<std::string> extra = {"--data", data, "--eval-every", "3", "--steps", "6"};
+  auto a = alone(tiny(dir / "a.jsonl", extra));
+  ASSERT_TRUE(a.ok()) << a.output;
+  auto b = ranks(2, tiny(dir / "b.jsonl", extra));
+  ASSERT_TRUE(b.ok()) << b.output;
+  expect_close(losses(dir / "b.jsonl"), losses(dir / "a.jsonl"), 1e-5);
+  ASSERT_EQ(losses(dir / "a.jsonl").size(), 6u);
+  // The banner names the shards, the windows per epoch and where the vocabulary came from.
+  EXPECT_NE(a.output.find("train 2 shards, 2000 tokens (uint16 and uint32): c_000000.bin, c_000001.bin; "
+                          "validation 1 shard, 400 tokens (uint16): c_val_000000.bin; 124 windows of 17 tokens per "
+                          "epoch (1984 tokens); vocabulary 300 (recorded in the shards)"),
+            std::string::npos)
+      << a.output;
+  // The metrics file: tokens seen and the data position after each step (batch 8 of 124 windows).
+  const auto lines = read_metrics(dir / "a.jsonl");
+  ASSERT_GE(lines.size(), 6u);
+  EXPECT_EQ(lines[5]["tokens_seen"].get<int64_t>(), 6 * 8 * 16);
+  EXPECT_EQ(lines[5]["data_epoch"].get<int64_t>(), 0);
+  EXPECT_EQ(lines[5]["data_index"].get<int64_t>(), 48);
+  EXPECT_TRUE(lines[2].contains("val_loss"));
+}
+
+// Stopped at step 4 (rank 1 killed before step 5), resumed at 3 ranks: the losses of an
+// uninterrupted one-process run, and the checkpoint holds the data position. 20 windows per epoch
+// and 6 per batch: step 4 starts in epoch 1, so the resumed run crosses into a new permutation.
+TEST(TrainGptTokens, StoppedAndResumedAtThreeRanksContinuesTheSameStream) {
+  TempDir dir;
+  const std::string data = make_shards(dir, 321);  // (321 - 1) / 16 = 20 windows
+  const std::vector<std::string> extra = {"--data", data, "--batch-size", "6", "--steps", "8"};
+  auto a = alone(tiny(dir / "a.jsonl", extra));
+  ASSERT_TRUE(a.ok()) << a.output;
+  auto with_ckpt = tiny(dir / "b.jsonl", extra);
+  with_ckpt = apply(with_ckpt, {"--checkpoint-dir", dir / "ckpt", "--checkpoint-every", "4"});
+  auto spec = spec_of(fsdprun_argv(2, with_ckpt), 120s);
+  spec.env_set["FSDP_TEST_KILL_AT_STEP"] = "5";
+  auto killed = run_process(spec);
+  EXPECT_FALSE(killed.ok()) << killed.output;
+  EXPECT_NE(killed.output.find("rank 1 kills itself"), std::string::npos) << killed.output;
+  const std::string step4 = dir / "ckpt/step_000004";
+  ASSERT_TRUE(fs::exists(fs::path(step4) / "index.json")) << killed.output;
+  EXPECT_EQ(fsdp::checkpoint::read_full_tensor(step4, "extra.trainer.data_epoch").item<int64_t>(), 1);  // row 24
+  EXPECT_EQ(fsdp::checkpoint::read_full_tensor(step4, "extra.trainer.data_index").item<int64_t>(), 4);
+  auto resumed = ranks(3, apply(with_ckpt, {"--resume"}));
+  ASSERT_TRUE(resumed.ok()) << resumed.output;
+  EXPECT_NE(resumed.output.find("resumed " + step4 + " at step 4"), std::string::npos) << resumed.output;
+  EXPECT_EQ(resumed.output.find("note:"), std::string::npos) << resumed.output;
+  expect_close(losses(dir / "b.jsonl"), losses(dir / "a.jsonl"), 1e-5);
+  EXPECT_EQ(fsdp::checkpoint::read_full_tensor(dir / "ckpt/step_000008", "extra.trainer.data_index").item<int64_t>(),
+            8);  // row 48 = 2 x 20 + 8
+}
+
+// Each bad input: one line naming it, exit 2, no checkpoint folder, no metrics file.
+TEST(TrainGptTokens, BadInputIsOneLineExitTwoAndNothingWritten) {
+  TempDir dir;
+  const std::string good = make_shards(dir);
+  write_shard(dir / "magic_val_0.bin", corpus(400, 300, 3), false, 0, 1234);
+  write_shard(dir / "version_val_0.bin", corpus(400, 300, 3), true, 0, 20240801, 6);
+  write_shard(dir / "count_val_0.bin", corpus(400, 300, 3), false, 0, 0, 0, 401);
+  write_shard(dir / "small_000000.bin", corpus(100, 300, 3));
+  write_shard(dir / "small_val_000000.bin", corpus(400, 300, 3));
+  write_shard(dir / "noval_000000.bin", corpus(400, 300, 3));
+  std::ofstream(dir / "notes.txt") << "hello world\n";
+  const std::vector<std::pair<std::vector<std::string>, std::string>> cases = {
+      {{"--val-data", "tokens:" + (dir / "magic_val_0.bin")}, "has magic 1234, not llm.c's 20240520"},
+      {{"--val-data", "tokens:" + (dir / "version_val_0.bin")},
+       "has version 6 with Llama 3 magic 20240801, expected 7"},
+      {{"--val-data", "tokens:" + (dir / "count_val_0.bin")}, "says 401 tokens (802 bytes) but holds 800 bytes"},
+      {{"--vocab-size", "200"}, "at or above the model's vocabulary of 200 (give --vocab-size"},
+      {{"--data", "tokens:" + (dir / "none_*.bin")}, "no file matches"},
+      {{"--data", "tokens:" + (dir / "small_*.bin")}, "100 training tokens are fewer than one batch"},
+      {{"--data", "tokens:" + (dir / "noval_*.bin")}, "has no validation shards (none is named *_val_*)"},
+      {{"--val-data", dir / "c_val_000000.bin"}, "--val-data '" + (dir / "c_val_000000.bin") + "' must be tokens:"},
+      {{"--tokenizer", dir / "notes.txt"}, "is not a SentencePiece model"},
+  };
+  for (const auto& [extra, message] : cases) {
+    auto args = apply(tiny(dir / "m.jsonl", {"--data", good}), extra);
+    args = apply(args, {"--checkpoint-dir", dir / "ckpt"});
+    auto r = alone(args, 60s);
+    EXPECT_EQ(r.exit_code, 2) << r.output;
+    EXPECT_NE(r.output.find("train_gpt: error: "), std::string::npos) << r.output;
+    EXPECT_NE(r.output.find(message), std::string::npos) << message << "\n" << r.output;
+    EXPECT_EQ(count(r.output, "\n"), 1u) << r.output;
+    EXPECT_FALSE(fs::exists(dir / "ckpt")) << message;
+    EXPECT_FALSE(fs::exists(dir / "m.jsonl")) << message;
+  }
+}
+
+}  // namespace

@@ -1,5 +1,6 @@
 #include "data.h"
 
+#include "fsdp/data/piece_decoder.h"
 #include "options.h"
 
 #include <fcntl.h>
@@ -9,6 +10,8 @@
 #include <algorithm>
 #include <cerrno>
 #include <cstring>
+#include <filesystem>
+#include <optional>
 #include <stdexcept>
 #include <string>
 
@@ -98,9 +101,134 @@ at::Tensor read_data_file(const std::string& path) {
   return got == size ? bytes : bytes.narrow(0, 0, got).clone();
 }
 
+namespace {
+
+constexpr const char* kTokensPrefix = "tokens:";
+
+bool is_tokens(const std::string& data) { return data.rfind(kTokensPrefix, 0) == 0; }
+std::string pattern_of(const std::string& data) { return data.substr(std::strlen(kTokensPrefix)); }
+
+// "a_000000.bin, a_000001.bin" or "a_000000.bin .. a_000011.bin (12 files)".
+std::string file_names(const std::vector<std::string>& files) {
+  auto name = [](const std::string& f) { return std::filesystem::path(f).filename().string(); };
+  if (files.size() > 3) {
+    return name(files.front()) + " .. " + name(files.back()) + " (" + std::to_string(files.size()) + " files)";
+  }
+  std::string out;
+  for (const auto& f : files) out += (out.empty() ? "" : ", ") + name(f);
+  return out;
+}
+
+}  // namespace
+
+// Everything --data tokens: needs, opened and checked once (resolve_vocab) before any work.
+struct TokenData {
+  std::string data, val_data, tokenizer;  // the options it was opened for
+  int64_t seq_len = 0, batch = 0, vocab_option = 0;
+  uint64_t seed = 0;
+  std::vector<std::string> train_files, val_files;
+  std::unique_ptr<fsdp::data::TokenShards> train, val;
+  std::unique_ptr<fsdp::data::WindowSampler> order;
+  int64_t vocab = 0;
+  std::string vocab_origin;  // "--vocab-size", "recorded in the shards", "largest id + 1"
+  std::optional<fsdp::data::PieceDecoder> decoder;
+
+  bool opened_for(const Options& o) const {
+    return data == o.data && val_data == o.val_data && tokenizer == o.tokenizer && seq_len == o.seq_len &&
+           batch == o.batch_size && seed == o.seed && (o.vocab_size == 0 || o.vocab_size == vocab);
+  }
+};
+
+namespace {
+
+std::shared_ptr<const TokenData> open_token_data(const Options& o) {
+  auto d = std::make_shared<TokenData>();
+  d->data = o.data;
+  d->val_data = o.val_data;
+  d->tokenizer = o.tokenizer;
+  d->seq_len = o.seq_len;
+  d->batch = o.batch_size;
+  d->vocab_option = o.vocab_size;
+  d->seed = o.seed;
+  const auto files = fsdp::data::expand_glob(pattern_of(o.data));
+  if (o.val_data.empty()) {
+    // As llm.c names them: shards whose name contains "_val_" are the validation data.
+    for (const auto& f : files) {
+      (std::filesystem::path(f).filename().string().find("_val_") != std::string::npos ? d->val_files : d->train_files)
+          .push_back(f);
+    }
+    if (d->val_files.empty()) {
+      throw std::invalid_argument("--data " + o.data +
+                                  " has no validation shards (none is named *_val_*): give --val-data tokens:PATTERN");
+    }
+    if (d->train_files.empty()) {
+      throw std::invalid_argument("--data " + o.data +
+                                  " matches only validation shards (*_val_*): give the training shards too");
+    }
+  } else {
+    if (!is_tokens(o.val_data)) {
+      throw std::invalid_argument("--val-data '" + o.val_data + "' must be tokens:PATTERN (llm.c token shards)");
+    }
+    d->train_files = files;
+    d->val_files = fsdp::data::expand_glob(pattern_of(o.val_data));
+  }
+  d->train = std::make_unique<fsdp::data::TokenShards>(d->train_files);
+  d->val = std::make_unique<fsdp::data::TokenShards>(d->val_files);
+  if (o.vocab_size > 0) {
+    d->vocab = o.vocab_size;
+    d->vocab_origin = "--vocab-size";
+  } else if (d->train->header_vocab() > 0 && d->val->header_vocab() > 0) {
+    d->vocab = std::max(d->train->header_vocab(), d->val->header_vocab());
+    d->vocab_origin = "recorded in the shards";
+  } else {
+    d->vocab = int64_t{std::max(d->train->max_token(), d->val->max_token())} + 1;
+    d->vocab_origin = "the largest id + 1; --vocab-size sets it";
+  }
+  d->train->check_vocab(d->vocab);
+  d->val->check_vocab(d->vocab);
+  d->order = std::make_unique<fsdp::data::WindowSampler>(d->train->size(), o.seq_len, o.batch_size, o.seed);
+  fsdp::data::validation_windows(d->val->size(), o.seq_len, o.batch_size, 0);  // at least one batch
+  if (!o.tokenizer.empty()) d->decoder = fsdp::data::PieceDecoder::load(o.tokenizer);
+  return d;
+}
+
+// resolve_vocab's shards, for the TokenSource made from the same options.
+std::shared_ptr<const TokenData>& checked_token_data() {
+  static std::shared_ptr<const TokenData> d;
+  return d;
+}
+
+// Bytes as the trainer has always printed them.
+char printable(int64_t b) { return (b == '\n' || b == '\t' || (b >= 32 && b < 127)) ? static_cast<char>(b) : '?'; }
+
+}  // namespace
+
+int64_t resolve_vocab(const Options& o) {
+  if (!is_tokens(o.data)) {
+    if (!o.val_data.empty()) throw std::invalid_argument("--val-data needs --data tokens:PATTERN (token shards)");
+    if (!o.tokenizer.empty()) {
+      throw std::invalid_argument("--tokenizer decodes token shards' samples: use it with --data tokens:PATTERN");
+    }
+    if (o.vocab_size > 0 && o.vocab_size < 256) {
+      throw std::invalid_argument("--vocab-size " + std::to_string(o.vocab_size) +
+                                  " is too small for bytes (256 ids): give 256 or more, or leave it out");
+    }
+    return o.vocab_size > 0 ? o.vocab_size : 256;
+  }
+  checked_token_data() = open_token_data(o);
+  return checked_token_data()->vocab;
+}
+
+TokenSource::TokenSource(const Options& o) : TokenSource(is_tokens(o.data) ? "" : o.data, o.seq_len, o.seed) {
+  if (!is_tokens(o.data)) return;
+  path_ = o.data;
+  auto& checked = checked_token_data();
+  tokens_ = checked && checked->opened_for(o) ? checked : open_token_data(o);
+}
+
 TokenSource::TokenSource(const std::string& path, int64_t seq_len, uint64_t seed)
     : path_(path), synthetic_(path == "synthetic"), seq_len_(seq_len), seed_(seed) {
-  if (synthetic_) return;
+  if (synthetic_ || path.empty()) return;  // "": token shards (the constructor above)
   at::Tensor all = read_data_file(path);
   const int64_t n = all.numel();
   const int64_t n_train = n * 9 / 10;
@@ -129,10 +257,55 @@ at::Tensor TokenSource::draw(const at::Tensor& tokens, uint64_t stream, int64_t 
   return tokens.index_select(0, idx.reshape({-1})).to(at::kLong).reshape({batch, len});
 }
 
-at::Tensor TokenSource::train_batch(int64_t step, int64_t batch) const { return draw(train_, kTrain, step, batch); }
-at::Tensor TokenSource::val_batch(int64_t index, int64_t batch) const { return draw(val_, kVal, index, batch); }
+namespace {
+
+at::Tensor read_windows(const fsdp::data::TokenShards& shards, const std::vector<int64_t>& windows, int64_t seq_len) {
+  at::Tensor x = at::empty({static_cast<int64_t>(windows.size()), seq_len + 1}, at::kLong);
+  shards.read_windows(windows, seq_len, x.data_ptr<int64_t>());
+  return x;
+}
+
+}  // namespace
+
+at::Tensor TokenSource::train_batch(int64_t step, int64_t batch) const {
+  if (tokens_) return read_windows(*tokens_->train, tokens_->order->batch_windows(step), seq_len_);
+  return draw(train_, kTrain, step, batch);
+}
+
+at::Tensor TokenSource::val_batch(int64_t index, int64_t batch) const {
+  if (tokens_) {
+    return read_windows(*tokens_->val, fsdp::data::validation_windows(tokens_->val->size(), seq_len_, batch, index),
+                        seq_len_);
+  }
+  return draw(val_, kVal, index, batch);
+}
+
+fsdp::data::Position TokenSource::position(int64_t step) const {
+  return tokens_ ? tokens_->order->position(step) : fsdp::data::Position{};
+}
+
+std::string TokenSource::decode(const std::vector<int64_t>& ids) const {
+  if (tokens_ && tokens_->decoder) return tokens_->decoder->decode(ids);
+  std::string out;
+  for (const int64_t id : ids) {
+    if (id < 256 && (!tokens_ || tokens_->vocab <= 257)) {
+      out += printable(id);
+    } else if (id == 256 && tokens_ && tokens_->vocab == 257) {
+      out += "<|endoftext|>";  // fsdp-tokenize's document separator for bytes
+    } else {
+      out += "<" + std::to_string(id) + ">";
+    }
+  }
+  return out;
+}
 
 at::Tensor TokenSource::prompt(int64_t max_len) const {
+  if (tokens_) {  // the start of the validation data
+    const int64_t len = std::min<int64_t>(max_len, tokens_->val->size());
+    at::Tensor x = at::empty({1, len}, at::kLong);
+    tokens_->val->read(0, len, x.data_ptr<int64_t>());
+    return x;
+  }
   if (synthetic_) return draw(val_, kPrompt, 0, 1).narrow(1, 0, 2).contiguous();
   // The start of a line of the validation text: a fortune's first words.
   auto data = val_.data_ptr<uint8_t>();
@@ -149,6 +322,15 @@ at::Tensor TokenSource::prompt(int64_t max_len) const {
 }
 
 std::string TokenSource::describe() const {
+  if (tokens_) {
+    const TokenData& d = *tokens_;
+    const int64_t windows = d.order->windows();
+    return "train " + d.train->describe() + ": " + file_names(d.train_files) + "; validation " + d.val->describe() +
+           ": " + file_names(d.val_files) + "; " + std::to_string(windows) + " windows of " +
+           std::to_string(seq_len_ + 1) + " tokens per epoch (" + std::to_string(windows * seq_len_) +
+           " tokens); vocabulary " + std::to_string(d.vocab) + " (" + d.vocab_origin + ")" +
+           (d.decoder ? "; tokenizer " + d.tokenizer : "");
+  }
   if (synthetic_) return "synthetic tokens (seed " + std::to_string(seed_) + ")";
   return path_ + ": " + std::to_string(train_.size(0) + val_.size(0)) + " bytes (" + std::to_string(train_.size(0)) +
          " train, " + std::to_string(val_.size(0)) + " validation)";

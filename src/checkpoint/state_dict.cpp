@@ -282,11 +282,15 @@ std::vector<std::string> export_safetensors(torch::nn::Module& model, const std:
                                             const ExportOptions& options) {
   auto items = detail::model_items(model, global_rank());
   const bool root = global_rank() == 0;
+  auto file_dtype = [&](const detail::LocalItem& item) {
+    const auto own = item.local.scalar_type();
+    return options.dtype && at::isFloatingType(own) ? *options.dtype : own;
+  };
   // Files planned from the global shapes, so every rank knows the grouping without talking.
   std::vector<std::vector<size_t>> files(1);
   uint64_t in_file = 0;
   for (size_t i = 0; i < items.size(); ++i) {
-    uint64_t bytes = c10::elementSize(items[i].local.scalar_type());
+    uint64_t bytes = c10::elementSize(file_dtype(items[i]));
     for (int64_t d : items[i].global_shape) bytes *= static_cast<uint64_t>(d);
     if (options.max_file_bytes && in_file > 0 && in_file + bytes > options.max_file_bytes) {
       files.emplace_back();
@@ -318,7 +322,7 @@ std::vector<std::string> export_safetensors(torch::nn::Module& model, const std:
         if (!target.parent_path().empty()) fs::create_directories(target.parent_path());
         std::vector<safetensors::TensorSpec> specs;
         for (size_t i : files[f])
-          specs.push_back({strip(items[i].key, "model."), items[i].local.scalar_type(), items[i].global_shape});
+          specs.push_back({strip(items[i].key, "model."), file_dtype(items[i]), items[i].global_shape});
         writer = std::make_unique<safetensors::StreamWriter>(tmp, specs,
                                                              std::map<std::string, std::string>{{"format", "pt"}});
       } catch (const std::exception& e) {
@@ -329,9 +333,9 @@ std::vector<std::string> export_safetensors(torch::nn::Module& model, const std:
       at::Tensor full = gather_full(items[i]);  // every rank of the shard group takes part
       if (!writer) continue;
       try {
-        writer->append(full.reshape(items[i].global_shape));
+        writer->append(full.reshape(items[i].global_shape).to(file_dtype(items[i])));
         weight_map[strip(items[i].key, "model.")] = file_name(f);
-        total += static_cast<uint64_t>(full.nbytes());
+        total += static_cast<uint64_t>(full.numel()) * c10::elementSize(file_dtype(items[i]));
       } catch (const std::exception& e) {
         error = e.what();
         writer.reset();

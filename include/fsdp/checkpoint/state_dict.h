@@ -18,6 +18,7 @@
 
 #include <cstdint>
 #include <map>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -103,6 +104,9 @@ struct ExportOptions {
   // <stem>-00001-of-0000N.safetensors next to <stem>.safetensors.index.json (the Hugging Face
   // layout); a tensor larger than the limit gets a file of its own.
   uint64_t max_file_bytes = 0;
+  // Floating-point tensors written in this dtype (e.g. at::kBFloat16, halving the files), others
+  // as they are; nullopt: every tensor in its own dtype.
+  std::optional<at::ScalarType> dtype = std::nullopt;
 };
 // Collective. Rank 0 writes the full parameters and buffers (names without any prefix), each file
 // through a temporary name + rename, streaming one gathered tensor at a time (it never holds more

@@ -1,0 +1,234 @@
+// Hugging Face folders <-> Llama models. The row-by-row reading and the one-tensor-at-a-time
+// gathering are the checkpoint layer's (fsdp::checkpoint::load_safetensors / export_safetensors,
+// which know every sharding's boxes); this file adds what is particular to Hugging Face: where the
+// weights are, which keys to ignore, transformers' config.json, and every check made up front so
+// that a bad folder leaves the model untouched.
+#include "models/llama/hf.h"
+
+#include <nlohmann/json.hpp>
+
+#include <filesystem>
+#include <fstream>
+#include <map>
+#include <memory>
+#include <optional>
+#include <set>
+
+#include "fsdp/checkpoint/safetensors.h"
+#include "fsdp/checkpoint/state_dict.h"
+#include "fsdp/dist/runtime.h"
+#include "fsdp/sharding/fully_shard.h"
+#include "fsdp/tensor_parallel/placement.h"
+
+namespace fsdp::models {
+
+namespace fs = std::filesystem;
+
+namespace {
+
+std::string shape_text(at::IntArrayRef shape) {
+  std::string s = "[";
+  for (size_t i = 0; i < shape.size(); ++i) s += (i ? ", " : "") + std::to_string(shape[i]);
+  return s + "]";
+}
+
+// "a, b, c, d, e and 3 more" (at most five named).
+std::string some_keys(const std::vector<std::string>& keys) {
+  std::string s;
+  for (size_t i = 0; i < keys.size() && i < 5; ++i) s += (i ? ", " : "") + keys[i];
+  if (keys.size() > 5) s += " and " + std::to_string(keys.size() - 5) + " more";
+  return s;
+}
+
+bool ends_with(const std::string& s, const std::string& tail) {
+  return s.size() >= tail.size() && s.compare(s.size() - tail.size(), tail.size(), tail) == 0;
+}
+
+// The full parameter's shape, whatever holds it: fully_shard (and TP under it), TP alone, or none.
+std::vector<int64_t> global_shape(const at::Tensor& param) {
+  if (auto info = fsdp::shard_info(param)) return info->tp ? info->tp->global_shape : info->global_shape;
+  if (auto tp = fsdp::tp::tp_placement(param)) return tp->global_shape;
+  return param.sizes().vec();
+}
+
+// The folder's weights: the index (or the single file) and every file's validated header.
+struct Weights {
+  std::string path;                                    // what load_safetensors reads: the index or the file
+  std::map<std::string, std::string> file_of;          // tensor name -> file
+  std::map<std::string, safetensors::Header> headers;  // file -> header
+};
+
+Weights find_weights(const std::string& dir) {
+  const fs::path d(dir);
+  Weights w;
+  const fs::path index = d / "model.safetensors.index.json", single = d / "model.safetensors";
+  if (fs::exists(index)) {
+    w.path = index.string();
+    nlohmann::json j;
+    try {
+      std::ifstream in(index);
+      j = nlohmann::json::parse(in);
+    } catch (const std::exception& e) {
+      throw HFError(w.path + ": not valid JSON (" + e.what() + "); remake the index or the folder");
+    }
+    if (!j.is_object() || !j.contains("weight_map") || !j["weight_map"].is_object())
+      throw HFError(w.path + ": no \"weight_map\" object (a Hugging Face index maps tensor names to files)");
+    for (const auto& [name, file] : j["weight_map"].items()) {
+      if (!file.is_string()) throw HFError(w.path + ": weight_map['" + name + "'] is not a file name");
+      const std::string f = file.get<std::string>();
+      if (f.empty() || f.find('/') != std::string::npos || f == "." || f == "..")
+        throw HFError(w.path + ": weight_map['" + name + "'] names a file outside the folder: '" + f + "'");
+      w.file_of[name] = (d / f).string();
+    }
+  } else if (fs::exists(single)) {
+    w.path = single.string();
+  } else if (fs::exists(d / "pytorch_model.bin") || fs::exists(d / "pytorch_model.bin.index.json")) {
+    throw HFError(dir +
+                  ": holds pytorch_model.bin weights only, which are not loaded (pickle can run code); convert "
+                  "them to safetensors, e.g. transformers' save_pretrained(dir, safe_serialization=True)");
+  } else {
+    throw HFError(dir + ": no model.safetensors or model.safetensors.index.json (not a Hugging Face model folder?)");
+  }
+
+  // Every file's header, parsed and checked against its size (a damaged or short file is named).
+  std::set<std::string> files;
+  for (const auto& [name, file] : w.file_of) files.insert(file);
+  if (w.file_of.empty()) files.insert(w.path);
+  for (const auto& file : files) {
+    if (!fs::exists(file)) throw HFError(file + ": listed by " + w.path + " but missing; copy the whole folder");
+    try {
+      w.headers.emplace(file, safetensors::Reader(file).header());
+    } catch (const safetensors::SafetensorsError& e) {
+      throw HFError(std::string(e.what()) + "; the file is damaged or incomplete, download it again");
+    }
+  }
+  if (w.file_of.empty()) {
+    for (const auto& entry : w.headers.at(w.path).tensors) w.file_of[entry.name] = w.path;
+  } else {
+    for (const auto& [name, file] : w.file_of)
+      if (!w.headers.at(file).find(name))
+        throw HFError(file + ": has no tensor '" + name + "' although " + w.path + " lists it there");
+  }
+  return w;
+}
+
+// config.json against the model asked for: the fields that decide what the weights mean.
+void check_config(const LlamaConfig& file, const LlamaConfig& model, const std::string& source) {
+  auto same = [&](const char* field, const auto& a, const auto& b) {
+    if (a != b) {
+      std::ostringstream msg;
+      msg << source << ": " << field << " is " << a << " but the model was built with " << b
+          << "; build the model from this config.json (read_hf_config)";
+      throw HFError(msg.str());
+    }
+  };
+  same("architectures", file.architecture, model.architecture);
+  same("vocab_size", file.vocab_size, model.vocab_size);
+  same("hidden_size", file.hidden_size, model.hidden_size);
+  same("intermediate_size", file.intermediate_size, model.intermediate_size);
+  same("num_hidden_layers", file.num_hidden_layers, model.num_hidden_layers);
+  same("num_attention_heads", file.num_attention_heads, model.num_attention_heads);
+  same("num_key_value_heads", file.num_key_value_heads, model.num_key_value_heads);
+  same("head_dim", file.resolved_head_dim(), model.resolved_head_dim());
+  same("tie_word_embeddings", file.tie_word_embeddings, model.tie_word_embeddings);
+  same("attention_bias", file.attention_bias, model.attention_bias);
+  same("mlp_bias", file.mlp_bias, model.mlp_bias);
+  same("rms_norm_eps", file.rms_norm_eps, model.rms_norm_eps);
+  same("rope_theta", file.rope_theta, model.rope_theta);
+  same("rope_scaling.rope_type", file.rope_type, model.rope_type);
+}
+
+bool ignored_key(const std::string& name, const LlamaConfig& c) {
+  return ends_with(name, ".rotary_emb.inv_freq") || (c.tie_word_embeddings && name == "lm_head.weight");
+}
+
+}  // namespace
+
+LlamaConfig read_hf_config(const std::string& dir) {
+  return LlamaConfig::from_file((fs::path(dir) / "config.json").string());
+}
+
+void load_hf_weights(LlamaImpl& model, const std::string& dir) {
+  const std::string config_path = (fs::path(dir) / "config.json").string();
+  check_config(read_hf_config(dir), model.config, config_path);
+  const Weights w = find_weights(dir);
+
+  // Keys and shapes, all before a single weight is copied.
+  std::vector<std::string> missing, unexpected;
+  std::set<std::string> wanted;
+  for (const auto& p : model.named_parameters()) {
+    wanted.insert(p.key());
+    auto it = w.file_of.find(p.key());
+    if (it == w.file_of.end()) {
+      missing.push_back(p.key());
+      continue;
+    }
+    const auto* entry = w.headers.at(it->second).find(p.key());
+    const auto expected = global_shape(p.value());
+    if (entry->shape != expected)
+      throw HFError(it->second + ": '" + p.key() + "' has shape " + shape_text(entry->shape) +
+                    " but the model expects " + shape_text(expected) +
+                    "; the weights do not belong to this config.json");
+    if (!at::isFloatingType(entry->dtype))
+      throw HFError(it->second + ": '" + p.key() + "' is " + safetensors::dtype_name(entry->dtype) +
+                    ", not a float dtype (F32, BF16, F16); quantized weights are not supported");
+  }
+  for (const auto& [name, file] : w.file_of)
+    if (!wanted.count(name) && !ignored_key(name, model.config)) unexpected.push_back(name);
+  if (!missing.empty() || !unexpected.empty()) {
+    std::vector<std::string> parts;
+    if (!missing.empty()) parts.push_back(std::to_string(missing.size()) + " missing (" + some_keys(missing) + ")");
+    if (!unexpected.empty())
+      parts.push_back(std::to_string(unexpected.size()) + " unexpected (" + some_keys(unexpected) + ")");
+    std::string msg = w.path + ": does not match the model: " + parts[0];
+    if (parts.size() > 1) msg += "; " + parts[1];
+    throw HFError(msg + "; check config.json against the weights");
+  }
+
+  // The copy: each rank its own rows of each tensor, converted to the parameter's dtype.
+  try {
+    const auto result = fsdp::checkpoint::load_safetensors(model, w.path, /*strict=*/false);
+    if (!result.missing_keys.empty())  // checked above; a file changed while loading
+      throw HFError(w.path + ": " + std::to_string(result.missing_keys.size()) + " missing while loading (" +
+                    some_keys(result.missing_keys) + ")");
+  } catch (const fsdp::checkpoint::CheckpointError& e) {
+    throw HFError(e.what());
+  }
+}
+
+std::vector<std::string> save_hf(LlamaImpl& model, const std::string& dir, const HFSaveOptions& options) {
+  if (options.dtype != at::kFloat && options.dtype != at::kBFloat16)
+    throw HFError(std::string("save_hf: dtype ") + c10::toString(options.dtype) +
+                  " is not supported (kFloat, kBFloat16)");
+  const bool root = !fsdp::dist::is_initialized() || fsdp::dist::rank() == 0;
+  std::vector<std::string> written;
+  if (root) {
+    fs::create_directories(dir);
+    // A previous export's shards would be read with the new index's names: start clean.
+    for (const auto& entry : fs::directory_iterator(dir)) {
+      const std::string name = entry.path().filename().string();
+      if ((name.rfind("model", 0) == 0 && ends_with(name, ".safetensors")) || name == "model.safetensors.index.json")
+        fs::remove(entry.path());
+    }
+    const std::string config_path = (fs::path(dir) / "config.json").string();
+    std::ofstream(config_path, std::ios::trunc)
+        << model.config.to_json(options.dtype == at::kBFloat16 ? "bfloat16" : "float32");
+    written.push_back(config_path);
+    if (!options.copy_from.empty())
+      for (const char* name : {"generation_config.json", "tokenizer.model", "tokenizer.json", "tokenizer_config.json",
+                               "special_tokens_map.json"}) {
+        const fs::path from = fs::path(options.copy_from) / name;
+        if (!fs::exists(from)) continue;
+        fs::copy_file(from, fs::path(dir) / name, fs::copy_options::overwrite_existing);
+        written.push_back((fs::path(dir) / name).string());
+      }
+  }
+  // Collective: gathered tensor by tensor, written by rank 0 (names are already transformers').
+  auto files = fsdp::checkpoint::export_safetensors(
+      model, (fs::path(dir) / "model.safetensors").string(),
+      fsdp::checkpoint::ExportOptions{.max_file_bytes = options.max_shard_size, .dtype = options.dtype});
+  written.insert(written.end(), files.begin(), files.end());
+  return written;
+}
+
+}  // namespace fsdp::models

@@ -1,0 +1,67 @@
+#pragma once
+// Hugging Face model folders for the Llama family: load pretrained weights into a (sharded)
+// model, and write a live model back in the layout transformers' from_pretrained reads.
+//
+// A folder holds config.json and either model.safetensors or model.safetensors.index.json with
+// the shards it lists (other files, such as Mistral's consolidated.safetensors, are ignored).
+//
+// Example:
+//   auto c = fsdp::models::read_hf_config("TinyLlama");   // refuses what the model cannot honour
+//   c.device = torch::kMeta;
+//   fsdp::models::Llama model(c);
+//   for (auto& layer : model->layers()) fsdp::fully_shard(layer);
+//   fsdp::fully_shard(model);
+//   fsdp::to_empty(*model, torch::kCPU);
+//   fsdp::models::load_hf_weights(*model, "TinyLlama");   // each rank reads its own rows
+//   ... train ...
+//   fsdp::models::save_hf(*model, "out", {.max_shard_size = 2ull << 30, .dtype = at::kBFloat16,
+//                                         .copy_from = "TinyLlama"});   // collective
+#include <ATen/ATen.h>
+
+#include <cstdint>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+#include "models/llama/llama.h"
+
+namespace fsdp::models {
+
+// Every problem with a folder or its files, in one line: the file, what is wrong, the fix.
+class HFError : public std::runtime_error {
+ public:
+  using std::runtime_error::runtime_error;
+};
+
+// <dir>/config.json as a LlamaConfig (LlamaConfigError for a field the model cannot honour).
+LlamaConfig read_hf_config(const std::string& dir);
+
+// Fills `model`'s parameters (full tensors, or this rank's shards) from the folder's safetensors
+// files; each rank reads only the rows it holds, straight from the files, staging at most one
+// shard of one tensor. File dtypes (F32, BF16, F16) are converted to the parameters'. Ignored:
+// *.rotary_emb.inv_freq (derived from the config) and, with tied embeddings, lm_head.weight.
+// Everything is checked before any weight is copied, each failure one HFError line: no
+// safetensors weights (pytorch_model.bin is refused: pickle is not loaded), a bad header or a file
+// shorter than its header says, config.json not describing this model, missing or unexpected
+// keys (five named and the count), a shape that differs (key, expected, found), a non-float
+// dtype. Not collective (every rank calls it; none waits for another).
+void load_hf_weights(LlamaImpl& model, const std::string& dir);
+
+struct HFSaveOptions {
+  // Split into model-0000k-of-0000n.safetensors of at most this many bytes, listed by
+  // model.safetensors.index.json (transformers' save_pretrained default: 5 GB); one file,
+  // model.safetensors, when everything fits.
+  uint64_t max_shard_size = 5'000'000'000;
+  // The files' dtype: at::kFloat or at::kBFloat16 (config.json's torch_dtype says which).
+  at::ScalarType dtype = at::kFloat;
+  // A folder whose generation_config.json and tokenizer files (tokenizer.model, tokenizer.json,
+  // tokenizer_config.json, special_tokens_map.json), where present, are copied along; "" none.
+  std::string copy_from;
+};
+
+// Collective (every rank of the model's meshes calls it): config.json and the weights, written by
+// global rank 0 while the ranks gather one tensor at a time (no process holds the whole model);
+// every file carries __metadata__ {"format": "pt"}. Returns the files written (rank 0).
+std::vector<std::string> save_hf(LlamaImpl& model, const std::string& dir, const HFSaveOptions& options = {});
+
+}  // namespace fsdp::models

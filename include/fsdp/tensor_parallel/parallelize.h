@@ -84,8 +84,9 @@ struct PrepareModuleInput {
   std::vector<Layout> input_layouts;          // one per tensor argument, in order
   std::vector<Layout> desired_input_layouts;  // same count
 };
-// Example: tp::PrepareModuleOutput style{.output_layouts = {tp::Replicate()}, .desired_output_layouts =
-// {tp::Shard(1)}};
+// Example:
+//   tp::PrepareModuleOutput style{.output_layouts = {tp::Replicate()},
+//                                 .desired_output_layouts = {tp::Shard(1)}};
 struct PrepareModuleOutput {
   std::vector<Layout> output_layouts;          // one per output tensor, in order
   std::vector<Layout> desired_output_layouts;  // same count

@@ -194,7 +194,10 @@ class NoSyncGuard {
 //               it is refused, as in PyTorch.
 //   offload_to_cpu: named_parameters() gives CPU copies (the parameters are on the CPU already
 //               for CPU models); edits to them are written back.
-// Errors: nested over the same units, or during forward / between forward and backward.
+// Refused, in one line: nested over units an outer guard holds, created during forward (or with an
+// all-gather in flight), forward through the wrapper while it lives, writeback under mixed
+// precision (the full parameters are in param_dtype). A unit a forward left gathered (the root
+// until its backward) is read as it is and left gathered.
 class SummonFullParams {
  public:
   SummonFullParams(torch::nn::Module& module, bool writeback, bool rank0_only, bool offload_to_cpu);

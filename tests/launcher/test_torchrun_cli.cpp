@@ -1,13 +1,16 @@
 // fsdprun takes torchrun's command line as it is: underscore spellings, --no_python, and the
 // multi-node c10d form (--nnodes N --rdzv_backend c10d --rdzv_endpoint HOST:PORT --rdzv_id ID, the
 // identical command on every node, no --node_rank). The parser is tested directly; the c10d form
-// also end to end, two "nodes" on this machine (launcher_probe workers).
+// also end to end (launcher_probe workers): two agents on this machine, and two hosts made of
+// network namespaces (tests/multihost/netns_hosts.h), where only the endpoint's host may host.
 #include <gtest/gtest.h>
 
 #include <map>
 #include <set>
 #include <sstream>
+#include <thread>
 
+#include "netns_hosts.h"
 #include "options.h"
 #include "subprocess.h"
 
@@ -163,6 +166,62 @@ TEST(TorchrunCommandLine, IdenticalC10dCommandsFormOneJob) {
     }
   }
   EXPECT_EQ(ranks, (std::set<int>{0, 1, 2, 3}));
+}
+
+// Two hosts (network namespaces), the identical command on each: the host that owns the endpoint's
+// address hosts the store, the other, started first, only connects and becomes node 1.
+TEST(TorchrunCommandLine, IdenticalC10dCommandsOnTwoHosts) {
+  if (auto why = fsdp::testing::NetnsHosts::unavailable(); !why.empty()) GTEST_SKIP() << why;
+  fsdp::testing::NetnsHosts hosts(2);
+  const std::vector<std::string> argv = {FSDPRUN_PATH,
+                                         "--nnodes",
+                                         "2",
+                                         "--nproc_per_node",
+                                         "2",
+                                         "--rdzv_backend",
+                                         "c10d",
+                                         "--rdzv_endpoint",
+                                         hosts.addr(0) + ":29400",
+                                         "--rdzv_id",
+                                         "c10d-hosts",
+                                         "--rdzv_conf",
+                                         "join_timeout=60",
+                                         "--no_python",
+                                         PROBE_PATH,
+                                         "store"};
+  auto spec = [&](int k) {
+    auto s = hosts.spec(k, argv, 90s);
+    s.env_unset = {"RANK",
+                   "WORLD_SIZE",
+                   "LOCAL_RANK",
+                   "LOCAL_WORLD_SIZE",
+                   "MASTER_ADDR",
+                   "MASTER_PORT",
+                   "OMP_NUM_THREADS",
+                   "TORCHELASTIC_RESTART_COUNT",
+                   "TORCHELASTIC_USE_AGENT_STORE"};
+    return s;
+  };
+  Child second(spec(1));  // first: it must wait for the store, not host one of its own
+  std::this_thread::sleep_for(1s);
+  Child first(spec(0));
+  const auto r1 = second.wait();
+  const auto r0 = first.wait();
+  ASSERT_TRUE(r0.ok()) << r0.output;
+  ASSERT_TRUE(r1.ok()) << r1.output;
+  EXPECT_NE(r0.output.find("hosting the c10d rendezvous store at " + hosts.addr(0) + ":29400 as node 0"),
+            std::string::npos)
+      << r0.output;
+  EXPECT_NE(r1.output.find("joined the c10d rendezvous at " + hosts.addr(0) + ":29400 as node 1"), std::string::npos)
+      << r1.output;
+  EXPECT_EQ(by_rank(r0.output).begin()->first, 0);  // node 0 runs ranks 0-1, node 1 ranks 2-3
+  EXPECT_EQ(by_rank(r1.output).begin()->first, 2);
+  for (const auto* r : {&r0, &r1}) {
+    for (const auto& [rank, lines] : by_rank(r->output)) {
+      ASSERT_FALSE(lines.empty());
+      EXPECT_EQ(lines.back().rfind("OK rank=" + std::to_string(rank) + " world=4 port=29400", 0), 0u) << r->output;
+    }
+  }
 }
 
 }  // namespace

@@ -207,7 +207,8 @@ std::vector<std::string> save_hf(LlamaImpl& model, const std::string& dir, const
     // A previous export's shards would be read with the new index's names: start clean.
     for (const auto& entry : fs::directory_iterator(dir)) {
       const std::string name = entry.path().filename().string();
-      if ((name.rfind("model", 0) == 0 && ends_with(name, ".safetensors")) || name == "model.safetensors.index.json")
+      if (name == "model.safetensors" || name == "model.safetensors.index.json" ||
+          (name.rfind("model-", 0) == 0 && ends_with(name, ".safetensors")))
         fs::remove(entry.path());
     }
     const std::string config_path = (fs::path(dir) / "config.json").string();

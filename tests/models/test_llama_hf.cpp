@@ -1,7 +1,7 @@
 // The Llama family against transformers: folders made by scripts/make-hf-fixtures.py (random
 // LlamaForCausalLM / Qwen2ForCausalLM / MistralForCausalLM saved by transformers' save_pretrained,
 // with transformers' logits on fixed tokens) load into our model, unsharded and FSDP-sharded over
-// 2 ranks, and give the same logits within 1e-5 x max |theirs|; what we export loads back with the
+// 2 and 3 ranks, and give the same logits within 1e-5 x max |theirs|; what we export loads back with the
 // same logits (and, when FSDP_TEST_HF_PYTHON names a Python with transformers, in transformers);
 // config.json in both transformers spellings; every bad input is one line and leaves the model as
 // it was. No Python at test time otherwise: the fixtures are committed.
@@ -106,6 +106,8 @@ FSDP_RANK_WORKER(llama_logits_fsdp) {
 }
 
 TEST(LlamaHF, LogitsMatchTransformersFSDP2) { EXPECT_RANKS_PASS(2, "llama_logits_fsdp"); }
+// Uneven shards: 3 ranks split 32, 64 and 256 rows unevenly (the last rank holds fewer).
+TEST(LlamaHF, LogitsMatchTransformersFSDP3) { EXPECT_RANKS_PASS(3, "llama_logits_fsdp"); }
 
 // Sharded training still works on a loaded model (gradients reach every shard, the loss falls).
 FSDP_RANK_WORKER(llama_train_steps) {

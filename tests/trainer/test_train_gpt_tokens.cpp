@@ -127,4 +127,51 @@ TEST(TrainGptTokens, BadInputIsOneLineExitTwoAndNothingWritten) {
   }
 }
 
+// From text to a trained sample: fsdp-tokenize writes the shards (bytes, then a SentencePiece model
+// that Debian's spm_train makes here), train_gpt reads them with the vocabulary they record and
+// decodes its sample through --tokenizer: the prompt is the validation text's start.
+TEST(TrainGptTokens, ShardsFromFsdpTokenizeTrainAndSampleAsText) {
+  TempDir dir;
+  {
+    std::ofstream train(dir / "train.txt"), val(dir / "val.txt");
+    for (int i = 0; i < 300; ++i) train << "the quick brown fox " << i % 17 << " jumps over the lazy dog\n\n";
+    for (int i = 0; i < 40; ++i) val << "a lazy dog naps in the sun " << i << "\n\n";
+  }
+  auto tokenize = [&](const std::vector<std::string>& args) {
+    ProcessSpec spec = spec_of({}, 60s);
+    spec.argv = {FSDP_TOKENIZE_PATH};
+    spec.argv.insert(spec.argv.end(), args.begin(), args.end());
+    const auto r = run_process(spec);
+    EXPECT_TRUE(r.ok()) << r.output;
+  };
+  tokenize({"--out", dir / "b_train", dir / "train.txt"});
+  tokenize({"--out", dir / "b_val", dir / "val.txt"});
+  auto bytes = alone(tiny(dir / "b.jsonl", {"--data", "tokens:" + (dir / "b_*.bin"), "--sample-tokens", "8"}));
+  ASSERT_TRUE(bytes.ok()) << bytes.output;
+  EXPECT_NE(bytes.output.find("vocabulary 257 (recorded in the shards)"), std::string::npos) << bytes.output;
+  // The prompt: the separator (id 256) and the first 15 bytes of the validation text.
+  EXPECT_NE(bytes.output.find("<|endoftext|>a lazy dog naps|"), std::string::npos) << bytes.output;
+
+  std::string spm_train;  // on PATH (execve takes a path)
+  for (const char* d : {"/usr/bin", "/usr/local/bin", "/bin"}) {
+    if (fs::exists(std::string(d) + "/spm_train")) spm_train = std::string(d) + "/spm_train";
+  }
+  if (spm_train.empty()) GTEST_SKIP() << "spm_train (Debian's sentencepiece) is not installed";
+  ProcessSpec train_spm = spec_of({spm_train, "--input=" + (dir / "train.txt"), "--model_prefix=" + (dir / "m"),
+                                   "--vocab_size=64", "--model_type=bpe", "--minloglevel=2"},
+                                  60s);
+  const auto trained = run_process(train_spm);
+  ASSERT_TRUE(trained.ok()) << trained.output;
+  tokenize({"--tokenizer", dir / "m.model", "--out", dir / "s_train", dir / "train.txt"});
+  tokenize({"--tokenizer", dir / "m.model", "--out", dir / "s_val", dir / "val.txt"});
+  auto spm = alone(tiny(dir / "s.jsonl", {"--data", "tokens:" + (dir / "s_*.bin"), "--tokenizer", dir / "m.model",
+                                          "--sample-tokens", "8"}));
+  ASSERT_TRUE(spm.ok()) << spm.output;
+  EXPECT_NE(spm.output.find("vocabulary 64 (recorded in the shards); tokenizer " + (dir / "m.model")),
+            std::string::npos)
+      << spm.output;
+  EXPECT_NE(spm.output.find("---- sample (prompt|generated) ----\na lazy dog naps in the"), std::string::npos)
+      << spm.output;
+}
+
 }  // namespace

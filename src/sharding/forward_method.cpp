@@ -6,7 +6,9 @@
 namespace fsdp::detail {
 
 void reshard_subtree(torch::nn::Module& module) {
-  if (auto unit = fsdp_module(module)) unit->reshard();
+  auto unit = fsdp_module(module);
+  if (!unit) return;  // not a unit: its sharded children resharded themselves after their calls
+  unit->reshard();
   for (const auto& child : module.modules(/*include_self=*/false))
     if (auto unit = fsdp_module(*child)) unit->reshard();
 }

@@ -11,6 +11,7 @@
 #include <unordered_set>
 
 #include "fsdp/dist/runtime.h"
+#include "fsdp/hooks/forward_hooks.h"
 #include "fsdp/sharding/call.h"
 #include "fsdp_state.h"
 #include "registry.h"
@@ -18,16 +19,6 @@
 namespace fsdp {
 
 namespace detail {
-
-FSDPState* find_state(const torch::nn::Module* module) { return lookup_state(module).get(); }
-
-std::vector<at::Tensor> pre_forward(FSDPState* state, std::vector<at::Tensor> tensor_args) {
-  return state->pre_forward(std::move(tensor_args));
-}
-
-void post_forward(FSDPState* state, std::vector<at::Tensor>& outputs) { state->post_forward(outputs); }
-
-void abort_forward(FSDPState* state) noexcept { state->abort_forward(); }
 
 namespace {
 
@@ -262,12 +253,27 @@ std::unique_ptr<FSDPParamGroup> build_param_group(ManagedParams& managed, const 
   return std::make_unique<FSDPParamGroup>(std::move(params), mesh);
 }
 
-// Step 7: the state that fsdp::call finds for each module.
+// Step 7: the state of the modules, and the forward hooks through which fsdp::call runs it
+// (fsdp/hooks/forward_hooks.h: after tensor parallel's, whatever order the two were applied in).
 FSDPModule register_fsdp_state(const std::vector<std::shared_ptr<torch::nn::Module>>& modules,
                                std::unique_ptr<FSDPParamGroup> group, std::optional<bool> reshard_after_forward,
                                const MixedPrecisionPolicy& mp_policy) {
   auto state = std::make_shared<FSDPState>(modules, std::move(group), reshard_after_forward, mp_policy);
   register_state(modules, state);
+  const std::weak_ptr<FSDPState> weak = state;  // the registry owns the state, the hooks must not
+  hooks::ForwardHooks h;
+  h.order = hooks::HookOrder::kSharding;
+  h.pre = [weak](std::vector<at::Tensor> args) {
+    auto s = weak.lock();
+    return s ? s->pre_forward(std::move(args)) : args;
+  };
+  h.post = [weak](std::vector<at::Tensor>& outputs) {
+    if (auto s = weak.lock()) s->post_forward(outputs);
+  };
+  h.abort = [weak]() noexcept {
+    if (auto s = weak.lock()) s->abort_forward();
+  };
+  for (const auto& m : modules) hooks::register_forward_hooks(m, h);
   return FSDPModule(state);
 }
 

@@ -14,8 +14,8 @@
 #include <unordered_map>
 
 #include "comm_handle.h"
+#include "fsdp/hooks/forward_hooks.h"
 #include "fsdp/tensor_parallel/comm_functions.h"
-#include "fsdp/tensor_parallel/hooks.h"
 
 namespace fsdp::tp {
 
@@ -57,7 +57,6 @@ std::optional<KindInfo> kind_of(const torch::nn::Module& m) {
 namespace {
 
 using detail::KindInfo;
-using detail::ModuleHooks;
 using detail::ModuleKind;
 
 const char* style_name(const ParallelStyle& s) {
@@ -268,13 +267,14 @@ void validate(const Target& t, const DeviceMesh& mesh) {
 void apply(const Target& t, const DeviceMesh& mesh) {
   auto comm = mesh.comm(0);
   torch::nn::Module* m = t.module.get();
-  ModuleHooks hooks;
+  fsdp::hooks::ForwardHooks hooks;
+  hooks.order = fsdp::hooks::HookOrder::kTensorParallel;
   if (const auto* c = std::get_if<ColwiseParallel>(t.style)) {
     const Layout in = c->input_layouts.value_or(Replicate()), out = c->output_layouts.value_or(Shard(-1));
     if (t.kind->kind == ModuleKind::Linear) {
       shard_in_place(own_param(*m, "weight"), 0, mesh, c->fused);
       if (at::Tensor b = own_param(*m, "bias"); b.defined()) shard_in_place(b, 0, mesh, c->fused);
-      hooks.input = [in, comm](std::vector<at::Tensor> args) {
+      hooks.pre = [in, comm](std::vector<at::Tensor> args) {
         if (!args.empty())
           args[0] = in.is_shard() ? gather_along_dim(args[0], in.dim, comm) : copy_to_tp_region(args[0], comm);
         return args;
@@ -283,7 +283,7 @@ void apply(const Target& t, const DeviceMesh& mesh) {
       shard_in_place(own_param(*m, "weight"), 1, mesh);
     }
     if (!out.is_shard()) {
-      hooks.output = [comm](std::vector<at::Tensor>& outs) {
+      hooks.post = [comm](std::vector<at::Tensor>& outs) {
         for (auto& o : outs) o = gather_replicated_along_dim(o, -1, comm);
       };
     }
@@ -296,7 +296,7 @@ void apply(const Target& t, const DeviceMesh& mesh) {
       const Layout in = r->input_layouts.value_or(Shard(-1));
       shard_in_place(own_param(*m, "weight"), 1, mesh);
       if (!in.is_shard()) {
-        hooks.input = [comm](std::vector<at::Tensor> args) {
+        hooks.pre = [comm](std::vector<at::Tensor> args) {
           if (!args.empty()) args[0] = split_along_dim(args[0], -1, comm);
           return args;
         };
@@ -306,7 +306,7 @@ void apply(const Target& t, const DeviceMesh& mesh) {
       // its part of the sequence only, so the added bias goes through copy_to_tp_region (its
       // gradient is all-reduced); with a replicated output that gradient is already whole.
       auto bias_of = t.kind->bias;
-      hooks.output = [m, bias_of, reduce, out, comm](std::vector<at::Tensor>& outs) {
+      hooks.post = [m, bias_of, reduce, out, comm](std::vector<at::Tensor>& outs) {
         at::Tensor b = bias_of(*m);
         for (auto& y : outs) {
           if (!b.defined()) {
@@ -323,7 +323,7 @@ void apply(const Target& t, const DeviceMesh& mesh) {
       // Ids outside this rank's vocabulary slice look up row 0 and are zeroed after the lookup;
       // the sum over the ranks then holds every id's row exactly once (PyTorch's MaskPartial).
       auto masks = std::make_shared<std::vector<at::Tensor>>();
-      hooks.input = [masks, rows, first](std::vector<at::Tensor> args) {
+      hooks.pre = [masks, rows, first](std::vector<at::Tensor> args) {
         if (args.empty()) return args;
         at::Tensor ids = args[0];
         at::Tensor outside = (ids < first).logical_or(ids >= first + rows);
@@ -331,7 +331,7 @@ void apply(const Target& t, const DeviceMesh& mesh) {
         args[0] = (ids - first).masked_fill(outside, 0);
         return args;
       };
-      hooks.output = [masks, reduce](std::vector<at::Tensor>& outs) {
+      hooks.post = [masks, reduce](std::vector<at::Tensor>& outs) {
         if (masks->empty()) return;
         at::Tensor outside = masks->back();
         masks->pop_back();
@@ -344,12 +344,12 @@ void apply(const Target& t, const DeviceMesh& mesh) {
     grads->params = m->parameters(/*recurse=*/true);
     grads->nodes.resize(grads->params.size());
     grads->hooked.resize(grads->params.size(), nullptr);
-    hooks.output = [grads](std::vector<at::Tensor>&) { grads->install(); };
+    hooks.post = [grads](std::vector<at::Tensor>&) { grads->install(); };
     hooks.keep_alive = grads;
   } else if (const auto* pi = std::get_if<PrepareModuleInput>(t.style)) {
     const auto from = pi->input_layouts, to = pi->desired_input_layouts;
     const std::string fqn = t.fqn;
-    hooks.input = [from, to, comm, fqn](std::vector<at::Tensor> args) {
+    hooks.pre = [from, to, comm, fqn](std::vector<at::Tensor> args) {
       if (args.size() != from.size()) {
         throw std::invalid_argument("fsdp::tp::PrepareModuleInput: module " + in_quotes(fqn) + " was called with " +
                                     std::to_string(args.size()) + " tensor arguments but its plan gives " +
@@ -361,7 +361,7 @@ void apply(const Target& t, const DeviceMesh& mesh) {
   } else if (const auto* po = std::get_if<PrepareModuleOutput>(t.style)) {
     const auto from = po->output_layouts, to = po->desired_output_layouts;
     const std::string fqn = t.fqn;
-    hooks.output = [from, to, comm, fqn](std::vector<at::Tensor>& outs) {
+    hooks.post = [from, to, comm, fqn](std::vector<at::Tensor>& outs) {
       if (outs.size() != from.size()) {
         throw std::invalid_argument("fsdp::tp::PrepareModuleOutput: module " + in_quotes(fqn) + " returned " +
                                     std::to_string(outs.size()) + " tensors but its plan gives " +
@@ -370,7 +370,7 @@ void apply(const Target& t, const DeviceMesh& mesh) {
       for (size_t i = 0; i < outs.size(); ++i) outs[i] = convert(outs[i], from[i], to[i], comm);
     };
   }
-  detail::add_module_hooks(t.module, std::move(hooks));
+  fsdp::hooks::register_forward_hooks(t.module, std::move(hooks));
 }
 
 }  // namespace

@@ -173,8 +173,40 @@ FSDP_RANK_WORKER(mesh_slicing) {
   TORCH_CHECK(cube["tp"].comm()->global_ranks() == (std::vector<int>{me / 2 * 2, me / 2 * 2 + 1}));
 }
 
+// Tensor parallel's hooks run under fsdp::call_method as under fsdp::call (one hook mechanism,
+// fsdp/hooks/forward_hooks.h): a column-wise Linear with a replicated output, called through a
+// method, returns the whole output, equal to the unsharded Linear's.
+struct HolderImpl : torch::nn::Module {
+  HolderImpl() : lin(register_module("lin", torch::nn::Linear(6, 8))) {}
+  torch::nn::Linear lin;
+};
+TORCH_MODULE(Holder);
+
+FSDP_RANK_WORKER(hooks_under_call_method) {
+  auto mesh = fsdp::init_device_mesh({fsdp::dist::world_size()}, {"tp"});
+  torch::manual_seed(3);
+  Holder m;
+  torch::nn::Linear reference(6, 8);
+  {
+    torch::NoGradGuard no_grad;
+    reference->weight.copy_(m->lin->weight);
+    reference->bias.copy_(m->lin->bias);
+  }
+  tp::parallelize_module(m, mesh, {{"lin", tp::ColwiseParallel{.output_layouts = tp::Replicate()}}});
+  const at::Tensor x = at::randn({3, 6}, at::detail::createCPUGenerator(4));
+  const at::Tensor want = reference(x);
+  const at::Tensor via_call = fsdp::call(m->lin, x);
+  const at::Tensor via_method = fsdp::call_method(m->lin, &torch::nn::LinearImpl::forward, x);
+  TORCH_CHECK(via_call.sizes() == want.sizes(), "fsdp::call gave ", via_call.sizes(), ", want ", want.sizes());
+  TORCH_CHECK(via_method.sizes() == want.sizes(), "fsdp::call_method skipped the TP hooks: ", via_method.sizes(),
+              " (the local shard), want ", want.sizes());
+  TORCH_CHECK(at::allclose(via_method, want, 1e-5, 1e-6), "call_method's output differs from the unsharded Linear");
+  TORCH_CHECK(at::allclose(via_call, want, 1e-5, 1e-6), "call's output differs from the unsharded Linear");
+}
+
 }  // namespace
 
 TEST(TensorParallelUnits, LossParallelEqualsGatheredCrossEntropy) { EXPECT_RANKS_PASS(2, "loss_parallel_matches"); }
 TEST(TensorParallelUnits, RefusedPlansNameTheProblemAndChangeNothing) { EXPECT_RANKS_PASS(2, "plan_errors"); }
 TEST(TensorParallelUnits, MeshSlicingFlatteningAndThreeDims) { EXPECT_RANKS_PASS(4, "mesh_slicing"); }
+TEST(TensorParallelUnits, HooksRunUnderCallMethod) { EXPECT_RANKS_PASS(2, "hooks_under_call_method"); }

@@ -1,16 +1,20 @@
 #pragma once
 // fsdp::call(unit, args...): the C++ form of FSDP2's "call the module, not module.forward".
 //
-// LibTorch modules have no forward hooks, so the FSDP logic around a sharded unit's forward runs
-// here: pre-forward (lazy root init, all-gather and wait, prefetch of the next unit, hooks that
-// run the reduce-scatter after this unit's backward) and post-forward (reshard, hooks that re-
-// gather before backward). For a module that is not sharded it is exactly module->forward(args...).
-// Tensor-parallel styles (fsdp/tensor_parallel) run their input/output communication here too.
+// LibTorch modules have no forward hooks, so what PyTorch runs in hooks around a module's forward
+// runs here, from the module-hook registry (see [Note: one hook mechanism for fsdp::call] in
+// fsdp/hooks/forward_hooks.h): tensor parallel's input/output collectives, FSDP's pre-forward
+// (lazy root init, all-gather and wait, prefetch of the next unit, hooks that run the
+// reduce-scatter after this unit's backward) and post-forward (reshard, hooks that re-gather
+// before backward). For a module without hooks it is exactly module->forward(args...).
 //
 // A module may carry a call wrapper (activation checkpointing registers one, see
-// fsdp/activation/checkpoint.h): fsdp::call then hands the whole call (FSDP hooks and forward),
-// as a function of its tensor arguments, to the wrapper, which may run it again later (the
-// recompute during backward). Non-tensor arguments are copied for that.
+// fsdp/activation/checkpoint.h): fsdp::call then hands the whole call (hooks and forward), as a
+// function of its tensor arguments, to the wrapper, which may run it again later (the recompute
+// during backward). Non-tensor arguments are copied for that.
+//
+// Example:
+//   at::Tensor logits = fsdp::call(model, tokens);  // model->forward(tokens) between its hooks
 #include <torch/nn/module.h>
 
 #include <functional>
@@ -22,27 +26,14 @@
 #include <utility>
 #include <vector>
 
-#include "fsdp/tensor_parallel/hooks.h"
+#include "fsdp/hooks/forward_hooks.h"
 
 namespace fsdp {
 
 namespace detail {
-class FSDPState;
-FSDPState* find_state(const torch::nn::Module* module);
-// Runs pre-forward; returns the tensor arguments to use instead (same order).
-std::vector<at::Tensor> pre_forward(FSDPState* state, std::vector<at::Tensor> tensor_args);
-// Runs post-forward on the output tensors (in place: hooks are registered on them).
-void post_forward(FSDPState* state, std::vector<at::Tensor>& outputs);
-// post_forward's counterpart when forward threw: leaves the unit in a state a retry can use.
-void abort_forward(FSDPState* state) noexcept;
 
-// The call wrapper interface (sharding knows nothing of what a wrapper does).
-using TensorFn = std::function<std::vector<at::Tensor>(const std::vector<at::Tensor>&)>;
-using CallWrapper = std::function<std::vector<at::Tensor>(const TensorFn& call, const std::vector<at::Tensor>& inputs)>;
-// Registers (or, with an empty wrapper, removes) `module`'s wrapper; kept while the module lives.
-void set_call_wrapper(const std::shared_ptr<torch::nn::Module>& module, CallWrapper wrapper);
-// The wrapper of `module`, or null. The pointer stays valid until the entry is replaced.
-std::shared_ptr<const CallWrapper> find_call_wrapper(const torch::nn::Module* module);
+using hooks::CallWrapper;
+using hooks::TensorFn;
 
 // Activation checkpointing's recompute (set by the activation layer while a checkpointed function
 // runs again during backward): sharded units entered meanwhile behave as in backward (no forward
@@ -93,39 +84,42 @@ void collect_outputs(std::tuple<Ts...>& tuple, std::vector<at::Tensor*>& out) {
 template <typename T>
 void collect_outputs(T&, std::vector<at::Tensor*>&) {}  // not a tensor: nothing to hook
 
-// fsdp::call without the module's call wrapper: tensor-parallel input transforms, FSDP's
-// pre-forward, forward, tensor-parallel output transforms, FSDP's post-forward (see [Note: TP
-// communication through fsdp::call] in fsdp/tensor_parallel/hooks.h).
-template <typename M, typename... Args>
-auto call_unwrapped(M& module, Args&&... args) {
-  torch::nn::Module* ptr = detail::module_pointer(module);
-  detail::FSDPState* state = detail::find_state(ptr);
-  auto tp_hooks = tp::detail::find_module_hooks(ptr);
-  if (state == nullptr && tp_hooks == nullptr) return module->forward(std::forward<Args>(args)...);
+// fn(args...) between `module`'s forward hooks: the pre hooks on the tensor arguments, fn with
+// the tensors they returned, the post hooks on the output tensors (abort on a throw). The one body
+// of fsdp::call (fn: forward) and fsdp::call_method (fn: another method).
+template <typename Fn, typename... Args>
+auto call_with_hooks(const torch::nn::Module* module, Fn&& fn, Args&&... args) {
+  auto hooks = hooks::find_forward_hooks(module);
+  if (hooks == nullptr || hooks->empty()) return fn(std::forward<Args>(args)...);
 
   std::vector<at::Tensor> tensors;
   (detail::collect_tensor(args, tensors), ...);
-  if (tp_hooks) tensors = tp::detail::run_input_hooks(*tp_hooks, std::move(tensors));
-  if (state) tensors = detail::pre_forward(state, std::move(tensors));
+  tensors = hooks::detail::run_pre(*hooks, std::move(tensors));
   auto next = tensors.begin();
   // Braced initialisation evaluates left to right, so tensors are substituted in order.
   std::tuple<decltype(detail::substitute(std::forward<Args>(args), next))...> forwarded{
       detail::substitute(std::forward<Args>(args), next)...};
   try {
-    auto output =
-        std::apply([&](auto&&... a) { return module->forward(std::forward<decltype(a)>(a)...); }, std::move(forwarded));
+    auto output = std::apply([&](auto&&... a) { return fn(std::forward<decltype(a)>(a)...); }, std::move(forwarded));
     std::vector<at::Tensor*> outputs;
     detail::collect_outputs(output, outputs);
     std::vector<at::Tensor> out_tensors;
     for (auto* t : outputs) out_tensors.push_back(*t);
-    if (tp_hooks) tp::detail::run_output_hooks(*tp_hooks, out_tensors);
-    if (state) detail::post_forward(state, out_tensors);
+    hooks::detail::run_post(*hooks, out_tensors);
     for (size_t i = 0; i < outputs.size(); ++i) *outputs[i] = out_tensors[i];
     return output;
   } catch (...) {
-    if (state) detail::abort_forward(state);
+    hooks::detail::run_abort(*hooks);
     throw;
   }
+}
+
+// fsdp::call without the module's call wrapper.
+template <typename M, typename... Args>
+auto call_unwrapped(M& module, Args&&... args) {
+  return call_with_hooks(
+      detail::module_pointer(module),
+      [&module](auto&&... a) { return module->forward(std::forward<decltype(a)>(a)...); }, std::forward<Args>(args)...);
 }
 
 // Copies of `args` (tensors among them replaced by `tensors`, in order) applied to `fn`.
@@ -177,7 +171,7 @@ auto call_through(const CallWrapper& wrapper, Fn fn, Args&&... args) {
 
 template <typename M, typename... Args>
 auto call(M& module, Args&&... args) {
-  if (auto wrapper = detail::find_call_wrapper(detail::module_pointer(module))) {
+  if (auto wrapper = hooks::find_call_wrapper(detail::module_pointer(module))) {
     std::decay_t<M> handle = module;  // a holder or pointer: the wrapper may call again in backward
     return detail::call_through(
         *wrapper,

@@ -16,9 +16,11 @@
 // gradients through it are reduce-scattered as after forward. Sharded submodules the method
 // enters through fsdp::call gather and reshard themselves as usual. Under no-grad (sampling,
 // evaluation: no backward follows to reshard what forward kept) the unit and every sharded unit
-// inside it are resharded when the method returns, so parameters are back to shards. For a module
-// that is not sharded it is exactly (module.get()->*method)(args...). A call wrapper (activation
-// checkpointing) applies to fsdp::call only, not to methods.
+// inside it are resharded when the method returns, so parameters are back to shards. Tensor
+// parallel's input/output hooks run around the method too (the same body as fsdp::call, see
+// fsdp/hooks/forward_hooks.h). For a module without hooks it is exactly
+// (module.get()->*method)(args...). A call wrapper (activation checkpointing) applies to
+// fsdp::call only, not to methods.
 #include <ATen/core/grad_mode.h>
 
 #include <utility>
@@ -28,7 +30,8 @@
 namespace fsdp {
 
 namespace detail {
-// Reshards the unit of `module` and every sharded unit below it (no-grad forward methods).
+// Reshards the unit of `module` and every sharded unit below it (no-grad forward methods); nothing
+// when `module` is not a unit.
 void reshard_subtree(torch::nn::Module& module);
 }  // namespace detail
 
@@ -41,31 +44,12 @@ auto call_method(M& module, Method method, Args&&... args) {
     else
       return module.get();
   }();
-  detail::FSDPState* state = detail::find_state(base);
-  if (state == nullptr) return (self->*method)(std::forward<Args>(args)...);
-
-  std::vector<at::Tensor> tensors;
-  (detail::collect_tensor(args, tensors), ...);
-  tensors = detail::pre_forward(state, std::move(tensors));
-  auto next = tensors.begin();
-  // Braced initialisation evaluates left to right, so tensors are substituted in order.
-  std::tuple<decltype(detail::substitute(std::forward<Args>(args), next))...> forwarded{
-      detail::substitute(std::forward<Args>(args), next)...};
-  try {
-    auto output =
-        std::apply([&](auto&&... a) { return (self->*method)(std::forward<decltype(a)>(a)...); }, std::move(forwarded));
-    std::vector<at::Tensor*> outputs;
-    detail::collect_outputs(output, outputs);
-    std::vector<at::Tensor> out_tensors;
-    for (auto* t : outputs) out_tensors.push_back(*t);
-    detail::post_forward(state, out_tensors);
-    for (size_t i = 0; i < outputs.size(); ++i) *outputs[i] = out_tensors[i];
-    if (!at::GradMode::is_enabled()) detail::reshard_subtree(*base);
-    return output;
-  } catch (...) {
-    detail::abort_forward(state);
-    throw;
-  }
+  // The body of fsdp::call: every forward hook (FSDP's, tensor parallel's) runs around the method.
+  auto output = detail::call_with_hooks(
+      base, [self, method](auto&&... a) { return (self->*method)(std::forward<decltype(a)>(a)...); },
+      std::forward<Args>(args)...);
+  if (!at::GradMode::is_enabled()) detail::reshard_subtree(*base);
+  return output;
 }
 
 // A callable that runs `method` of `module` through call_method (it holds the module handle).

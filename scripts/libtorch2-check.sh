@@ -39,7 +39,7 @@ if [ "$FLAVOUR" = cpu ]; then
   SUITE=sid
   COMPONENTS="main"
   PACKAGES=(libtorch-dev libgloo-dev libopenblas0-pthread cmake ninja-build g++ ccache libgtest-dev
-            nlohmann-json3-dev zlib1g-dev libcli11-dev libsentencepiece-dev sentencepiece)
+            nlohmann-json3-dev zlib1g-dev libcli11-dev libsentencepiece-dev libabsl-dev sentencepiece)
   BUILD=/build-torch2
 else
   CHROOT="${FSDP_CUDA_CHROOT:-/var/cache/fsdp/chroot-cuda}"
@@ -48,7 +48,7 @@ else
   # which Caffe2's CMake config looks for) is in non-free. libgloo-dev conflicts with the CUDA Gloo.
   COMPONENTS="main contrib non-free"
   PACKAGES=(libtorch-cuda-dev libgloo-cuda-dev libnccl-dev nvidia-cuda-toolkit cmake ninja-build g++ ccache libgtest-dev
-            nlohmann-json3-dev zlib1g-dev libcli11-dev libsentencepiece-dev)
+            nlohmann-json3-dev zlib1g-dev libcli11-dev libsentencepiece-dev libabsl-dev)
   BUILD=/build-torch2-cuda
   # No cuDNN (see the stub below): executables link with its symbols unresolved; nothing runs.
   CMAKE_ARGS+=" -DCMAKE_EXE_LINKER_FLAGS=-Wl,--allow-shlib-undefined"

@@ -158,7 +158,7 @@ TEST(TrainGptTokens, ShardsFromFsdpTokenizeTrainAndSampleAsText) {
   }
   if (spm_train.empty()) GTEST_SKIP() << "spm_train (Debian's sentencepiece) is not installed";
   ProcessSpec train_spm = spec_of({spm_train, "--input=" + (dir / "train.txt"), "--model_prefix=" + (dir / "m"),
-                                   "--vocab_size=64", "--model_type=bpe", "--minloglevel=2"},
+                                   "--vocab_size=64", "--model_type=bpe"},
                                   60s);
   const auto trained = run_process(train_spm);
   ASSERT_TRUE(trained.ok()) << trained.output;

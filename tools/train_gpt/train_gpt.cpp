@@ -190,7 +190,7 @@ Model build_model_meta(const Run& run, const std::function<void(const Shapes&)>&
   }
   fsdp::to_empty(*m.gpt, run.device);  // this rank's shards only
   m.gpt->reset_parameters();           // fsdp::init: same values for any world size
-  if (run.distributed() && !run.sharded() && !run.tp_mesh) m.ddp = fsdp::replicate(m.gpt);  // whole model per rank
+  if (run.distributed() && !run.sharded()) m.ddp = fsdp::replicate(m.gpt);  // replicate: whole model per rank
   return m;
 }
 
@@ -230,10 +230,10 @@ StepResult train_step(const Run& run, Model& m, torch::optim::Optimizer& opt, co
     r.local_loss += loss.item<double>();
   }
   const double max_norm = o.clip > 0 ? o.clip : std::numeric_limits<double>::infinity();
-  // Sharded (FSDP or TP): the norm over every rank's shards. Replicated or one process: the
-  // gradients are whole (and, replicated, already averaged, so equal on every rank).
-  r.grad_norm = run.sharded() || run.tp_mesh ? fsdp::clip_grad_norm_(m.gpt->parameters(), max_norm)
-                                             : torch::nn::utils::clip_grad_norm_(m.gpt->parameters(), max_norm);
+  // Sharded (FSDP, with or without TP): the norm over every rank's shards. Replicated or one
+  // process: the gradients are whole (and, replicated, already averaged, so equal on every rank).
+  r.grad_norm = run.sharded() ? fsdp::clip_grad_norm_(m.gpt->parameters(), max_norm)
+                              : torch::nn::utils::clip_grad_norm_(m.gpt->parameters(), max_norm);
   opt.step();
   return r;
 }

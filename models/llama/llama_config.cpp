@@ -32,27 +32,28 @@ struct Fields {
     if (it == obj.end() || it->is_null()) return nullptr;
     return &*it;
   }
-  int64_t integer(const std::string& field, std::optional<int64_t> fallback, const json* obj = nullptr,
-                  const std::string& prefix = "") {
+  // `field` of `obj` (the root when null) as T, checked by `is_kind`; `fallback` when absent.
+  template <typename T, typename IsKind>
+  T typed(const std::string& field, std::optional<T> fallback, const json* obj, const std::string& prefix,
+          IsKind is_kind, const char* kind) {
     const std::string label = prefix + field;
     const json* v = get(obj ? *obj : root, field);
     if (!v) {
       if (!fallback) fail(label, "missing (required)");
       return *fallback;
     }
-    if (!v->is_number_integer()) fail(label, std::string("expected an integer, got ") + v->dump());
-    return v->get<int64_t>();
+    if (!is_kind(*v)) fail(label, std::string("expected ") + kind + ", got " + v->dump());
+    return v->get<T>();
+  }
+  int64_t integer(const std::string& field, std::optional<int64_t> fallback, const json* obj = nullptr,
+                  const std::string& prefix = "") {
+    return typed<int64_t>(
+        field, fallback, obj, prefix, [](const json& v) { return v.is_number_integer(); }, "an integer");
   }
   double number(const std::string& field, std::optional<double> fallback, const json* obj = nullptr,
                 const std::string& prefix = "") {
-    const std::string label = prefix + field;
-    const json* v = get(obj ? *obj : root, field);
-    if (!v) {
-      if (!fallback) fail(label, "missing (required)");
-      return *fallback;
-    }
-    if (!v->is_number()) fail(label, std::string("expected a number, got ") + v->dump());
-    return v->get<double>();
+    return typed<double>(
+        field, fallback, obj, prefix, [](const json& v) { return v.is_number(); }, "a number");
   }
   bool boolean(const std::string& field, bool fallback) {
     const json* v = get(root, field);

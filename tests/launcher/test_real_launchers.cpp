@@ -66,8 +66,6 @@ std::string find_open_mpi(std::string& why) {
   return "";
 }
 
-}  // namespace
-
 // `mpirun -np 2 train_gpt ...` trains one job of two ranks (not two jobs of one) with fsdprun's
 // losses.
 TEST(Mpirun, TrainsWithFsdprunsLosses) {
@@ -111,30 +109,144 @@ TEST(Mpirun, UnknownLauncherIsRefusedNotTrainedAlone) {
   EXPECT_FALSE(fs::exists(dir / "m.jsonl"));
 }
 
-// `torchrun --no_python --nproc_per_node 2 train_gpt ...` (torchrun 2.x: its agent hosts the store,
-// TORCHELASTIC_USE_AGENT_STORE=True) gives fsdprun's losses.
-TEST(Torchrun, TrainsWithFsdprunsLosses) {
+// scripts/libtorch2-check.sh sets FSDP_REQUIRE_PYTHON_CHECKS=1 where it installs python3-torch:
+// there a torchrun test that cannot run fails instead of skipping.
+bool python_checks_required() {
+  const char* v = std::getenv("FSDP_REQUIRE_PYTHON_CHECKS");
+  return v != nullptr && std::string(v) == "1";
+}
+
+// torchrun 2.x as a command line (argv[0..]), or empty with the reason in `why`. Debian's
+// python3-torch is built without libuv and its torchrun asks TCPStore for libuv regardless of
+// USE_LIBUV, so plain `torchrun` dies there before any worker starts; torchrun_without_libuv.py
+// then starts torchrun's own main() with TCPStore's use_libuv off (`--check` says which is needed).
+std::vector<std::string> find_torchrun(std::string& why) {
   const std::string torchrun = on_path("torchrun");
-  if (torchrun.empty()) GTEST_SKIP() << "torchrun is not on PATH (python3-torch 2.x provides it)";
+  const std::string python = on_path("python3");
+  if (torchrun.empty() || python.empty()) {
+    why = "torchrun is not on PATH (python3-torch 2.x provides it)";
+    return {};
+  }
   // Debian 12's torchrun (1.13) fails on Python 3.11 before any worker starts: not a test of ours.
-  const auto version =
-      run_process(scrubbed({on_path("python3"), "-c",
-                            "import torch, sys; print(torch.__version__); sys.exit(int(torch.__version__[0]) < 2)"},
-                           60s));
-  if (!version.ok()) GTEST_SKIP() << "torchrun's torch is not 2.x: " << version.output;
+  const auto version = run_process(scrubbed(
+      {python, "-c", "import torch, sys; print(torch.__version__); sys.exit(int(torch.__version__[0]) < 2)"}, 60s));
+  if (!version.ok()) {
+    why = "torchrun's torch is not 2.x: " + version.output;
+    return {};
+  }
+  const auto check = run_process(scrubbed({python, TORCHRUN_WITHOUT_LIBUV, "--check"}, 60s));
+  if (check.exit_code == 0) return {torchrun};
+  if (check.exit_code == 3) {
+    std::printf(
+        "torchrun: this PyTorch is built without libuv; starting torchrun's main() with "
+        "TCPStore(use_libuv=False) (tests/launcher/torchrun_without_libuv.py)\n");
+    return {python, TORCHRUN_WITHOUT_LIBUV};
+  }
+  why = "torchrun_without_libuv.py --check failed: " + check.output;
+  return {};
+}
+
+}  // namespace
+
+// `torchrun --no_python --nproc_per_node 2 train_gpt ...` (torchrun 2.x: its agent hosts the store,
+// TORCHELASTIC_USE_AGENT_STORE=True, the workers are its clients) gives fsdprun's losses.
+TEST(Torchrun, TrainsWithFsdprunsLosses) {
+  std::string why;
+  std::vector<std::string> argv = find_torchrun(why);
+  if (argv.empty() && python_checks_required()) FAIL() << why << " (FSDP_REQUIRE_PYTHON_CHECKS=1: must run here)";
+  if (argv.empty()) GTEST_SKIP() << why;
   TempDir dir;
   const auto ref = ranks(2, tiny(dir / "fsdprun.jsonl"));
   ASSERT_TRUE(ref.ok()) << ref.output;
-  std::vector<std::string> argv = {torchrun, "--no_python",   "--nproc_per_node",
-                                   "2",      "--master_port", std::to_string(fsdp::testing::pick_free_port()),
-                                   kTrainGpt};
+  for (std::string a : {"--no_python", "--nproc_per_node", "2", "--master_port"}) argv.push_back(a);
+  argv.push_back(std::to_string(fsdp::testing::pick_free_port()));
+  argv.push_back(kTrainGpt);
   const auto args = tiny(dir / "torchrun.jsonl");
   argv.insert(argv.end(), args.begin(), args.end());
   const auto r = run_process(scrubbed(argv, 180s));
   ASSERT_TRUE(r.ok()) << r.output;
   EXPECT_EQ(count(r.output, "fsdp: launcher torchrun"), 1u) << r.output;
   EXPECT_NE(r.output.find("the launcher's store under /worker/attempt_0"), std::string::npos) << r.output;
-  expect_close(losses(dir / "torchrun.jsonl"), losses(dir / "fsdprun.jsonl"), 1e-5);
+  const auto got = losses(dir / "torchrun.jsonl");
+  EXPECT_EQ(got.size(), 6u);
+  expect_close(got, losses(dir / "fsdprun.jsonl"), 1e-5);
+}
+
+// `torchrun --max_restarts 1`: rank 1 SIGKILLs itself before step 4 (train_gpt's test hook,
+// first attempt only); torchrun's agent stops rank 0 and starts attempt 1, whose workers join the
+// agent's store under /worker/attempt_1, resume from step_000002 and end bit for bit where an
+// uninterrupted run ends (losses, parameters and optimizer state).
+TEST(Torchrun, RestartResumesFromTheLastCheckpoint) {
+  std::string why;
+  std::vector<std::string> argv = find_torchrun(why);
+  if (argv.empty() && python_checks_required()) FAIL() << why << " (FSDP_REQUIRE_PYTHON_CHECKS=1: must run here)";
+  if (argv.empty()) GTEST_SKIP() << why;
+  TempDir dir;
+  const auto ckpt = [&](const std::string& name, std::vector<std::string> extra) {
+    return tiny(dir / (name + ".jsonl"), apply({"--checkpoint-dir", dir / name, "--checkpoint-every", "2"}, extra));
+  };
+  const auto a = ranks(2, ckpt("a", {}));
+  ASSERT_TRUE(a.ok()) << a.output;
+  for (std::string s :
+       {"--no_python", "--nproc_per_node", "2", "--max_restarts", "1", "--monitor_interval", "0.1", "--master_port"})
+    argv.push_back(s);
+  argv.push_back(std::to_string(fsdp::testing::pick_free_port()));
+  argv.push_back(kTrainGpt);
+  const auto args = ckpt("b", {"--resume"});
+  argv.insert(argv.end(), args.begin(), args.end());
+  auto spec = scrubbed(argv, 240s);
+  spec.env_set["FSDP_TEST_KILL_AT_STEP"] = "3";
+  const auto t0 = std::chrono::steady_clock::now();
+  const auto b = run_process(spec);
+  std::printf("torchrun with a restart: %.1f s\n",
+              std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
+  ASSERT_TRUE(b.ok()) << b.output;
+  EXPECT_NE(b.output.find("rank 1 kills itself"), std::string::npos) << b.output;
+  EXPECT_NE(b.output.find("the launcher's store under /worker/attempt_1"), std::string::npos) << b.output;
+  EXPECT_NE(b.output.find("resumed " + (dir / "b") + "/step_000002 at step 2"), std::string::npos) << b.output;
+  EXPECT_EQ(losses(dir / "b.jsonl"), losses(dir / "a.jsonl"));
+  expect_same_checkpoint_tensors(fs::path(dir / "a") / "step_000006", fs::path(dir / "b") / "step_000006");
+}
+
+// torchrun's multi-node form, two agents on this machine (nodes of one process each): the c10d
+// rendezvous (--rdzv_backend c10d, the identical command twice, no --node_rank) forms one job of
+// two ranks whose workers share the rendezvous store (the agent store), and it trains with
+// fsdprun's losses.
+TEST(Torchrun, TwoNodesOfC10dRendezvousTrainWithFsdprunsLosses) {
+  std::string why;
+  std::vector<std::string> argv = find_torchrun(why);
+  if (argv.empty() && python_checks_required()) FAIL() << why << " (FSDP_REQUIRE_PYTHON_CHECKS=1: must run here)";
+  if (argv.empty()) GTEST_SKIP() << why;
+  TempDir dir;
+  const auto ref = ranks(2, tiny(dir / "fsdprun.jsonl"));
+  ASSERT_TRUE(ref.ok()) << ref.output;
+  const std::string endpoint = "127.0.0.1:" + std::to_string(fsdp::testing::pick_free_port());
+  for (std::string a : {"--nnodes", "2", "--nproc_per_node", "1", "--rdzv_backend", "c10d", "--rdzv_endpoint",
+                        endpoint.c_str(), "--rdzv_id", "two-nodes",
+                        // the address the agents publish (by default this host's name, which a chroot
+                        // may not resolve)
+                        "--local_addr", "127.0.0.1", "--no_python"})
+    argv.push_back(a);
+  argv.push_back(kTrainGpt);
+  const auto node = [&](const std::string& metrics) {
+    std::vector<std::string> a = argv;
+    const auto args = tiny(metrics);
+    a.insert(a.end(), args.begin(), args.end());
+    return scrubbed(a, 180s);
+  };
+  // Each node writes the metrics file of its rank 0 only if it holds global rank 0: one file.
+  Child first(node(dir / "torchrun.jsonl"));
+  Child second(node(dir / "torchrun.jsonl"));
+  const auto r0 = first.wait();
+  const auto r1 = second.wait();
+  ASSERT_TRUE(r0.ok()) << r0.output;
+  ASSERT_TRUE(r1.ok()) << r1.output;
+  const std::string both = r0.output + r1.output;
+  EXPECT_EQ(count(both, "fsdp: launcher torchrun (RANK, WORLD_SIZE, ...): 2 ranks, 1 on this host"), 1u) << both;
+  EXPECT_EQ(count(both, "the launcher's store under /worker/attempt_0"), 1u) << both;
+  const auto got = losses(dir / "torchrun.jsonl");
+  EXPECT_EQ(got.size(), 6u);
+  expect_close(got, losses(dir / "fsdprun.jsonl"), 1e-5);
 }
 
 // Slurm: a one-machine cluster (scripts/slurm-local.sh) for this suite; `srun -n 2 train_gpt`, an

@@ -7,6 +7,8 @@
 
 #include <nlohmann/json.hpp>
 
+#include <cstdio>
+#include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <map>
@@ -14,6 +16,7 @@
 #include <optional>
 #include <set>
 
+#include "fsdp/checkpoint/inspect.h"
 #include "fsdp/checkpoint/safetensors.h"
 #include "fsdp/checkpoint/state_dict.h"
 #include "fsdp/dist/runtime.h"
@@ -196,34 +199,145 @@ void load_hf_weights(LlamaImpl& model, const std::string& dir) {
   }
 }
 
-std::vector<std::string> save_hf(LlamaImpl& model, const std::string& dir, const HFSaveOptions& options) {
+namespace {
+
+void check_save_dtype(const HFSaveOptions& options) {
   if (options.dtype != at::kFloat && options.dtype != at::kBFloat16)
     throw HFError(std::string("save_hf: dtype ") + c10::toString(options.dtype) +
                   " is not supported (kFloat, kBFloat16)");
+}
+
+// Everything but the weights (rank 0): the folder, cleared of an earlier export's weights (its
+// shards would be read with the new index's names), config.json, and the files copied along.
+std::vector<std::string> write_folder(const LlamaConfig& config, const std::string& dir, const HFSaveOptions& options) {
+  std::vector<std::string> written;
+  fs::create_directories(dir);
+  for (const auto& entry : fs::directory_iterator(dir)) {
+    const std::string name = entry.path().filename().string();
+    if (name == "model.safetensors" || name == "model.safetensors.index.json" ||
+        (name.rfind("model-", 0) == 0 && ends_with(name, ".safetensors")))
+      fs::remove(entry.path());
+  }
+  const std::string config_path = (fs::path(dir) / "config.json").string();
+  std::ofstream(config_path, std::ios::trunc)
+      << config.to_json(options.dtype == at::kBFloat16 ? "bfloat16" : "float32");
+  written.push_back(config_path);
+  if (!options.copy_from.empty())
+    for (const char* name : {"generation_config.json", "tokenizer.model", "tokenizer.json", "tokenizer_config.json",
+                             "special_tokens_map.json"}) {
+      const fs::path from = fs::path(options.copy_from) / name;
+      if (!fs::exists(from)) continue;
+      fs::copy_file(from, fs::path(dir) / name, fs::copy_options::overwrite_existing);
+      written.push_back((fs::path(dir) / name).string());
+    }
+  return written;
+}
+
+}  // namespace
+
+std::string check_hf_weights(const std::string& dir) { return find_weights(dir).path; }
+
+std::map<std::string, at::Tensor> HFConfigState::state_dict() const {
+  at::Tensor bytes = at::empty({static_cast<int64_t>(json.size())}, at::kByte);
+  std::memcpy(bytes.data_ptr<uint8_t>(), json.data(), json.size());
+  return {{"config_json", bytes}};
+}
+
+void HFConfigState::load_state_dict(const std::map<std::string, at::Tensor>& state) {
+  auto it = state.find("config_json");
+  if (it == state.end()) return;
+  const at::Tensor bytes = it->second.to(at::kCPU, at::kByte).contiguous();
+  json.assign(reinterpret_cast<const char*>(bytes.data_ptr<uint8_t>()), static_cast<size_t>(bytes.numel()));
+}
+
+std::vector<std::string> export_hf_from_checkpoint(const std::string& checkpoint_dir, const std::string& dir,
+                                                   const HFSaveOptions& options) {
+  check_save_dtype(options);
+  fsdp::checkpoint::CheckpointReader reader(checkpoint_dir);
+  if (!reader.info().find(kHFConfigKey))
+    throw HFError(checkpoint_dir +
+                  ": records no config.json, so it has no Hugging Face architecture (a checkpoint of train_gpt "
+                  "--model gpt?); export-hf takes checkpoints of --model llama or --init-from runs");
+  HFConfigState recorded;
+  recorded.load_state_dict({{"config_json", reader.read(kHFConfigKey)}});
+  LlamaConfig config = LlamaConfig::from_json(recorded.json, checkpoint_dir + " (recorded config.json)");
+  // The parameters' names, order and shapes, from the model built on the meta device (no memory).
+  config.device = torch::kMeta;
+  Llama model(config);
+  struct Item {
+    std::string name;
+    std::vector<int64_t> shape;
+  };
+  std::vector<Item> items;
+  for (const auto& p : model->named_parameters()) {
+    const std::string key = "model." + p.key();
+    const auto* t = reader.info().find(key);
+    if (!t)
+      throw HFError(checkpoint_dir + ": has no '" + key +
+                    "' although its recorded config.json describes a model with it; the checkpoint is not of "
+                    "that model");
+    if (t->shape != p.value().sizes().vec())
+      throw HFError(checkpoint_dir + ": '" + key + "' has shape " + shape_text(t->shape) +
+                    " but its recorded config.json gives " + shape_text(p.value().sizes()));
+    items.push_back({p.key(), t->shape});
+  }
+  // The files, planned as export_safetensors plans them (so save_hf's files come out the same).
+  const uint64_t element = c10::elementSize(options.dtype);
+  std::vector<std::vector<size_t>> files(1);
+  uint64_t in_file = 0;
+  for (size_t i = 0; i < items.size(); ++i) {
+    uint64_t bytes = element;
+    for (int64_t d : items[i].shape) bytes *= static_cast<uint64_t>(d);
+    if (options.max_shard_size && in_file > 0 && in_file + bytes > options.max_shard_size) {
+      files.emplace_back();
+      in_file = 0;
+    }
+    files.back().push_back(i);
+    in_file += bytes;
+  }
+  auto file_name = [&](size_t f) {
+    if (files.size() == 1) return std::string("model.safetensors");
+    char buf[64];
+    std::snprintf(buf, sizeof(buf), "model-%05zu-of-%05zu.safetensors", f + 1, files.size());
+    return std::string(buf);
+  };
+  config.device = torch::kCPU;
+  std::vector<std::string> written = write_folder(config, dir, options);
+  nlohmann::json weight_map = nlohmann::json::object();
+  uint64_t total = 0;
+  for (size_t f = 0; f < files.size(); ++f) {
+    const fs::path out = fs::path(dir) / file_name(f);
+    const std::string tmp = out.string() + ".tmp";
+    std::vector<safetensors::TensorSpec> specs;
+    for (size_t i : files[f]) specs.push_back({items[i].name, options.dtype, items[i].shape});
+    {
+      safetensors::StreamWriter writer(tmp, specs, {{"format", "pt"}});
+      for (size_t i : files[f]) {
+        at::Tensor full = reader.read("model." + items[i].name).to(options.dtype).contiguous();
+        writer.append(full);
+        weight_map[items[i].name] = file_name(f);
+        total += static_cast<uint64_t>(full.numel()) * element;
+      }
+      writer.finish();
+    }
+    fs::rename(tmp, out);
+    written.push_back(out.string());
+  }
+  if (files.size() > 1) {
+    const fs::path index_path = fs::path(dir) / "model.safetensors.index.json";
+    nlohmann::json index{{"metadata", {{"total_size", total}}}, {"weight_map", weight_map}};
+    std::ofstream(index_path.string() + ".tmp", std::ios::trunc) << index.dump(2);
+    fs::rename(index_path.string() + ".tmp", index_path);
+    written.push_back(index_path.string());
+  }
+  return written;
+}
+
+std::vector<std::string> save_hf(LlamaImpl& model, const std::string& dir, const HFSaveOptions& options) {
+  check_save_dtype(options);
   const bool root = !fsdp::dist::is_initialized() || fsdp::dist::rank() == 0;
   std::vector<std::string> written;
-  if (root) {
-    fs::create_directories(dir);
-    // A previous export's shards would be read with the new index's names: start clean.
-    for (const auto& entry : fs::directory_iterator(dir)) {
-      const std::string name = entry.path().filename().string();
-      if (name == "model.safetensors" || name == "model.safetensors.index.json" ||
-          (name.rfind("model-", 0) == 0 && ends_with(name, ".safetensors")))
-        fs::remove(entry.path());
-    }
-    const std::string config_path = (fs::path(dir) / "config.json").string();
-    std::ofstream(config_path, std::ios::trunc)
-        << model.config.to_json(options.dtype == at::kBFloat16 ? "bfloat16" : "float32");
-    written.push_back(config_path);
-    if (!options.copy_from.empty())
-      for (const char* name : {"generation_config.json", "tokenizer.model", "tokenizer.json", "tokenizer_config.json",
-                               "special_tokens_map.json"}) {
-        const fs::path from = fs::path(options.copy_from) / name;
-        if (!fs::exists(from)) continue;
-        fs::copy_file(from, fs::path(dir) / name, fs::copy_options::overwrite_existing);
-        written.push_back((fs::path(dir) / name).string());
-      }
-  }
+  if (root) written = write_folder(model.config, dir, options);
   // Collective: gathered tensor by tensor, written by rank 0 (names are already transformers').
   auto files = fsdp::checkpoint::export_safetensors(
       model, (fs::path(dir) / "model.safetensors").string(),

@@ -19,10 +19,12 @@
 #include <ATen/ATen.h>
 
 #include <cstdint>
+#include <map>
 #include <stdexcept>
 #include <string>
 #include <vector>
 
+#include "fsdp/checkpoint/checkpoint.h"
 #include "models/llama/llama.h"
 
 namespace fsdp::models {
@@ -63,5 +65,35 @@ struct HFSaveOptions {
 // global rank 0 while the ranks gather one tensor at a time (no process holds the whole model);
 // every file carries __metadata__ {"format": "pt"}. Returns the files written (rank 0).
 std::vector<std::string> save_hf(LlamaImpl& model, const std::string& dir, const HFSaveOptions& options = {});
+
+// Checks that `dir` is a Hugging Face folder whose weights can be read (config.json aside): the
+// single file or the index and every file it lists, each header parsed and sized, without a
+// model. Returns what load_hf_weights would read (the index or model.safetensors); throws HFError.
+std::string check_hf_weights(const std::string& dir);
+
+// config.json recorded in a checkpoint, so that a checkpoint of a Llama run describes itself
+// (fsdp-ckpt export-hf needs nothing else): saved as the Stateful entry kHFConfigEntry, the
+// text as a uint8 tensor under the key "config_json" (checkpoint key "extra.hf.config_json").
+// Example:
+//   HFConfigState hf(model->config);
+//   fsdp::checkpoint::save(dir, {model.ptr(), &opt, {{"trainer", &scalars}, {kHFConfigEntry, &hf}}});
+inline constexpr const char* kHFConfigEntry = "hf";
+inline constexpr const char* kHFConfigKey = "extra.hf.config_json";
+class HFConfigState : public fsdp::checkpoint::Stateful {
+ public:
+  HFConfigState() = default;
+  explicit HFConfigState(const LlamaConfig& config) : json(config.to_json("float32")) {}
+  std::map<std::string, at::Tensor> state_dict() const override;
+  void load_state_dict(const std::map<std::string, at::Tensor>& state) override;
+  std::string json;  // config.json's text
+};
+
+// fsdp-ckpt export-hf: a checkpoint of a Llama run (one that recorded its config.json) written as
+// a Hugging Face folder, the same files save_hf writes from the live model (same names, order,
+// split and dtype), one full tensor in memory at a time, each verified against its CRC-32s. Not
+// collective. Throws HFError for a checkpoint without a recorded config.json (a GPT's: no Hugging
+// Face architecture) or whose tensors do not match it, CheckpointError for a damaged one.
+std::vector<std::string> export_hf_from_checkpoint(const std::string& checkpoint_dir, const std::string& dir,
+                                                   const HFSaveOptions& options = {});
 
 }  // namespace fsdp::models

@@ -126,8 +126,10 @@ LlamaDecoderLayerImpl::LlamaDecoderLayerImpl(const LlamaConfig& c) {
 
 torch::Tensor LlamaDecoderLayerImpl::forward(const torch::Tensor& x, const torch::Tensor& cos,
                                              const torch::Tensor& sin) {
-  auto h = x + self_attn(input_layernorm(x), cos, sin);
-  return h + mlp(post_attention_layernorm(h));
+  // Through fsdp::call, so that a tensor-parallel plan's hooks run (llama_tp.h: the norms under
+  // sequence parallelism, the attention and the MLP gathering their input).
+  auto h = x + fsdp::call(self_attn, fsdp::call(input_layernorm, x), cos, sin);
+  return h + fsdp::call(mlp, fsdp::call(post_attention_layernorm, h));
 }
 
 LlamaModelImpl::LlamaModelImpl(const LlamaConfig& c) {
@@ -172,7 +174,7 @@ torch::Tensor LlamaImpl::encode(const torch::Tensor& idx) {
   if (T > config.max_position_embeddings)
     throw std::invalid_argument("Llama: sequence length " + std::to_string(T) + " exceeds max_position_embeddings " +
                                 std::to_string(config.max_position_embeddings));
-  auto x = model->embed_tokens(idx);
+  auto x = fsdp::call(model->embed_tokens, idx);
   auto [cos, sin] = rope_cos_sin(inv_freq.to(idx.device()), T);
   cos = cos.to(x.scalar_type());
   sin = sin.to(x.scalar_type());

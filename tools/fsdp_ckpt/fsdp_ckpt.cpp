@@ -6,10 +6,13 @@
 //   fsdp-ckpt consolidate DIR OUT [--max-shard-size 5GB] [--all]   one safetensors file or a
 //                                       Hugging Face sharded index, one tensor in memory at a time
 //   fsdp-ckpt diff DIR1 DIR2 [--atol X] per-tensor max absolute difference
+//   fsdp-ckpt export-hf DIR OUT [--dtype fp32|bf16] [--max-shard-size 5GB]   a Llama run's
+//                                       checkpoint as a Hugging Face folder (its recorded config.json)
 //
 // Exit status: 0 success (verify: intact; diff: no tensor differs beyond --atol), 1 the
 // checkpoint is damaged or unreadable (verify, describe, consolidate) or the checkpoints differ
-// (diff), 2 a bad command line, or (diff) a checkpoint that cannot be read.
+// (diff), 2 a bad command line, or (diff) a checkpoint that cannot be read, or (export-hf) a
+// checkpoint with no Hugging Face architecture (a GPT's).
 #include <CLI/CLI.hpp>
 
 #include <algorithm>
@@ -24,6 +27,7 @@
 
 #include "fsdp/checkpoint/inspect.h"
 #include "fsdp/checkpoint/safetensors.h"
+#include "models/llama/hf.h"
 
 namespace {
 
@@ -217,6 +221,30 @@ int diff(const std::string& a, const std::string& b, double atol, bool all) {
   return report.same() ? kOk : kFailed;
 }
 
+int export_hf(const std::string& dir, const std::string& out, const std::string& dtype,
+              const std::string& max_shard_size) {
+  fsdp::models::HFSaveOptions options;
+  options.dtype = dtype == "bf16" ? at::kBFloat16 : at::kFloat;
+  if (!max_shard_size.empty()) options.max_shard_size = parse_size(max_shard_size);
+  std::vector<std::string> written;
+  try {
+    written = fsdp::models::export_hf_from_checkpoint(dir, out, options);
+  } catch (const fsdp::models::HFError& e) {  // not a Llama checkpoint: a usage error
+    std::fprintf(stderr, "fsdp-ckpt: error: %s\n", e.what());
+    return kUsage;
+  }
+  uint64_t total = 0;
+  for (const auto& file : written) {
+    std::error_code ec;
+    const auto size = std::filesystem::file_size(file, ec);
+    total += ec ? 0 : size;
+    std::printf("wrote %s (%s)\n", file.c_str(), human_bytes(ec ? 0 : size).c_str());
+  }
+  std::printf("fsdp-ckpt: exported %s as a Hugging Face folder %s (%s), %zu files, %s\n", dir.c_str(), out.c_str(),
+              dtype.c_str(), written.size(), human_bytes(total).c_str());
+  return kOk;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -255,6 +283,17 @@ int main(int argc, char** argv) {
   diff_cmd->add_option("--atol", atol, "differences up to this count as equal (default 0: bit-equal values)")
       ->check(CLI::NonNegativeNumber);
   diff_cmd->add_flag("--all", all, "list every tensor, not only those that differ");
+  std::string dtype = "fp32";
+  auto* export_cmd = app.add_subcommand(
+      "export-hf",
+      "a checkpoint of a Llama run (train_gpt --model llama or --init-from: it records config.json) as a Hugging "
+      "Face folder: config.json, model.safetensors or model-0000k-of-0000n.safetensors + index, streaming");
+  export_cmd->add_option("DIR", dir, "checkpoint folder")->required();
+  export_cmd->add_option("OUT", out, "output folder (created; an earlier export's weights there are replaced)")
+      ->required();
+  export_cmd->add_option("--dtype", dtype, "fp32 | bf16: the files' dtype")->check(CLI::IsMember({"fp32", "bf16"}));
+  export_cmd->add_option("--max-shard-size", max_shard_size,
+                         "split into files of at most this size (5GB, 500MB, 2GiB, bytes; default 5GB)");
   try {
     app.parse(argc, argv);
   } catch (const CLI::CallForHelp& e) {
@@ -271,6 +310,7 @@ int main(int argc, char** argv) {
     if (*verify_cmd) return verify(dir, quiet);
     if (*consolidate_cmd) return consolidate(dir, out, max_shard_size, all_tensors);
     if (*diff_cmd) return diff(dir, dir_b, atol, all);
+    if (*export_cmd) return export_hf(dir, out, dtype, max_shard_size);
   } catch (const CLI::ValidationError& e) {
     std::fprintf(stderr, "fsdp-ckpt: error: %s (see fsdp-ckpt --help)\n", e.what());
     return kUsage;

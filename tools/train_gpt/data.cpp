@@ -277,7 +277,14 @@ at::Tensor TokenSource::val_batch(int64_t index, int64_t batch) const {
     return read_windows(*tokens_->val, fsdp::data::validation_windows(tokens_->val->size(), seq_len_, batch, index),
                         seq_len_);
   }
-  return draw(val_, kVal, index, batch);
+  if (synthetic_) return draw(val_, kVal, index, batch);  // no stream to read: generated from (seed, index)
+  // As llm.c evaluates (and as token shards are read): consecutive windows from the start of the
+  // validation bytes, window k = bytes [kT, kT + T] (inputs [kT, kT + T), targets shifted by one),
+  // batch i holding windows [iB, iB + B) in order, wrapping around at the end.
+  const int64_t windows = fsdp::data::window_count(val_.size(0), seq_len_);
+  at::Tensor starts = (at::arange(batch, at::kLong) + index * batch).remainder(windows) * seq_len_;
+  at::Tensor idx = starts.unsqueeze(1) + at::arange(seq_len_ + 1, at::kLong).unsqueeze(0);
+  return val_.index_select(0, idx.reshape({-1})).to(at::kLong).reshape({batch, seq_len_ + 1});
 }
 
 fsdp::data::Position TokenSource::position(int64_t step) const {

@@ -29,6 +29,10 @@ class TokenSource {
 
   // [batch, seq_len + 1] int64: inputs are [:, :-1], targets [:, 1:].
   at::Tensor train_batch(int64_t step, int64_t batch) const;
+  // Validation batch `index`: consecutive windows from the start of the validation data (window
+  // k is tokens [kT, kT + T], batch i holds windows [iB, iB + B) in row order, wrapping at the
+  // end), so a validation figure is the loss on a stated span of tokens. Synthetic data: rows
+  // drawn from (seed, index).
   at::Tensor val_batch(int64_t index, int64_t batch) const;
   // A short prompt from the validation text (synthetic: two seed tokens) for the final sample.
   at::Tensor prompt(int64_t max_len) const;

@@ -45,9 +45,13 @@ std::vector<std::pair<std::string, std::string>> rank_agreed_options(const Optio
       {"--data", o.data},
       {"--val-data", o.val_data},
       {"--vocab-size", i(o.vocab_size)},
+      {"--model", to_string(o.model)},
+      {"--init-from", o.init_from},
       {"--layers", i(o.layers)},
       {"--dim", i(o.dim)},
       {"--heads", i(o.heads)},
+      {"--kv-heads", i(o.kv_heads)},
+      {"--ffn-dim", i(o.ffn_dim)},
       {"--seq-len", i(o.seq_len)},
       {"--batch-size", i(o.batch_size)},
       {"--grad-accum", i(o.grad_accum)},
@@ -74,6 +78,9 @@ std::vector<std::pair<std::string, std::string>> rank_agreed_options(const Optio
       {"--eval-every", i(o.eval_every)},
       {"--eval-batches", i(o.eval_batches)},
       {"--sample-tokens", i(o.sample_tokens)},
+      {"--eval-only", o.eval_only ? "true" : "false"},
+      {"--export-hf", o.export_hf},
+      {"--export-dtype", o.export_dtype},
   };
 }
 

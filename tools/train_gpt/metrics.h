@@ -25,6 +25,8 @@ class MetricsWriter {
   void step(const nlohmann::json& line);
   // {"summary": true, "median_step_time_s": median over the steps after the first, ...}
   void summary(nlohmann::json extra);
+  // Any other line (e.g. --eval-only's validation), as it is.
+  void write_line(const nlohmann::json& line) { write(line); }
 
  private:
   void write(const nlohmann::json& line);

@@ -8,10 +8,13 @@
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
+#include <map>
 #include <stdexcept>
 #include <string>
 
 namespace train_gpt {
+
+const char* to_string(ModelKind kind) { return kind == ModelKind::llama ? "llama" : "gpt"; }
 
 namespace {
 
@@ -96,9 +99,24 @@ std::optional<Options> parse_options(int argc, char** argv, int& exit_code) {
   app.add_option("--tokenizer", o.tokenizer,
                  "A SentencePiece tokenizer.model: decodes the sample of --data tokens:... (without it, ids "
                  "are shown as <N>, or as bytes for byte-level shards)");
+  app.add_option("--model", o.model,
+                 "gpt (the byte-level GPT) | llama (a Llama-family decoder with Hugging Face's names: RMSNorm, "
+                 "rotary embeddings, grouped-query attention, SwiGLU; --export-hf writes it for transformers)")
+      ->transform(CLI::CheckedTransformer(
+          std::map<std::string, ModelKind>{{"gpt", ModelKind::gpt}, {"llama", ModelKind::llama}}));
+  app.add_option("--init-from", o.init_from,
+                 "A Hugging Face folder (config.json + model.safetensors or its index; LlamaForCausalLM, "
+                 "MistralForCausalLM, Qwen2ForCausalLM): architecture, size and weights from it, each rank reading "
+                 "its own rows; the sizing options are then refused. With --resume and a checkpoint present, the "
+                 "checkpoint wins");
   app.add_option("--layers", o.layers, "Transformer blocks")->check(bounded(1, kMaxLayers, true));
   app.add_option("--dim", o.dim, "Embedding width")->check(bounded(1, kMaxDim, true));
   app.add_option("--heads", o.heads, "Attention heads (must divide --dim)")->check(bounded(1, kMaxHeads, true));
+  app.add_option("--kv-heads", o.kv_heads,
+                 "--model llama: key/value heads, grouped-query attention (must divide --heads; 0: --heads)")
+      ->check(bounded(0, kMaxHeads, true));
+  app.add_option("--ffn-dim", o.ffn_dim, "--model llama: SwiGLU width (0: 8/3 x --dim rounded up to a multiple of 8)")
+      ->check(bounded(0, kMaxDim * 16, true));
   app.add_option("--seq-len", o.seq_len, "Tokens per sequence (the model's context)")
       ->check(bounded(1, kMaxSeqLen, true));
   app.add_option("--batch-size", o.batch_size,
@@ -123,7 +141,9 @@ std::optional<Options> parse_options(int argc, char** argv, int& exit_code) {
       ->check(bounded(0, 1e6, true));
   app.add_option("--tp-size", o.tp_size,
                  "Tensor parallel: split each block's attention heads and MLP over this many ranks (mesh "
-                 "{dp = world / T, tp = T}; fully_shard over dp); must divide the world size, --heads and --dim")
+                 "{dp = world / T, tp = T}; fully_shard over dp); must divide the world size, --heads and --dim "
+                 "(--model llama: torchtitan's plan, sequence parallel and loss_parallel; must divide the heads, "
+                 "KV heads, FFN width, vocabulary and --seq-len)")
       ->check(bounded(1, kMaxHeads, true));
   app.add_option("--device", o.device,
                  "cpu | cuda | auto (cuda when LibTorch has CUDA and a GPU is visible); one GPU per rank by LOCAL_RANK")
@@ -159,6 +179,15 @@ std::optional<Options> parse_options(int argc, char** argv, int& exit_code) {
   app.add_option("--sample-tokens", o.sample_tokens, "Bytes of text sampled at the end (0: none)")
       ->check(bounded(0, 1e6, true));
   app.add_option("--metrics", o.metrics, "Metrics file, JSON lines written by rank 0 ('' : none)");
+  app.add_flag("--eval-only", o.eval_only,
+               "Validation loss of the model as built (--init-from, a checkpoint with --resume/--resume-from, or "
+               "the seeded initialisation) on --eval-batches global batches, printed as 'val ...' and written to "
+               "the metrics file as val_loss; no training, no checkpoint");
+  app.add_option("--export-hf", o.export_hf,
+                 "--model llama: at the end of training write a Hugging Face folder (config.json, safetensors, "
+                 "and --init-from's generation_config.json and tokenizer files) that transformers loads");
+  app.add_option("--export-dtype", o.export_dtype, "fp32 | bf16: the dtype of --export-hf's files")
+      ->check(CLI::IsMember({"fp32", "bf16"}));
 
   try {
     app.parse(argc, argv);
@@ -175,6 +204,10 @@ std::optional<Options> parse_options(int argc, char** argv, int& exit_code) {
     exit_code = 2;
     return std::nullopt;
   }
+  for (const char* name : {"--layers", "--dim", "--heads", "--kv-heads", "--ffn-dim", "--vocab-size"})
+    if (app.count(name) > 0) o.sizing_given.push_back(name);
+  o.model_given = app.count("--model") > 0;
+  if (!o.init_from.empty() && !o.model_given) o.model = ModelKind::llama;  // a Hugging Face folder is a Llama
   exit_code = 0;
   return o;
 }
@@ -205,12 +238,42 @@ void validate(const Options& o) {
     if (o.parallel != "fsdp")
       fail("--tp-size > 1 with --parallel " + o.parallel +
            " is not supported yet; use --parallel fsdp (FSDP over dp, TP over tp)");
-    if (o.heads % o.tp_size != 0)
+    if (o.heads % o.tp_size != 0 && o.init_from.empty())
       fail("--tp-size " + std::to_string(o.tp_size) + " does not divide --heads " + std::to_string(o.heads) +
            " (each tp rank takes whole heads); choose a tp size that divides the head count");
-    if (o.dim % o.tp_size != 0)
+    if (o.dim % o.tp_size != 0 && o.init_from.empty())
       fail("--tp-size " + std::to_string(o.tp_size) + " does not divide --dim " + std::to_string(o.dim));
   }
+  if (!o.init_from.empty()) {
+    if (o.model_given && !o.llama())
+      fail("--init-from loads a Hugging Face Llama-family model: drop --model gpt (or --init-from)");
+    if (!o.sizing_given.empty()) {
+      std::string given;
+      for (const auto& name : o.sizing_given) given += (given.empty() ? "" : ", ") + name;
+      fail("--init-from takes the model's size from " + o.init_from + "/config.json: drop " + given);
+    }
+  } else if (o.llama()) {
+    const int64_t kv = o.resolved_kv_heads();
+    if (kv > o.heads || o.heads % kv != 0)
+      fail("--kv-heads " + std::to_string(kv) + " does not divide --heads " + std::to_string(o.heads) +
+           " (grouped-query attention: each key/value head serves --heads / --kv-heads query heads)");
+    if ((o.dim / o.heads) % 2 != 0)
+      fail("--dim / --heads = " + std::to_string(o.dim / o.heads) +
+           " is odd: rotary embeddings rotate pairs of dimensions, so --model llama needs an even head size");
+  } else {
+    for (const auto& name : o.sizing_given)
+      if (name == "--kv-heads" || name == "--ffn-dim") fail(name + " sizes --model llama only: add --model llama");
+  }
+  if (!o.export_hf.empty()) {
+    if (o.init_from.empty() && !o.llama())
+      fail(
+          "--export-hf writes a Hugging Face Llama-family folder; the GPT has no Hugging Face architecture (use "
+          "--model llama or --init-from)");
+    if (o.eval_only) fail("--export-hf writes the trained model at the end of training: drop it with --eval-only");
+  }
+  if (o.tp_size > 1 && o.llama() && o.seq_len % o.tp_size != 0)
+    fail("--tp-size " + std::to_string(o.tp_size) + " does not divide --seq-len " + std::to_string(o.seq_len) +
+         " (--model llama under tensor parallelism splits each sequence over the tp ranks: sequence parallel)");
   o.checkpoint_every_kth_block();                              // throws on a bad --activation-checkpointing
   if (!o.synthetic() && !o.tokens()) check_data_file(o.data);  // stat only: a FIFO or device is refused unopened
 }

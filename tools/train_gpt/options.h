@@ -2,7 +2,9 @@
 // train_gpt's command line (CLI11). Names are a contract: scripts, tests and the README use them.
 #include <cstdint>
 #include <optional>
+#include <ostream>
 #include <string>
+#include <vector>
 
 namespace train_gpt {
 
@@ -19,6 +21,13 @@ inline constexpr int64_t kMaxHeads = 4096;
 inline constexpr int64_t kMaxSeqLen = 1 << 20;
 inline constexpr int64_t kMaxBatch = 1 << 20;  // --batch-size, --grad-accum
 
+// The architecture trained (--model): the project's byte-level GPT (models/gpt.h) or a
+// Llama-family decoder with Hugging Face's names (models/llama/llama.h), from scratch or from a
+// Hugging Face folder (--init-from).
+enum class ModelKind { gpt, llama };
+const char* to_string(ModelKind kind);
+inline std::ostream& operator<<(std::ostream& out, ModelKind kind) { return out << to_string(kind); }
+
 // Options, e.g. `train_gpt --layers 6 --dim 256 --heads 8 --batch-size 32 --steps 2000`.
 // Example: Options o; o.layers = 6; o.dim = 256; validate(o);
 struct Options {
@@ -27,10 +36,19 @@ struct Options {
   std::string val_data;               // tokens:PATTERN ("": the shards of --data named *_val_*)
   int64_t vocab_size = 0;             // 0: from the data (256 for bytes; main() resolves it, data.h)
   std::string tokenizer;              // SentencePiece tokenizer.model: decodes the sample of token shards
+  ModelKind model = ModelKind::gpt;   // --model; --init-from implies llama
   int64_t layers = 4;
   int64_t dim = 128;
   int64_t heads = 4;
+  int64_t kv_heads = 0;  // llama: key/value heads (grouped-query attention); 0: --heads
+  int64_t ffn_dim = 0;   // llama: the SwiGLU width; 0: 8/3 x --dim rounded up to a multiple of 8
   int64_t seq_len = 128;
+  // A Hugging Face folder (config.json + safetensors): the architecture, size and weights come
+  // from it (main() fills layers, dim, heads, kv_heads, ffn_dim and vocab_size from config.json).
+  std::string init_from;
+  // The sizing options given on the command line (--layers, --dim, ...): --init-from refuses them.
+  std::vector<std::string> sizing_given;
+  bool model_given = false;  // --model on the command line
   // optimisation
   int64_t batch_size = 16;  // global sequences per optimizer step
   int64_t grad_accum = 1;
@@ -60,9 +78,17 @@ struct Options {
   int64_t eval_batches = 4;
   int64_t sample_tokens = 300;
   std::string metrics = "runs/train_gpt/metrics.jsonl";  // "": none
+  bool eval_only = false;  // validation loss on --eval-batches global batches; no training, no checkpoint
+  // Written at the end of training: a Hugging Face folder (config.json, safetensors, and the
+  // --init-from folder's generation_config.json and tokenizer files). --model llama only.
+  std::string export_hf;
+  std::string export_dtype = "fp32";  // fp32 | bf16: the exported files' dtype
 
   bool synthetic() const { return data == "synthetic"; }
   bool tokens() const { return data.rfind("tokens:", 0) == 0; }
+  bool llama() const { return model == ModelKind::llama; }
+  int64_t resolved_kv_heads() const { return kv_heads > 0 ? kv_heads : heads; }
+  int64_t resolved_ffn_dim() const { return ffn_dim > 0 ? ffn_dim : (8 * dim / 3 + 7) / 8 * 8; }
   // --activation-checkpointing as "checkpoint every K-th block": 0 for none, 1 for full.
   int64_t checkpoint_every_kth_block() const;
 };

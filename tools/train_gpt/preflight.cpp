@@ -117,8 +117,13 @@ MemoryEstimate estimate_memory(const Options& o, int world_size, int local_world
   const bool bf16 = o.mixed_precision == "bf16";
 
   MemoryEstimate e;
-  const double block = 12 * C * C + 13 * C;
-  const double root = 2 * V * C + T * C + 2 * C;
+  double block = 12 * C * C + 13 * C;
+  double root = 2 * V * C + T * C + 2 * C;
+  if (o.llama()) {  // q and o, k and v (grouped), gate/up/down, two norms; embeddings, head and model.norm
+    const double F = static_cast<double>(o.resolved_ffn_dim()), KV = static_cast<double>(o.resolved_kv_heads());
+    block = 2 * C * C + 2 * C * (C / H) * KV + 3 * C * F + 2 * C;
+    root = 2 * V * C + C;
+  }
   e.parameters = root + L * block;
   e.state_bytes = 16 * e.parameters / shard;
   if (sharded) e.working_bytes = ((bf16 ? 2 : 4) * 2 + 4) * std::max(block, root);

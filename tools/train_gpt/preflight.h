@@ -9,6 +9,7 @@
 // under fsdp, --shard-size under hsdp, 1 under replicate/none; b = sequences per micro-batch on a
 // rank = batch / (world x grad-accum); T = seq-len, C = dim, H = heads, L = layers, V = 256):
 //   N            = 2VC + TC + 2C + L (12C^2 + 13C)
+//                  (--model llama: 2VC + C + L (2C^2 + 2C (C/H) KV + 3CF + 2C), KV = --kv-heads, F = --ffn-dim)
 //   state        = 16 N / S      fp32 parameters, gradients, AdamW exp_avg and exp_avg_sq
 //   working set  = (2p + 4) U    the largest unit's U parameters gathered (current + prefetched,
 //                                p = 4 fp32 or 2 bf16 bytes) and its unsharded gradient (sharded only)

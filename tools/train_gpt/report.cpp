@@ -40,10 +40,15 @@ Reporter::Reporter(const Options& options, bool rank0, int64_t start_step)
 void Reporter::banner(const BannerInfo& info) {
   if (!active_) return;
   const Options& o = o_;
-  std::printf("train_gpt: GPT %lld layers, dim %lld, %lld heads, seq %lld: %.2fM parameters (%.0f%% on this rank)\n",
-              static_cast<long long>(o.layers), static_cast<long long>(o.dim), static_cast<long long>(o.heads),
-              static_cast<long long>(o.seq_len), static_cast<double>(info.n_params) / 1e6,
-              100.0 * static_cast<double>(info.local_params) / static_cast<double>(info.n_params));
+  const double share = 100.0 * static_cast<double>(info.local_params) / static_cast<double>(info.n_params);
+  if (info.model.empty()) {
+    std::printf("train_gpt: GPT %lld layers, dim %lld, %lld heads, seq %lld: %.2fM parameters (%.0f%% on this rank)\n",
+                static_cast<long long>(o.layers), static_cast<long long>(o.dim), static_cast<long long>(o.heads),
+                static_cast<long long>(o.seq_len), static_cast<double>(info.n_params) / 1e6, share);
+  } else {
+    std::printf("train_gpt: %s, seq %lld: %.2fM parameters (%.0f%% on this rank)\n", info.model.c_str(),
+                static_cast<long long>(o.seq_len), static_cast<double>(info.n_params) / 1e6, share);
+  }
   std::printf("train_gpt: --parallel %s, %d rank%s x %d thread%s, %s, batch %lld x %lld tokens (grad-accum %lld)\n",
               o.parallel.c_str(), info.world, info.world > 1 ? "s" : "", info.threads, info.threads > 1 ? "s" : "",
               o.mixed_precision.c_str(), static_cast<long long>(o.batch_size), static_cast<long long>(o.seq_len),
@@ -51,16 +56,19 @@ void Reporter::banner(const BannerInfo& info) {
   std::printf("train_gpt: data %s\n", info.data.c_str());
   const bool resumed = o.resume || info.resumed_dir;
   if (resumed) {
-    std::printf("train_gpt: %s\n",
-                info.resumed_dir ? ("resumed " + *info.resumed_dir + " at step " + std::to_string(start_step_)).c_str()
-                                 : ("no checkpoint in " + o.checkpoint_dir + ": starting from scratch").c_str());
+    std::printf("train_gpt: %s\n", info.resumed_dir
+                                       ? ("resumed " + *info.resumed_dir + " at step " + std::to_string(start_step_) +
+                                          (info.resume_note.empty() ? "" : " (" + info.resume_note + ")"))
+                                             .c_str()
+                                       : ("no checkpoint in " + o.checkpoint_dir + ": starting from scratch").c_str());
   }
   if (!o.metrics.empty()) {
     stop_signal::Deferred rewriting;  // a signal now would cut the rewritten file short
     metrics_.open(o.metrics, resumed, start_step_);
     std::printf("train_gpt: metrics -> %s\n", o.metrics.c_str());
   }
-  if (!o.checkpoint_dir.empty()) std::printf("train_gpt: checkpoints -> %s/step_NNNNNN\n", o.checkpoint_dir.c_str());
+  if (!o.checkpoint_dir.empty() && !o.eval_only)
+    std::printf("train_gpt: checkpoints -> %s/step_NNNNNN\n", o.checkpoint_dir.c_str());
   std::fflush(stdout);
   t_train_ = now_s();
 }
@@ -103,6 +111,25 @@ void Reporter::step(const StepReport& s) {
               static_cast<long long>(s.step), static_cast<long long>(o_.steps), s.loss,
               s.val_loss ? ("  val " + std::to_string(*s.val_loss).substr(0, 6)).c_str() : "", s.lr, tps, s.step_time_s,
               format_duration(eta).c_str(), memory.c_str());
+  std::fflush(stdout);
+}
+
+void Reporter::evaluation(int64_t step, std::optional<double> val_loss) {
+  if (!active_) return;
+  if (!val_loss) {
+    std::printf("train_gpt: validation stopped by a signal\n");
+    std::fflush(stdout);
+    return;
+  }
+  const int64_t tokens = o_.eval_batches * o_.batch_size * o_.seq_len;
+  std::printf("val %.6f  (%lld batches x %lld x %lld tokens from the start of the validation data, step %lld)\n",
+              *val_loss, static_cast<long long>(o_.eval_batches), static_cast<long long>(o_.batch_size),
+              static_cast<long long>(o_.seq_len), static_cast<long long>(step));
+  metrics_.write_line({{"step", step},
+                       {"val_loss", *val_loss},
+                       {"eval_batches", o_.eval_batches},
+                       {"eval_tokens", tokens},
+                       {"eval_only", true}});
   std::fflush(stdout);
 }
 

@@ -26,6 +26,8 @@ struct BannerInfo {
   int64_t local_params = 0;  // this rank's
   std::string data;          // TokenSource::describe()
   std::optional<std::string> resumed_dir;
+  std::string model;        // "" : the GPT of --layers/--dim/--heads; else its description (model.h)
+  std::string resume_note;  // added to the "resumed ..." line (e.g. the checkpoint wins over --init-from)
 };
 
 // One optimizer step, as the progress line and the metrics file report it.
@@ -50,6 +52,9 @@ class Reporter {
   // The run's description; opens the metrics file (a resumed run keeps the lines up to its step).
   void banner(const BannerInfo& info);
   void step(const StepReport& s);
+  // --eval-only: "val <loss>" and the metrics line {"step", "val_loss", "eval_batches", "eval_tokens"}
+  // (nullopt: a signal interrupted it, nothing is written).
+  void evaluation(int64_t step, std::optional<double> val_loss);
   void checkpoint_saved(int64_t step, const std::string& dir, double seconds, const std::vector<std::string>& removed);
   // `sample`: the generated text ("" when none was sampled).
   void finish(int64_t step, int world, bool stopped, const std::string& last_saved, const std::string& sample);

@@ -1,8 +1,11 @@
-// train_gpt: the reference trainer. A byte-level GPT trained with FSDP2's recipe, in five blocks:
+// train_gpt: the reference trainer. A byte-level GPT, or a Llama-family decoder (--model llama,
+// from scratch or from a Hugging Face folder with --init-from), trained with FSDP2's recipe, in
+// five blocks:
 //
 //   1. init_distributed()    the process group (none with --parallel none)
-//   2. build_model_meta()    GPT on the meta device -> fully_shard blocks, then the root ->
-//                            materialise this rank's shards -> deterministic init
+//   2. build_model_meta()    the model on the meta device -> fully_shard blocks (decoder layers),
+//                            then the root -> materialise this rank's shards -> deterministic init
+//                            (or each rank reads its rows of the --init-from weights)
 //   3. build_optimizer()     AdamW (--optimizer) over the local shards
 //   4. train_step()          micro-batches (gradient sync on the last), clip, step
 //   5. checkpoint_save() / checkpoint_load()   sharded checkpoints, resumable at any world size
@@ -33,12 +36,16 @@
 #include "error_text.h"
 #include "fingerprint.h"
 #include "fsdp/checkpoint/checkpoint.h"
+#include "fsdp/debug/cpu_tuning.h"
+#include "fsdp/debug/malloc_tuning.h"
 #include "fsdp/fsdp.h"
-#include "fsdp/memory/malloc_tuning.h"
 #include "kill_hook.h"
 #include "lr_schedule.h"
+#include "model.h"
 #include "models/gpt.h"
 #include "models/gpt_tp.h"
+#include "models/llama/hf.h"
+#include "models/llama/llama_tp.h"
 #include "optimizer.h"
 #include "options.h"
 #include "preflight.h"
@@ -51,6 +58,8 @@ namespace {
 using namespace train_gpt;
 using fsdp::models::GPT;
 using fsdp::models::GPTConfig;
+using fsdp::models::Llama;
+using fsdp::models::LlamaConfig;
 using Shapes = std::map<std::string, std::vector<int64_t>>;
 
 // What the blocks share about the process group.
@@ -72,12 +81,41 @@ struct Run {
   bool sharded() const { return distributed() && opt.parallel != "replicate"; }
 };
 
+// The model trained: exactly one of gpt and llama is set (Options::model says which).
 struct Model {
   GPT gpt{nullptr};
+  Llama llama{nullptr};
   std::vector<fsdp::FSDPModule> units;       // the blocks, then the root (empty: unsharded)
   std::optional<fsdp::ReplicateModule> ddp;  // --parallel replicate
   Shapes full_shapes;                        // "model.<fqn>" -> unsharded shape (checkpoint keys)
   int64_t n_params = 0;
+  // A Llama under tensor parallelism (models/llama/llama_tp.h): its logits are split over the
+  // vocabulary (loss_parallel) and its sequences over the tp ranks (T divisible by the tp size).
+  std::optional<fsdp::DeviceMesh> llama_tp;
+
+  std::shared_ptr<torch::nn::Module> module() const {
+    return gpt ? std::static_pointer_cast<torch::nn::Module>(gpt.ptr())
+               : std::static_pointer_cast<torch::nn::Module>(llama.ptr());
+  }
+  std::vector<at::Tensor> parameters() const { return module()->parameters(); }
+  // idx [B, T] -> logits [B, T, vocab] (through the root's FSDP hooks).
+  at::Tensor logits(const at::Tensor& idx) { return gpt ? fsdp::call(gpt, idx) : fsdp::call(llama, idx); }
+  // The mean cross-entropy of logits [B, T, vocab] (or the vocabulary slice, llama_tp) against targets [B, T].
+  at::Tensor loss(const at::Tensor& logits, const at::Tensor& targets) const {
+    if (llama_tp) return fsdp::tp::loss_parallel(logits.to(at::kFloat), targets, *llama_tp);
+    return fsdp::models::gpt_loss(logits.to(at::kFloat), targets);
+  }
+  // The last position's logits [B, vocab], for sampling (gathered, then resharded on return).
+  at::Tensor next_token_logits(const at::Tensor& idx) {
+    if (gpt) return fsdp::call_method(gpt, &fsdp::models::GPTImpl::next_token_logits, idx);
+    if (!llama_tp) return fsdp::call(llama, idx).select(1, -1);
+    // Sequence parallel: a length divisible by the tp size (the last positions, or the first token repeated).
+    const int64_t tp = llama_tp->size(0), len = idx.size(1);
+    at::Tensor window = len >= tp ? idx.narrow(1, len - len / tp * tp, len / tp * tp)
+                                  : at::cat({idx.narrow(1, 0, 1).expand({idx.size(0), tp - len}), idx}, 1);
+    at::Tensor local = fsdp::call(llama, window.contiguous()).select(1, -1).contiguous();
+    return fsdp::tp::gather_replicated_along_dim(local, 1, llama_tp->comm());
+  }
 };
 
 // Sum over ranks, in place (a no-op in one process). Through the device: NCCL takes CUDA tensors.
@@ -132,7 +170,7 @@ Run init_distributed(const Options& o) {
   run.dp_rank = run.rank;
   run.dp_size = run.world;
   if (o.tp_size > 1) {
-    // Tensor parallel inside groups of --tp-size consecutive ranks, FSDP across them (issue 14).
+    // Tensor parallel inside groups of --tp-size consecutive ranks, FSDP across them.
     const auto mesh = fsdp::init_device_mesh({run.world / o.tp_size, o.tp_size}, {"dp", "tp"});
     run.tp_mesh = mesh["tp"];
     run.dp_rank = static_cast<int>(run.rank / o.tp_size);
@@ -149,33 +187,49 @@ Run init_distributed(const Options& o) {
 // build_model_meta(): construct on meta (no memory), shard block by block then the root,
 // allocate only this rank's shards, initialise them to the unsharded model's values.
 // `before_allocating` sees the full shapes while nothing is allocated yet (checks, a banner).
-Model build_model_meta(const Run& run, const std::function<void(const Shapes&)>& before_allocating) {
+// `llama`: the Llama's configuration (--model llama, model.h), else the GPT is built.
+Model build_model_meta(const Run& run, const std::optional<LlamaConfig>& llama,
+                       const std::function<void(const Shapes&)>& before_allocating) {
   const Options& o = run.opt;
-  GPTConfig config;
-  config.vocab_size = o.vocab_size;  // main() resolved it: 256 for bytes, else from the data (data.h)
-  config.block_size = o.seq_len;
-  config.n_layer = o.layers;
-  config.n_head = o.heads;
-  config.n_embd = o.dim;
-  config.init_seed = o.seed;
-  config.device = torch::kMeta;
-  config.validate();
-
   Model m;
-  m.gpt = GPT(config);
-  for (const auto& p : m.gpt->named_parameters()) {
+  if (llama) {
+    LlamaConfig config = *llama;
+    config.device = torch::kMeta;
+    m.llama = Llama(config);
+  } else {
+    GPTConfig config;
+    config.vocab_size = o.vocab_size;  // main() resolved it: 256 for bytes, else from the data (data.h)
+    config.block_size = o.seq_len;
+    config.n_layer = o.layers;
+    config.n_head = o.heads;
+    config.n_embd = o.dim;
+    config.init_seed = o.seed;
+    config.device = torch::kMeta;
+    config.validate();
+    m.gpt = GPT(config);
+  }
+  for (const auto& p : m.module()->named_parameters()) {
     m.full_shapes["model." + p.key()] = p.value().sizes().vec();
     m.n_params += p.value().numel();
   }
   before_allocating(m.full_shapes);
   // Tensor parallel first (models/gpt_tp.h: heads and MLP split over the tp ranks, on meta), then
   // activation checkpointing and fully_shard over dp, as PyTorch composes them.
-  if (run.tp_mesh) fsdp::models::parallelize_gpt(m.gpt, *run.tp_mesh);
-  // Activation checkpointing: the chosen blocks recompute their activations in backward (every
-  // fsdp::call(block, x) is checkpointed; composes with fully_shard below and with replicate).
+  if (run.tp_mesh && m.gpt) fsdp::models::parallelize_gpt(m.gpt, *run.tp_mesh);
+  if (run.tp_mesh && m.llama) {  // torchtitan's plan, sequence parallel and loss_parallel included
+    fsdp::models::parallelize_llama(m.llama, *run.tp_mesh);
+    m.llama_tp = run.tp_mesh;
+  }
+  // Activation checkpointing: the chosen blocks (decoder layers) recompute their activations in
+  // backward (every fsdp::call(block, ...) is checkpointed; composes with fully_shard below and
+  // with replicate).
   if (const int64_t k = o.checkpoint_every_kth_block(); k > 0) {
-    fsdp::activation::apply_activation_checkpointing(
-        *m.gpt, fsdp::activation::every_kth<fsdp::models::BlockImpl>(static_cast<int>(k)));
+    if (m.gpt)
+      fsdp::activation::apply_activation_checkpointing(
+          *m.gpt, fsdp::activation::every_kth<fsdp::models::BlockImpl>(static_cast<int>(k)));
+    else
+      fsdp::activation::apply_activation_checkpointing(
+          *m.llama, fsdp::activation::every_kth<fsdp::models::LlamaDecoderLayerImpl>(static_cast<int>(k)));
   }
   if (run.sharded()) {
     fsdp::FullyShardOptions so;
@@ -185,12 +239,28 @@ Model build_model_meta(const Run& run, const std::function<void(const Shapes&)>&
       so.mp_policy.reduce_dtype = at::kFloat;    // reduce gradients in fp32; fp32 master shards
     }
     if (o.reshard_after_forward != "default") so.reshard_after_forward = o.reshard_after_forward == "true";
-    for (auto& block : m.gpt->blocks) m.units.push_back(fsdp::fully_shard(block, so));  // blocks first,
-    m.units.push_back(fsdp::fully_shard(m.gpt, so));                                    // then the root
+    if (m.gpt) {
+      for (auto& block : m.gpt->blocks) m.units.push_back(fsdp::fully_shard(block, so));  // blocks first,
+      m.units.push_back(fsdp::fully_shard(m.gpt, so));                                    // then the root
+    } else {
+      // Decoder layers, then the root (which keeps the embeddings, model.norm and lm_head: with
+      // tied embeddings the head reads model.embed_tokens.weight during the root's forward).
+      for (auto& layer : m.llama->layers()) m.units.push_back(fsdp::fully_shard(layer, so));
+      m.units.push_back(fsdp::fully_shard(m.llama, so));
+    }
   }
-  fsdp::to_empty(*m.gpt, run.device);  // this rank's shards only
-  m.gpt->reset_parameters();           // fsdp::init: same values for any world size
-  if (run.distributed() && !run.sharded()) m.ddp = fsdp::replicate(m.gpt);  // replicate: whole model per rank
+  fsdp::to_empty(*m.module(), run.device);  // this rank's shards only
+  // fsdp::init: same values for any world size (--init-from's weights are read after this).
+  if (m.gpt)
+    m.gpt->reset_parameters();
+  else
+    m.llama->reset_parameters();
+  if (run.distributed() && !run.sharded()) {  // replicate: whole model per rank
+    if (m.gpt)
+      m.ddp = fsdp::replicate(m.gpt);
+    else
+      m.ddp = fsdp::replicate(m.llama);
+  }
   return m;
 }
 
@@ -198,7 +268,7 @@ Model build_model_meta(const Run& run, const std::function<void(const Shapes&)>&
 // build_optimizer(): AdamW (or --optimizer, optimizer.h) over model->parameters(), which after
 // fully_shard are the local shards.
 std::unique_ptr<torch::optim::Optimizer> build_optimizer(const Run& run, Model& m) {
-  auto opt = make_optimizer(run.opt, m.gpt->parameters());
+  auto opt = make_optimizer(run.opt, m.parameters());
   if (run.sharded()) fsdp::check_optimizer_params(*opt);
   return opt;
 }
@@ -224,16 +294,16 @@ StepResult train_step(const Run& run, Model& m, torch::optim::Optimizer& opt, co
     if (!m.units.empty()) m.units.back().set_requires_gradient_sync(last);
     if (m.ddp) m.ddp->set_requires_gradient_sync(last);
     const at::Tensor batch = local_slice(global, run.dp_rank, run.dp_size, micro, o.grad_accum).to(run.device);
-    auto logits = fsdp::call(m.gpt, batch.narrow(1, 0, o.seq_len));
-    auto loss = fsdp::models::gpt_loss(logits.to(at::kFloat), batch.narrow(1, 1, o.seq_len)) / o.grad_accum;
+    auto logits = m.logits(batch.narrow(1, 0, o.seq_len));
+    auto loss = m.loss(logits, batch.narrow(1, 1, o.seq_len)) / o.grad_accum;
     loss.backward();
     r.local_loss += loss.item<double>();
   }
   const double max_norm = o.clip > 0 ? o.clip : std::numeric_limits<double>::infinity();
   // Sharded (FSDP, with or without TP): the norm over every rank's shards. Replicated or one
   // process: the gradients are whole (and, replicated, already averaged, so equal on every rank).
-  r.grad_norm = run.sharded() ? fsdp::clip_grad_norm_(m.gpt->parameters(), max_norm)
-                              : torch::nn::utils::clip_grad_norm_(m.gpt->parameters(), max_norm);
+  r.grad_norm = run.sharded() ? fsdp::clip_grad_norm_(m.parameters(), max_norm)
+                              : torch::nn::utils::clip_grad_norm_(m.parameters(), max_norm);
   opt.step();
   return r;
 }
@@ -267,7 +337,14 @@ std::string checkpoint_save(const Run& run, Model& m, torch::optim::Optimizer& o
     scalars.ints["data_epoch"] = next.epoch;
     scalars.ints["data_index"] = next.index;
   }
-  fsdp::checkpoint::save(dir, fsdp::checkpoint::State{m.gpt.ptr(), &opt, {{"trainer", &scalars}}, {}});
+  // A Llama run records its config.json, so the checkpoint describes itself (fsdp-ckpt export-hf).
+  fsdp::models::HFConfigState hf;
+  std::map<std::string, fsdp::checkpoint::Stateful*> extras{{"trainer", &scalars}};
+  if (m.llama) {
+    hf = fsdp::models::HFConfigState(m.llama->config);
+    extras[fsdp::models::kHFConfigEntry] = &hf;
+  }
+  fsdp::checkpoint::save(dir, fsdp::checkpoint::State{m.module(), &opt, extras, {}});
   return dir;
 }
 
@@ -275,7 +352,7 @@ std::string checkpoint_save(const Run& run, Model& m, torch::optim::Optimizer& o
 int64_t checkpoint_load(const Run& run, Model& m, torch::optim::Optimizer& opt, const std::string& dir,
                         const TokenSource& data) {
   TrainerScalars scalars;
-  fsdp::checkpoint::load(dir, fsdp::checkpoint::State{m.gpt.ptr(), &opt, {{"trainer", &scalars}}, {}});
+  fsdp::checkpoint::load(dir, fsdp::checkpoint::State{m.module(), &opt, {{"trainer", &scalars}}, {}});
   if (data.tokens() && scalars.ints.count("data_epoch") && run.rank == 0) {
     // The order is a function of (seed, step): another position means other shards or batch shape.
     const fsdp::data::Position here = data.position(scalars.ints["step"]);
@@ -341,8 +418,8 @@ std::optional<double> evaluate(const Run& run, Model& m, const TokenSource& data
     const at::Tensor global = data.val_batch(i, o.batch_size);
     for (int64_t micro = 0; micro < o.grad_accum; ++micro) {
       const at::Tensor batch = local_slice(global, run.dp_rank, run.dp_size, micro, o.grad_accum).to(run.device);
-      auto logits = fsdp::call(m.gpt, batch.narrow(1, 0, o.seq_len));
-      sum += fsdp::models::gpt_loss(logits.to(at::kFloat), batch.narrow(1, 1, o.seq_len)).item<double>();
+      auto logits = m.logits(batch.narrow(1, 0, o.seq_len));
+      sum += m.loss(logits, batch.narrow(1, 1, o.seq_len)).item<double>();
     }
   }
   for (auto& u : m.units) u.reshard();  // no backward follows: free what forward kept
@@ -368,7 +445,7 @@ std::string sample_text(const Run& run, Model& m, const TokenSource& data) {
     const int64_t len = ctx.size(1);
     at::Tensor window = ctx.narrow(1, std::max<int64_t>(0, len - o.seq_len), std::min(len, o.seq_len));
     // A forward method (fsdp/sharding/forward_method.h): gathered, then resharded on return.
-    auto logits = fsdp::call_method(m.gpt, &fsdp::models::GPTImpl::next_token_logits, window.to(run.device));
+    auto logits = m.next_token_logits(window.to(run.device));
     auto probs = at::softmax(logits.to(at::kCPU, at::kFloat)[0] / 0.8, -1);
     at::Tensor next = at::multinomial(probs, 1, false, gen).to(at::kLong);
     if (run.distributed()) {
@@ -397,9 +474,45 @@ Agreed agree_loss_and_stop(const Run& run, double local_loss) {
   return {red[0].item<double>() / run.world, red[1].item<double>() > 0};
 }
 
+BannerInfo banner_info(const Run& run, Model& m, const TokenSource& data,
+                       const std::optional<std::string>& resume_dir) {
+  const Options& o = run.opt;
+  BannerInfo info;
+  info.world = run.world;
+  info.threads = at::get_num_threads();
+  info.n_params = m.n_params;
+  info.local_params = tensor_bytes(m.parameters()) / 4;
+  info.data = data.describe();
+  info.resumed_dir = resume_dir;
+  if (m.llama) {
+    info.model = describe(m.llama->config) + (o.init_from.empty() ? " from scratch" : " from " + o.init_from);
+    if (!o.init_from.empty() && resume_dir)
+      info.resume_note = "the checkpoint wins: " + o.init_from + "'s weights are not loaded";
+  }
+  return info;
+}
+
+// --eval-only: the validation loss of the model as built or loaded, printed and written to the
+// metrics file; no training, no checkpoint.
+int evaluate_only(const Run& run, Model& m, const TokenSource& data, int64_t step,
+                  const std::optional<std::string>& resume_dir) {
+  const Options& o = run.opt;
+  Reporter report(o, run.rank == 0, step);
+  report.banner(banner_info(run, m, data, resume_dir));
+  const std::optional<double> val = evaluate(run, m, data);
+  report.evaluation(step, val);
+  if (run.distributed()) {
+    run.comm->barrier();
+    fsdp::dist::destroy_distributed();
+  }
+  return 0;
+}
+
 // main()'s body: set-up, then the loop that wires blocks 4 and 5 with evaluation and reporting.
-int run_training(const Options& options) {
-  check_checkpoint_dir(options);  // every rank, before any work: a directory it cannot write stops it here
+// `llama`: the Llama's configuration (model.h), nullopt for the GPT.
+int run_training(const Options& options, const std::optional<LlamaConfig>& llama) {
+  // Every rank, before any work: a directory it cannot write stops it here (--eval-only writes none).
+  if (!options.eval_only) check_checkpoint_dir(options);
   // Memory preflight (preflight.h), before the process group and any allocation. Every rank
   // computes the same estimate; rank 0 prints it before the model is allocated.
   const fsdp::dist::LaunchEnv env =
@@ -412,7 +525,8 @@ int run_training(const Options& options) {
   validate_for_world(o, run.world);
   const bool r0 = run.rank == 0;
   // One run per --checkpoint-dir: rank 0 holds the lock until the process ends (checkpoints.h).
-  const auto checkpoint_lock = lock_checkpoint_dir(o, run.rank, run.comm.get());
+  const auto checkpoint_lock =
+      o.eval_only ? fsdp::checkpoint::DirectoryLock{} : lock_checkpoint_dir(o, run.rank, run.comm.get());
   TokenSource data(o);  // token shards: those resolve_vocab() opened and checked in main()
 
   // -- 2 (the resume checkpoint is checked against the model's shapes before anything is allocated)
@@ -421,18 +535,22 @@ int run_training(const Options& options) {
   if (r0) {
     for (const auto& w : resume.warnings) std::printf("train_gpt: warning: %s\n", w.c_str());
   }
-  Model m = build_model_meta(run, [&](const Shapes& shapes) {
+  Model m = build_model_meta(run, llama, [&](const Shapes& shapes) {
     if (resume_dir) check_checkpoint_shapes(*resume_dir, shapes);
     if (r0) {
       std::printf("train_gpt: %s\n", memory.c_str());  // then the (possibly long) allocation and init
       std::fflush(stdout);
     }
   });
+  // --init-from: each rank reads its own rows of the Hugging Face weights, unless a checkpoint
+  // to resume is there (it wins: it holds the weights trained since).
+  if (!o.init_from.empty() && !resume_dir) fsdp::models::load_hf_weights(*m.llama, o.init_from);
   // -- 3
   auto opt = build_optimizer(run, m);
   // -- 5 (load)
   int64_t start_step = 0;
   if (resume_dir) start_step = checkpoint_load(run, m, *opt, *resume_dir, data);
+  if (o.eval_only) return evaluate_only(run, m, data, start_step, resume_dir);
   if (resume_dir && start_step >= o.steps) {  // nothing to do: say so, leave the metrics file alone
     if (r0) {
       std::printf(
@@ -449,8 +567,7 @@ int run_training(const Options& options) {
   check_save_targets(o, start_step);  // a scheduled save into a damaged folder: refused now, not after training
 
   Reporter report(o, r0, start_step);  // rank 0's banner, progress lines, metrics file (report.h)
-  report.banner({run.world, at::get_num_threads(), m.n_params, tensor_bytes(m.gpt->parameters()) / 4, data.describe(),
-                 resume_dir});
+  report.banner(banner_info(run, m, data, resume_dir));
   if (r0 && run.sharded() && run.dp_size == 1 && o.reshard_after_forward != "default") {
     std::printf(
         "train_gpt: note: --reshard-after-forward %s has no effect with a data-parallel size of 1 (each "
@@ -481,8 +598,8 @@ int run_training(const Options& options) {
       if (!val) stop = true;  // interrupted: save this step's state and exit
     }
     if (r0) {
-      report.step({step, loss, lr, r.grad_norm, cost.seconds, cost.comm_bytes, tensor_bytes(m.gpt->parameters()),
-                   grad_bytes(m.gpt->parameters()), optimizer_state_bytes(*opt), memory_now.current_bytes,
+      report.step({step, loss, lr, r.grad_norm, cost.seconds, cost.comm_bytes, tensor_bytes(m.parameters()),
+                   grad_bytes(m.parameters()), optimizer_state_bytes(*opt), memory_now.current_bytes,
                    memory_now.peak_bytes.at(0), memory_now.max_peak_bytes(), val,
                    data.tokens() ? std::optional(data.position(step)) : std::nullopt});
     }
@@ -500,6 +617,21 @@ int run_training(const Options& options) {
     }
   }
 
+  // --export-hf: the trained model as a Hugging Face folder (collective: the ranks gather one
+  // tensor at a time, rank 0 writes). Not after a signal: the checkpoint holds that state
+  // (fsdp-ckpt export-hf CHECKPOINT OUT writes the same folder from it).
+  if (!stopped && !o.export_hf.empty()) {
+    fsdp::models::HFSaveOptions save;
+    save.dtype = o.export_dtype == "bf16" ? at::kBFloat16 : at::kFloat;
+    save.copy_from = o.init_from;
+    const StepTimer export_timer;
+    fsdp::models::save_hf(*m.llama, o.export_hf, save);
+    if (r0) {
+      std::printf("train_gpt: exported the model (%s) to %s for transformers (%.2f s)\n", o.export_dtype.c_str(),
+                  o.export_hf.c_str(), export_timer.finish().seconds);
+      std::fflush(stdout);
+    }
+  }
   const std::string sample = !stopped && o.sample_tokens > 0 ? sample_text(run, m, data) : "";
   report.finish(step, run.world, stopped, last_saved, sample);
   if (run.distributed()) {
@@ -520,8 +652,11 @@ int main(int argc, char** argv) {
   if (!options) return exit_code;
   try {
     validate(*options);
+    // --init-from: the sizes and the vocabulary from config.json (model.h), before the data is checked against it.
+    std::optional<LlamaConfig> llama = options->init_from.empty() ? std::nullopt : resolve_model(*options);
     options->vocab_size = resolve_vocab(*options);  // token shards checked here, before any work (data.h)
-    return run_training(*options);
+    if (options->llama() && !llama) llama = resolve_model(*options);  // from scratch: sized by the options
+    return run_training(*options, llama);
   } catch (const std::invalid_argument& e) {
     std::fprintf(stderr, "train_gpt: error: %s\n", error_text(e).c_str());
     return 2;

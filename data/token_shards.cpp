@@ -112,6 +112,16 @@ Shard::Shard(const std::string& path) : path_(path) {
   if (m == MAP_FAILED) fail("cannot map token shard " + quoted(path) + ": " + std::strerror(errno));
   map_ = static_cast<const unsigned char*>(m);
   map_bytes_ = static_cast<size_t>(bytes);
+  tokens_at_ = map_ + kHeaderBytes;
+}
+
+Shard::Shard(std::string name, std::vector<uint32_t> tokens, int64_t vocab)
+    : path_(std::move(name)),
+      owned_(std::move(tokens)),
+      tokens_(static_cast<int64_t>(owned_.size())),
+      token_bytes_(4),
+      vocab_(vocab > 0 ? vocab : 0) {
+  tokens_at_ = reinterpret_cast<const unsigned char*>(owned_.data());
 }
 
 Shard::~Shard() {
@@ -122,16 +132,19 @@ Shard::Shard(Shard&& o) noexcept
     : path_(std::move(o.path_)),
       map_(o.map_),
       map_bytes_(o.map_bytes_),
+      owned_(std::move(o.owned_)),  // a moved vector keeps its buffer: tokens_at_ stays valid
+      tokens_at_(o.tokens_at_),
       tokens_(o.tokens_),
       token_bytes_(o.token_bytes_),
       vocab_(o.vocab_) {
   o.map_ = nullptr;
+  o.tokens_at_ = nullptr;
 }
 
 uint32_t Shard::max_token() const {
   std::call_once(max_once_, [&] {
     if (tokens_ == 0) return;
-    const unsigned char* p = map_ + kHeaderBytes;
+    const unsigned char* p = tokens_at_;
     max_token_ = token_bytes_ == 2 ? max_of(reinterpret_cast<const uint16_t*>(p), tokens_)
                                    : max_of(reinterpret_cast<const uint32_t*>(p), tokens_);
   });
@@ -139,7 +152,7 @@ uint32_t Shard::max_token() const {
 }
 
 void Shard::read(int64_t start, int64_t n, int64_t* out) const {
-  const unsigned char* p = map_ + kHeaderBytes;
+  const unsigned char* p = tokens_at_;
   if (token_bytes_ == 2) {
     widen(reinterpret_cast<const uint16_t*>(p) + start, n, out);
   } else {
@@ -152,6 +165,13 @@ TokenShards::TokenShards(const std::vector<std::string>& paths) {
     shards_.push_back(std::make_unique<Shard>(path));
     starts_.push_back(total_);
     total_ += shards_.back()->size();
+  }
+}
+
+TokenShards::TokenShards(std::vector<std::unique_ptr<Shard>> shards) : shards_(std::move(shards)) {
+  for (const auto& s : shards_) {
+    starts_.push_back(total_);
+    total_ += s->size();
   }
 }
 
@@ -210,6 +230,9 @@ void TokenShards::read_windows(const std::vector<int64_t>& windows, int64_t seq_
 }
 
 std::string TokenShards::describe() const {
+  if (std::all_of(shards_.begin(), shards_.end(), [](const auto& s) { return s->in_memory(); })) {
+    return std::to_string(total_) + " tokens in memory";
+  }
   bool u16 = false, u32 = false;
   for (const auto& s : shards_) (s->token_bytes() == 2 ? u16 : u32) = true;
   return std::to_string(shards_.size()) + (shards_.size() == 1 ? " shard, " : " shards, ") + std::to_string(total_) +

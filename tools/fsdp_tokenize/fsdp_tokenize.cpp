@@ -15,7 +15,6 @@
 #include <unistd.h>
 
 #include <CLI/CLI.hpp>
-#include <nlohmann/json.hpp>
 
 #include <algorithm>
 #include <atomic>
@@ -29,6 +28,7 @@
 #include <thread>
 #include <vector>
 
+#include "fsdp/data/documents.h"
 #include "fsdp/data/token_shards.h"
 #include "fsdp/data/tokenizer.h"
 
@@ -53,20 +53,10 @@ struct InputError : std::runtime_error {
   using std::runtime_error::runtime_error;
 };
 
-bool is_json_lines(const std::string& path) {
-  const std::string ext = fs::path(path).extension().string();
-  return ext == ".jsonl" || ext == ".json" || ext == ".ndjson";
-}
-
-// A document as read: its text, or (JSON lines) the line and where it came from.
-struct Doc {
-  std::string raw;
-  bool json = false;
-  std::string where;  // "file:line", for errors
-};
+using fsdp::data::RawDocument;
 
 // Encodes a batch of documents on `threads` threads; result[i] holds document i's ids.
-std::vector<std::vector<uint32_t>> encode_batch(const Tokenizer& tok, const std::vector<Doc>& docs,
+std::vector<std::vector<uint32_t>> encode_batch(const Tokenizer& tok, const std::vector<RawDocument>& docs,
                                                 const std::string& field, int threads) {
   std::vector<std::vector<uint32_t>> result(docs.size());
   std::vector<std::string> errors(docs.size());
@@ -74,17 +64,7 @@ std::vector<std::vector<uint32_t>> encode_batch(const Tokenizer& tok, const std:
   auto work = [&] {
     for (size_t i = next++; i < docs.size(); i = next++) {
       try {
-        std::string text;
-        if (docs[i].json) {
-          const auto j = nlohmann::json::parse(docs[i].raw);
-          if (!j.is_object() || !j.contains(field) || !j[field].is_string()) {
-            throw InputError(docs[i].where + ": no string field \"" + field + "\" (give --field NAME)");
-          }
-          text = j[field].get<std::string>();
-        }
-        tok.encode_document(docs[i].json ? text : docs[i].raw, result[i]);
-      } catch (const nlohmann::json::exception& e) {
-        errors[i] = docs[i].where + ": not JSON (" + e.what() + ")";
+        tok.encode_document(fsdp::data::document_text(docs[i], field), result[i]);
       } catch (const std::exception& e) {
         errors[i] = e.what();
       }
@@ -199,7 +179,7 @@ int run(const Options& o) {
   const double t0 = now_s();
   double last_print = t0;
   int64_t read_bytes = 0, documents = 0;
-  std::vector<Doc> batch;
+  std::vector<RawDocument> batch;
   size_t batch_bytes = 0;
   constexpr size_t kBatchBytes = 8 << 20;  // per round of the threads
   auto progress = [&](bool final) {
@@ -219,34 +199,17 @@ int run(const Options& o) {
     batch_bytes = 0;
     progress(false);
   };
-  auto add = [&](Doc&& d) {
+  auto add = [&](RawDocument&& d) {
     batch_bytes += d.raw.size();
     batch.push_back(std::move(d));
     if (batch_bytes >= kBatchBytes) run_batch();
   };
   for (const auto& in : o.inputs) {
-    std::ifstream f(in, std::ios::binary);
-    const bool json = is_json_lines(in);
-    std::string line, doc;
-    bool in_doc = false;
-    int64_t line_no = 0;
-    while (std::getline(f, line)) {
-      ++line_no;
-      read_bytes += static_cast<int64_t>(line.size()) + 1;
-      if (json) {
-        if (line.find_first_not_of(" \t\r") == std::string::npos) continue;  // blank lines between records
-        add({line, true, in + ":" + std::to_string(line_no)});
-      } else if (line.empty()) {
-        if (in_doc) add({std::move(doc), false, in});
-        doc.clear();
-        in_doc = false;
-      } else {
-        if (in_doc) doc.push_back('\n');
-        doc += line;
-        in_doc = true;
-      }
-    }
-    if (in_doc) add({std::move(doc), false, in});
+    const int64_t before = read_bytes;
+    fsdp::data::read_documents(in, [&](RawDocument&& d, int64_t file_bytes) {
+      read_bytes = before + file_bytes;
+      add(std::move(d));
+    });
   }
   if (!batch.empty()) run_batch();
   if (writer.total() == 0) throw InputError("no documents in the input: nothing to write");

@@ -44,6 +44,9 @@ std::vector<std::string> expand_glob(const std::string& pattern);
 class Shard {
  public:
   explicit Shard(const std::string& path);
+  // Tokens held in memory (e.g. a text file encoded on the fly, text_tokens.h) read exactly like a
+  // shard: `name` stands for the path in messages, `vocab` is what header[3] would record (0: none).
+  Shard(std::string name, std::vector<uint32_t> tokens, int64_t vocab);
   ~Shard();
   Shard(Shard&& other) noexcept;
   Shard& operator=(Shard&&) = delete;
@@ -51,8 +54,9 @@ class Shard {
 
   const std::string& path() const { return path_; }
   int64_t size() const { return tokens_; }          // tokens
-  int token_bytes() const { return token_bytes_; }  // 2 (GPT-2 format) or 4 (Llama 3 format)
-  int64_t vocab() const { return vocab_; }          // header[3], 0 when not recorded
+  int token_bytes() const { return token_bytes_; }  // 2 (GPT-2 format) or 4 (Llama 3 format; in memory)
+  bool in_memory() const { return !owned_.empty(); }
+  int64_t vocab() const { return vocab_; }  // header[3], 0 when not recorded
   // The largest token id, computed on first use (one sequential pass over the shard).
   uint32_t max_token() const;
   // Tokens [start, start + n) as int64.
@@ -62,6 +66,8 @@ class Shard {
   std::string path_;
   const unsigned char* map_ = nullptr;  // the whole file
   size_t map_bytes_ = 0;
+  std::vector<uint32_t> owned_;               // the tokens of an in-memory shard
+  const unsigned char* tokens_at_ = nullptr;  // the first token (in the mapping, or owned_)
   int64_t tokens_ = 0;
   int token_bytes_ = 2;
   int64_t vocab_ = 0;
@@ -74,6 +80,8 @@ class TokenShards {
  public:
   // Opens and checks every shard (headers and sizes); throws DataError on the first bad one.
   explicit TokenShards(const std::vector<std::string>& paths);
+  // Shards already open (in-memory ones included), read in the order given.
+  explicit TokenShards(std::vector<std::unique_ptr<Shard>> shards);
 
   int64_t size() const { return total_; }  // tokens over all shards
   const std::vector<std::unique_ptr<Shard>>& shards() const { return shards_; }
@@ -89,7 +97,7 @@ class TokenShards {
   // Window w is tokens [w*T, w*T + T] (T + 1: inputs and targets); writes windows.size() rows of
   // T + 1 tokens, row-major.
   void read_windows(const std::vector<int64_t>& windows, int64_t seq_len, int64_t* out) const;
-  // "3 shards, 1234567 tokens (uint16)".
+  // "3 shards, 1234567 tokens (uint16)"; "1234567 tokens in memory" for in-memory shards.
   std::string describe() const;
 
  private:

@@ -40,6 +40,13 @@ if [ "$FLAVOUR" = cpu ]; then
   COMPONENTS="main"
   PACKAGES=(libtorch-dev libgloo-dev libopenblas0-pthread cmake ninja-build g++ ccache libgtest-dev
             nlohmann-json3-dev zlib1g-dev libcli11-dev libsentencepiece-dev libabsl-dev sentencepiece)
+  # The other side of the checks against PyTorch's own tools: torchrun (python3-torch), transformers
+  # and its tokenizers (protobuf reads a tokenizer.model). ~107 MB of downloads, ~1 min to install;
+  # an existing chroot gets whichever are missing.
+  PACKAGES+=(python3-torch python3-transformers python3-safetensors python3-tokenizers python3-sentencepiece
+             python3-protobuf)
+  # Tests that skip where these are absent must run here: they fail instead of skipping.
+  REQUIRE_PYTHON=1
   BUILD=/build-torch2
 else
   CHROOT="${FSDP_CUDA_CHROOT:-/var/cache/fsdp/chroot-cuda}"
@@ -50,6 +57,7 @@ else
   PACKAGES=(libtorch-cuda-dev libgloo-cuda-dev libnccl-dev nvidia-cuda-toolkit cmake ninja-build g++ ccache libgtest-dev
             nlohmann-json3-dev zlib1g-dev libcli11-dev libsentencepiece-dev libabsl-dev)
   BUILD=/build-torch2-cuda
+  REQUIRE_PYTHON=0
   # No cuDNN (see the stub below): executables link with its symbols unresolved; nothing runs.
   CMAKE_ARGS+=" -DCMAKE_EXE_LINKER_FLAGS=-Wl,--allow-shlib-undefined"
 fi
@@ -172,10 +180,13 @@ if [ -f "$MARKER" ]; then
     in_chroot dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
   done
   if ((${#missing[@]})); then
+    t_install=$SECONDS
     log "installing ${missing[*]}"
     apt_update
     apt_install "${missing[@]}"
+    in_chroot apt-get clean
     echo "$want" >"$MARKER"
+    log "installed in $((SECONDS - t_install)) s"
   fi
 else
   if [ -e "$CHROOT" ]; then
@@ -232,7 +243,7 @@ log "LibTorch $(torch_version) on Debian $SUITE ($about)"
 inside() {
   local rc=0
   setsid env -i PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin HOME=/root LANG=C.UTF-8 \
-    USE_LIBUV=0 TERM="${TERM:-dumb}" chroot "$CHROOT" bash -c "$1" </dev/null &
+    USE_LIBUV=0 FSDP_REQUIRE_PYTHON_CHECKS="$REQUIRE_PYTHON" TERM="${TERM:-dumb}" chroot "$CHROOT" bash -c "$1" </dev/null &
   CHILD=$!
   wait "$CHILD" || rc=$?
   CHILD=""
@@ -253,6 +264,11 @@ if [ "$FLAVOUR" = cuda ]; then
   log "LibTorch $(torch_version) CUDA: configured and compiled with FSDP_HAS_NCCL in $(elapsed) (no GPU: no tests)"
   exit 0
 fi
+# The checks against torchrun and transformers are registered only where CMake found a python3:
+# here they must be (FSDP_REQUIRE_PYTHON_CHECKS turns their skips into failures).
+python_tests=$(inside "cd $BUILD && ctest -N -R '^python_'" | grep -c 'Test *#' || true)
+[ "$python_tests" -ge 3 ] ||
+  die "ctest lists $python_tests python_* tests in $BUILD (expected 3: python_hf_logits, python_hf_export, python_spm_tokenizer)"
 log "ctest ($(elapsed) so far)"
 inside "cd $BUILD && ctest --output-on-failure"
 log "LibTorch $(torch_version): build and tests passed in $(elapsed)"

@@ -9,7 +9,9 @@ a loader must reproduce.
   python3 -m venv /tmp/hfenv && /tmp/hfenv/bin/pip install torch transformers safetensors
   /tmp/hfenv/bin/python scripts/make-hf-fixtures.py tests/models/fixtures
 
-Python is only the other side of the check: the library and its tests never run it.
+Python is only the other side of the check: the library never runs it. The LibTorch 2.14 half of
+CI also makes these folders afresh at test time (other seeds, with Debian sid's transformers):
+tests/models/python/check_against_transformers.py imports FIXTURES and make() from this file.
 """
 import json
 import os

@@ -9,6 +9,7 @@
 
 #include <torch/torch.h>
 
+#include "fsdp/debug.h"
 #include "fsdp/fsdp.h"
 
 namespace {

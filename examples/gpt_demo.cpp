@@ -10,6 +10,7 @@
 #include <cstdlib>
 #include <string>
 
+#include "fsdp/debug.h"
 #include "fsdp/fsdp.h"
 #include "models/gpt.h"
 

@@ -1,31 +1,35 @@
 #pragma once
-// FSDP for LibTorch: everything a training program needs, in one include.
-#include "fsdp/activation/checkpoint.h"
+// FSDP for LibTorch: the user's API, in one include (ARCHITECTURE.md draws the layers).
+//
+//   distributed runtime   fsdp/dist/runtime.h, fsdp/dist/env.h      init_distributed, rank, world
+//   meshes and groups     fsdp/mesh/device_mesh.h, fsdp/comm/comm.h  DeviceMesh, Comm collectives
+//   sharding              fsdp/sharding/fully_shard.h, policies.h, call.h, forward_method.h,
+//                         replicate.h, materialize.h, clip_grad.h, fsdp1.h
+//   tensor parallel       fsdp/tensor_parallel/tensor_parallel.h
+//   activation ckpt       fsdp/activation/activation_checkpointing.h
+//   checkpoints           fsdp/checkpoint/{checkpoint,state_dict,optimizer_state,safetensors,
+//                         inspect,lock}.h
+//
+// Diagnostics and tuning (phase timers, communication counters, flight recorder, desync checks,
+// buffer pool, malloc and CPU tuning) are a separate include: fsdp/debug.h. Version differences of
+// LibTorch live in fsdp/compat/, template plumbing in fsdp/detail/; neither is included directly.
+#include "fsdp/activation/activation_checkpointing.h"
 #include "fsdp/checkpoint/checkpoint.h"
 #include "fsdp/checkpoint/inspect.h"
 #include "fsdp/checkpoint/lock.h"
 #include "fsdp/checkpoint/optimizer_state.h"
 #include "fsdp/checkpoint/safetensors.h"
 #include "fsdp/checkpoint/state_dict.h"
-#include "fsdp/comm/backend.h"
 #include "fsdp/comm/comm.h"
-#include "fsdp/comm/comm_stats.h"
-#include "fsdp/comm/desync.h"
-#include "fsdp/comm/flight_recorder.h"
-#include "fsdp/comm/work.h"
-#include "fsdp/dist/cpu_tuning.h"
 #include "fsdp/dist/env.h"
 #include "fsdp/dist/runtime.h"
 #include "fsdp/mesh/device_mesh.h"
 #include "fsdp/sharding/call.h"
 #include "fsdp/sharding/clip_grad.h"
-#include "fsdp/sharding/cpu_collectives.h"
 #include "fsdp/sharding/forward_method.h"
 #include "fsdp/sharding/fsdp1.h"
 #include "fsdp/sharding/fully_shard.h"
-#include "fsdp/sharding/gpu_stats.h"
 #include "fsdp/sharding/materialize.h"
-#include "fsdp/sharding/phase_timers.h"
 #include "fsdp/sharding/policies.h"
 #include "fsdp/sharding/replicate.h"
 #include "fsdp/tensor_parallel/tensor_parallel.h"

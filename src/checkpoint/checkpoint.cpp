@@ -32,6 +32,7 @@
 #include "checkpoint_index.h"
 #include "fsdp/checkpoint/safetensors.h"
 #include "fsdp/comm/comm.h"
+#include "fsdp/debug/fault_injection.h"
 #include "fsdp/dist/runtime.h"
 #include "state_items.h"
 
@@ -192,7 +193,7 @@ void write_synced_file(const fs::path& path, const std::string& text, bool fail_
   if (::close(fd) != 0 && err == 0) err = errno;
   if (err != 0)
     throw CheckpointError("checkpoint: cannot write '" + path.string() + "': " + error_text(err) +
-                          (fail_half_way ? " (SaveOptions::fail_after_files test hook)" : ""));
+                          (fail_half_way ? " (SaveFaults::fail_after_files, injected by a test)" : ""));
 }
 
 std::vector<uint32_t> block_crcs(const uint8_t* data, uint64_t bytes) {
@@ -204,14 +205,24 @@ std::vector<uint32_t> block_crcs(const uint8_t* data, uint64_t bytes) {
 
 // ---- save ----------------------------------------------------------------------------------
 
+std::mutex& save_faults_mutex() {
+  static std::mutex m;
+  return m;
+}
+SaveFaults& injected_save_faults() {
+  static SaveFaults faults;
+  return faults;
+}
+
 struct SavePlan {
   std::string dir;
-  SaveOptions options;
+  SaveFaults options;               // injected failures (fsdp/debug/fault_injection.h); none in training
   std::vector<std::string> extras;  // Stateful entry names, recorded in the index
   std::vector<LocalItem> items;     // only what this rank writes; `local` contiguous on CPU
 };
 
-SavePlan make_plan(const std::string& dir, const State& state, const SaveOptions& options, bool copy) {
+SavePlan make_plan(const std::string& dir, const State& state, bool copy) {
+  const SaveFaults options = save_faults();
   if (!state.model && state.tensors.empty())
     throw CheckpointError(
         "checkpoint::save: State::model is null and State::tensors empty; pass the (sharded) model "
@@ -608,16 +619,26 @@ void load_item(ChunkReader& reader, const std::string& dir, const Index& index, 
 
 // ---- public API ----------------------------------------------------------------------------
 
-void save(const std::string& dir, const State& state, const SaveOptions& options) {
-  wait_for_previous_save();
-  auto group = checkpoint_comm();
-  write_and_commit(make_plan(dir, state, options, /*copy=*/false), *group);
+void set_save_faults(const SaveFaults& faults) {
+  std::lock_guard<std::mutex> lock(save_faults_mutex());
+  injected_save_faults() = faults;
 }
 
-AsyncSave async_save(const std::string& dir, const State& state, const SaveOptions& options) {
+SaveFaults save_faults() {
+  std::lock_guard<std::mutex> lock(save_faults_mutex());
+  return injected_save_faults();
+}
+
+void save(const std::string& dir, const State& state) {
   wait_for_previous_save();
   auto group = checkpoint_comm();
-  auto plan = std::make_shared<SavePlan>(make_plan(dir, state, options, /*copy=*/true));
+  write_and_commit(make_plan(dir, state, /*copy=*/false), *group);
+}
+
+AsyncSave async_save(const std::string& dir, const State& state) {
+  wait_for_previous_save();
+  auto group = checkpoint_comm();
+  auto plan = std::make_shared<SavePlan>(make_plan(dir, state, /*copy=*/true));
   auto promise = std::make_shared<std::promise<void>>();
   std::shared_future<void> done = promise->get_future().share();
   auto& slot = in_flight();

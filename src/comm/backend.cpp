@@ -7,6 +7,8 @@
 #include <cstdlib>
 #include <stdexcept>
 
+#include <torch/csrc/distributed/c10d/ProcessGroupGloo.hpp>
+
 #ifdef FSDP_HAS_NCCL
 #include <torch/csrc/distributed/c10d/ProcessGroupNCCL.hpp>
 #endif

@@ -4,9 +4,9 @@
 #include <sstream>
 #include <stdexcept>
 
-#include "../memory/buffer_pool.h"
-#include "fsdp/comm/desync.h"
-#include "fsdp/comm/flight_recorder.h"
+#include "fsdp/debug/desync.h"
+#include "fsdp/debug/flight_recorder.h"
+#include "memory/buffer_alloc.h"
 
 namespace fsdp::comm {
 

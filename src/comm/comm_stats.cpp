@@ -1,4 +1,4 @@
-#include "fsdp/comm/comm_stats.h"
+#include "fsdp/debug/comm_stats.h"
 
 #include <cstdio>
 

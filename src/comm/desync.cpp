@@ -1,5 +1,5 @@
-// Collective desync detection: see include/fsdp/comm/desync.h.
-#include "fsdp/comm/desync.h"
+// Collective desync detection: see include/fsdp/debug/desync.h.
+#include "fsdp/debug/desync.h"
 
 #include <c10/core/impl/VirtualGuardImpl.h>
 

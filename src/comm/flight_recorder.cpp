@@ -1,4 +1,4 @@
-#include "fsdp/comm/flight_recorder.h"
+#include "fsdp/debug/flight_recorder.h"
 
 #include <unistd.h>
 

@@ -36,8 +36,8 @@
 #include <stdexcept>
 #include <string>
 
-#include "../memory/buffer_pool.h"
 #include "fsdp/comm/comm.h"
+#include "memory/buffer_alloc.h"
 
 namespace fsdp::comm {
 

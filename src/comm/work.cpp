@@ -4,7 +4,7 @@
 #include <iostream>
 #include <mutex>
 
-#include "fsdp/comm/flight_recorder.h"
+#include "fsdp/debug/flight_recorder.h"
 
 namespace fsdp::comm {
 

@@ -1,4 +1,4 @@
-#include "fsdp/dist/cpu_tuning.h"
+#include "fsdp/debug/cpu_tuning.h"
 
 #include <dlfcn.h>
 #include <unistd.h>

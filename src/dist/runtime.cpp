@@ -136,7 +136,7 @@ compat::StorePtr connect_store(const LaunchEnv& env, const StoreEnv& store_env, 
 // Drops what a failed start had made (the store: a TCPStore server's thread and connections)
 // without letting a c10d destructor that blocks hold the error back: the teardown runs on a helper
 // thread, waited for at most `limit`; past that it is left to finish on its own, or to end with
-// the process. (Issue 18: on a loaded machine, a failed start once did not end its process.)
+// the process. (On a loaded machine a failed start once did not end its process.)
 void release_bounded(std::unique_ptr<Runtime> rt, std::chrono::milliseconds limit) {
   auto done = std::make_shared<std::promise<void>>();
   auto finished = done->get_future();

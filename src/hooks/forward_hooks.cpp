@@ -1,6 +1,7 @@
 // The module-hook registry (see [Note: one hook mechanism for fsdp::call] in
 // fsdp/hooks/forward_hooks.h): forward hooks and call wrappers, keyed by module.
 #include "fsdp/hooks/forward_hooks.h"
+#include "fsdp/detail/hooks.h"
 
 #include <algorithm>
 #include <atomic>

@@ -1,4 +1,4 @@
-#include "buffer_pool.h"
+#include "memory/buffer_alloc.h"
 
 #include <sys/mman.h>
 #include <unistd.h>

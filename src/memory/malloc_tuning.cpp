@@ -1,4 +1,4 @@
-#include "fsdp/memory/malloc_tuning.h"
+#include "fsdp/debug/malloc_tuning.h"
 
 #include <cstdio>
 #include <cstdlib>

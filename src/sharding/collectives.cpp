@@ -8,8 +8,8 @@
 #include <stdexcept>
 #include <string>
 
-#include "../memory/buffer_pool.h"
-#include "fsdp/sharding/cpu_collectives.h"
+#include "fsdp/debug/cpu_collectives.h"
+#include "memory/buffer_alloc.h"
 
 namespace fsdp::detail {
 

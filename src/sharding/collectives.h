@@ -36,7 +36,7 @@ void copy_in_post_forward(const FSDPParams& params, const std::vector<int64_t>& 
                           int first_rank);
 
 // [Note: FSDP's CPU collectives, per parameter]
-// On a Gloo shard group of CPU tensors (fsdp/sharding/cpu_collectives.h) a unit's all-gather and
+// On a Gloo shard group of CPU tensors (fsdp/debug/cpu_collectives.h) a unit's all-gather and
 // reduce-scatter need not go through the flat [N, total] layout above: Gloo's send/recv take any
 // contiguous memory, and a parameter's dim-0 rows of rank r are contiguous both in r's shard and in
 // the unsharded parameter. So

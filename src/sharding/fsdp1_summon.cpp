@@ -11,6 +11,7 @@
 #include "fsdp1_state.h"
 #include "fsdp_param.h"
 #include "fsdp_state.h"
+#include "recompute.h"
 #include "registry.h"
 
 namespace fsdp {
@@ -205,8 +206,8 @@ std::vector<std::pair<std::string, FSDPModule>> named_fsdp_modules(torch::nn::Mo
 
 std::vector<std::string> unit_parameter_names(const FSDPModule& unit) {
   std::vector<std::string> names;
-  if (unit.state()->group()) {
-    for (const auto& p : unit.state()->group()->params()) names.push_back(p->fqn());
+  if (detail::state_of(unit)->group()) {
+    for (const auto& p : detail::state_of(unit)->group()->params()) names.push_back(p->fqn());
   }
   return names;
 }

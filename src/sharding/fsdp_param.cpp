@@ -4,7 +4,7 @@
 
 #include <stdexcept>
 
-#include "../memory/buffer_pool.h"
+#include "memory/buffer_alloc.h"
 #include "module_access.h"
 #include "registry.h"
 
@@ -14,7 +14,7 @@ namespace {
 
 // Frees or re-allocates a storage in place: the StorageImpl object (which autograd's saved views
 // hold) stays the same. On the CPU the memory comes from FSDP's buffer pool (reused unit after unit
-// and step after step, see fsdp/memory/buffer_pool.h); elsewhere from the storage's own allocator.
+// and step after step, see fsdp/debug/buffer_pool.h); elsewhere from the storage's own allocator.
 void set_storage_bytes(c10::StorageImpl* storage, size_t nbytes) {
   if (nbytes == 0) {
     storage->set_data_ptr_noswap(at::DataPtr(nullptr, storage->device()));

@@ -5,8 +5,9 @@
 
 #include <optional>
 
-#include "../memory/buffer_pool.h"
 #include "collectives.h"
+#include "fsdp/debug/profiler.h"
+#include "memory/buffer_alloc.h"
 #include "phase_timers.h"
 
 namespace fsdp::detail {
@@ -75,10 +76,12 @@ void FSDPParamGroup::unshard(bool async_op, const c10::Event* after) {
     GatherPieces pieces;
     {
       PhaseScope timed(Phase::CopyIn);  // allocating the unsharded parameters, packing the small shards
+      const profiler::Range range("fsdp::copy_in", label);
       pieces = build_gather_pieces(params_, comm_->rank(), n);
     }
     {
       PhaseScope timed(Phase::AllGatherIssue);  // includes this rank's own rows, copied while the data moves
+      const profiler::Range range("fsdp::all_gather", label);
       all_gather_work_ = comm_->all_gather_pieces(pieces.ins, pieces.outs, /*async_op=*/true);
     }
     gather_pieces_ = std::move(pieces);
@@ -107,6 +110,7 @@ void FSDPParamGroup::unshard(bool async_op, const c10::Event* after) {
   at::Tensor input = all_gather_output_[comm_->rank()];
   auto copy_in = [&] {
     PhaseScope timed(Phase::CopyIn);
+    const profiler::Range range("fsdp::copy_in", label);
     copy_in_all_gather_input(params_, offsets_, input);
   };
   if (s) {
@@ -123,11 +127,13 @@ void FSDPParamGroup::unshard(bool async_op, const c10::Event* after) {
     DeviceStreams::wait_stream(s->all_gather, s->copy_in);
     c10::StreamGuard on_all_gather(s->all_gather);
     PhaseScope timed(Phase::AllGatherIssue);
+    const profiler::Range range("fsdp::all_gather", label);
     all_gather_work_ = comm_->all_gather_into_tensor(all_gather_output_.view(-1), input, /*async_op=*/true);
     all_gather_input_ = input;
   } else {
     copy_in();
     PhaseScope timed(Phase::AllGatherIssue);
+    const profiler::Range range("fsdp::all_gather", label);
     all_gather_work_ = comm_->all_gather_into_tensor(all_gather_output_.view(-1), input, /*async_op=*/true);
   }
   state_ = State::Unsharding;
@@ -143,16 +149,19 @@ void FSDPParamGroup::wait_for_unshard() {
     {
       c10::StreamGuard on_all_gather(s->all_gather);
       PhaseScope timed(Phase::AllGatherWait);
+      const profiler::Range range("fsdp::all_gather_wait", label);
       all_gather_work_.wait();
     }
     s->current_waits_for_all_gather();
   } else {
     PhaseScope timed(Phase::AllGatherWait);
+    const profiler::Range range("fsdp::all_gather_wait", label);
     all_gather_work_.wait();
   }
   if (gather_pieces_) {
     {
       PhaseScope timed(Phase::CopyOut);  // the packed small shards only
+      const profiler::Range range("fsdp::copy_out", label);
       copy_out_gather_pieces(*gather_pieces_);
     }
     all_gather_work_ = comm::Work();
@@ -164,6 +173,7 @@ void FSDPParamGroup::wait_for_unshard() {
   }
   {
     PhaseScope timed(Phase::CopyOut);
+    const profiler::Range range("fsdp::copy_out", label);
     copy_out_all_gather_output(params_, offsets_, all_gather_output_, total_shard_numel_);
   }
   // Freed: only the unsharded parameters hold the data now. On a GPU the current stream has waited
@@ -181,6 +191,7 @@ void FSDPParamGroup::reshard() {
   post_forward_shard_ = at::Tensor();
   if (state_ != State::Unsharded) return;
   PhaseScope timed(Phase::Reshard);
+  const profiler::Range range("fsdp::reshard", label);
   for (auto& p : params_) p->free_unsharded();
   state_ = State::Sharded;
 }
@@ -207,6 +218,7 @@ void FSDPParamGroup::post_backward() {
     if (reshard_after_backward) reshard();
     return;
   }
+  const profiler::Range range("fsdp::post_backward_reduce_scatter", label);
   if (has_pending_reduce()) finish_reduce();
   // Only parameters that received a gradient take part (the same ones on every rank).
   std::vector<std::pair<FSDPParam*, at::Tensor>> with_grad;
@@ -347,6 +359,7 @@ void FSDPParamGroup::finish_reduce_pieces() {
 }
 
 void FSDPParamGroup::finish_reduce() {
+  const profiler::Range range("fsdp::reduce_scatter_wait", label);
   if (needs_all_reduce_start()) start_all_reduce();
   if (!has_pending_reduce()) return;
   if (reduce_pieces_) return finish_reduce_pieces();

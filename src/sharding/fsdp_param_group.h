@@ -27,6 +27,7 @@
 
 #include <memory>
 #include <optional>
+#include <string>
 #include <vector>
 
 #include "collectives.h"
@@ -81,6 +82,9 @@ class FSDPParamGroup {
   std::optional<double> gradient_divide_factor;
   // Integer reshard_after_forward: this rank's group of k consecutive shard ranks (null otherwise).
   std::shared_ptr<comm::Comm> post_forward_comm;
+  // The unit's name in profiler ranges (fsdp/debug/profiler.h): its module's path from the root,
+  // set at the root's lazy init ("" before).
+  std::string label;
 
  private:
   std::vector<std::unique_ptr<FSDPParam>> params_;

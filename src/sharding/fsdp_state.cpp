@@ -6,11 +6,14 @@
 #include <cstdlib>
 #include <stdexcept>
 #include <string>
+#include <unordered_map>
 
-#include "../memory/buffer_pool.h"
 #include "autograd_hooks.h"
+#include "fsdp/debug/profiler.h"
 #include "fsdp/sharding/call.h"
+#include "memory/buffer_alloc.h"
 #include "phase_timers.h"
+#include "recompute.h"
 #include "registry.h"
 
 namespace fsdp::detail {
@@ -92,6 +95,21 @@ void FSDPState::lazy_init_as_root() {
       if (FSDPParam* p = param_of_shard(item.value())) p->set_fqn(item.key());
     }
   }
+  // Each unit's name in profiler ranges: its modules' paths from the root ("root" for the root).
+  std::unordered_map<const torch::nn::Module*, std::string> paths;
+  for (auto* m : modules_) {
+    for (const auto& item : m->named_modules()) paths.emplace(item.value().get(), item.key());
+  }
+  for (FSDPState* s : ctx_->states) {
+    std::string label;
+    for (const auto* m : s->modules_) {
+      auto it = paths.find(m);
+      const std::string name = it == paths.end() || it->second.empty() ? "root" : it->second;
+      label += (label.empty() ? "" : ",") + name;
+    }
+    s->label_ = label;
+    if (s->group_) s->group_->label = label;
+  }
 }
 
 void FSDPState::root_pre_forward() {
@@ -162,6 +180,7 @@ std::vector<at::Tensor> FSDPState::pre_forward(std::vector<at::Tensor> args) {
   training_ = Training::Forward;
   if (group_) {
     for (auto& p : group_->params()) p->check_unchanged();
+    const profiler::Range range("fsdp::pre_forward_all_gather", label_);
     if (post_optim_event && first_call && group_->state() == FSDPParamGroup::State::Sharded) {
       group_->unshard(/*async_op=*/true, post_optim_event.get());  // ordered after the optimizer step
     }
@@ -231,7 +250,10 @@ void FSDPState::pre_backward() {
   // Without overlap: the reductions in flight finish before this unit's parameters and the next
   // prefetch are allocated (the unit's own all-gather, prefetched earlier, is already in flight).
   if (!reduce_scatter_overlaps()) queue_reduce(nullptr);
-  if (group_) group_->wait_for_unshard();
+  if (group_) {
+    const profiler::Range range("fsdp::pre_backward_all_gather", label_);
+    group_->wait_for_unshard();
+  }
   // Overlap: the unit whose forward ended just before this one's runs next in backward (for the
   // root, whose forward ends last: the last block).
   std::vector<FSDPState*> targets = explicit_backward_prefetch;

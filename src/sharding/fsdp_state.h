@@ -14,7 +14,7 @@
 //                     for units whose hook never ran (e.g. the root, whose input is token ids),
 //                     wait for the reductions, reshard what is left, reset for the next step.
 //
-// Under activation checkpointing (fsdp/activation/checkpoint.h) a unit's forward may run twice:
+// Under activation checkpointing (fsdp/activation/activation_checkpointing.h) a unit's forward may run twice:
 // first without autograd (no backward hooks are registered then), then again inside backward
 // (in_recompute()): pre_forward then only waits for the gather (prefetched by the unit after it)
 // and hooks the inputs; post_forward keeps the parameters and hooks the outputs, so pre_backward,
@@ -23,6 +23,7 @@
 
 #include <memory>
 #include <optional>
+#include <string>
 #include <vector>
 
 #include "fsdp/sharding/policies.h"
@@ -91,6 +92,7 @@ class FSDPState {
   void trim_pool_after_forward();
 
   std::vector<torch::nn::Module*> modules_;
+  std::string label_;  // the name in profiler ranges (set at the root's lazy init)
   std::vector<std::weak_ptr<torch::nn::Module>> module_refs_;
   std::unique_ptr<FSDPParamGroup> group_;
   std::optional<bool> reshard_after_forward_option_;

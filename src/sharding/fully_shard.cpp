@@ -281,6 +281,10 @@ FSDPModule register_fsdp_state(const std::vector<std::shared_ptr<torch::nn::Modu
 
 }  // namespace detail
 
+namespace detail {
+FSDPState* state_of(const FSDPModule& module) { return module.state_.get(); }
+}  // namespace detail
+
 FSDPModule fully_shard(const std::shared_ptr<torch::nn::Module>& module, FullyShardOptions options) {
   return fully_shard(std::vector<std::shared_ptr<torch::nn::Module>>{module}, std::move(options));
 }
@@ -371,13 +375,13 @@ void FSDPModule::set_is_last_backward(bool is_last) {
 
 void FSDPModule::set_modules_to_forward_prefetch(const std::vector<FSDPModule>& modules) {
   state_->explicit_forward_prefetch.clear();
-  for (const auto& m : modules) state_->explicit_forward_prefetch.push_back(m.state());
+  for (const auto& m : modules) state_->explicit_forward_prefetch.push_back(detail::state_of(m));
   state_->has_explicit_forward_prefetch = true;
 }
 
 void FSDPModule::set_modules_to_backward_prefetch(const std::vector<FSDPModule>& modules) {
   state_->explicit_backward_prefetch.clear();
-  for (const auto& m : modules) state_->explicit_backward_prefetch.push_back(m.state());
+  for (const auto& m : modules) state_->explicit_backward_prefetch.push_back(detail::state_of(m));
   state_->has_explicit_backward_prefetch = true;
 }
 

@@ -14,7 +14,7 @@ bool from_env() {
   if (v == nullptr || *v == '\0' || std::strcmp(v, "0") == 0) return false;
   if (std::strcmp(v, "1") == 0) return true;
   throw std::invalid_argument(std::string("fsdp: FSDP_PHASE_TIMERS='") + v +
-                              "' is not 0 or 1; use 1 to time FSDP's phases (fsdp/sharding/phase_timers.h) or 0");
+                              "' is not 0 or 1; use 1 to time FSDP's phases (fsdp/debug/phase_timers.h) or 0");
 }
 constexpr size_t kCount = static_cast<size_t>(Phase::Count);
 std::array<std::atomic<uint64_t>, kCount> g_ns{};

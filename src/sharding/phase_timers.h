@@ -1,9 +1,9 @@
 #pragma once
-// The runtime's side of fsdp/sharding/phase_timers.h: a scope that adds its wall time to a phase.
+// The runtime's side of fsdp/debug/phase_timers.h: a scope that adds its wall time to a phase.
 #include <atomic>
 #include <chrono>
 
-#include "fsdp/sharding/phase_timers.h"
+#include "fsdp/debug/phase_timers.h"
 
 namespace fsdp::detail {
 

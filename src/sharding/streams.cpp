@@ -9,7 +9,7 @@
 #include <utility>
 #include <vector>
 
-#include "fsdp/sharding/gpu_stats.h"
+#include "fsdp/debug/gpu_stats.h"
 
 namespace fsdp::detail {
 

@@ -7,6 +7,7 @@
 #include <unordered_map>
 
 #include "comm_handle.h"
+#include "fsdp/debug/profiler.h"
 
 namespace fsdp::tp {
 
@@ -94,6 +95,7 @@ at::Tensor all_reduce_sum(const at::Tensor& x, comm::Comm& comm) {
 }
 
 at::Tensor all_to_all_dims(const at::Tensor& x, int64_t from_dim, int64_t to_dim, comm::Comm& comm) {
+  const profiler::Range range("fsdp::tp_collective", "all_to_all");
   const int64_t a = normalize_dim(from_dim, x.dim()), b = normalize_dim(to_dim, x.dim());
   if (a == b) return x;
   const int64_t n = comm.size();
@@ -127,9 +129,18 @@ enum class Op { Identity, AllReduce, AllGather, ReduceScatter, Slice };
 at::Tensor run(Op op, const at::Tensor& x, int64_t dim, comm::Comm& comm) {
   switch (op) {
     case Op::Identity: return x;
-    case Op::AllReduce: return all_reduce_sum(x, comm);
-    case Op::AllGather: return all_gather_dim(x, dim, comm);
-    case Op::ReduceScatter: return reduce_scatter_dim(x, dim, comm);
+    case Op::AllReduce: {
+      const profiler::Range range("fsdp::tp_collective", "all_reduce");
+      return all_reduce_sum(x, comm);
+    }
+    case Op::AllGather: {
+      const profiler::Range range("fsdp::tp_collective", "all_gather");
+      return all_gather_dim(x, dim, comm);
+    }
+    case Op::ReduceScatter: {
+      const profiler::Range range("fsdp::tp_collective", "reduce_scatter");
+      return reduce_scatter_dim(x, dim, comm);
+    }
     case Op::Slice: return local_slice(x, dim, comm);
   }
   return x;

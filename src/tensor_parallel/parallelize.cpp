@@ -16,6 +16,7 @@
 #include "comm_handle.h"
 #include "fsdp/hooks/forward_hooks.h"
 #include "fsdp/tensor_parallel/comm_functions.h"
+#include "placement_registry.h"
 
 namespace fsdp::tp {
 

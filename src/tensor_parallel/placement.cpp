@@ -6,6 +6,7 @@
 #include <unordered_map>
 
 #include "comm_handle.h"
+#include "placement_registry.h"
 
 namespace fsdp::tp {
 

@@ -12,6 +12,7 @@
 
 #include "fsdp/checkpoint/checkpoint.h"
 #include "fsdp/compat/optim.h"
+#include "fsdp/debug/fault_injection.h"
 #include "fsdp/fsdp.h"
 #include "multiprocess.h"
 #include "parity.h"
@@ -174,9 +175,8 @@ FSDP_RANK_WORKER(save_then_die_mid_save) {
   ckpt::save(env("CKPT_DIR"), t.state());
   train_step(t.model, *t.opt, uneven_config(), kSaveStep);
   t.progress.ints["step"] = kSaveStep + 1;
-  ckpt::SaveOptions options;
-  if (fsdp::dist::rank() == std::atoi(env("DYING_RANK").c_str())) options.abort_after_files = 1;
-  ckpt::save(env("CKPT_DIR"), t.state(), options);
+  if (fsdp::dist::rank() == std::atoi(env("DYING_RANK").c_str())) ckpt::set_save_faults({.abort_after_files = 1});
+  ckpt::save(env("CKPT_DIR"), t.state());
   throw std::runtime_error("the second save should not have completed");
 }
 

@@ -9,10 +9,10 @@
 #include <filesystem>
 #include <fstream>
 
+#include "checkpoint/state_items.h"  // src/checkpoint: detail::gather_along, the gather of sharded parameters
 #include "fsdp/checkpoint/checkpoint.h"
 #include "fsdp/fsdp.h"
 #include "multiprocess.h"
-#include "state_items.h"  // src/checkpoint: detail::gather_along, the gather of sharded parameters
 #include "test_helpers.h"
 
 using namespace fsdp::testing;

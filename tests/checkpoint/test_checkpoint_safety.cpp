@@ -17,6 +17,7 @@
 
 #include "fsdp/checkpoint/checkpoint.h"
 #include "fsdp/checkpoint/lock.h"
+#include "fsdp/debug/fault_injection.h"
 #include "fsdp/fsdp.h"
 #include "multiprocess.h"
 #include "test_helpers.h"
@@ -47,7 +48,7 @@ struct Saved {
 };
 
 // Saves step `step`'s values into `dir` from this process (no process group, or the mesh's ranks).
-void save_step(const std::string& dir, int64_t step, bool shard, const ckpt::SaveOptions& options = {}) {
+void save_step(const std::string& dir, int64_t step, bool shard) {
   Saved s;
   {
     at::NoGradGuard g;
@@ -55,7 +56,7 @@ void save_step(const std::string& dir, int64_t step, bool shard, const ckpt::Sav
   }
   if (shard) fsdp::fully_shard(s.net);
   s.progress.ints["step"] = step;
-  ckpt::save(dir, s.state(), options);
+  ckpt::save(dir, s.state());
 }
 
 // Loads `dir` in this process and returns the step it holds, checking the values.
@@ -116,14 +117,15 @@ std::string env(const char* name) {
 // ---- rank workers ------------------------------------------------------------------------
 
 // Saves step 1, then step 2 into the same directory with one rank's write failing (FAIL_RANK,
-// FAIL_AFTER: SaveOptions::fail_after_files); the second save must fail on every rank.
+// FAIL_AFTER: SaveFaults::fail_after_files); the second save must fail on every rank.
 FSDP_RANK_WORKER(save_then_fail) {
   const std::string dir = env("CKPT_DIR");
   save_step(dir, 1, /*shard=*/true);
-  ckpt::SaveOptions options;
+  ckpt::SaveFaults faults;
   if (fsdp::dist::rank() == std::atoi(env("FAIL_RANK").c_str()))
-    options.fail_after_files = std::atoi(env("FAIL_AFTER").c_str());
-  expect_error([&] { save_step(dir, 2, /*shard=*/true, options); }, "nothing was committed");
+    faults.fail_after_files = std::atoi(env("FAIL_AFTER").c_str());
+  ckpt::ScopedSaveFaults injected(faults);
+  expect_error([&] { save_step(dir, 2, /*shard=*/true); }, "nothing was committed");
 }
 
 // ---- scan and latest_checkpoint ------------------------------------------------------------
@@ -248,9 +250,8 @@ TEST(CheckpointSaveSafety, FailedSaveInOneProcessLeavesOnlyThePreviousCheckpoint
   save_step(dir, 1, false);
   const auto before = snapshot(dir);
   for (int after : {0, 1}) {
-    ckpt::SaveOptions o;
-    o.fail_after_files = after;
-    const std::string message = error_of([&] { save_step(dir, 2, false, o); });
+    ckpt::ScopedSaveFaults injected({.fail_after_files = after});
+    const std::string message = error_of([&] { save_step(dir, 2, false); });
     EXPECT_NE(message.find("No space left on device"), std::string::npos) << message;
     EXPECT_EQ(snapshot(dir), before) << "fail_after_files " << after;
   }

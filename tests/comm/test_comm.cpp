@@ -6,6 +6,7 @@
 #include <chrono>
 #include <thread>
 
+#include "fsdp/debug.h"
 #include "fsdp/fsdp.h"
 #include "multiprocess.h"
 

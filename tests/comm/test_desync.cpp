@@ -13,6 +13,7 @@
 #include <regex>
 #include <sstream>
 
+#include "fsdp/debug.h"
 #include "fsdp/fsdp.h"
 #include "models/gpt.h"
 #include "multiprocess.h"

@@ -1,4 +1,4 @@
-// The flight recorder (fsdp/comm/flight_recorder.h) and its analysis tool fsdp-fr: the ring keeps
+// The flight recorder (fsdp/debug/flight_recorder.h) and its analysis tool fsdp-fr: the ring keeps
 // exactly the last N records; a forced collective timeout (rank 1 skips a collective, or enters it
 // past the timeout) writes one dump per rank with the expected last records and states, and
 // fsdp-fr names the collective and the rank that never entered it; size 0 writes nothing; fsdp-fr
@@ -14,7 +14,7 @@
 #include <regex>
 #include <thread>
 
-#include "fsdp/comm/flight_recorder.h"
+#include "fsdp/debug/flight_recorder.h"
 #include "fsdp/fsdp.h"
 #include "multiprocess.h"
 #include "subprocess.h"

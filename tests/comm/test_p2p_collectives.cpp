@@ -7,8 +7,8 @@
 
 #include <cstdlib>
 
+#include "fsdp/debug/buffer_pool.h"
 #include "fsdp/fsdp.h"
-#include "fsdp/memory/buffer_pool.h"
 #include "multiprocess.h"
 #include "test_helpers.h"
 

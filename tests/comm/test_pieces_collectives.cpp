@@ -8,8 +8,8 @@
 #include <cstdlib>
 #include <vector>
 
+#include "fsdp/debug/buffer_pool.h"
 #include "fsdp/fsdp.h"
-#include "fsdp/memory/buffer_pool.h"
 #include "multiprocess.h"
 #include "test_helpers.h"
 
@@ -165,7 +165,7 @@ INSTANTIATE_TEST_SUITE_P(Ranks, PiecesTest, ::testing::Values(2, 3),
 TEST(Pieces, BadArgumentsAreNamed) { EXPECT_RANKS_PASS(2, "pieces_bad_arguments"); }
 
 TEST(Pieces, BadLayoutSettingIsNamed) {
-  // FSDP_CPU_COLLECTIVES is read at the first use (fsdp/sharding/cpu_collectives.h).
+  // FSDP_CPU_COLLECTIVES is read at the first use (fsdp/debug/cpu_collectives.h).
   ::setenv("FSDP_CPU_COLLECTIVES", "ring", 1);
   fsdp::testing::expect_error([] { fsdp::cpu_collective_options(); },
                               "FSDP_CPU_COLLECTIVES='ring' is not a layout; use flat (the default), pieces");

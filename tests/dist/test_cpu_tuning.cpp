@@ -4,7 +4,7 @@
 #include <cstdlib>
 #include <iostream>
 
-#include "fsdp/dist/cpu_tuning.h"
+#include "fsdp/debug/cpu_tuning.h"
 #include "multiprocess.h"
 
 using fsdp::dist::openblas_coretype_for;

@@ -1,7 +1,7 @@
 // A failed start must end the process: init_distributed that cannot form the world group throws,
 // and the process then exits within a bounded time, whatever store it used and however far the
 // Gloo rendezvous got. Each case runs several times (FSDP_TEST_REPEAT, default 3), because a
-// teardown that hangs does so only now and then (issue 18: 1 run in 7 on a loaded machine).
+// teardown that hangs does so only now and then (1 run in 7 on a loaded machine).
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 

@@ -2,7 +2,7 @@
 // launchers nest, the refusals, and Slurm's host-list expansion. Real launchers: tests/launcher.
 #include <gtest/gtest.h>
 
-#include "../../src/dist/launchers.h"
+#include "dist/launchers.h"  // src/dist: the library's private header
 #include "fsdp/dist/env.h"
 
 using fsdp::dist::DistError;

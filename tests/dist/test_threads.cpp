@@ -1,4 +1,4 @@
-// Compute threads per rank (issue 16): fsdp::dist::set_num_threads sets LibTorch's OpenMP pool
+// Compute threads per rank: fsdp::dist::set_num_threads sets LibTorch's OpenMP pool
 // and OpenBLAS's own pthread pool together. at::set_num_threads alone leaves OpenBLAS at what it
 // read when loaded (every core when OMP_NUM_THREADS and OPENBLAS_NUM_THREADS are unset), so two
 // ranks on two cores would each run two GEMM threads.
@@ -8,7 +8,7 @@
 #include <iostream>
 #include <string>
 
-#include "fsdp/dist/cpu_tuning.h"
+#include "fsdp/debug/cpu_tuning.h"
 #include "multiprocess.h"
 #include "subprocess.h"
 #include "test_helpers.h"

@@ -7,7 +7,7 @@
 //                                                            # each options struct without one
 //
 // The forms it reads (in // comments, at any indentation):
-//   // Example: SaveOptions o; o.fail_after_files = 0;      one line of code after the colon
+//   // Example: LoadOptions o; o.strict = false;           one line of code after the colon
 //   // Example:                                             or the lines below it that are
 //   //   fsdp::FullyShardOptions opts;                      indented by at least two more
 //   //   fsdp::fully_shard(block, opts);                    spaces than the comment's text

@@ -1,4 +1,4 @@
-// GPU tests (issue 12): fully_shard on CUDA tensors, with the side streams of [Note: FSDP streams].
+// GPU tests: fully_shard on CUDA tensors, with the side streams of [Note: FSDP streams].
 // Each test skips, with its reason, where no GPU is visible or LibTorch has no CUDA/NCCL, so the
 // suite stays green on CPU machines; scripts/gpu-check.sh runs them on a GPU machine.
 //

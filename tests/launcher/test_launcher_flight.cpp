@@ -11,6 +11,7 @@
 #include <string>
 #include <thread>
 
+#include "fsdp/debug.h"
 #include "fsdp/fsdp.h"
 #include "multiprocess.h"
 #include "subprocess.h"

@@ -6,7 +6,7 @@
 
 #include <cstdlib>
 
-#include "fsdp/memory/malloc_tuning.h"
+#include "fsdp/debug/malloc_tuning.h"
 
 namespace {
 

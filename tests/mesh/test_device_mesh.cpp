@@ -47,6 +47,9 @@ FSDP_RANK_WORKER(mesh_2d) {
   TORCH_CHECK(shard.comm()->global_ranks() == shard_ranks, "shard group of rank ", me);
   TORCH_CHECK(replicate.comm()->global_ranks() == replicate_ranks, "replicate group of rank ", me);
   TORCH_CHECK(shard.get_local_rank() == me % 2 && replicate.get_local_rank() == me / 2);
+  // PyTorch's spelling: get_group is the same group as comm, by index and by name.
+  TORCH_CHECK(mesh.get_group("shard") == mesh.comm("shard") && mesh.get_group(1) == mesh.comm(1));
+  TORCH_CHECK(mesh.get_group("replicate")->global_ranks() == replicate_ranks);
   // Each sub-mesh's group reduces only over its own ranks.
   auto t = at::full({1}, me, at::kLong);
   shard.comm()->all_reduce(t);

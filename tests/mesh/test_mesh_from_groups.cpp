@@ -10,6 +10,7 @@
 #include <string>
 #include <vector>
 
+#include "fsdp/debug.h"
 #include "fsdp/fsdp.h"
 #include "multiprocess.h"
 #include "test_helpers.h"

@@ -1,4 +1,4 @@
-// FSDP's buffer pool (fsdp/memory/buffer_pool.h): reusing blocks across units and steps changes no
+// FSDP's buffer pool (fsdp/debug/buffer_pool.h): reusing blocks across units and steps changes no
 // number (bit-equal to the same run without the pool), nothing stays alive between steps (no
 // leak), the pool's footprint stays at the live set's peak, the steady state maps nothing new,
 // and FSDP's buffers at their peak stay within a few units' parameters. Parity with one process
@@ -8,8 +8,8 @@
 #include <iostream>
 #include <sstream>
 
+#include "fsdp/debug/buffer_pool.h"
 #include "fsdp/fsdp.h"
-#include "fsdp/memory/buffer_pool.h"
 #include "models/gpt.h"
 #include "multiprocess.h"
 #include "parity.h"

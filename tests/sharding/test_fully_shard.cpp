@@ -6,6 +6,7 @@
 #include <cstdlib>
 #include <iostream>
 
+#include "fsdp/debug.h"
 #include "fsdp/fsdp.h"
 #include "multiprocess.h"
 #include "parity.h"
@@ -117,7 +118,7 @@ FSDP_RANK_WORKER(gpt_parity) {
     fsdp::set_cpu_collective_options(o);
     run.shard = [](GPT& model) { shard_blocks_then_root(model); };
   } else if (m == "flat" || m == "every_piece") {
-    // The CPU collectives' two layouts (fsdp/sharding/cpu_collectives.h): flat buffers (the
+    // The CPU collectives' two layouts (fsdp/debug/cpu_collectives.h): flat buffers (the
     // default, asked for explicitly here), or every parameter its own message.
     fsdp::CpuCollectiveOptions o;
     o.gather_per_parameter = o.reduce_per_parameter = (m == "every_piece");

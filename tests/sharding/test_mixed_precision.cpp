@@ -6,6 +6,7 @@
 #include <cstdlib>
 #include <iostream>
 
+#include "fsdp/debug.h"
 #include "fsdp/fsdp.h"
 #include "multiprocess.h"
 #include "parity.h"

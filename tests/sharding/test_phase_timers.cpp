@@ -1,4 +1,4 @@
-// FSDP's phase timers (fsdp/sharding/phase_timers.h): with the timers on, every phase
+// FSDP's phase timers (fsdp/debug/phase_timers.h): with the timers on, every phase
 // of a training step is counted as often as FSDP runs it (an all-gather per unit in forward, one
 // per resharded unit in backward, a reduce-scatter per unit) and takes time; the hooks' inclusive
 // time covers the phases inside them; with the timers off nothing is counted; a bad
@@ -7,6 +7,7 @@
 
 #include <cstdlib>
 
+#include "fsdp/debug.h"
 #include "fsdp/fsdp.h"
 #include "models/gpt.h"
 #include "multiprocess.h"

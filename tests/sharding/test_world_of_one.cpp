@@ -4,8 +4,8 @@
 // the unsharded parameter needs another dtype (mixed precision), it is still a copy.
 #include <gtest/gtest.h>
 
+#include "fsdp/debug/buffer_pool.h"
 #include "fsdp/fsdp.h"
-#include "fsdp/memory/buffer_pool.h"
 #include "models/gpt.h"
 
 using fsdp::models::GPT;

@@ -3,7 +3,7 @@
 
 #include <cstdlib>
 
-#include "fsdp/dist/cpu_tuning.h"
+#include "fsdp/debug/cpu_tuning.h"
 #include "multiprocess.h"
 
 int main(int argc, char** argv) {

@@ -10,6 +10,7 @@
 #include <cstdlib>
 #include <map>
 
+#include "fsdp/debug.h"
 #include "fsdp/fsdp.h"
 #include "multiprocess.h"
 #include "tp_model.h"

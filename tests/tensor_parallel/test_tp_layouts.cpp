@@ -8,6 +8,7 @@
 #include <utility>
 #include <vector>
 
+#include "fsdp/debug.h"
 #include "fsdp/fsdp.h"
 #include "multiprocess.h"
 #include "test_helpers.h"

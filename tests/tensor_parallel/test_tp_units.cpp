@@ -4,6 +4,7 @@
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
+#include "fsdp/debug.h"
 #include "fsdp/fsdp.h"
 #include "multiprocess.h"
 #include "test_helpers.h"

@@ -1,4 +1,4 @@
-// train_gpt --device (issue 12): where no GPU is visible, --device cuda stops with one line
+// train_gpt --device: where no GPU is visible, --device cuda stops with one line
 // before any work and --device auto trains on the CPU. (On a GPU machine the GPU paths are
 // exercised by tests/gpu; the cases below that need the absence of a GPU skip there.)
 #include <gtest/gtest.h>

@@ -1,4 +1,4 @@
-// train_gpt refuses bad input before any work and honours stop signals in every phase (issue 18):
+// train_gpt refuses bad input before any work and honours stop signals in every phase:
 // the memory preflight and size bounds, --data that is no regular file, non-finite numbers, the
 // configuration fingerprint across ranks, whole error messages, and SIGTERM while a large model
 // is being built. Every run is bounded by a timeout; "within seconds" is measured.

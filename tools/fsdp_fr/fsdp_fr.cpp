@@ -1,4 +1,4 @@
-// fsdp-fr: lines up the flight-recorder dumps of a job's ranks (fsdp/comm/flight_recorder.h:
+// fsdp-fr: lines up the flight-recorder dumps of a job's ranks (fsdp/debug/flight_recorder.h:
 // DIR/rank_<R>.jsonl, written when a collective fails or times out with FSDP_FLIGHT_RECORDER_DIR
 // set) and names, per group, the first collective where the ranks diverge (different operation,
 // dtype or sizes), that some rank never entered, or that some rank never completed:

@@ -17,7 +17,7 @@
 #include <torch/version.h>
 
 #include "flight_dumps.h"
-#include "fsdp/dist/cpu_tuning.h"
+#include "fsdp/debug/cpu_tuning.h"
 #include "signals.h"
 #include "store_client.h"
 #include "worker_group.h"

@@ -1,5 +1,5 @@
 #pragma once
-// The flight recorder's folder (fsdp/comm/flight_recorder.h): --flight-recorder-dir sets
+// The flight recorder's folder (fsdp/debug/flight_recorder.h): --flight-recorder-dir sets
 // FSDP_FLIGHT_RECORDER_DIR for the workers; when a worker fails, fsdprun prints one line saying
 // where the ranks' dumps are and how to analyse them.
 #include <string>

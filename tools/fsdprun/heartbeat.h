@@ -1,5 +1,5 @@
 #pragma once
-// Liveness of the nodes of a multi-node job (issue 15: losing a host).
+// Liveness of the nodes of a multi-node job (losing a host).
 //
 // Every node but node 0 runs a Heartbeat: a thread with its own store connection that adds 1 to
 // /fsdprun/node_<k>/beat every interval, whatever the agent's main loop is doing (stopping workers

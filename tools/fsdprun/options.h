@@ -54,7 +54,7 @@ struct Options {
   std::string redirects;
   std::string tee;
   std::vector<int> local_ranks_filter;  // empty: every local rank
-  // --flight-recorder-dir DIR: the workers' FSDP_FLIGHT_RECORDER_DIR (fsdp/comm/flight_recorder.h);
+  // --flight-recorder-dir DIR: the workers' FSDP_FLIGHT_RECORDER_DIR (fsdp/debug/flight_recorder.h);
   // when a worker fails, fsdprun prints where the dumps are. "" leaves the environment's value.
   std::string flight_recorder_dir;
   bool help = false;

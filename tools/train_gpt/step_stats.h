@@ -11,7 +11,7 @@
 #include <vector>
 
 #include "fsdp/comm/comm.h"
-#include "fsdp/comm/comm_stats.h"
+#include "fsdp/debug/comm_stats.h"
 
 namespace train_gpt {
 

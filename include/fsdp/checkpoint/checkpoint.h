@@ -115,18 +115,6 @@ struct State {
   std::map<std::string, ShardedTensor> tensors;  // optional: saved under their keys as given
 };
 
-// Example: SaveOptions o; o.fail_after_files = 0;   // this rank's data-file write fails (test)
-struct SaveOptions {
-  // Test hook: the process aborts (std::abort) after writing this many of its data files
-  // (-1: never). Used to check that a killed save leaves the previous checkpoint loadable.
-  int abort_after_files = -1;
-  // Test hook: this rank's writes fail as on a full disk (ENOSPC) after this many complete files
-  // (-1: never). 0: its data file's temporary is half written, then the write fails; 1: its data
-  // file is complete, then (rank 0 only) index.json.tmp is half written and the write fails.
-  // Used to check that a failed save cleans up after itself.
-  int fail_after_files = -1;
-};
-
 // Example: LoadOptions o; o.strict = false; o.load_optimizer = false;   // the weights, of the keys both have
 struct LoadOptions {
   // Keys in the checkpoint absent from the state, or the reverse, are errors (the checkpoint's
@@ -138,7 +126,7 @@ struct LoadOptions {
 
 // Collective: every rank of the model's mesh calls it with the same directory (created if
 // needed; must be on a filesystem every rank sees).
-void save(const std::string& dir, const State& state, const SaveOptions& options = {});
+void save(const std::string& dir, const State& state);
 // Reads into the current sharding, whatever world size and layout wrote the checkpoint. Not
 // collective: each rank reads, of every chunk overlapping its box, only the contiguous byte runs
 // it needs, rounded out to whole 1 MiB checksum blocks (every byte used is verified).
@@ -161,7 +149,7 @@ class AsyncSave {
  private:
   std::shared_future<void> done_;
 };
-AsyncSave async_save(const std::string& dir, const State& state, const SaveOptions& options = {});
+AsyncSave async_save(const std::string& dir, const State& state);
 
 // True when `dir` holds a committed checkpoint (an index.json that parses).
 bool is_committed(const std::string& dir);

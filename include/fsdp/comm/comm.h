@@ -16,9 +16,9 @@
 #include <string>
 #include <vector>
 
-#include "fsdp/comm/comm_stats.h"
 #include "fsdp/comm/work.h"
 #include "fsdp/compat/c10d.h"
+#include "fsdp/debug/comm_stats.h"
 
 namespace fsdp::comm {
 

@@ -12,9 +12,14 @@
 //          forwarding aliases (deprecated on ProcessGroup). Call through the helpers below.
 #include <torch/version.h>
 #include <torch/csrc/distributed/c10d/PrefixStore.hpp>
-#include <torch/csrc/distributed/c10d/ProcessGroupGloo.hpp>
 #include <torch/csrc/distributed/c10d/TCPStore.hpp>
 #include <torch/csrc/distributed/c10d/Work.hpp>
+#if TORCH_VERSION_MAJOR >= 2
+#include <torch/csrc/distributed/c10d/Backend.hpp>
+#else
+#include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
+#endif
+// (Gloo's own header, ProcessGroupGloo.hpp, only where a Gloo backend is made: src/comm/backend.cpp.)
 
 #include <chrono>
 #include <cstdint>

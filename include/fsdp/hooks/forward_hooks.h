@@ -70,14 +70,4 @@ void set_call_wrapper(const std::shared_ptr<torch::nn::Module>& module, CallWrap
 // The wrapper of `module`, or null. The pointer stays valid until the entry is replaced.
 std::shared_ptr<const CallWrapper> find_call_wrapper(const torch::nn::Module* module);
 
-namespace detail {
-
-// Runs the hooks' `pre` in order and returns the arguments to use; on a throw, aborts those that ran.
-std::vector<at::Tensor> run_pre(const HookList& hooks, std::vector<at::Tensor> args);
-// Runs the hooks' `post` in order (a throw propagates: the caller runs run_abort).
-void run_post(const HookList& hooks, std::vector<at::Tensor>& outputs);
-// Every hook's `abort`, in reverse order (forward threw after run_pre).
-void run_abort(const HookList& hooks) noexcept;
-
-}  // namespace detail
 }  // namespace fsdp::hooks

@@ -62,6 +62,9 @@ class DeviceMesh {
   // The group of ranks that differ from this one only along `dim`.
   std::shared_ptr<comm::Comm> comm(int dim = 0) const;
   std::shared_ptr<comm::Comm> comm(const std::string& dim) const { return comm(dim_index(dim)); }
+  // PyTorch's spelling of comm(): mesh.get_group("tp") is the process group of the "tp" dimension.
+  std::shared_ptr<comm::Comm> get_group(int dim = 0) const { return comm(dim); }
+  std::shared_ptr<comm::Comm> get_group(const std::string& dim) const { return comm(dim); }
   // The 1-D sub-mesh along `dim` that contains this rank (with its own process group).
   DeviceMesh operator[](const std::string& dim) const;
   // The sub-mesh of several dimensions that contains this rank, in this mesh's order, e.g.

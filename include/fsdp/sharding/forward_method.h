@@ -29,12 +29,6 @@
 
 namespace fsdp {
 
-namespace detail {
-// Reshards the unit of `module` and every sharded unit below it (no-grad forward methods); nothing
-// when `module` is not a unit.
-void reshard_subtree(torch::nn::Module& module);
-}  // namespace detail
-
 template <typename M, typename Method, typename... Args>
 auto call_method(M& module, Method method, Args&&... args) {
   torch::nn::Module* base = detail::module_pointer(module);

@@ -36,9 +36,12 @@ class Optimizer;
 
 namespace fsdp {
 
+class FSDPModule;
 namespace detail {
 class FSDPState;
-}
+// The library's own access to a handle's state (src/sharding); not for users.
+FSDPState* state_of(const FSDPModule& module);
+}  // namespace detail
 
 // Example:
 //   fsdp::FullyShardOptions opts;
@@ -115,9 +118,9 @@ class FSDPModule {
   void set_gradient_divide_factor(double factor);
 
   std::vector<torch::nn::Module*> modules() const;
-  detail::FSDPState* state() const { return state_.get(); }
 
  private:
+  friend detail::FSDPState* detail::state_of(const FSDPModule& module);
   std::shared_ptr<detail::FSDPState> state_;
 };
 

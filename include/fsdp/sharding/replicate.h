@@ -47,7 +47,6 @@ class ReplicateModule {
   void set_requires_gradient_sync(bool requires_sync);
   // Number of gradient buckets (reverse parameter order, as DDP builds them).
   size_t num_buckets() const;
-  detail::Reducer* reducer() const { return reducer_.get(); }
 
  private:
   std::shared_ptr<detail::Reducer> reducer_;

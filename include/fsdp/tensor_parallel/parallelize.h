@@ -53,6 +53,7 @@
 #include <variant>
 #include <vector>
 
+#include "fsdp/detail/tensor_parallel.h"
 #include "fsdp/mesh/device_mesh.h"
 #include "fsdp/tensor_parallel/placement.h"
 
@@ -111,19 +112,6 @@ template <typename Holder, typename = decltype(std::declval<Holder&>().ptr())>
 void parallelize_module(Holder& module, const DeviceMesh& tp_mesh, const ParallelizePlan& plan) {
   parallelize_module(std::static_pointer_cast<torch::nn::Module>(module.ptr()), tp_mesh, plan);
 }
-
-namespace detail {
-enum class ModuleKind { Linear, Embedding };
-struct KindInfo {
-  ModuleKind kind;
-  std::string type_name;
-  // The module's current weight / bias fields (what forward computes with; under fully_shard the
-  // unsharded parameters, unlike named_parameters()).
-  std::function<at::Tensor(torch::nn::Module&)> weight;
-  std::function<at::Tensor(torch::nn::Module&)> bias;
-};
-void register_module_kind(std::type_index type, KindInfo info);
-}  // namespace detail
 
 template <typename T>
 void register_linear_type(const std::string& type_name) {

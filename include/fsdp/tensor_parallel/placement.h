@@ -65,9 +65,4 @@ at::Tensor gather_full(const at::Tensor& param);
 // (block b = ranks' b-th pieces in rank order). blocks == 1: `t` itself.
 at::Tensor interleave_blocks(const at::Tensor& t, int64_t dim, int64_t ranks, int64_t blocks);
 
-namespace detail {
-// Records (or replaces) the placement of `param` (kept while the tensor lives).
-void set_tp_placement(const at::Tensor& param, TPPlacement placement);
-}  // namespace detail
-
 }  // namespace fsdp::tp

@@ -3,12 +3,12 @@
 // recomputing unit is the only one unsharded besides the prefetch.
 #include <gtest/gtest.h>
 
+#include "fsdp/debug.h"
 #include "fsdp/fsdp.h"
 #include "models/gpt.h"
 #include "multiprocess.h"
 #include "test_helpers.h"
 
-namespace act = fsdp::activation;
 using fsdp::models::GPT;
 
 namespace {
@@ -60,7 +60,7 @@ TEST(ActivationCheckpoint, GradientsEqualThePlainRun) {
   auto want_x = x.grad().clone();
   net.zero();
   x.mutable_grad().reset();
-  auto y = act::checkpoint([&](const at::Tensor& in) { return net.run(in, 0); }, x);
+  auto y = fsdp::activation::checkpoint([&](const at::Tensor& in) { return net.run(in, 0); }, x);
   EXPECT_TRUE(y.requires_grad());
   y.pow(2).sum().backward();
   EXPECT_EQ(max_diff(net.grads(), want), 0.0);
@@ -82,7 +82,7 @@ TEST(ActivationCheckpoint, InputsWithoutGradNonTensorArgumentsAndTuples) {
   }
   auto want = net.grads();
   net.zero();
-  auto [o, idx, m] = act::checkpoint(fn, x, int64_t{3}, mask);
+  auto [o, idx, m] = fsdp::activation::checkpoint(fn, x, int64_t{3}, mask);
   EXPECT_EQ(idx.scalar_type(), at::kLong);
   EXPECT_FALSE(idx.requires_grad());
   o.sum().backward();
@@ -101,7 +101,7 @@ TEST(ActivationCheckpoint, DropoutIsReplayed) {
   auto want = net.grads();
   net.zero();
   torch::manual_seed(7);
-  act::checkpoint([&](const at::Tensor& in) { return net.run(in, 0.5); }, x).sum().backward();
+  fsdp::activation::checkpoint([&](const at::Tensor& in) { return net.run(in, 0.5); }, x).sum().backward();
   auto after_ckpt = torch::rand({3});
   EXPECT_EQ(max_diff(net.grads(), want), 0.0);
   EXPECT_TRUE(after_ckpt.equal(after_plain));
@@ -117,9 +117,9 @@ TEST(ActivationCheckpoint, WithoutRngPreservationDropoutGradientsDiffer) {
   auto want = net.grads();
   net.zero();
   torch::manual_seed(7);
-  act::CheckpointOptions o;
+  fsdp::activation::CheckpointOptions o;
   o.preserve_rng_state = false;
-  act::checkpoint(
+  fsdp::activation::checkpoint(
       o, [&](const at::Tensor& in) { return net.run(in, 0.5); }, x)
       .sum()
       .backward();
@@ -129,16 +129,16 @@ TEST(ActivationCheckpoint, WithoutRngPreservationDropoutGradientsDiffer) {
 TEST(ActivationCheckpoint, DoubleBackwardIsAnError) {
   Net net;
   auto x = torch::randn({4, 8}, torch::requires_grad());
-  auto y = act::checkpoint([&](const at::Tensor& in) { return net.run(in, 0); }, x).sum();
+  auto y = fsdp::activation::checkpoint([&](const at::Tensor& in) { return net.run(in, 0); }, x).sum();
   EXPECT_ERROR_CONTAINS((torch::autograd::grad({y}, {x}, {}, /*retain_graph=*/true, /*create_graph=*/true)),
                         "not supported with torch::autograd::grad");
-  auto z = act::checkpoint([&](const at::Tensor& in) { return net.run(in, 0); }, x).sum();
+  auto z = fsdp::activation::checkpoint([&](const at::Tensor& in) { return net.run(in, 0); }, x).sum();
   EXPECT_ERROR_CONTAINS((z.backward({}, /*retain_graph=*/true, /*create_graph=*/true)), "double backward");
 }
 
 TEST(ActivationCheckpoint, OutputsNeedingNoGradientAreAnError) {
   auto x = torch::randn({4, 8});
-  auto y = act::checkpoint([](const at::Tensor& in) { return in * 2; }, x);
+  auto y = fsdp::activation::checkpoint([](const at::Tensor& in) { return in * 2; }, x);
   EXPECT_ERROR_CONTAINS(y.sum().backward(), "none of the checkpointed function's outputs needs a gradient");
 }
 
@@ -147,10 +147,10 @@ TEST(ActivationCheckpoint, SideEffectsRunTwiceUnlessGuarded) {
   Net net;
   int calls = 0, guarded = 0;
   auto x = torch::randn({4, 8}, torch::requires_grad());
-  auto y = act::checkpoint(
+  auto y = fsdp::activation::checkpoint(
       [&](const at::Tensor& in) {
         ++calls;
-        if (!act::is_recomputing()) ++guarded;
+        if (!fsdp::activation::is_recomputing()) ++guarded;
         return net.run(in, 0);
       },
       x);
@@ -160,7 +160,7 @@ TEST(ActivationCheckpoint, SideEffectsRunTwiceUnlessGuarded) {
   EXPECT_EQ(guarded, 1);
   {
     torch::NoGradGuard no_grad;  // evaluation: runs once, nothing to recompute
-    act::checkpoint(
+    fsdp::activation::checkpoint(
         [&](const at::Tensor& in) {
           ++calls;
           return net.run(in, 0);
@@ -187,12 +187,16 @@ TEST(ActivationCheckpoint, GptWithAndWithoutCheckpointingMatch) {
     };
     auto want = grads_of([](GPT&) {});
     auto full = grads_of([](GPT& m) {
-      EXPECT_EQ(act::apply_activation_checkpointing(*m, act::every_kth<fsdp::models::BlockImpl>(1)), 4u);
+      EXPECT_EQ(
+          fsdp::activation::apply_activation_checkpointing(*m, fsdp::activation::every_kth<fsdp::models::BlockImpl>(1)),
+          4u);
     });
     auto every2 = grads_of([](GPT& m) {
-      EXPECT_EQ(act::apply_activation_checkpointing(*m, act::every_kth<fsdp::models::BlockImpl>(2)), 2u);
-      EXPECT_FALSE(act::is_checkpointed(*m->blocks[0]));
-      EXPECT_TRUE(act::is_checkpointed(*m->blocks[1]));
+      EXPECT_EQ(
+          fsdp::activation::apply_activation_checkpointing(*m, fsdp::activation::every_kth<fsdp::models::BlockImpl>(2)),
+          2u);
+      EXPECT_FALSE(fsdp::activation::is_checkpointed(*m->blocks[0]));
+      EXPECT_TRUE(fsdp::activation::is_checkpointed(*m->blocks[1]));
     });
     EXPECT_EQ(max_diff(full, want), 0.0) << "dropout " << dropout;
     EXPECT_EQ(max_diff(every2, want), 0.0) << "dropout " << dropout;
@@ -205,26 +209,26 @@ TEST(ActivationCheckpoint, WrapperCheckpointsPlainCalls) {
   auto x = torch::randn({2, 6, 8}, torch::requires_grad());
   int recomputes = 0;
   auto probe = [&](const at::Tensor& t) {
-    if (act::is_recomputing()) ++recomputes;
+    if (fsdp::activation::is_recomputing()) ++recomputes;
     return t;
   };
-  auto wrapped = act::checkpoint_wrapper(model->blocks[0]);
-  EXPECT_TRUE(act::is_checkpointed(*model->blocks[0]));
+  auto wrapped = fsdp::activation::checkpoint_wrapper(model->blocks[0]);
+  EXPECT_TRUE(fsdp::activation::is_checkpointed(*model->blocks[0]));
   auto y = wrapped(x);
   auto want = model->blocks[0]->forward(x);
   EXPECT_TRUE(y.equal(want));
   // The recompute happens: a checkpointed call inside another checkpointed function nests.
-  act::checkpoint([&](const at::Tensor& t) { return wrapped(probe(t)); }, x).sum().backward();
+  fsdp::activation::checkpoint([&](const at::Tensor& t) { return wrapped(probe(t)); }, x).sum().backward();
   EXPECT_EQ(recomputes, 1);
-  act::remove_activation_checkpointing(*model);
-  EXPECT_FALSE(act::is_checkpointed(*model->blocks[0]));
+  fsdp::activation::remove_activation_checkpointing(*model);
+  EXPECT_FALSE(fsdp::activation::is_checkpointed(*model->blocks[0]));
 }
 
 TEST(ActivationCheckpoint, PredicateSelectingNothingIsAnError) {
   GPT model(tiny());
   auto none = [](const std::string&, torch::nn::Module&) { return false; };
-  EXPECT_ERROR_CONTAINS(act::apply_activation_checkpointing(*model, none), "selected no submodule");
-  EXPECT_ERROR_CONTAINS((void)act::every_kth<fsdp::models::BlockImpl>(0), "k must be at least 1");
+  EXPECT_ERROR_CONTAINS(fsdp::activation::apply_activation_checkpointing(*model, none), "selected no submodule");
+  EXPECT_ERROR_CONTAINS((void)fsdp::activation::every_kth<fsdp::models::BlockImpl>(0), "k must be at least 1");
 }
 
 // Freed means freed, with checkpointing: while a checkpointed unit recomputes, only it (and the
@@ -241,7 +245,7 @@ struct ProbeBlockImpl : torch::nn::Module {
     int64_t unsharded = 0;
     for (auto* b : g_blocks) unsharded += b->fc->weight.numel() > 0;
     g_max_unsharded = std::max(g_max_unsharded, unsharded);
-    if (act::is_recomputing()) {
+    if (fsdp::activation::is_recomputing()) {
       ++g_recomputes;
       g_max_unsharded_recompute = std::max(g_max_unsharded_recompute, unsharded);
     }
@@ -277,7 +281,8 @@ std::pair<fsdp::comm::OpCounters, fsdp::comm::OpCounters> gathers_and_reduces(bo
     fsdp::fully_shard(b, o);
   }
   fsdp::fully_shard(net);
-  if (checkpointed) act::apply_activation_checkpointing(*net, act::every_kth<ProbeBlockImpl>(1));
+  if (checkpointed)
+    fsdp::activation::apply_activation_checkpointing(*net, fsdp::activation::every_kth<ProbeBlockImpl>(1));
   fsdp::comm::CommStatsSnapshot before;
   for (int step = 0; step < 3; ++step) {  // step 0 records the order, later steps prefetch
     if (step == 2) before = fsdp::comm::process_comm_stats().snapshot();

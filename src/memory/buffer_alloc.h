@@ -1,8 +1,8 @@
 #pragma once
-// Allocation from FSDP's buffer pool (see fsdp/memory/buffer_pool.h for the policy).
+// Allocation from FSDP's buffer pool (see fsdp/debug/buffer_pool.h for the policy).
 #include <ATen/ATen.h>
 
-#include "fsdp/memory/buffer_pool.h"
+#include "fsdp/debug/buffer_pool.h"
 
 namespace fsdp::detail {
 

@@ -1,6 +1,6 @@
-// The thread's activation-checkpointing recompute flag (see fsdp/sharding/call.h); call wrappers
-// themselves live in the module-hook registry (fsdp/hooks/forward_hooks.h).
-#include "fsdp/sharding/call.h"
+// The thread's activation-checkpointing recompute flag (recompute.h); call wrappers themselves
+// live in the module-hook registry (fsdp/hooks/forward_hooks.h).
+#include "recompute.h"
 
 namespace fsdp::detail {
 

@@ -2,7 +2,7 @@
 // node per checkpointed call. Its forward runs the function without autograd; its backward runs
 // the function again with autograd (RNG replayed), then a nested backward through that graph,
 // which leaves the parameters' gradients where autograd always puts them and returns the inputs'.
-#include "fsdp/activation/checkpoint.h"
+#include "fsdp/activation/activation_checkpointing.h"
 
 #include <torch/csrc/autograd/custom_function.h>
 #include <torch/csrc/autograd/engine.h>
@@ -11,6 +11,8 @@
 #include <stdexcept>
 
 #include "fsdp/compat/rng.h"
+#include "fsdp/debug/profiler.h"
+#include "sharding/recompute.h"
 
 namespace fsdp::activation {
 
@@ -86,6 +88,7 @@ struct CheckpointFunction : torch::autograd::Function<CheckpointFunction> {
       }
       try {
         fsdp::detail::RecomputeScope recompute;
+        const profiler::Range range("fsdp::activation_recompute");
         torch::AutoGradMode grad_on(true);
         outputs = c->fn(inputs);
       } catch (...) {

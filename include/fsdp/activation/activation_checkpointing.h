@@ -7,14 +7,14 @@
 // one unit's activations at a time instead of every unit's; cost: one more forward.
 //
 // Example:
-//   namespace act = fsdp::activation;
-//   auto y = act::checkpoint([&](const at::Tensor& x) { return block->mlp(x); }, x);   // one call
-//   act::apply_activation_checkpointing(*model, act::every_kth<BlockImpl>(1));   // every block
-//   act::apply_activation_checkpointing(*model, act::every_kth<BlockImpl>(2));   // blocks 2, 4, ...
-//   auto wrapped = act::checkpoint_wrapper(block);  wrapped(x);                  // plain calls too
+//   using namespace fsdp::activation;
+//   auto y = checkpoint([&](const at::Tensor& x) { return block->mlp(x); }, x);   // one call
+//   apply_activation_checkpointing(*model, every_kth<BlockImpl>(1));   // every block
+//   apply_activation_checkpointing(*model, every_kth<BlockImpl>(2));   // blocks 2, 4, ...
+//   auto wrapped = checkpoint_wrapper(block);  wrapped(x);             // plain calls too
 // then fully_shard as usual; fsdp::call(block, x) runs checkpointed.
 //
-// Why a namespace of its own (fsdp::activation::checkpoint, alias fsdp::act): fsdp::checkpoint is
+// Why a namespace of its own (fsdp::activation::checkpoint): fsdp::checkpoint is
 // already the namespace of sharded *model* checkpoints (save/load), so a function of that name
 // could not live beside it; "activation" says which kind of checkpoint this is.
 //
@@ -51,6 +51,7 @@
 #include <utility>
 #include <vector>
 
+#include "fsdp/detail/activation.h"
 #include "fsdp/sharding/call.h"
 
 namespace fsdp::activation {
@@ -65,22 +66,6 @@ struct CheckpointOptions {
 
 // True while a checkpointed function is being recomputed (during backward), on this thread.
 bool is_recomputing();
-
-namespace detail {
-// The core, on tensors: returns fn(inputs) as autograd outputs of one recompute node.
-std::vector<at::Tensor> checkpoint_tensors(const fsdp::detail::TensorFn& fn, const std::vector<at::Tensor>& inputs,
-                                           const CheckpointOptions& options);
-fsdp::detail::CallWrapper make_wrapper(const CheckpointOptions& options);
-
-template <typename M>
-std::shared_ptr<torch::nn::Module> shared_module(M& module) {
-  if constexpr (std::is_base_of_v<torch::nn::Module, std::decay_t<M>>) {
-    return module.shared_from_this();
-  } else {
-    return module.ptr();  // ModuleHolder
-  }
-}
-}  // namespace detail
 
 // fn(args...) checkpointed. Tensor arguments may or may not require grad; other arguments are
 // copied (the recompute calls fn again with the copies).
@@ -155,7 +140,3 @@ CheckpointPredicate every_kth(int k) {
 void remove_activation_checkpointing(torch::nn::Module& model);
 
 }  // namespace fsdp::activation
-
-namespace fsdp {
-namespace act = activation;  // short alias: fsdp::act::checkpoint(fn, x)
-}

@@ -7,7 +7,7 @@
 // the heap and stay resident when freed, so a rank's peak RSS measures the heap's high-water mark
 // rather than what was alive at once (then, at 2 ranks, the sharding saving hardly reached the
 // process). A fixed threshold of 1 MiB keeps the heap to small blocks; large tensors are mapped
-// and unmapped (FSDP's own large buffers come from its pool, fsdp/memory/buffer_pool.h, and are
+// and unmapped (FSDP's own large buffers come from its pool, fsdp/debug/buffer_pool.h, and are
 // not affected). Measured in docs/benchmarks.md ("Memory").
 //
 // Example:

@@ -26,7 +26,7 @@
 #include <cstdint>
 
 #include "fsdp/comm/comm.h"
-#include "fsdp/comm/comm_stats.h"
+#include "fsdp/debug/comm_stats.h"
 
 namespace fsdp::comm {
 

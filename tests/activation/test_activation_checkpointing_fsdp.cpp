@@ -13,7 +13,6 @@
 #include "parity.h"
 
 using namespace fsdp::testing;
-namespace act = fsdp::activation;
 using fsdp::models::GPT;
 
 namespace {
@@ -79,9 +78,10 @@ FSDP_RANK_WORKER(checkpointed_run_matches_plain) {
     ShardedRun r;
     r.shard = [&](GPT& model) {
       if (checkpointed) {
-        act::CheckpointOptions co;
+        fsdp::activation::CheckpointOptions co;
         co.preserve_rng_state = !expect_difference;
-        act::apply_activation_checkpointing(*model, act::every_kth<fsdp::models::BlockImpl>(k), co);
+        fsdp::activation::apply_activation_checkpointing(*model,
+                                                         fsdp::activation::every_kth<fsdp::models::BlockImpl>(k), co);
       }
       for (auto& b : model->blocks) fsdp::fully_shard(b, o);
       auto root = o;

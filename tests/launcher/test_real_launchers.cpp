@@ -121,29 +121,34 @@ bool python_checks_required() {
 // USE_LIBUV, so plain `torchrun` dies there before any worker starts; torchrun_without_libuv.py
 // then starts torchrun's own main() with TCPStore's use_libuv off (`--check` says which is needed).
 std::vector<std::string> find_torchrun(std::string& why) {
-  const std::string torchrun = on_path("torchrun");
-  const std::string python = on_path("python3");
-  if (torchrun.empty() || python.empty()) {
-    why = "torchrun is not on PATH (python3-torch 2.x provides it)";
-    return {};
-  }
-  // Debian 12's torchrun (1.13) fails on Python 3.11 before any worker starts: not a test of ours.
-  const auto version = run_process(scrubbed(
-      {python, "-c", "import torch, sys; print(torch.__version__); sys.exit(int(torch.__version__[0]) < 2)"}, 60s));
-  if (!version.ok()) {
-    why = "torchrun's torch is not 2.x: " + version.output;
-    return {};
-  }
-  const auto check = run_process(scrubbed({python, TORCHRUN_WITHOUT_LIBUV, "--check"}, 60s));
-  if (check.exit_code == 0) return {torchrun};
-  if (check.exit_code == 3) {
-    std::printf(
-        "torchrun: this PyTorch is built without libuv; starting torchrun's main() with "
-        "TCPStore(use_libuv=False) (tests/launcher/torchrun_without_libuv.py)\n");
-    return {python, TORCHRUN_WITHOUT_LIBUV};
-  }
-  why = "torchrun_without_libuv.py --check failed: " + check.output;
-  return {};
+  // Probed once per test binary (each probe is a Python start importing torch: seconds).
+  static const auto probe = [] {
+    std::pair<std::vector<std::string>, std::string> found;  // the command line, or the reason
+    const std::string torchrun = on_path("torchrun");
+    const std::string python = on_path("python3");
+    if (torchrun.empty() || python.empty()) {
+      found.second = "torchrun is not on PATH (python3-torch 2.x provides it)";
+      return found;
+    }
+    const auto check = run_process(scrubbed({python, TORCHRUN_WITHOUT_LIBUV, "--check"}, 60s));
+    if (check.exit_code == 0) {
+      found.first = {torchrun};
+    } else if (check.exit_code == 3) {
+      std::printf(
+          "torchrun: this PyTorch (%s) is built without libuv; starting torchrun's main() with "
+          "TCPStore(use_libuv=False) (tests/launcher/torchrun_without_libuv.py)\n",
+          check.output.substr(0, check.output.find('\n')).c_str());
+      found.first = {python, TORCHRUN_WITHOUT_LIBUV};
+    } else if (check.exit_code == 4) {
+      // Debian 12's torchrun (1.13) fails on Python 3.11 before any worker starts: not a test of ours.
+      found.second = "torchrun's torch is not 2.x: " + check.output;
+    } else {
+      found.second = "torchrun_without_libuv.py --check failed: " + check.output;
+    }
+    return found;
+  }();
+  why = probe.second;
+  return probe.first;
 }
 
 }  // namespace

@@ -8,11 +8,13 @@ dies before any worker starts. This starts the same torchrun with one change: TC
 defaults to what USE_LIBUV says (unset: off). Arguments are torchrun's:
 
   python3 torchrun_without_libuv.py --no_python --nproc_per_node 2 build/bin/train_gpt ...
-  python3 torchrun_without_libuv.py --check   # exit 0 if plain torchrun works here, 3 if it needs this
+  python3 torchrun_without_libuv.py --check   # prints torch's version; exit 0 if plain torchrun
+                                              # works here, 3 if it needs this, 4 if torch is 1.x
 """
 import os
 import sys
 
+import torch
 import torch.distributed as dist
 
 _TCPStore = dist.TCPStore
@@ -36,6 +38,9 @@ class TCPStore(_TCPStore):
 
 if __name__ == "__main__":
     if sys.argv[1:] == ["--check"]:
+        print(torch.__version__)
+        if int(torch.__version__.split(".")[0]) < 2:
+            sys.exit(4)
         sys.exit(0 if plain_torchrun_works() else 3)
     dist.TCPStore = TCPStore  # before torchrun's rendezvous modules import it
     for name in ("torch.distributed.elastic.rendezvous.static_tcp_rendezvous",

@@ -165,6 +165,52 @@ TEST(Fsdp1Wrap, SizePolicyCountsOnlyUnwrappedParameters) {
   const Units got = units_of(*t2);
   EXPECT_EQ(names(got), (std::vector<std::string>{"", "pair.x", "seq"}));
   EXPECT_EQ(got.at("").size(), 8u);  // a, list.0, list.1, pair.y: weight and bias each
+  // ... which is the hand-written sequence _recursive_wrap stands for.
+  Tree by_hand;
+  fsdp::fully_shard(by_hand->seq), fsdp::fully_shard(by_hand->pair->x), fsdp::fully_shard(by_hand);
+  EXPECT_EQ(got, units_of(*by_hand));
+}
+
+// The size policy on GPT, against what _recursive_wrap computes by hand. A threshold of one
+// block's size makes each block a unit, as the transformer policy does; one more and no block
+// qualifies, and the blocks' ModuleList "h", which holds enough, is never a unit (unless the
+// exclusion is dropped). A threshold of the MLP's size wraps each MLP; what is left of its block
+// (attention and norms) is then below the threshold, so the block is not a unit although all its
+// parameters together would be.
+TEST(Fsdp1Wrap, SizePolicyOnGptCountsWhatIsLeftAndSkipsTheBlockList) {
+  auto numel = [](torch::nn::Module& m) {
+    int64_t n = 0;
+    for (const auto& p : m.parameters()) n += p.numel();
+    return n;
+  };
+  GPT probe(small());
+  const int64_t block = numel(*probe->blocks[0]), mlp = numel(*probe->blocks[0]->mlp);
+  const int64_t attn = numel(*probe->blocks[0]->attn);
+  // What the cases below rely on (small(): block 872, MLP 552, attention 288).
+  ASSERT_LT(attn, mlp);
+  ASSERT_LT(block - mlp, mlp);
+  ASSERT_GE(2 * (block - mlp), mlp);
+  for (const auto& p : probe->named_parameters()) {
+    if (p.key().rfind("h.", 0) != 0) ASSERT_LT(p.value().numel(), mlp) << p.key();
+  }
+
+  GPT model(small());
+  fsdp::FSDP wrapped(model, with_policy(fsdp::size_based_auto_wrap_policy(block)));
+  GPT by_hand(small());
+  for (auto& b : by_hand->blocks) fsdp::fully_shard(b);
+  fsdp::fully_shard(by_hand);
+  EXPECT_EQ(names(units_of(*model)), (std::vector<std::string>{"", "h.0", "h.1"}));
+  EXPECT_EQ(units_of(*model), units_of(*by_hand));
+
+  GPT g1(small()), g2(small()), g3(small()), g4(small());
+  EXPECT_TRUE(selected(*g1, fsdp::size_based_auto_wrap_policy(block + 1)).empty());
+  EXPECT_EQ(selected(*g2, fsdp::size_based_auto_wrap_policy(block + 1, {}, std::vector<fsdp::ModuleType>{})),
+            (std::vector<std::string>{"h"}));
+  // h.i keeps block - mlp < mlp after its MLP is taken; h keeps 2 (block - mlp) >= mlp but is a
+  // ModuleList.
+  EXPECT_EQ(selected(*g3, fsdp::size_based_auto_wrap_policy(mlp)), (std::vector<std::string>{"h.0.mlp", "h.1.mlp"}));
+  EXPECT_EQ(selected(*g4, fsdp::size_based_auto_wrap_policy(mlp, {}, std::vector<fsdp::ModuleType>{})),
+            (std::vector<std::string>{"h.0.mlp", "h.1.mlp", "h"}));
 }
 
 TEST(Fsdp1Wrap, IgnoredModulesStayWhole) {

@@ -4,6 +4,8 @@
 // leading space stripped), and every bad file as a one-line DataError.
 #include <gtest/gtest.h>
 
+#include <algorithm>
+#include <cstdio>
 #include <fstream>
 #include <nlohmann/json.hpp>
 

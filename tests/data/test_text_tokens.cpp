@@ -6,9 +6,11 @@
 #include <sentencepiece_trainer.h>
 #include <sys/wait.h>
 
+#include <algorithm>
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
+#include <tuple>
 
 #include "fsdp/data/text_tokens.h"
 #include "fsdp/data/token_shards.h"

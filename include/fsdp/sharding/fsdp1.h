@@ -73,6 +73,10 @@ struct MixedPrecision {
   bool cast_root_forward_inputs = true;        // the root casts its inputs
 };
 
+// offload_params: every unit gets CPUOffloadPolicy (pinned host memory): the shards, their
+// gradients and the optimizer step stay on the CPU, and each unit's shards are copied to the
+// compute device for its all-gather. A model on the CPU is already there: nothing moves, and
+// training is the same as without it. Refused with NO_SHARD.
 // Example: fsdp::CPUOffload off; off.offload_params = true;   // CPUOffloadPolicy on every unit
 struct CPUOffload {
   bool offload_params = false;

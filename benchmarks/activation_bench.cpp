@@ -19,33 +19,25 @@
 // LibTorch), FSDP 2 ranks, FSDP 2 ranks + full, FSDP 4 ranks + full; each peak is set against a
 // stated per-process budget (--budget-mb).
 #include <malloc.h>
-#include <spawn.h>
-#include <sys/resource.h>
-#include <sys/wait.h>
-#include <unistd.h>
 
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
-#include <cstdlib>
 #include <fstream>
 #include <map>
-#include <sstream>
 #include <string>
 #include <vector>
 
 #include "bench_support.h"
-#include "fsdp/fsdp.h"
-#include "models/gpt.h"
 
 namespace {
 
+using fsdp_bench::bad_input;
 using fsdp_bench::median;
-using fsdp_bench::peak_rss_bytes;
 
 struct Options {
   int steps = 3, warmup = 1, rounds = 1;
-  int64_t layers = 8, dim = 256, heads = 4, seq = 512, batch = 8;
+  fsdp_bench::GptShape shape{8, 256, 4, 512, 8};  // --batch: sequences per rank
   bool fit = false;
   int64_t budget_mb = 1536;
   std::string role = "driver";    // driver | worker
@@ -55,59 +47,24 @@ struct Options {
   bool glibc_default = false;  // keep glibc's dynamic mmap threshold (see run_worker)
 };
 
-[[noreturn]] void usage(const std::string& why) {
-  std::fprintf(stderr,
-               "activation_bench: %s\nusage: activation_bench [--steps N] [--warmup N] [--layers N] [--dim N] "
-               "[--heads N] [--seq N] [--batch N] [--rounds N] | --fit [--budget-mb N]; [--glibc-default-malloc]\n",
-               why.c_str());
-  std::exit(2);
-}
-
 Options parse(int argc, char** argv) {
   Options o;
-  std::map<std::string, int64_t*> ints = {
-      {"--layers", &o.layers}, {"--dim", &o.dim},     {"--heads", &o.heads},
-      {"--seq", &o.seq},       {"--batch", &o.batch}, {"--budget-mb", &o.budget_mb},
-  };
-  for (int i = 1; i < argc; ++i) {
-    std::string a = argv[i];
-    if (a == "--fit") {
-      o.fit = true;
-      continue;
-    }
-    if (a == "--glibc-default-malloc") {
-      o.glibc_default = true;
-      continue;
-    }
-    if (i + 1 >= argc) usage("missing value for " + a);
-    std::string v = argv[++i];
-    if (a == "--role")
-      o.role = v;
-    else if (a == "--ac")
-      o.ac = v;
-    else if (a == "--parallel")
-      o.parallel = v;
-    else if (a == "--result")
-      o.result = v;
-    else if (a == "--steps")
-      o.steps = std::stoi(v);
-    else if (a == "--warmup")
-      o.warmup = std::stoi(v);
-    else if (a == "--rounds")
-      o.rounds = std::stoi(v);
-    else if (ints.count(a))
-      *ints[a] = std::stoll(v);
-    else
-      usage("unknown option " + a);
+  fsdp_bench::Args args(
+      "activation_bench",
+      "usage: activation_bench [--steps N] [--warmup N] [--layers N] [--dim N] [--heads N] [--seq N] [--batch N] "
+      "[--rounds N] | --fit [--budget-mb N]; [--glibc-default-malloc]");
+  o.shape.add_options(args);
+  args.flag("--fit", &o.fit).flag("--glibc-default-malloc", &o.glibc_default);
+  args.option("--budget-mb", &o.budget_mb).option("--role", &o.role).option("--ac", &o.ac);
+  args.option("--parallel", &o.parallel).option("--result", &o.result).option("--steps", &o.steps);
+  args.option("--warmup", &o.warmup).option("--rounds", &o.rounds);
+  args.parse(argc, argv);
+  if (o.steps < 1 || o.warmup < 0) bad_input("--steps must be positive, --warmup not negative");
+  if (o.ac != "none" && o.ac != "full" && !(o.ac.rfind("every:", 0) == 0 && o.ac.size() > 6)) {
+    bad_input("--ac must be none, full or every:K");
   }
-  if (o.steps < 1 || o.warmup < 0) usage("--steps must be positive, --warmup not negative");
+  if (o.role != "driver" && o.role != "worker") bad_input("--role takes driver or worker");
   return o;
-}
-
-double cpu_seconds() {  // this process's user + system time, all threads
-  rusage u{};
-  getrusage(RUSAGE_SELF, &u);
-  return u.ru_utime.tv_sec + u.ru_stime.tv_sec + 1e-6 * (u.ru_utime.tv_usec + u.ru_stime.tv_usec);
 }
 
 int run_worker(const Options& o) {
@@ -118,20 +75,8 @@ int run_worker(const Options& o) {
   // leave glibc as it is).
   if (!o.glibc_default) mallopt(M_MMAP_THRESHOLD, 1 << 20);
   const bool sharded = o.parallel == "fsdp";
-  int rank = 0, world = 1;
-  if (sharded) {
-    fsdp::dist::init_distributed();
-    rank = fsdp::dist::rank();
-    world = fsdp::dist::world_size();
-  }
-  fsdp::models::GPTConfig c;
-  c.vocab_size = 256;
-  c.block_size = o.seq;
-  c.n_layer = o.layers;
-  c.n_head = o.heads;
-  c.n_embd = o.dim;
-  c.device = torch::kMeta;  // a sharded rank never holds the whole model
-  fsdp::models::GPT model(c);
+  const auto [rank, world] = fsdp_bench::join_world(sharded);
+  fsdp::models::GPT model(o.shape.config(torch::kMeta));  // a sharded rank never holds the whole model
   int64_t n_params = 0;
   for (const auto& p : model->parameters()) n_params += p.numel();
   if (o.ac == "full") {
@@ -139,47 +84,23 @@ int run_worker(const Options& o) {
   } else if (o.ac.rfind("every:", 0) == 0) {
     fsdp::activation::apply_activation_checkpointing(
         *model, fsdp::activation::every_kth<fsdp::models::BlockImpl>(std::stoi(o.ac.substr(6))));
-  } else if (o.ac != "none") {
-    usage("--ac must be none, full or every:K");
   }
-  if (sharded) {
-    for (auto& b : model->blocks) fsdp::fully_shard(b);
-    fsdp::fully_shard(model);
-  }
-  fsdp::to_empty(*model, torch::kCPU);
-  model->reset_parameters();
+  if (sharded) fsdp_bench::shard_gpt(model);
+  fsdp_bench::materialize(model);
   torch::optim::AdamW opt(model->parameters(), torch::optim::AdamWOptions(1e-4));
-  auto gen = at::detail::createCPUGenerator(1234 + rank);
+  auto gen = fsdp_bench::token_stream(rank);
   const double rss_before = fsdp_bench::resident_bytes();
-  std::vector<double> times, cpu_times;
+  fsdp_bench::Samples steps;
   double loss_value = 0;
   for (int s = 0; s < o.warmup + o.steps; ++s) {
-    auto data = at::randint(c.vocab_size, {o.batch, c.block_size + 1}, gen, at::kLong);
-    auto t0 = std::chrono::steady_clock::now();
-    const double c0 = cpu_seconds();
-    opt.zero_grad();
-    auto input = data.narrow(1, 0, c.block_size);
-    auto logits = fsdp::call(model, input);
-    auto loss = fsdp::models::gpt_loss(logits, data.narrow(1, 1, c.block_size));
-    loss.backward();
-    opt.step();
-    loss_value = loss.item<double>();
-    if (s >= o.warmup) {
-      times.push_back(std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
-      cpu_times.push_back(cpu_seconds() - c0);
-    }
+    auto data = fsdp_bench::random_tokens(gen, o.shape.batch, o.shape.seq);
+    const fsdp_bench::Stopwatch step;
+    loss_value = fsdp_bench::train_step(model, opt, data).item<double>();  // fsdp::call: the checkpoint wrappers
+    if (s >= o.warmup) steps.add(step);
   }
-  double param_bytes = 0, grad_bytes = 0, optim_bytes = 0;
-  for (const auto& p : model->parameters()) {
-    param_bytes += p.nbytes();
-    if (p.grad().defined()) grad_bytes += p.grad().nbytes();
-  }
-  for (const auto& item : opt.state()) {
-    auto& st = static_cast<torch::optim::AdamWParamState&>(*item.second);
-    optim_bytes += st.exp_avg().nbytes() + st.exp_avg_sq().nbytes();
-  }
+  const auto state = fsdp_bench::state_bytes(*model, opt);
   // Every rank's peak: the table shows the largest.
-  double peak = peak_rss_bytes(), base = rss_before;
+  double peak = fsdp_bench::peak_rss_bytes(), base = rss_before;
   if (sharded && world > 1) {
     auto t = at::tensor({peak, base}, at::kDouble);
     fsdp::dist::world_comm()->all_reduce(t, fsdp::comm::ReduceOp::Max);
@@ -188,9 +109,9 @@ int run_worker(const Options& o) {
   }
   if (rank == 0 && !o.result.empty()) {
     std::ofstream out(o.result, std::ios::app);
-    out << "step_s " << median(times) << " cpu_s " << median(cpu_times) << " peak " << peak << " base " << base
-        << " params " << param_bytes << " grads " << grad_bytes << " optim " << optim_bytes << " n_params " << n_params
-        << " world " << world << " loss " << loss_value << "\n";
+    out << "step_s " << steps.wall_median() << " cpu_s " << steps.cpu_median() << " peak " << peak << " base " << base
+        << " params " << state.params << " grads " << state.grads << " optim " << state.optim << " n_params "
+        << n_params << " world " << world << " loss " << loss_value << "\n";
   }
   if (sharded) fsdp::dist::destroy_distributed();
   return 0;
@@ -220,15 +141,12 @@ struct Driver {
 int run_memory(const Options& o) {
   Driver d(o.glibc_default);
   std::printf(
-      "activation_bench: GPT %lld layers, d=%lld, %lld heads, seq %lld, batch %lld per rank, float32, "
-      "fully_shard in a world of one; %d steps after %d warm-up, %d round(s); peak RSS of a fresh process per row\n",
-      static_cast<long long>(o.layers), static_cast<long long>(o.dim), static_cast<long long>(o.heads),
-      static_cast<long long>(o.seq), static_cast<long long>(o.batch), o.steps, o.warmup, o.rounds);
+      "activation_bench: %s, batch %lld per rank, float32, fully_shard in a world of one; %d steps after %d "
+      "warm-up, %d round(s); peak RSS of a fresh process per row\n",
+      o.shape.describe().c_str(), static_cast<long long>(o.shape.batch), o.steps, o.warmup, o.rounds);
   std::fflush(stdout);
-  const std::vector<std::string> common = {"--steps",  std::to_string(o.steps),  "--warmup", std::to_string(o.warmup),
-                                           "--layers", std::to_string(o.layers), "--dim",    std::to_string(o.dim),
-                                           "--heads",  std::to_string(o.heads),  "--seq",    std::to_string(o.seq),
-                                           "--batch",  std::to_string(o.batch)};
+  std::vector<std::string> common = o.shape.worker_args();
+  common.insert(common.end(), {"--steps", std::to_string(o.steps), "--warmup", std::to_string(o.warmup)});
   // Rounds alternate the configurations (the machine is shared and noisy): per configuration the
   // median over rounds of each run's median step time, and the largest peak.
   std::map<std::string, std::map<std::string, double>> rows;
@@ -238,7 +156,7 @@ int run_memory(const Options& o) {
       auto args = common;
       args.insert(args.end(), {"--ac", ac});
       auto r = d.run(1, args);
-      if (r["rc"] != 0) usage("the " + ac + " run failed");
+      if (r["rc"] != 0) d.launcher.fail("the " + ac + " run failed");
       walls[ac].push_back(r["step_s"]);
       cpus[ac].push_back(r["cpu_s"]);
       const double peak = std::max(rows[ac]["peak"], r["peak"]);
@@ -276,20 +194,14 @@ int run_memory(const Options& o) {
 
 int run_fit(const Options& o) {
   Driver d(o.glibc_default);
-  const int64_t layers = 14, dim = 768, heads = 12, seq = 512;
+  const fsdp_bench::GptShape fit{14, 768, 12, 512, 1};  // ~100M parameters, 1 sequence per rank
   std::printf(
-      "activation_bench --fit: GPT %lld layers, d=%lld, %lld heads, seq %lld, 1 sequence per rank, float32, "
-      "AdamW; %d steps after %d warm-up; budget %lld MiB per process%s\n",
-      static_cast<long long>(layers), static_cast<long long>(dim), static_cast<long long>(heads),
-      static_cast<long long>(seq), o.steps, o.warmup, static_cast<long long>(o.budget_mb), " (stated)");
+      "activation_bench --fit: %s, 1 sequence per rank, float32, AdamW; %d steps after %d warm-up; budget %lld MiB "
+      "per process%s\n",
+      fit.describe().c_str(), o.steps, o.warmup, static_cast<long long>(o.budget_mb), " (stated)");
   std::fflush(stdout);
-  const std::vector<std::string> common = {"--steps",  std::to_string(o.steps),
-                                           "--warmup", std::to_string(o.warmup),
-                                           "--layers", std::to_string(layers),
-                                           "--dim",    std::to_string(dim),
-                                           "--heads",  std::to_string(heads),
-                                           "--seq",    std::to_string(seq),
-                                           "--batch",  "1"};
+  std::vector<std::string> common = fit.worker_args();
+  common.insert(common.end(), {"--steps", std::to_string(o.steps), "--warmup", std::to_string(o.warmup)});
   struct Row {
     std::string name;
     int nproc;
@@ -325,14 +237,8 @@ int run_fit(const Options& o) {
 }  // namespace
 
 int main(int argc, char** argv) {
-  fsdp::dist::tune_cpu_or_reexec(argc, argv);
-  Options o = parse(argc, argv);
-  try {
+  return fsdp_bench::run_main(argc, argv, parse, [](const Options& o) {
     if (o.role == "worker") return run_worker(o);
-    if (o.role == "driver") return o.fit ? run_fit(o) : run_memory(o);
-    usage("unknown --role " + o.role);
-  } catch (const std::exception& e) {
-    std::fprintf(stderr, "activation_bench: %s\n", e.what());
-    return 1;
-  }
+    return o.fit ? run_fit(o) : run_memory(o);
+  });
 }

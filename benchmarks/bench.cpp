@@ -17,15 +17,11 @@
 // last step with no compute and measures the CPU they take (transport_floor). Where every core
 // computes (ranks x threads >= cores) no FSDP can beat the limit plus that CPU on this transport;
 // the driver prints that ratio next to the measured one.
-#include <spawn.h>
-#include <sys/resource.h>
-#include <sys/wait.h>
 #include <unistd.h>
 
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
-#include <cstdlib>
 #include <fstream>
 #include <map>
 #include <sstream>
@@ -33,21 +29,15 @@
 #include <vector>
 
 #include "bench_support.h"
-#include "fsdp/comm/flight_recorder.h"
-#include "fsdp/fsdp.h"
-#include "fsdp/memory/buffer_pool.h"
-#include "fsdp/memory/malloc_tuning.h"
-#include "models/gpt.h"
 
 namespace {
 
+using fsdp_bench::bad_input;
 using fsdp_bench::median;
-using fsdp_bench::spawn_and_wait;
-using fsdp_bench::peak_rss_bytes;
 
 struct Options {
   int nproc = 2, steps = 20, warmup = 3, rounds = 2;
-  int64_t layers = 4, dim = 256, heads = 4, seq = 128, batch = 8;
+  fsdp_bench::GptShape shape;       // bench's GPT: 4 layers, d=256, 4 heads, seq 128, global batch 8
   std::string role = "driver";      // driver | single | fsdp
   std::string mp = "fp32";          // fp32 | bf16 (MixedPrecisionPolicy: bf16 params, fp32 reduce)
   std::string mode = "fsdp";        // fsdp | hsdp | replicate (the distributed worker's parallelism)
@@ -61,88 +51,36 @@ struct Options {
                                     // transport_floor); the driver passes --steps
 };
 
-[[noreturn]] void usage(const char* why) {
-  std::fprintf(stderr,
-               "bench: %s\nusage: bench [--nproc N] [--steps N] [--warmup N] [--rounds N] [--layers N] [--dim N] "
-               "[--heads N] [--seq N] [--batch N] [--hsdp RxS] [--pool-trim on|off] [--malloc default|speed]\n"
-               "       [--rows single,local,fsdp,keep-last,zero2,bf16,hsdp,replicate] (default all)\n"
-               "FSDP_PHASE_TIMERS=1 makes every FSDP worker print where FSDP's own time went, by phase\n",
-               why);
-  std::exit(2);
-}
-
 Options parse(int argc, char** argv) {
   Options o;
-  std::map<std::string, int64_t*> ints = {
-      {"--layers", &o.layers}, {"--dim", &o.dim}, {"--heads", &o.heads}, {"--seq", &o.seq}, {"--batch", &o.batch}};
-  std::map<std::string, int*> small = {
-      {"--nproc", &o.nproc}, {"--steps", &o.steps}, {"--warmup", &o.warmup}, {"--rounds", &o.rounds}};
-  for (int i = 1; i < argc; ++i) {
-    std::string a = argv[i];
-    if (i + 1 >= argc) usage(("missing value for " + a).c_str());
-    std::string v = argv[++i];
-    if (a == "--role")
-      o.role = v;
-    else if (a == "--result")
-      o.result = v;
-    else if (a == "--mp")
-      o.mp = v;
-    else if (a == "--mode")
-      o.mode = v;
-    else if (a == "--hsdp")
-      o.hsdp = v;
-    else if (a == "--pool-trim")
-      o.pool_trim = v;
-    else if (a == "--malloc")
-      o.malloc = v;
-    else if (a == "--reshard")
-      o.reshard = v;
-    else if (a == "--rows")
-      o.rows = v;
-    else if (a == "--floor-steps")
-      o.floor_steps = std::stoi(v);
-    else if (ints.count(a))
-      *ints[a] = std::stoll(v);
-    else if (small.count(a))
-      *small[a] = std::stoi(v);
-    else
-      usage(("unknown option " + a).c_str());
-  }
-  if (o.nproc < 1 || o.batch % o.nproc != 0) usage("--batch must be a positive multiple of --nproc");
-  if (o.steps < 1) usage("--steps must be positive");
-  if (o.pool_trim != "on" && o.pool_trim != "off") usage("--pool-trim takes on or off");
-  if (o.malloc != "default" && o.malloc != "speed") usage("--malloc takes default or speed");
+  fsdp_bench::Args args("bench",
+                        "usage: bench [--nproc N] [--steps N] [--warmup N] [--rounds N] [--layers N] [--dim N] "
+                        "[--heads N] [--seq N] [--batch N] [--hsdp RxS] [--pool-trim on|off] [--malloc default|speed]\n"
+                        "       [--rows single,local,fsdp,keep-last,zero2,bf16,hsdp,replicate] (default all)\n"
+                        "FSDP_PHASE_TIMERS=1 makes every FSDP worker print where FSDP's own time went, by phase");
+  o.shape.add_options(args);
+  args.option("--nproc", &o.nproc).option("--steps", &o.steps).option("--warmup", &o.warmup);
+  args.option("--rounds", &o.rounds).option("--role", &o.role).option("--result", &o.result).option("--mp", &o.mp);
+  args.option("--mode", &o.mode).option("--hsdp", &o.hsdp).option("--pool-trim", &o.pool_trim);
+  args.option("--malloc", &o.malloc).option("--reshard", &o.reshard).option("--rows", &o.rows);
+  args.option("--floor-steps", &o.floor_steps);
+  args.parse(argc, argv);
+  if (o.nproc < 1 || o.shape.batch % o.nproc != 0) bad_input("--batch must be a positive multiple of --nproc");
+  if (o.steps < 1) bad_input("--steps must be positive");
+  if (o.pool_trim != "on" && o.pool_trim != "off") bad_input("--pool-trim takes on or off");
+  if (o.malloc != "default" && o.malloc != "speed") bad_input("--malloc takes default or speed");
   if (o.reshard != "default" && o.reshard != "keep-last" && o.reshard != "false") {
-    usage("--reshard takes default, keep-last or false");
+    bad_input("--reshard takes default, keep-last or false");
   }
+  if (o.role != "driver" && o.role != "single" && o.role != "fsdp") bad_input("--role takes driver, single or fsdp");
   if (o.hsdp.empty()) {
     o.hsdp = (o.nproc % 2 == 0 && o.nproc >= 4) ? "2x" + std::to_string(o.nproc / 2) : std::to_string(o.nproc) + "x1";
   }
   const auto x = o.hsdp.find('x');
   if (x == std::string::npos || std::stoll(o.hsdp.substr(0, x)) * std::stoll(o.hsdp.substr(x + 1)) != o.nproc) {
-    usage("--hsdp must be RxS with R * S = --nproc");
+    bad_input("--hsdp must be RxS with R * S = --nproc");
   }
   return o;
-}
-
-fsdp::models::GPTConfig config_of(const Options& o) {
-  fsdp::models::GPTConfig c;
-  c.vocab_size = 256;
-  c.block_size = o.seq;
-  c.n_layer = o.layers;
-  c.n_head = o.heads;
-  c.n_embd = o.dim;
-  return c;
-}
-
-double state_bytes(torch::nn::Module& model, torch::optim::AdamW& opt) {
-  double bytes = 0;
-  for (const auto& p : model.parameters()) bytes += p.nbytes() + (p.grad().defined() ? p.grad().nbytes() : 0);
-  for (const auto& item : opt.state()) {
-    auto& st = static_cast<torch::optim::AdamWParamState&>(*item.second);
-    bytes += st.exp_avg().nbytes() + st.exp_avg_sq().nbytes();
-  }
-  return bytes;
 }
 
 // The transport floor: the collectives of one FSDP step (this rank's flight records from record
@@ -185,11 +123,10 @@ Floor transport_floor(uint64_t first, int reps) {
   }
   Floor f;
   f.collectives = static_cast<int>(replays.size());
-  std::vector<double> cpu, wall;
+  fsdp_bench::Samples replayed;
   for (int rep = -1; rep < reps; ++rep) {  // rep -1: warm-up
     world->barrier();
-    const double c0 = fsdp_bench::cpu_seconds();
-    const auto t0 = std::chrono::steady_clock::now();
+    const fsdp_bench::Stopwatch stretch;
     for (const auto& r : replays) {
       if (r.kind == Kind::AllGather)
         world->all_gather_into_tensor(r.out, r.in);
@@ -198,35 +135,26 @@ Floor transport_floor(uint64_t first, int reps) {
       else
         world->all_reduce(r.out);
     }
-    if (rep < 0) continue;
-    wall.push_back(std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
-    cpu.push_back(fsdp_bench::cpu_seconds() - c0);
+    if (rep >= 0) replayed.add(stretch);
   }
-  f.cpu_s = median(cpu);
-  f.wall_s = median(wall);
+  f.cpu_s = replayed.cpu_median();
+  f.wall_s = replayed.wall_median();
   return f;
 }
 
 // One worker: trains `local_batch` sequences per step, sharded or not; writes one result line.
 int run_worker(const Options& o, bool sharded) {
   // --malloc speed: glibc's heap keeps freed tensors (no page faulted in again each step), in the
-  // one-process run and the distributed ones alike (fsdp/memory/malloc_tuning.h).
+  // one-process run and the distributed ones alike (fsdp/debug/malloc_tuning.h).
   if (o.malloc == "speed") fsdp::tune_malloc_for_speed();
   {
     fsdp::BufferPoolOptions pool;
     pool.trim_after_forward = o.pool_trim == "on";
     fsdp::set_buffer_pool_options(pool);
   }
-  int rank = 0, world = 1;
-  if (sharded) {
-    fsdp::dist::init_distributed();
-    rank = fsdp::dist::rank();
-    world = fsdp::dist::world_size();
-  }
-  const int64_t local_batch = o.batch / o.nproc;
-  const auto c = config_of(o);
-  torch::manual_seed(0);
-  fsdp::models::GPT model(c);
+  const auto [rank, world] = fsdp_bench::join_world(sharded);
+  const int64_t local_batch = o.shape.batch / o.nproc;
+  auto model = fsdp_bench::seeded_gpt(o.shape.config());
   double param_bytes = 0;
   for (const auto& p : model->parameters()) param_bytes += p.nbytes();
   if (sharded && o.mode == "replicate") {
@@ -246,13 +174,11 @@ int run_worker(const Options& o, bool sharded) {
     // nothing). keep-last: the last block keeps them (torchtitan's recipe: backward starts by
     // gathering it again, so freeing it saves no memory at the peak and costs a gather).
     if (o.reshard == "false") opts.reshard_after_forward = false;
-    std::vector<fsdp::FSDPModule> units;
-    for (auto& b : model->blocks) units.push_back(fsdp::fully_shard(b, opts));
-    fsdp::fully_shard(model, opts);
+    auto units = fsdp_bench::shard_gpt(model, opts);
     if (o.reshard == "keep-last" && !units.empty()) units.back().set_reshard_after_forward(false, /*recurse=*/false);
   }
   torch::optim::AdamW opt(model->parameters(), torch::optim::AdamWOptions(1e-3));
-  auto gen = at::detail::createCPUGenerator(1234 + rank);
+  auto gen = fsdp_bench::token_stream(rank);
   std::vector<double> times;
   double first_loss = 0;
   auto stats0 = fsdp::comm::process_comm_stats().snapshot();
@@ -265,17 +191,11 @@ int run_worker(const Options& o, bool sharded) {
       cpu0 = fsdp_bench::cpu_seconds();
     }
     if (s == o.warmup + o.steps - 1) last_step_first_record = fsdp::comm::FlightRecorder::process().recorded();
-    auto data = at::randint(c.vocab_size, {local_batch, c.block_size + 1}, gen, at::kLong);
-    auto t0 = std::chrono::steady_clock::now();
-    opt.zero_grad();
-    auto input = data.narrow(1, 0, c.block_size);
-    auto logits = sharded ? fsdp::call(model, input) : model->forward(input);
-    auto loss = fsdp::models::gpt_loss(logits, data.narrow(1, 1, c.block_size));
-    loss.backward();
-    opt.step();
-    const double value = loss.item<float>();
+    auto data = fsdp_bench::random_tokens(gen, local_batch, o.shape.seq);
+    const auto t0 = std::chrono::steady_clock::now();
+    const double value = fsdp_bench::train_step(model, opt, data, sharded).item<float>();
     if (s == 0) first_loss = value;
-    if (s >= o.warmup) times.push_back(std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
+    if (s >= o.warmup) times.push_back(fsdp_bench::seconds_since(t0));
   }
   const double cpu_per_step = (fsdp_bench::cpu_seconds() - cpu0) / o.steps;
   auto comm = fsdp::comm::process_comm_stats().snapshot() - stats0;
@@ -283,15 +203,16 @@ int run_worker(const Options& o, bool sharded) {
   if (sharded && o.floor_steps > 0 && world > 1) floor = transport_floor(last_step_first_record, o.floor_steps);
   if (rank == 0 && !o.result.empty()) {
     std::ofstream out(o.result, std::ios::app);
-    out << "median_step_s " << median(times) << " state_bytes " << state_bytes(*model, opt) << " max_rss "
-        << peak_rss_bytes() << " comm_bytes_per_step " << comm.total_bytes() / static_cast<double>(o.steps)
-        << " param_bytes " << param_bytes << " world " << world << " all_reduce_bytes_per_step "
+    out << "median_step_s " << median(times) << " state_bytes " << fsdp_bench::state_bytes(*model, opt).total()
+        << " max_rss " << fsdp_bench::peak_rss_bytes() << " comm_bytes_per_step "
+        << comm.total_bytes() / static_cast<double>(o.steps) << " param_bytes " << param_bytes << " world " << world
+        << " all_reduce_bytes_per_step "
         << comm[fsdp::comm::OpKind::AllReduce].bytes_sent / static_cast<double>(o.steps) << " first_loss " << first_loss
         << " cpu_per_step_s " << cpu_per_step << " floor_cpu_s " << floor.cpu_s << " floor_wall_s " << floor.wall_s
         << " floor_collectives " << floor.collectives << "\n";
   }
   if (sharded && fsdp::phase_timers_enabled()) {
-    // FSDP_PHASE_TIMERS=1: where FSDP's own time went on this rank (fsdp/sharding/phase_timers.h).
+    // FSDP_PHASE_TIMERS=1: where FSDP's own time went on this rank (fsdp/debug/phase_timers.h).
     double total = 0;
     for (double t : times) total += t;
     std::printf("rank %d: %.1f ms per step (mean of %d); FSDP's phases:\n%s", rank, 1e3 * total / o.steps, o.steps,
@@ -302,46 +223,24 @@ int run_worker(const Options& o, bool sharded) {
   return 0;
 }
 
-std::map<std::string, double> read_results(const std::string& path, std::vector<double>& medians) {
-  std::ifstream in(path);
-  std::string line;
-  std::map<std::string, double> last;
-  while (std::getline(in, line)) {
-    std::istringstream ls(line);
-    std::string k;
-    double v;
-    while (ls >> k >> v) last[k] = v;
-    medians.push_back(last["median_step_s"]);
-  }
-  return last;
-}
-
 // One row of the table: a worker run, alternated with the others every round.
 struct Row {
   std::string key;                     // --rows name
   std::string label;                   // the table's first column
   std::vector<std::string> args;       // worker arguments after the common ones' place
   bool distributed = true;             // under fsdprun (else one process with the rank's threads)
+  std::string result;                  // the result file its workers append a line to, each round
   std::vector<double> medians;         // per round
   std::map<std::string, double> last;  // the last round's result line
   double step() const { return median(medians); }
 };
 
 int run_driver(const Options& o) {
-  char self[4096];
-  ssize_t n = readlink("/proc/self/exe", self, sizeof(self) - 1);
-  if (n <= 0) usage("cannot find this program's path");
-  self[n] = '\0';
-  std::string dir = std::string(self).substr(0, std::string(self).rfind('/'));
-  const std::string fsdprun = dir + "/fsdprun";
-  if (access(fsdprun.c_str(), X_OK) != 0) usage(("fsdprun not found next to bench: " + fsdprun).c_str());
-  char tmpl[] = "/tmp/fsdp-bench-XXXXXX";
-  if (!mkdtemp(tmpl)) usage("cannot create a temporary folder");
-  std::vector<std::string> common = {
-      "--steps", std::to_string(o.steps), "--warmup", std::to_string(o.warmup), "--layers", std::to_string(o.layers),
-      "--dim",   std::to_string(o.dim),   "--heads",  std::to_string(o.heads),  "--seq",    std::to_string(o.seq),
-      "--batch", std::to_string(o.batch), "--nproc",  std::to_string(o.nproc),  "--malloc", o.malloc};
-  const long long local_batch = o.batch / o.nproc, batch = o.batch;
+  fsdp_bench::WorkerLauncher launcher("bench");
+  std::vector<std::string> common = o.shape.worker_args();
+  common.insert(common.end(), {"--steps", std::to_string(o.steps), "--warmup", std::to_string(o.warmup), "--nproc",
+                               std::to_string(o.nproc), "--malloc", o.malloc});
+  const long long local_batch = o.shape.batch / o.nproc, batch = o.shape.batch;
   auto b = [](long long v) { return " (batch " + std::to_string(v) + ")"; };
   std::vector<Row> all = {
       {"single", "one process, per-rank work" + b(local_batch), {"--role", "single"}, false},
@@ -371,34 +270,35 @@ int run_driver(const Options& o) {
     std::istringstream names(o.rows);
     for (std::string name; std::getline(names, name, ',');) {
       if (std::none_of(all.begin(), all.end(), [&](const Row& r) { return r.key == name; })) {
-        usage(("--rows: no row '" + name + "'; the rows are " + known).c_str());
+        bad_input("--rows: no row '" + name + "'; the rows are " + known);
       }
     }
   }
   if (rows.empty() || rows.front().key != "single")
-    usage("--rows must include single (the limit the others are measured against)");
+    bad_input("--rows must include single (the limit the others are measured against)");
   const int threads = fsdp::dist::default_omp_threads(o.nproc);
   std::printf(
-      "bench: GPT %lld layers, d=%lld, %lld heads, seq %lld, global batch %lld, float32; %d ranks x %d "
-      "thread(s); %d steps after %d warm-up, %d rounds; malloc %s\n",
-      static_cast<long long>(o.layers), static_cast<long long>(o.dim), static_cast<long long>(o.heads),
-      static_cast<long long>(o.seq), batch, o.nproc, threads, o.steps, o.warmup, o.rounds, o.malloc.c_str());
+      "bench: %s, global batch %lld, float32; %d ranks x %d thread(s); %d steps after %d warm-up, %d rounds; "
+      "malloc %s\n",
+      o.shape.describe().c_str(), batch, o.nproc, threads, o.steps, o.warmup, o.rounds, o.malloc.c_str());
   std::fflush(stdout);
+  for (auto& r : rows) r.result = launcher.result_path(r.key);
   for (int round = 0; round < o.rounds; ++round) {
     for (auto& r : rows) {
-      const std::string out = std::string(tmpl) + "/" + r.key;
-      std::vector<std::string> argv;
-      if (r.distributed) argv = {fsdprun, "--nproc-per-node", std::to_string(o.nproc), "--master-port", "0", "--"};
-      argv.push_back(self);
-      argv.insert(argv.end(), r.args.begin(), r.args.end());
-      argv.insert(argv.end(), {"--result", out});
-      argv.insert(argv.end(), common.begin(), common.end());
+      std::vector<std::string> args = r.args;
+      args.insert(args.end(), {"--result", r.result});
+      args.insert(args.end(), common.begin(), common.end());
       std::vector<std::string> env;
       if (!r.distributed) env.push_back("OMP_NUM_THREADS=" + std::to_string(threads));
-      if (spawn_and_wait(argv, env) != 0) usage(("the " + r.key + " run failed").c_str());
+      if (launcher.run(r.distributed ? o.nproc : 0, args, env) != 0) launcher.fail("the " + r.key + " run failed");
     }
   }
-  for (auto& r : rows) r.last = read_results(std::string(tmpl) + "/" + r.key, r.medians);
+  for (auto& r : rows) {  // one line per round
+    for (const auto& line : fsdp_bench::read_result_lines(r.result)) {
+      r.medians.push_back(line.at("median_step_s"));
+      r.last = line;
+    }
+  }
   const double limit = rows.front().step();
   const double params = rows.front().last["param_bytes"], frac = static_cast<double>(o.nproc - 1) / o.nproc;
   const double hr = std::stod(o.hsdp.substr(0, o.hsdp.find('x'))), hs = o.nproc / hr;
@@ -474,15 +374,7 @@ int run_driver(const Options& o) {
 }  // namespace
 
 int main(int argc, char** argv) {
-  fsdp::dist::tune_cpu_or_reexec(argc, argv);
-  Options o = parse(argc, argv);
-  try {
-    if (o.role == "single") return run_worker(o, false);
-    if (o.role == "fsdp") return run_worker(o, true);
-    if (o.role == "driver") return run_driver(o);
-    usage(("unknown --role " + o.role).c_str());
-  } catch (const std::exception& e) {
-    std::fprintf(stderr, "bench: %s\n", e.what());
-    return 1;
-  }
+  return fsdp_bench::run_main(argc, argv, parse, [](const Options& o) {
+    return o.role == "driver" ? run_driver(o) : run_worker(o, /*sharded=*/o.role == "fsdp");
+  });
 }

@@ -3,66 +3,34 @@
 // load at the same world size, and the bytes each rank writes. Run under the launcher:
 //
 //   build/bin/fsdprun --nproc-per-node 2 -- build/bin/checkpoint_bench [--dir DIR] [--rounds N]
-#include <algorithm>
 #include <chrono>
 #include <cstdio>
-#include <cstdlib>
 #include <cstring>
 #include <filesystem>
 #include <string>
 #include <vector>
 
-#include "fsdp/fsdp.h"
-#include "models/gpt.h"
+#include "bench_support.h"
 
-namespace {
-
-double seconds_since(std::chrono::steady_clock::time_point t0) {
-  return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-}
-
-double median(std::vector<double> v) {
-  std::sort(v.begin(), v.end());
-  return v[v.size() / 2];
-}
-
-}  // namespace
+using fsdp_bench::median;
+using fsdp_bench::seconds_since;
 
 int main(int argc, char** argv) {
   fsdp::dist::tune_cpu_or_reexec(argc, argv);
   std::string dir = (std::filesystem::temp_directory_path() / "fsdp_checkpoint_bench").string();
   int rounds = 3;
-  for (int i = 1; i + 1 < argc; i += 2) {
-    const std::string a = argv[i];
-    if (a == "--dir")
-      dir = argv[i + 1];
-    else if (a == "--rounds")
-      rounds = std::atoi(argv[i + 1]);
-    else {
-      std::fprintf(stderr, "usage: checkpoint_bench [--dir DIR] [--rounds N]\n");
-      return 2;
-    }
-  }
-  try {
-    fsdp::dist::init_distributed();
-    const int rank = fsdp::dist::rank(), world = fsdp::dist::world_size();
-    fsdp::models::GPTConfig c;
-    c.vocab_size = 256;
-    c.block_size = 128;
-    c.n_layer = 4;
-    c.n_head = 4;
-    c.n_embd = 256;
-    torch::manual_seed(0);
-    fsdp::models::GPT model(c);
-    for (auto& block : model->blocks) fsdp::fully_shard(block);
-    fsdp::fully_shard(model);
-    torch::optim::AdamW opt(model->parameters(), 1e-3);
+  fsdp_bench::Args args("checkpoint_bench", "usage: checkpoint_bench [--dir DIR] [--rounds N] (under fsdprun)");
+  args.option("--dir", &dir).option("--rounds", &rounds);
+  args.parse(argc, argv);
+  if (rounds < 1) args.fail("--rounds must be at least 1");
+  return fsdp_bench::report_errors([&] {
+    const auto place = fsdp_bench::join_world(true);
+    const int rank = place.rank, world = place.world;
+    fsdp_bench::GptTraining t(fsdp_bench::GptShape{}, place);  // bench's GPT
+    auto& model = t.model;
     // One step so that the optimizer holds its state (2 more tensors per parameter).
-    auto tokens = at::randint(256, {2, c.block_size + 1}, at::kLong);
-    fsdp::models::gpt_loss(fsdp::call(model, tokens.narrow(1, 0, c.block_size)), tokens.narrow(1, 1, c.block_size))
-        .backward();
-    opt.step();
-    fsdp::checkpoint::State state{model.ptr(), &opt, {}};
+    t.step(at::randint(fsdp_bench::kVocab, {2, t.seq + 1}, at::kLong));
+    fsdp::checkpoint::State state{model.ptr(), &t.opt, {}};
 
     std::vector<double> save_s, async_return_s, async_total_s, load_s;
     for (int r = 0; r < rounds; ++r) {
@@ -105,8 +73,5 @@ int main(int argc, char** argv) {
           median(save_s), median(async_return_s), median(async_total_s), median(load_s));
     }
     return 0;
-  } catch (const std::exception& e) {
-    std::fprintf(stderr, "checkpoint_bench: %s\n", e.what());
-    return 1;
-  }
+  });
 }

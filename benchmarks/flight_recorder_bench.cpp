@@ -1,4 +1,4 @@
-// Cost of the flight recorder per collective (fsdp/comm/flight_recorder.h): N cycles of what a
+// Cost of the flight recorder per collective (fsdp/debug/flight_recorder.h): N cycles of what a
 // Comm operation and its Work do (record on issue with the group found by name and ranks, started,
 // completed), timed, and the heap allocations made in those cycles, counted by replacing operator
 // new. Run it under callgrind for an instruction count that the machine's load does not blur:
@@ -11,7 +11,7 @@
 #include <string>
 #include <vector>
 
-#include "fsdp/comm/flight_recorder.h"
+#include "fsdp/debug/flight_recorder.h"
 
 namespace {
 std::atomic<uint64_t> g_allocations{0};

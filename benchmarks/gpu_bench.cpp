@@ -24,6 +24,7 @@
 #include <vector>
 
 #include "bench_support.h"
+#include "fsdp/debug.h"
 #include "fsdp/fsdp.h"
 #include "models/gpt.h"
 
@@ -32,42 +33,18 @@ namespace {
 using fsdp_bench::median;
 
 struct Options {
-  int64_t layers = 12, dim = 1024, heads = 16, seq = 1024, batch = 8;
+  fsdp_bench::GptShape shape{12, 1024, 16, 1024, 8};
   int steps = 20, warmup = 5, rounds = 2;
 };
 
 Options parse(int argc, char** argv) {
   Options o;
-  for (int i = 1; i < argc; ++i) {
-    const std::string a = argv[i];
-    auto next = [&]() -> long long {
-      if (i + 1 >= argc) {
-        std::fprintf(stderr, "gpu_bench: %s needs a value\n", a.c_str());
-        std::exit(2);
-      }
-      return std::atoll(argv[++i]);
-    };
-    if (a == "--layers")
-      o.layers = next();
-    else if (a == "--dim")
-      o.dim = next();
-    else if (a == "--heads")
-      o.heads = next();
-    else if (a == "--seq")
-      o.seq = next();
-    else if (a == "--batch")
-      o.batch = next();
-    else if (a == "--steps")
-      o.steps = static_cast<int>(next());
-    else if (a == "--warmup")
-      o.warmup = static_cast<int>(next());
-    else if (a == "--rounds")
-      o.rounds = static_cast<int>(next());
-    else {
-      std::fprintf(stderr, "gpu_bench: unknown option %s (see the header of benchmarks/gpu_bench.cpp)\n", a.c_str());
-      std::exit(2);
-    }
-  }
+  fsdp_bench::Args args("gpu_bench",
+                        "usage: gpu_bench [--layers N] [--dim N] [--heads N] [--seq N] [--batch N] [--steps N] "
+                        "[--warmup N] [--rounds N]");
+  o.shape.add_options(args);
+  args.option("--steps", &o.steps).option("--warmup", &o.warmup).option("--rounds", &o.rounds);
+  args.parse(argc, argv);
   return o;
 }
 
@@ -88,13 +65,8 @@ double peak_gib() {
 #endif
 }
 
-fsdp::models::GPTConfig config_of(const Options& o) {
-  fsdp::models::GPTConfig c;
-  c.vocab_size = 256;
-  c.block_size = o.seq;
-  c.n_layer = o.layers;
-  c.n_head = o.heads;
-  c.n_embd = o.dim;
+fsdp::models::GPTConfig config_of(const Options& o, torch::Device device) {
+  auto c = o.shape.config(device);
   c.init_seed = 1;
   return c;
 }
@@ -111,7 +83,7 @@ Result time_steps(const Options& o, StepFn step) {
     if (s == o.warmup) fsdp::all_gather_wait_seconds();  // drop the warmup's waits
     const auto t0 = std::chrono::steady_clock::now();
     r.loss = step(s);  // .item(): waits for the GPU
-    if (s >= o.warmup) times.push_back(std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
+    if (s >= o.warmup) times.push_back(fsdp_bench::seconds_since(t0));
   }
   r.step_s = median(times);
   r.wait_s = fsdp::all_gather_wait_seconds() / o.steps;
@@ -121,13 +93,12 @@ Result time_steps(const Options& o, StepFn step) {
 
 at::Tensor batch_of(const Options& o, int step) {
   auto gen = at::detail::createCPUGenerator(100 + step);
-  return at::randint(256, {o.batch, o.seq + 1}, gen, at::kLong).to(kGpu);
+  return at::randint(256, {o.shape.batch, o.shape.seq + 1}, gen, at::kLong).to(kGpu);
 }
 
 Result run_plain(const Options& o) {
   reset_peak();
-  auto c = config_of(o);
-  c.device = kGpu;
+  const auto c = config_of(o, kGpu);
   fsdp::models::GPT master(c), compute(c);
   compute->to(at::kBFloat16);
   torch::optim::AdamW opt(master->parameters(), torch::optim::AdamWOptions(3e-4).weight_decay(0.1));
@@ -139,8 +110,8 @@ Result run_plain(const Options& o) {
     }
     for (auto& p : computes) p.mutable_grad().reset();
     auto data = batch_of(o, s);
-    auto loss =
-        fsdp::models::gpt_loss(compute->forward(data.narrow(1, 0, o.seq)).to(at::kFloat), data.narrow(1, 1, o.seq));
+    auto loss = fsdp::models::gpt_loss(compute->forward(data.narrow(1, 0, o.shape.seq)).to(at::kFloat),
+                                       data.narrow(1, 1, o.shape.seq));
     loss.backward();
     for (size_t i = 0; i < masters.size(); ++i) masters[i].mutable_grad() = computes[i].grad().to(at::kFloat);
     opt.step();
@@ -150,14 +121,11 @@ Result run_plain(const Options& o) {
 
 Result run_fsdp(const Options& o) {
   reset_peak();
-  auto c = config_of(o);
-  c.device = torch::kMeta;
-  fsdp::models::GPT model(c);
+  fsdp::models::GPT model(config_of(o, torch::kMeta));
   fsdp::FullyShardOptions so;
   so.mp_policy.param_dtype = at::kBFloat16;
   so.mp_policy.reduce_dtype = at::kFloat;
-  for (auto& b : model->blocks) fsdp::fully_shard(b, so);
-  fsdp::fully_shard(model, so);
+  fsdp_bench::shard_gpt(model, so);
   fsdp::to_empty(*model, kGpu);
   model->reset_parameters();
   torch::optim::AdamW opt(model->parameters(), torch::optim::AdamWOptions(3e-4).weight_decay(0.1));
@@ -165,8 +133,8 @@ Result run_fsdp(const Options& o) {
   Result r = time_steps(o, [&](int s) {
     opt.zero_grad();
     auto data = batch_of(o, s);
-    auto loss =
-        fsdp::models::gpt_loss(fsdp::call(model, data.narrow(1, 0, o.seq)).to(at::kFloat), data.narrow(1, 1, o.seq));
+    auto loss = fsdp::models::gpt_loss(fsdp::call(model, data.narrow(1, 0, o.shape.seq)).to(at::kFloat),
+                                       data.narrow(1, 1, o.shape.seq));
     loss.backward();
     opt.step();
     return loss.item<double>();
@@ -176,7 +144,7 @@ Result run_fsdp(const Options& o) {
 }
 
 void print_row(const char* name, const Options& o, const Result& r, const Result* plain) {
-  const double tokens = static_cast<double>(o.batch * o.seq);
+  const double tokens = static_cast<double>(o.shape.batch * o.shape.seq);
   std::printf("row %-6s tokens_per_s=%.0f step_ms=%.1f peak_gib=%.2f ag_wait_ms_per_step=%.2f last_loss=%.4f", name,
               tokens / r.step_s, r.step_s * 1e3, r.peak, r.wait_s * 1e3, r.loss);
   if (plain) std::printf(" vs_plain=%.3f", plain->step_s / r.step_s);
@@ -198,8 +166,9 @@ int main(int argc, char** argv) {
   std::printf(
       "config layers=%lld dim=%lld heads=%lld seq=%lld batch=%lld bf16 params, fp32 reduce+master; steps=%d warmup=%d "
       "rounds=%d\n",
-      static_cast<long long>(o.layers), static_cast<long long>(o.dim), static_cast<long long>(o.heads),
-      static_cast<long long>(o.seq), static_cast<long long>(o.batch), o.steps, o.warmup, o.rounds);
+      static_cast<long long>(o.shape.layers), static_cast<long long>(o.shape.dim),
+      static_cast<long long>(o.shape.heads), static_cast<long long>(o.shape.seq), static_cast<long long>(o.shape.batch),
+      o.steps, o.warmup, o.rounds);
   Result best_plain, best_fsdp;
   for (int round = 0; round < o.rounds; ++round) {  // alternate; keep each one's best median
     Result p = run_plain(o);

@@ -11,7 +11,7 @@
 // batch (--batch sequences), one intra-op thread per rank, AdamW, float32, synthetic tokens. The
 // model is built on the meta device and only this rank's shards are allocated (train_gpt's recipe).
 // Each worker samples, every millisecond, its resident set (/proc/self/statm), glibc's heap
-// (mallinfo2) and FSDP's own buffers by owner (fsdp/memory/buffer_pool.h); the breakdown printed
+// (mallinfo2) and FSDP's own buffers by owner (fsdp/debug/buffer_pool.h); the breakdown printed
 // is the sample with the largest RSS; "peak RSS" is the kernel's high-water mark (VmHWM). The table
 // "Where each run peaked" gives each step's largest sample with its phase (forward, backward,
 // optimizer) and the collectives issued so far (which unit was running); --timeline writes every
@@ -34,7 +34,6 @@
 #include <chrono>
 #include <cmath>
 #include <cstdio>
-#include <cstdlib>
 #include <fstream>
 #include <map>
 #include <memory>
@@ -45,17 +44,14 @@
 #include <vector>
 
 #include "bench_support.h"
-#include "fsdp/fsdp.h"
-#include "fsdp/memory/buffer_pool.h"
-#include "fsdp/memory/malloc_tuning.h"
-#include "models/gpt.h"
 
 namespace {
 
+using fsdp_bench::bad_input;
 using fsdp_bench::resident_bytes;
 
 struct Options {
-  int64_t layers = 12, dim = 768, heads = 12, seq = 256, batch = 2;
+  fsdp_bench::GptShape shape{12, 768, 12, 256, 2};  // --batch: sequences per rank
   int steps = 3, threads = 1;
   std::vector<int> ranks = {2, 4};
   std::string malloc_mode = "default";  // default | tuned
@@ -67,64 +63,31 @@ struct Options {
   std::string timeline;  // worker: one line per sample that moved the RSS by >= 1 MB or changed phase
 };
 
-[[noreturn]] void usage(const std::string& why) {
-  std::fprintf(
-      stderr,
-      "memory_bench: %s\nusage: memory_bench [--small] [--ranks 2,4] [--steps N] [--batch N] [--layers N] "
-      "[--dim N] [--heads N] [--seq N] [--threads N] [--malloc default|tuned] [--pool on|off] [--pool-trim on|off] "
-      "[--gloo-fallback p2p|collective] [--timeline FILE (with --role)]\n",
-      why.c_str());
-  std::exit(2);
-}
-
 Options parse(int argc, char** argv) {
   Options o;
-  std::map<std::string, int64_t*> ints = {
-      {"--layers", &o.layers}, {"--dim", &o.dim}, {"--heads", &o.heads}, {"--seq", &o.seq}, {"--batch", &o.batch}};
-  for (int i = 1; i < argc; ++i) {
-    std::string a = argv[i];
-    if (a == "--small") {
-      o.layers = 4, o.dim = 256, o.heads = 4, o.seq = 128, o.batch = 4;
-      continue;
-    }
-    if (i + 1 >= argc) usage("missing value for " + a);
-    std::string v = argv[++i];
-    if (a == "--role")
-      o.role = v;
-    else if (a == "--result")
-      o.result = v;
-    else if (a == "--timeline")
-      o.timeline = v;
-    else if (a == "--malloc")
-      o.malloc_mode = v;
-    else if (a == "--pool")
-      o.pool = v;
-    else if (a == "--pool-trim")
-      o.pool_trim = v;
-    else if (a == "--gloo-fallback")
-      o.gloo_fallback = v;
-    else if (a == "--steps")
-      o.steps = std::stoi(v);
-    else if (a == "--threads")
-      o.threads = std::stoi(v);
-    else if (a == "--ranks") {
-      o.ranks.clear();
-      std::stringstream ss(v);
-      std::string item;
-      while (std::getline(ss, item, ',')) o.ranks.push_back(std::stoi(item));
-    } else if (ints.count(a))
-      *ints[a] = std::stoll(v);
-    else
-      usage("unknown option " + a);
+  fsdp_bench::Args args(
+      "memory_bench",
+      "usage: memory_bench [--small] [--ranks 2,4] [--steps N] [--batch N] [--layers N] [--dim N] [--heads N] "
+      "[--seq N] [--threads N] [--malloc default|tuned] [--pool on|off] [--pool-trim on|off] "
+      "[--gloo-fallback p2p|collective] [--timeline FILE (with --role)]");
+  o.shape.add_options(args);
+  args.flag("--small", [&o] { o.shape = {4, 256, 4, 128, 4}; });
+  args.option("--role", &o.role).option("--result", &o.result).option("--timeline", &o.timeline);
+  args.option("--malloc", &o.malloc_mode).option("--pool", &o.pool).option("--pool-trim", &o.pool_trim);
+  args.option("--gloo-fallback", &o.gloo_fallback).option("--steps", &o.steps).option("--threads", &o.threads);
+  args.option("--ranks", [&](const std::string& v) { o.ranks = args.integers("--ranks", v); });
+  args.parse(argc, argv);
+  if (o.malloc_mode != "default" && o.malloc_mode != "tuned") bad_input("--malloc takes default or tuned");
+  if (o.pool != "on" && o.pool != "off") bad_input("--pool takes on or off");
+  if (o.pool_trim != "on" && o.pool_trim != "off") bad_input("--pool-trim takes on or off");
+  if (o.gloo_fallback != "p2p" && o.gloo_fallback != "collective") {
+    bad_input("--gloo-fallback takes p2p or collective");
   }
-  if (o.malloc_mode != "default" && o.malloc_mode != "tuned") usage("--malloc takes default or tuned");
-  if (o.pool != "on" && o.pool != "off") usage("--pool takes on or off");
-  if (o.pool_trim != "on" && o.pool_trim != "off") usage("--pool-trim takes on or off");
-  if (o.gloo_fallback != "p2p" && o.gloo_fallback != "collective") usage("--gloo-fallback takes p2p or collective");
-  if (o.steps < 1 || o.batch < 1 || o.threads < 1) usage("--steps, --batch and --threads must be positive");
+  if (o.steps < 1 || o.shape.batch < 1 || o.threads < 1) bad_input("--steps, --batch and --threads must be positive");
   for (int r : o.ranks) {
-    if (r < 2) usage("--ranks lists world sizes of at least 2 (one process always runs)");
+    if (r < 2) bad_input("--ranks lists world sizes of at least 2 (one process always runs)");
   }
+  if (o.role != "driver" && o.role != "single" && o.role != "fsdp") bad_input("--role takes driver, single or fsdp");
   return o;
 }
 
@@ -179,29 +142,13 @@ int run_worker(const Options& o, bool sharded) {
     fsdp::set_buffer_pool_options(pool);
   }
   at::set_num_threads(o.threads);
-  int rank = 0, world = 1;
-  if (sharded) {
-    fsdp::dist::init_distributed();
-    rank = fsdp::dist::rank();
-    world = fsdp::dist::world_size();
-  }
-  fsdp::models::GPTConfig c;
-  c.vocab_size = 256;
-  c.block_size = o.seq;
-  c.n_layer = o.layers;
-  c.n_head = o.heads;
-  c.n_embd = o.dim;
-  c.device = torch::kMeta;
-  fsdp::models::GPT model(c);
+  const auto [rank, world] = fsdp_bench::join_world(sharded);
+  fsdp::models::GPT model(o.shape.config(torch::kMeta));
   double block_param_bytes = 0, total_param_bytes = 0;
   for (const auto& p : model->blocks.front()->parameters()) block_param_bytes += p.numel() * 4.0;
   for (const auto& p : model->parameters()) total_param_bytes += p.numel() * 4.0;
-  if (sharded) {
-    for (auto& b : model->blocks) fsdp::fully_shard(b);
-    fsdp::fully_shard(model);
-  }
-  fsdp::to_empty(*model, torch::kCPU);
-  model->reset_parameters();
+  if (sharded) fsdp_bench::shard_gpt(model);
+  fsdp_bench::materialize(model);
   torch::optim::AdamW opt(model->parameters(), torch::optim::AdamWOptions(1e-4));
   const double rss_setup = resident_bytes();
 
@@ -244,49 +191,41 @@ int run_worker(const Options& o, bool sharded) {
       if (t.joinable()) t.join();
     }
   } join_at_exit{stop, sampler};
-  auto gen = at::detail::createCPUGenerator(1234 + rank);
+  auto gen = fsdp_bench::token_stream(rank);
   double loss_value = 0;
   std::vector<double> step_s;
   for (int s = 0; s < o.steps; ++s) {
     const auto t0 = std::chrono::steady_clock::now();
     g_step = s;
     g_phase = kBetween;
-    auto data = at::randint(c.vocab_size, {o.batch, c.block_size + 1}, gen, at::kLong);
+    auto data = fsdp_bench::random_tokens(gen, o.shape.batch, o.shape.seq);
     opt.zero_grad();
-    auto input = data.narrow(1, 0, c.block_size);
+    auto input = data.narrow(1, 0, o.shape.seq);
     g_phase = kForward;
     auto logits = sharded ? fsdp::call(model, input) : model->forward(input);
-    auto loss = fsdp::models::gpt_loss(logits, data.narrow(1, 1, c.block_size));
+    auto loss = fsdp::models::gpt_loss(logits, data.narrow(1, 1, o.shape.seq));
     g_phase = kBackward;
     loss.backward();
     g_phase = kOptimizer;
     opt.step();
     g_phase = kBetween;
     loss_value = loss.item<double>();
-    if (s > 0) step_s.push_back(std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
+    if (s > 0) step_s.push_back(fsdp_bench::seconds_since(t0));
   }
   stop = true;
   sampler.join();
-  double params = 0, grads = 0, optim = 0;
-  for (const auto& p : model->parameters()) {
-    params += p.nbytes();
-    if (p.grad().defined()) grads += p.grad().nbytes();
-  }
-  for (const auto& item : opt.state()) {
-    auto& st = static_cast<torch::optim::AdamWParamState&>(*item.second);
-    optim += st.exp_avg().nbytes() + st.exp_avg_sq().nbytes();
-  }
+  const auto state = fsdp_bench::state_bytes(*model, opt);
   const auto fsdp_stats = fsdp::buffer_memory_stats();
   std::ostringstream line;
   line << "rank " << rank << " world " << world << " step_s " << fsdp_bench::median(step_s) << " hwm "
-       << fsdp_bench::vm_hwm_bytes() << " rss_setup " << rss_setup << " params " << params << " grads " << grads
-       << " optim " << optim << " block_param_bytes " << block_param_bytes << " total_param_bytes " << total_param_bytes
-       << " loss " << loss_value << " s_rss " << peak.rss << " s_heap_in_use " << peak.heap_in_use << " s_heap_free "
-       << peak.heap_free << " s_mmapped " << peak.mmapped << " s_fsdp " << peak.fsdp.total << " s_pool_cached "
-       << peak.fsdp.pool_cached << " s_pool_live " << peak.fsdp.pool_live << " s_pool_cached_resident "
-       << peak.fsdp.pool_cached_resident << " fsdp_peak " << fsdp_stats.peak << " pool_peak_mapped "
-       << fsdp_stats.pool_peak_mapped << " pool_hits " << fsdp_stats.pool_hits << " pool_misses "
-       << fsdp_stats.pool_misses;
+       << fsdp_bench::vm_hwm_bytes() << " rss_setup " << rss_setup << " params " << state.params << " grads "
+       << state.grads << " optim " << state.optim << " block_param_bytes " << block_param_bytes << " total_param_bytes "
+       << total_param_bytes << " loss " << loss_value << " s_rss " << peak.rss << " s_heap_in_use " << peak.heap_in_use
+       << " s_heap_free " << peak.heap_free << " s_mmapped " << peak.mmapped << " s_fsdp " << peak.fsdp.total
+       << " s_pool_cached " << peak.fsdp.pool_cached << " s_pool_live " << peak.fsdp.pool_live
+       << " s_pool_cached_resident " << peak.fsdp.pool_cached_resident << " fsdp_peak " << fsdp_stats.peak
+       << " pool_peak_mapped " << fsdp_stats.pool_peak_mapped << " pool_hits " << fsdp_stats.pool_hits
+       << " pool_misses " << fsdp_stats.pool_misses;
   for (int k = 0; k < fsdp::kBufferOwners; ++k) line << " at_peak_" << k << " " << fsdp_stats.at_peak[k];
   for (int k = 0; k < fsdp::kBufferOwners; ++k) line << " s_owner_" << k << " " << peak.fsdp.current[k];
   // Where the peak was: the step, the phase, the collectives issued so far; and each step's peak.
@@ -311,22 +250,14 @@ double mb(double bytes) { return bytes / 1e6; }
 
 int run_driver(const Options& o) {
   fsdp_bench::WorkerLauncher launcher("memory_bench");
-  std::vector<std::string> common = {"--layers",        std::to_string(o.layers),
-                                     "--dim",           std::to_string(o.dim),
-                                     "--heads",         std::to_string(o.heads),
-                                     "--seq",           std::to_string(o.seq),
-                                     "--batch",         std::to_string(o.batch),
-                                     "--steps",         std::to_string(o.steps),
-                                     "--threads",       std::to_string(o.threads),
-                                     "--malloc",        o.malloc_mode,
-                                     "--pool",          o.pool,
-                                     "--pool-trim",     o.pool_trim,
-                                     "--gloo-fallback", o.gloo_fallback};
+  std::vector<std::string> common = o.shape.worker_args();
+  common.insert(common.end(),
+                {"--steps", std::to_string(o.steps), "--threads", std::to_string(o.threads), "--malloc", o.malloc_mode,
+                 "--pool", o.pool, "--pool-trim", o.pool_trim, "--gloo-fallback", o.gloo_fallback});
   std::printf(
-      "memory_bench: GPT %lld layers, d=%lld, %lld heads, seq %lld; %lld sequences per rank, %d steps, "
-      "fp32, AdamW, %d thread(s) per rank; malloc %s, FSDP pool %s (trim after forward %s), Gloo fallback %s\n",
-      static_cast<long long>(o.layers), static_cast<long long>(o.dim), static_cast<long long>(o.heads),
-      static_cast<long long>(o.seq), static_cast<long long>(o.batch), o.steps, o.threads, o.malloc_mode.c_str(),
+      "memory_bench: %s; %lld sequences per rank, %d steps, fp32, AdamW, %d thread(s) per rank; malloc %s, FSDP "
+      "pool %s (trim after forward %s), Gloo fallback %s\n",
+      o.shape.describe().c_str(), static_cast<long long>(o.shape.batch), o.steps, o.threads, o.malloc_mode.c_str(),
       o.pool.c_str(), o.pool_trim.c_str(), o.gloo_fallback.c_str());
   std::fflush(stdout);
   struct Run {
@@ -439,15 +370,7 @@ int run_driver(const Options& o) {
 }  // namespace
 
 int main(int argc, char** argv) {
-  fsdp::dist::tune_cpu_or_reexec(argc, argv);
-  Options o = parse(argc, argv);
-  try {
-    if (o.role == "single") return run_worker(o, false);
-    if (o.role == "fsdp") return run_worker(o, true);
-    if (o.role == "driver") return run_driver(o);
-    usage("unknown --role " + o.role);
-  } catch (const std::exception& e) {
-    std::fprintf(stderr, "memory_bench: %s\n", e.what());
-    return 1;
-  }
+  return fsdp_bench::run_main(argc, argv, parse, [](const Options& o) {
+    return o.role == "driver" ? run_driver(o) : run_worker(o, /*sharded=*/o.role == "fsdp");
+  });
 }

@@ -267,8 +267,8 @@ fi
 # The checks against torchrun and transformers are registered only where CMake found a python3:
 # here they must be (FSDP_REQUIRE_PYTHON_CHECKS turns their skips into failures).
 python_tests=$(inside "cd $BUILD && ctest -N -R '^python_'" | grep -c 'Test *#' || true)
-[ "$python_tests" -ge 3 ] ||
-  die "ctest lists $python_tests python_* tests in $BUILD (expected 3: python_hf_logits, python_hf_export, python_spm_tokenizer)"
+[ "$python_tests" -ge 4 ] ||
+  die "ctest lists $python_tests python_* tests in $BUILD (expected 4: python_hf_logits, python_hf_adamw, python_hf_export, python_spm_tokenizer)"
 log "ctest ($(elapsed) so far)"
 inside "cd $BUILD && ctest --output-on-failure"
 log "LibTorch $(torch_version): build and tests passed in $(elapsed)"

@@ -5,59 +5,96 @@
 //   fsdprun --nproc-per-node N -- hf_logits OUT_DIR FOLDER...
 //                                             N ranks: fully_shard per decoder layer then the root,
 //                                             built on meta, each rank loading only its rows
+//   fsdprun --nproc-per-node N -- hf_logits --tp-size T OUT_DIR FOLDER...
+//                                             dp N/T x tp T, as train_gpt --tp-size composes them:
+//                                             models/llama/llama_tp.h's plan over "tp" on meta, then
+//                                             fully_shard over "dp"; the logits (split over the
+//                                             vocabulary by lm_head) gathered over tp
 //
 // Each FOLDER holds config.json, the weights and reference.safetensors (its "tokens", I64 [B, T],
 // as scripts/make-hf-fixtures.py writes them); rank 0 writes OUT_DIR/<folder name>.safetensors
 // holding "logits" (F32 [B, T, vocab]) and prints one line per folder. Exit 1 with one line on any
 // error.
 #include <cstdio>
+#include <cstdlib>
 #include <exception>
 #include <filesystem>
+#include <optional>
+#include <stdexcept>
 #include <string>
 
 #include "fsdp/checkpoint/safetensors.h"
 #include "fsdp/fsdp.h"
+#include "fsdp/mesh/device_mesh.h"
+#include "fsdp/tensor_parallel/comm_functions.h"
 #include "models/llama/hf.h"
+#include "models/llama/llama_tp.h"
 
 namespace fs = std::filesystem;
 
 namespace {
 
-at::Tensor logits_for(const std::string& dir, const at::Tensor& tokens, bool sharded) {
+// `mesh`: {"dp", "tp"} under --tp-size, else unset (FSDP over all ranks when `sharded`).
+at::Tensor logits_for(const std::string& dir, const at::Tensor& tokens, bool sharded,
+                      const std::optional<fsdp::DeviceMesh>& mesh) {
   auto config = fsdp::models::read_hf_config(dir);
   if (sharded) config.device = torch::kMeta;
   fsdp::models::Llama model(config);
+  if (mesh) fsdp::models::parallelize_llama(model, (*mesh)["tp"]);  // on meta, before fully_shard
   if (sharded) {
-    for (auto& layer : model->layers()) fsdp::fully_shard(layer);
-    fsdp::fully_shard(model);
+    fsdp::FullyShardOptions so;
+    if (mesh) so.mesh = (*mesh)["dp"];
+    for (auto& layer : model->layers()) fsdp::fully_shard(layer, so);
+    fsdp::fully_shard(model, so);
     fsdp::to_empty(*model, torch::kCPU);
   }
   fsdp::models::load_hf_weights(*model, dir);
   model->eval();
   torch::NoGradGuard no_grad;
-  return fsdp::call(model, tokens).to(at::kFloat).contiguous();
+  at::Tensor logits = fsdp::call(model, tokens).to(at::kFloat).contiguous();
+  // lm_head is column-wise under TP: each tp rank holds a slice of the vocabulary.
+  if (mesh) logits = fsdp::tp::gather_replicated_along_dim(logits, 2, (*mesh)["tp"].comm()).contiguous();
+  return logits;
 }
 
 }  // namespace
 
 int main(int argc, char** argv) {
-  if (argc < 3) {
-    std::fprintf(stderr, "usage: hf_logits OUT_DIR FOLDER... (under fsdprun for FSDP ranks)\n");
+  int first = 1;
+  int64_t tp_size = 1;
+  if (argc > 2 && std::string(argv[1]) == "--tp-size") {
+    tp_size = std::atoll(argv[2]);
+    first = 3;
+  }
+  if (argc < first + 2 || tp_size < 1) {
+    std::fprintf(stderr,
+                 "usage: hf_logits [--tp-size T] OUT_DIR FOLDER... (under fsdprun for FSDP ranks; T >= 1 divides "
+                 "the world size)\n");
     return 2;
   }
   try {
     fsdp::dist::init_distributed();
     const int world = fsdp::dist::world_size();
-    const std::string out = argv[1];
+    if (world % tp_size != 0) {
+      throw std::invalid_argument("--tp-size " + std::to_string(tp_size) + " does not divide the world size " +
+                                  std::to_string(world) + ": run under fsdprun with a multiple of it");
+    }
+    std::optional<fsdp::DeviceMesh> mesh;
+    if (tp_size > 1) mesh = fsdp::init_device_mesh({world / tp_size, tp_size}, {"dp", "tp"});
+    const std::string out = argv[first];
     if (fsdp::dist::rank() == 0) fs::create_directories(out);
-    for (int i = 2; i < argc; ++i) {
+    const std::string layout =
+        tp_size > 1 ? "s (dp " + std::to_string(world / tp_size) + " x tp " + std::to_string(tp_size) + ")"
+        : world > 1 ? "s (FSDP)"
+                    : "";
+    for (int i = first + 1; i < argc; ++i) {
       const std::string dir = argv[i];
       const auto tokens = fsdp::safetensors::Reader(dir + "/reference.safetensors").read("tokens");
-      const auto logits = logits_for(dir, tokens, world > 1);
+      const auto logits = logits_for(dir, tokens, world > 1, mesh);
       if (fsdp::dist::rank() == 0) {
         const std::string name = fs::path(dir).filename().string();
         fsdp::safetensors::write_file(out + "/" + name + ".safetensors", {{"logits", logits}});
-        std::printf("hf_logits: %s at %d rank%s: logits %s\n", name.c_str(), world, world > 1 ? "s (FSDP)" : "",
+        std::printf("hf_logits: %s at %d rank%s: logits %s\n", name.c_str(), world, layout.c_str(),
                     c10::str(logits.sizes()).c_str());
       }
     }

@@ -1,0 +1,59 @@
+#!/usr/bin/env python3
+"""Where a step's time goes, read from Chrome traces (train_gpt --profile-steps, fsdp/debug/profiler.h).
+
+For one step ("ProfilerStep#N") of each trace given, sums the durations of FSDP's ranges by phase
+(the unit's name dropped: "fsdp::copy_out (blocks.0)" counts as fsdp::copy_out) and prints a
+Markdown table, ms per rank (the mean over the traces, with min-max). Ranges nest (an all-gather
+wait inside a pre-forward all-gather): each row is inclusive of what runs inside it.
+
+  scripts/trace_summary.py --step 3 runs/prof/trace_rank0.json runs/prof/trace_rank1.json
+"""
+import argparse
+import json
+import re
+import sys
+
+
+def step_sums(path, step):
+    with open(path) as f:
+        events = [e for e in json.load(f)["traceEvents"] if e.get("ph") == "X"]
+    name = f"ProfilerStep#{step}"
+    steps = [e for e in events if e["name"] == name]
+    if not steps:
+        sys.exit(f"trace_summary: {path} has no {name} range; pick a step inside --profile-steps")
+    s = steps[0]
+    begin, end = float(s["ts"]), float(s["ts"]) + float(s["dur"])
+    sums, calls = {}, {}
+    for e in events:
+        ts = float(e["ts"])
+        if not (begin <= ts <= end) or not e["name"].startswith("fsdp::"):
+            continue
+        phase = re.sub(r" \(.*\)$", "", e["name"])
+        if phase == "fsdp::tp_collective":
+            phase = e["name"]
+        sums[phase] = sums.get(phase, 0.0) + float(e["dur"]) / 1000.0
+        calls[phase] = calls.get(phase, 0) + 1
+    return float(s["dur"]) / 1000.0, sums, calls
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--step", type=int, required=True, help="the step (ProfilerStep#N) to read")
+    ap.add_argument("traces", nargs="+", help="trace_rank<r>.json files")
+    a = ap.parse_args()
+    per_rank = [step_sums(p, a.step) for p in a.traces]
+    phases = sorted({k for _, s, _ in per_rank for k in s}, key=lambda k: -sum(s.get(k, 0) for _, s, _ in per_rank))
+    steps = [d for d, _, _ in per_rank]
+    print(f"| range (step {a.step}, {len(per_rank)} ranks) | calls / rank | ms / rank (mean) | min-max | % of step |")
+    print("|---|---|---|---|---|")
+    mean_step = sum(steps) / len(steps)
+    print(f"| whole step (ProfilerStep#{a.step}) | 1 | {mean_step:.2f} | {min(steps):.2f}-{max(steps):.2f} | 100 |")
+    for k in phases:
+        ms = [s.get(k, 0.0) for _, s, _ in per_rank]
+        n = max(c.get(k, 0) for _, _, c in per_rank)
+        mean = sum(ms) / len(ms)
+        print(f"| {k} | {n} | {mean:.2f} | {min(ms):.2f}-{max(ms):.2f} | {100 * mean / mean_step:.1f} |")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,5 +1,5 @@
 // FSDPOptions that change what ranks hold: sync_module_states, mixed_precision, the prefetch
-// switches, and clip_grad_norm_ against one process.
+// switches, clip_grad_norm_ against one process, and HYBRID_SHARD's default mesh.
 #include <gtest/gtest.h>
 
 #include <iostream>
@@ -103,7 +103,17 @@ FSDP_RANK_WORKER(fsdp1_options) {
     }
     if (rank == 0 && step == 1) std::cout << "clip_grad_norm_: " << got << " (one process " << want << ")" << std::endl;
   }
-  if (rank == 0) std::cout << "sync_module_states, mixed_precision, prefetch switches: ok" << std::endl;
+  // HYBRID_SHARD without device_mesh shards within a host and replicates across hosts (FSDP1's
+  // default): the ranks here are one host, so one replica of every rank.
+  auto hybrid_model = parity_model(config);
+  fsdp::FSDPOptions h = blocks();
+  h.sharding_strategy = fsdp::ShardingStrategy::HYBRID_SHARD;
+  fsdp::FSDP w_hybrid(hybrid_model, h);
+  const auto hinfo = *fsdp::shard_info(hybrid_model->lm_head->named_parameters()["weight"]);
+  TORCH_CHECK(hinfo.num_replicas == 1 && hinfo.mesh.size() == fsdp::dist::local_world_size(),
+              "HYBRID_SHARD's default mesh: ", hinfo.num_replicas, " replicas of ", hinfo.mesh.size(),
+              " ranks, want 1 of ", fsdp::dist::local_world_size());
+  if (rank == 0) std::cout << "sync_module_states, mixed_precision, prefetch switches, hybrid mesh: ok" << std::endl;
 }
 
 TEST(Fsdp1, OptionsTakeEffect) {

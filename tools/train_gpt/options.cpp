@@ -103,7 +103,9 @@ std::optional<Options> parse_options(int argc, char** argv, int& exit_code) {
                  "gpt (the byte-level GPT) | llama (a Llama-family decoder with Hugging Face's names: RMSNorm, "
                  "rotary embeddings, grouped-query attention, SwiGLU; --export-hf writes it for transformers)")
       ->transform(CLI::CheckedTransformer(
-          std::map<std::string, ModelKind>{{"gpt", ModelKind::gpt}, {"llama", ModelKind::llama}}));
+                      std::map<std::string, ModelKind>{{"gpt", ModelKind::gpt}, {"llama", ModelKind::llama}})
+                      .description(""))
+      ->type_name("{gpt,llama}");
   app.add_option("--init-from", o.init_from,
                  "A Hugging Face folder (config.json + model.safetensors or its index; LlamaForCausalLM, "
                  "MistralForCausalLM, Qwen2ForCausalLM): architecture, size and weights from it, each rank reading "

@@ -1,7 +1,8 @@
 // train_gpt on llm.c token shards (--data tokens:PATTERN): the same losses for one process and
 // FSDP on 2 ranks, a run stopped at step k and resumed at 3 ranks continues the same stream (the
 // checkpoint holds the data position), every bad input is one line and exit 2 with nothing
-// written, and byte-level shards from fsdp-tokenize train and sample as text.
+// written, byte-level shards from fsdp-tokenize train and sample as text, and --data text:FILE
+// trains exactly as fsdp-tokenize's shards of the same file.
 #include <gtest/gtest.h>
 
 #include <numeric>
@@ -172,6 +173,139 @@ TEST(TrainGptTokens, ShardsFromFsdpTokenizeTrainAndSampleAsText) {
       << spm.output;
   EXPECT_NE(spm.output.find("---- sample (prompt|generated) ----\na lazy dog naps in the"), std::string::npos)
       << spm.output;
+}
+
+// A byte-level tokenizer.json as GPT-2's is laid out (the 256 bytes through GPT-2's byte-to-unicode
+// table as ids 0-255, <|endoftext|> added as 256): byte-level shards decode through it as bytes.
+std::string byte_level_tokenizer_json() {
+  std::vector<int> bs;
+  for (int i = '!'; i <= '~'; ++i) bs.push_back(i);
+  for (int i = 0xA1; i <= 0xAC; ++i) bs.push_back(i);
+  for (int i = 0xAE; i <= 0xFF; ++i) bs.push_back(i);
+  std::vector<int> code(256, -1);
+  for (int b : bs) code[static_cast<size_t>(b)] = b;
+  int n = 0;
+  for (int b = 0; b < 256; ++b) {
+    if (code[static_cast<size_t>(b)] < 0) code[static_cast<size_t>(b)] = 256 + n++;
+  }
+  nlohmann::json vocab = nlohmann::json::object();
+  for (int b = 0; b < 256; ++b) {
+    const int cp = code[static_cast<size_t>(b)];
+    std::string s;
+    if (cp < 0x80) {
+      s.push_back(static_cast<char>(cp));
+    } else {
+      s.push_back(static_cast<char>(0xC0 | (cp >> 6)));
+      s.push_back(static_cast<char>(0x80 | (cp & 0x3F)));
+    }
+    vocab[s] = b;
+  }
+  return nlohmann::json{
+      {"added_tokens", nlohmann::json::array({{{"id", 256}, {"content", "<|endoftext|>"}, {"special", true}}})},
+      {"decoder", {{"type", "ByteLevel"}}},
+      {"model", {{"type", "BPE"}, {"vocab", vocab}, {"merges", nlohmann::json::array()}}}}
+      .dump();
+}
+
+// --data text:FILE (encoded when train_gpt starts, in memory) trains exactly as the shards
+// fsdp-tokenize writes for the same files: bytes, and a SentencePiece model (encoded through
+// fsdp-tokenize in a child process), at 1 process and FSDP 2 ranks; without --val-data its last
+// 10% validates. A Hugging Face tokenizer.json decodes byte-level shards' sample.
+TEST(TrainGptTokens, TextFileTrainsAsItsFsdpTokenizeShards) {
+  TempDir dir;
+  {
+    std::ofstream train(dir / "train.txt"), val(dir / "val.txt");
+    for (int i = 0; i < 300; ++i) train << "the quick brown fox " << i % 17 << " jumps over the lazy dog\n\n";
+    for (int i = 0; i < 40; ++i) val << "a lazy dog naps in the sun " << i << "\n\n";
+  }
+  auto tokenize = [&](const std::vector<std::string>& args) {
+    ProcessSpec spec = spec_of({}, 60s);
+    spec.argv = {FSDP_TOKENIZE_PATH};
+    spec.argv.insert(spec.argv.end(), args.begin(), args.end());
+    const auto r = run_process(spec);
+    EXPECT_TRUE(r.ok()) << r.output;
+  };
+  tokenize({"--out", dir / "b_train", dir / "train.txt"});
+  tokenize({"--out", dir / "b_val", dir / "val.txt"});
+  const std::vector<std::string> steps = {"--steps", "4", "--eval-every", "2"};
+  auto shards = alone(tiny(dir / "b.jsonl", apply(steps, {"--data", "tokens:" + (dir / "b_*.bin")})));
+  ASSERT_TRUE(shards.ok()) << shards.output;
+  const std::vector<std::string> text_args = {"--data", "text:" + (dir / "train.txt"), "--val-data",
+                                              "text:" + (dir / "val.txt")};
+  auto text = alone(tiny(dir / "t.jsonl", apply(steps, text_args)));
+  ASSERT_TRUE(text.ok()) << text.output;
+  EXPECT_NE(text.output.find("train 13920 tokens in memory: train.txt; validation 1190 tokens in memory: val.txt"),
+            std::string::npos)
+      << text.output;
+  EXPECT_NE(text.output.find("vocabulary 257 (the tokenizer's)"), std::string::npos) << text.output;
+  expect_close(losses(dir / "t.jsonl"), losses(dir / "b.jsonl"), 1e-6);
+  auto text2 = ranks(2, tiny(dir / "t2.jsonl", apply(steps, text_args)));
+  ASSERT_TRUE(text2.ok()) << text2.output;
+  expect_close(losses(dir / "t2.jsonl"), losses(dir / "b.jsonl"), 1e-5);
+  // Without --val-data: the first 90% of the tokens train, the rest validate.
+  auto split = alone(tiny(dir / "s.jsonl", apply(steps, {"--data", "text:" + (dir / "train.txt")})));
+  ASSERT_TRUE(split.ok()) << split.output;
+  EXPECT_NE(split.output.find("train 12528 tokens in memory: train.txt; validation 1392 tokens in memory: train.txt"),
+            std::string::npos)
+      << split.output;
+  // tokenizer.json decodes the sample of byte-level shards: the prompt is the validation text.
+  std::ofstream(dir / "tokenizer.json") << byte_level_tokenizer_json();
+  auto hf = alone(tiny(dir / "h.jsonl", {"--data", "tokens:" + (dir / "b_*.bin"), "--tokenizer", dir / "tokenizer.json",
+                                         "--sample-tokens", "8"}));
+  ASSERT_TRUE(hf.ok()) << hf.output;
+  EXPECT_NE(hf.output.find("<|endoftext|>a lazy dog naps|"), std::string::npos) << hf.output;
+
+  std::string spm_train;
+  for (const char* d : {"/usr/bin", "/usr/local/bin", "/bin"}) {
+    if (fs::exists(std::string(d) + "/spm_train")) spm_train = std::string(d) + "/spm_train";
+  }
+  if (spm_train.empty()) GTEST_SKIP() << "spm_train (Debian's sentencepiece) is not installed";
+  const auto trained = run_process(spec_of({spm_train, "--input=" + (dir / "train.txt"),
+                                            "--model_prefix=" + (dir / "m"), "--vocab_size=64", "--model_type=bpe"},
+                                           60s));
+  ASSERT_TRUE(trained.ok()) << trained.output;
+  tokenize({"--tokenizer", dir / "m.model", "--out", dir / "p_train", dir / "train.txt"});
+  tokenize({"--tokenizer", dir / "m.model", "--out", dir / "p_val", dir / "val.txt"});
+  auto spm_shards = alone(tiny(dir / "p.jsonl", apply(steps, {"--data", "tokens:" + (dir / "p_*.bin")})));
+  ASSERT_TRUE(spm_shards.ok()) << spm_shards.output;
+  // fsdp-tokenize is found beside train_gpt (both in the build's bin folder).
+  auto spm_text = ranks(2, tiny(dir / "q.jsonl", apply(apply(steps, text_args), {"--tokenizer", dir / "m.model"})));
+  ASSERT_TRUE(spm_text.ok()) << spm_text.output;
+  EXPECT_NE(spm_text.output.find("vocabulary 64 (the tokenizer's); tokenizer " + (dir / "m.model")), std::string::npos)
+      << spm_text.output;
+  expect_close(losses(dir / "q.jsonl"), losses(dir / "p.jsonl"), 1e-5);
+}
+
+// text:FILE and tokenizer.json bad input: one line naming it, exit 2, nothing written.
+TEST(TrainGptTokens, TextAndTokenizerJsonBadInputIsOneLineExitTwo) {
+  TempDir dir;
+  const std::string good = make_shards(dir);
+  std::ofstream(dir / "empty.txt") << "\n\n";
+  std::ofstream(dir / "short.txt") << "just a few words\n";
+  std::ofstream(dir / "notes.txt") << "hello world\n";
+  std::ofstream(dir / "bad.json") << "{\"model\": ";
+  std::ofstream(dir / "tokenizer.json") << byte_level_tokenizer_json();
+  const std::vector<std::pair<std::vector<std::string>, std::string>> cases = {
+      {{"--data", "text:" + (dir / "missing.txt")}, "cannot read text file '" + (dir / "missing.txt") + "'"},
+      {{"--data", "text:" + (dir / "empty.txt")}, "holds no documents"},
+      {{"--data", "text:" + (dir / "short.txt")}, "training tokens are fewer than one batch"},
+      {{"--data", "text:" + (dir / "notes.txt"), "--tokenizer", dir / "tokenizer.json"},
+       "is a Hugging Face tokenizer.json, which encodes in Python"},
+      {{"--data", "text:" + (dir / "notes.txt"), "--tokenizer", dir / "notes.txt"}, "is not a SentencePiece model"},
+      {{"--val-data", "text:" + (dir / "missing.txt")}, "cannot read text file"},
+      {{"--tokenizer", dir / "bad.json"}, "is not JSON"},
+  };
+  for (const auto& [extra, message] : cases) {
+    auto args = apply(tiny(dir / "m.jsonl", {"--data", good}), extra);
+    args = apply(args, {"--checkpoint-dir", dir / "ckpt"});
+    auto r = alone(args, 60s);
+    EXPECT_EQ(r.exit_code, 2) << r.output;
+    EXPECT_NE(r.output.find("train_gpt: error: "), std::string::npos) << r.output;
+    EXPECT_NE(r.output.find(message), std::string::npos) << message << "\n" << r.output;
+    EXPECT_EQ(count(r.output, "\n"), 1u) << r.output;
+    EXPECT_FALSE(fs::exists(dir / "ckpt")) << message;
+    EXPECT_FALSE(fs::exists(dir / "m.jsonl")) << message;
+  }
 }
 
 }  // namespace

@@ -1,6 +1,7 @@
 #include "data.h"
 
-#include "fsdp/data/piece_decoder.h"
+#include "fsdp/data/hf_tokenizer.h"
+#include "fsdp/data/text_tokens.h"
 #include "options.h"
 
 #include <fcntl.h>
@@ -9,11 +10,13 @@
 
 #include <algorithm>
 #include <cerrno>
+#include <cstdlib>
 #include <cstring>
 #include <filesystem>
 #include <optional>
 #include <stdexcept>
 #include <string>
+#include <thread>
 
 namespace train_gpt {
 namespace {
@@ -108,6 +111,23 @@ constexpr const char* kTokensPrefix = "tokens:";
 bool is_tokens(const std::string& data) { return data.rfind(kTokensPrefix, 0) == 0; }
 std::string pattern_of(const std::string& data) { return data.substr(std::strlen(kTokensPrefix)); }
 
+// --data text:FILE: the file encoded on the fly with --tokenizer (bytes without it), in memory.
+constexpr const char* kTextPrefix = "text:";
+
+bool is_text(const std::string& data) { return data.rfind(kTextPrefix, 0) == 0; }
+bool is_token_data(const std::string& data) { return is_tokens(data) || is_text(data); }
+
+// The file of text:FILE encoded as fsdp-tokenize would (fsdp/data/text_tokens.h); SentencePiece
+// through fsdp-tokenize beside train_gpt, its threads shared among this node's ranks.
+fsdp::data::TextTokens encode_text_option(const std::string& spec, const Options& o) {
+  fsdp::data::TextEncoding enc;
+  enc.tokenizer = o.tokenizer;
+  const char* local = std::getenv("LOCAL_WORLD_SIZE");
+  const int ranks_here = local ? std::max(1, std::atoi(local)) : 1;
+  enc.threads = std::max(1, static_cast<int>(std::thread::hardware_concurrency()) / ranks_here);
+  return fsdp::data::encode_text(spec.substr(std::strlen(kTextPrefix)), enc);
+}
+
 // "a_000000.bin, a_000001.bin" or "a_000000.bin .. a_000011.bin (12 files)".
 std::string file_names(const std::vector<std::string>& files) {
   auto name = [](const std::string& f) { return std::filesystem::path(f).filename().string(); };
@@ -130,8 +150,8 @@ struct TokenData {
   std::unique_ptr<fsdp::data::TokenShards> train, val;
   std::unique_ptr<fsdp::data::WindowSampler> order;
   int64_t vocab = 0;
-  std::string vocab_origin;  // "--vocab-size", "recorded in the shards", "largest id + 1"
-  std::optional<fsdp::data::PieceDecoder> decoder;
+  std::string vocab_origin;                          // "--vocab-size", "recorded in the shards", "largest id + 1"
+  std::optional<fsdp::data::SampleDecoder> decoder;  // --tokenizer: tokenizer.model or tokenizer.json
 
   bool opened_for(const Options& o) const {
     return data == o.data && val_data == o.val_data && tokenizer == o.tokenizer && seq_len == o.seq_len &&
@@ -150,8 +170,21 @@ std::shared_ptr<const TokenData> open_token_data(const Options& o) {
   d->batch = o.batch_size;
   d->vocab_option = o.vocab_size;
   d->seed = o.seed;
-  const auto files = fsdp::data::expand_glob(pattern_of(o.data));
-  if (o.val_data.empty()) {
+  if (is_text(o.data)) {
+    const auto text = encode_text_option(o.data, o);
+    d->train_files = d->val_files = {text.path};
+    const auto n = static_cast<int64_t>(text.tokens.size());
+    if (o.val_data.empty()) {  // as a --data FILE of bytes: the first 90% train, the rest validation
+      d->train = text.shards(0, n * 9 / 10);
+      d->val = text.shards(n * 9 / 10, n);
+    } else {
+      d->train = text.shards(0, n);
+    }
+  }
+  const auto files = d->train ? std::vector<std::string>{} : fsdp::data::expand_glob(pattern_of(o.data));
+  if (d->train) {
+    // text:FILE, above
+  } else if (o.val_data.empty()) {
     // As llm.c names them: shards whose name contains "_val_" are the validation data.
     for (const auto& f : files) {
       (std::filesystem::path(f).filename().string().find("_val_") != std::string::npos ? d->val_files : d->train_files)
@@ -166,20 +199,29 @@ std::shared_ptr<const TokenData> open_token_data(const Options& o) {
                                   " matches only validation shards (*_val_*): give the training shards too");
     }
   } else {
-    if (!is_tokens(o.val_data)) {
-      throw std::invalid_argument("--val-data '" + o.val_data + "' must be tokens:PATTERN (llm.c token shards)");
-    }
     d->train_files = files;
-    d->val_files = fsdp::data::expand_glob(pattern_of(o.val_data));
   }
-  d->train = std::make_unique<fsdp::data::TokenShards>(d->train_files);
-  d->val = std::make_unique<fsdp::data::TokenShards>(d->val_files);
+  if (!o.val_data.empty()) {
+    if (!is_token_data(o.val_data)) {
+      throw std::invalid_argument("--val-data '" + o.val_data +
+                                  "' must be tokens:PATTERN (llm.c token shards) or text:FILE (encoded on the fly)");
+    }
+    if (is_text(o.val_data)) {
+      const auto text = encode_text_option(o.val_data, o);
+      d->val_files = {text.path};
+      d->val = text.shards(0, static_cast<int64_t>(text.tokens.size()));
+    } else {
+      d->val_files = fsdp::data::expand_glob(pattern_of(o.val_data));
+    }
+  }
+  if (!d->train) d->train = std::make_unique<fsdp::data::TokenShards>(d->train_files);
+  if (!d->val) d->val = std::make_unique<fsdp::data::TokenShards>(d->val_files);
   if (o.vocab_size > 0) {
     d->vocab = o.vocab_size;
     d->vocab_origin = "--vocab-size";
   } else if (d->train->header_vocab() > 0 && d->val->header_vocab() > 0) {
     d->vocab = std::max(d->train->header_vocab(), d->val->header_vocab());
-    d->vocab_origin = "recorded in the shards";
+    d->vocab_origin = is_text(o.data) ? "the tokenizer's" : "recorded in the shards";
   } else {
     d->vocab = int64_t{std::max(d->train->max_token(), d->val->max_token())} + 1;
     d->vocab_origin = "the largest id + 1; --vocab-size sets it";
@@ -188,7 +230,7 @@ std::shared_ptr<const TokenData> open_token_data(const Options& o) {
   d->val->check_vocab(d->vocab);
   d->order = std::make_unique<fsdp::data::WindowSampler>(d->train->size(), o.seq_len, o.batch_size, o.seed);
   fsdp::data::validation_windows(d->val->size(), o.seq_len, o.batch_size, 0);  // at least one batch
-  if (!o.tokenizer.empty()) d->decoder = fsdp::data::PieceDecoder::load(o.tokenizer);
+  if (!o.tokenizer.empty()) d->decoder = fsdp::data::SampleDecoder::load(o.tokenizer);
   return d;
 }
 
@@ -204,10 +246,14 @@ char printable(int64_t b) { return (b == '\n' || b == '\t' || (b >= 32 && b < 12
 }  // namespace
 
 int64_t resolve_vocab(const Options& o) {
-  if (!is_tokens(o.data)) {
-    if (!o.val_data.empty()) throw std::invalid_argument("--val-data needs --data tokens:PATTERN (token shards)");
+  if (!is_token_data(o.data)) {
+    if (!o.val_data.empty()) {
+      throw std::invalid_argument("--val-data needs --data tokens:PATTERN (token shards) or text:FILE");
+    }
     if (!o.tokenizer.empty()) {
-      throw std::invalid_argument("--tokenizer decodes token shards' samples: use it with --data tokens:PATTERN");
+      throw std::invalid_argument(
+          "--tokenizer encodes --data text:FILE and decodes token shards' samples: use it with --data text:FILE or "
+          "tokens:PATTERN");
     }
     if (o.vocab_size > 0 && o.vocab_size < 256) {
       throw std::invalid_argument("--vocab-size " + std::to_string(o.vocab_size) +
@@ -219,8 +265,8 @@ int64_t resolve_vocab(const Options& o) {
   return checked_token_data()->vocab;
 }
 
-TokenSource::TokenSource(const Options& o) : TokenSource(is_tokens(o.data) ? "" : o.data, o.seq_len, o.seed) {
-  if (!is_tokens(o.data)) return;
+TokenSource::TokenSource(const Options& o) : TokenSource(is_token_data(o.data) ? "" : o.data, o.seq_len, o.seed) {
+  if (!is_token_data(o.data)) return;
   path_ = o.data;
   auto& checked = checked_token_data();
   tokens_ = checked && checked->opened_for(o) ? checked : open_token_data(o);

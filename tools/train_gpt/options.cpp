@@ -89,15 +89,19 @@ std::optional<Options> parse_options(int argc, char** argv, int& exit_code) {
                  "Training text read as bytes (90% train, 10% validation), or 'synthetic' "
                  "(tokens drawn from the seed, for benchmarks), or tokens:PATTERN: llm.c token shards (a file "
                  "or a glob; memory-mapped; each epoch a seeded permutation of the windows; shards named "
-                 "*_val_* are the validation data unless --val-data is given)");
+                 "*_val_* are the validation data unless --val-data is given), or text:FILE: a text or JSON-lines "
+                 "file encoded on the fly with --tokenizer (bytes without it; documents as fsdp-tokenize reads "
+                 "them; held in memory: for small corpora; 90% train, 10% validation unless --val-data)");
   app.add_option("--val-data", o.val_data,
-                 "Validation token shards, tokens:PATTERN (with --data tokens:...; default: its *_val_* shards)");
+                 "Validation data, tokens:PATTERN or text:FILE (with --data tokens:... or text:...; default: "
+                 "the *_val_* shards, or text:FILE's last 10%)");
   app.add_option("--vocab-size", o.vocab_size,
                  "The GPT's vocabulary (0: from the data: 256 for bytes; for token shards the vocabulary "
                  "fsdp-tokenize recorded in them, else their largest id + 1)")
       ->check(bounded(0, 1 << 24, true));
   app.add_option("--tokenizer", o.tokenizer,
-                 "A SentencePiece tokenizer.model: decodes the sample of --data tokens:... (without it, ids "
+                 "A SentencePiece tokenizer.model or a Hugging Face tokenizer.json: decodes the sample of "
+                 "token data, and (tokenizer.model) encodes --data text:FILE (without it, ids "
                  "are shown as <N>, or as bytes for byte-level shards)");
   app.add_option("--model", o.model,
                  "gpt (the byte-level GPT) | llama (a Llama-family decoder with Hugging Face's names: RMSNorm, "

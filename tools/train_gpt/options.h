@@ -85,7 +85,8 @@ struct Options {
   std::string export_dtype = "fp32";  // fp32 | bf16: the exported files' dtype
 
   bool synthetic() const { return data == "synthetic"; }
-  bool tokens() const { return data.rfind("tokens:", 0) == 0; }
+  // Token data: shards (tokens:PATTERN) or a text file encoded on the fly (text:FILE).
+  bool tokens() const { return data.rfind("tokens:", 0) == 0 || data.rfind("text:", 0) == 0; }
   bool llama() const { return model == ModelKind::llama; }
   int64_t resolved_kv_heads() const { return kv_heads > 0 ? kv_heads : heads; }
   int64_t resolved_ffn_dim() const { return ffn_dim > 0 ? ffn_dim : (8 * dim / 3 + 7) / 8 * 8; }

@@ -9,6 +9,7 @@
 #include <vector>
 
 #include "fsdp/debug/buffer_pool.h"
+#include "fsdp/debug/cpu_collectives.h"
 #include "fsdp/fsdp.h"
 #include "multiprocess.h"
 #include "test_helpers.h"

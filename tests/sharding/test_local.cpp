@@ -2,6 +2,7 @@
 // and the fix, never a crash; parameters are named shards; freed means freed.
 #include <gtest/gtest.h>
 
+#include "fsdp/comm/backend.h"
 #include "fsdp/debug.h"
 #include "fsdp/fsdp.h"
 #include "models/gpt.h"

@@ -1,6 +1,7 @@
 #include "options.h"
 
 #include "data.h"
+#include "profile.h"
 
 #include <CLI/CLI.hpp>
 
@@ -185,6 +186,7 @@ std::optional<Options> parse_options(int argc, char** argv, int& exit_code) {
   app.add_option("--sample-tokens", o.sample_tokens, "Bytes of text sampled at the end (0: none)")
       ->check(bounded(0, 1e6, true));
   app.add_option("--metrics", o.metrics, "Metrics file, JSON lines written by rank 0 ('' : none)");
+  add_profile_options(app, o.profile_steps, o.profile_dir);
   app.add_flag("--eval-only", o.eval_only,
                "Validation loss of the model as built (--init-from, a checkpoint with --resume/--resume-from, or "
                "the seeded initialisation) on --eval-batches global batches, printed as 'val ...' and written to "
@@ -220,6 +222,7 @@ std::optional<Options> parse_options(int argc, char** argv, int& exit_code) {
 
 void validate(const Options& o) {
   auto fail = [](const std::string& msg) { throw std::invalid_argument(msg); };
+  check_profile_steps(o.profile_steps, o.steps);
   if (o.dim % o.heads != 0) {
     fail("--heads " + std::to_string(o.heads) + " does not divide --dim " + std::to_string(o.dim));
   }

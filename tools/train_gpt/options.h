@@ -78,6 +78,8 @@ struct Options {
   int64_t eval_batches = 4;
   int64_t sample_tokens = 300;
   std::string metrics = "runs/train_gpt/metrics.jsonl";  // "": none
+  std::string profile_steps;                             // --profile-steps A:B ("": off; profile.h)
+  std::string profile_dir;                               // --profile-dir ("": the metrics file's folder)
   bool eval_only = false;  // validation loss on --eval-batches global batches; no training, no checkpoint
   // Written at the end of training: a Hugging Face folder (config.json, safetensors, and the
   // --init-from folder's generation_config.json and tokenizer files). --model llama only.

@@ -49,6 +49,7 @@
 #include "optimizer.h"
 #include "options.h"
 #include "preflight.h"
+#include "profile.h"
 #include "report.h"
 #include "step_stats.h"
 #include "stop_signal.h"
@@ -304,6 +305,7 @@ StepResult train_step(const Run& run, Model& m, torch::optim::Optimizer& opt, co
   // process: the gradients are whole (and, replicated, already averaged, so equal on every rank).
   r.grad_norm = run.sharded() ? fsdp::clip_grad_norm_(m.parameters(), max_norm)
                               : torch::nn::utils::clip_grad_norm_(m.parameters(), max_norm);
+  const fsdp::profiler::Range optimizer_range("fsdp::optimizer_step");
   opt.step();
   return r;
 }
@@ -580,7 +582,9 @@ int run_training(const Options& options, const std::optional<LlamaConfig>& llama
   std::string last_saved;
   int64_t step = start_step;
   bool stopped = false;
+  StepProfiler profiler(o.profile_steps, profile_dir(o.profile_dir, o.metrics), run.rank, r0);
   while (step < o.steps) {
+    const auto profiled = profiler.step(step + 1);  // steps A..B of --profile-steps into DIR/trace_rank<r>.json
     kill_hook.before_step(step, run.rank);
     // -- 4
     const double lr = lr_at(step, o.steps, o.lr, o.warmup);

@@ -13,6 +13,7 @@
 //   malloc_tuning.h    glibc malloc settings for training processes
 //   cpu_tuning.h       threads per rank and BLAS settings
 //   fault_injection.h  failures injected into checkpoint saves (tests of crash safety)
+//   profiler.h         Chrome traces of steps with FSDP's phases as named ranges
 #include "fsdp/debug/buffer_pool.h"
 #include "fsdp/debug/comm_stats.h"
 #include "fsdp/debug/cpu_collectives.h"
@@ -23,3 +24,4 @@
 #include "fsdp/debug/gpu_stats.h"
 #include "fsdp/debug/malloc_tuning.h"
 #include "fsdp/debug/phase_timers.h"
+#include "fsdp/debug/profiler.h"

@@ -62,6 +62,7 @@ const char* backend_name(Backend b);  // "auto", "kineto", "builtin"
 // True when this process's LibTorch has Kineto (fsdp/compat/profiler.h).
 bool kineto_available();
 
+// Example: fsdp::profiler::TraceOptions o; o.backend = fsdp::profiler::Backend::Builtin; o.record_ops = false;
 struct TraceOptions {
   Backend backend = Backend::Auto;
   // Also LibTorch's operators (aten::mm, autograd nodes), not only the named ranges. Kineto

@@ -1,3 +1,4 @@
+#include <fsdp/debug.h>  // tune_cpu_or_reexec: the diagnostics and tuning tier installs too
 #include <fsdp/fsdp.h>
 
 #include <cstdio>

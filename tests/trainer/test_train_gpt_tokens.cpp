@@ -128,43 +128,58 @@ TEST(TrainGptTokens, BadInputIsOneLineExitTwoAndNothingWritten) {
   }
 }
 
+// train.txt and val.txt of short sentences (the validation text starts "a lazy dog naps").
+void write_texts(const TempDir& dir) {
+  std::ofstream train(dir / "train.txt"), val(dir / "val.txt");
+  for (int i = 0; i < 300; ++i) train << "the quick brown fox " << i % 17 << " jumps over the lazy dog\n\n";
+  for (int i = 0; i < 40; ++i) val << "a lazy dog naps in the sun " << i << "\n\n";
+}
+
+// Runs the build's fsdp-tokenize with `args`; a failure fails the test.
+void fsdp_tokenize(const std::vector<std::string>& args) {
+  ProcessSpec spec = spec_of({}, 60s);
+  spec.argv = {FSDP_TOKENIZE_PATH};
+  spec.argv.insert(spec.argv.end(), args.begin(), args.end());
+  const auto r = run_process(spec);
+  EXPECT_TRUE(r.ok()) << r.output;
+}
+
+// Debian's spm_train by its path (execve takes a path), or "" when it is not installed.
+std::string find_spm_train() {
+  std::string found;
+  for (const char* d : {"/usr/bin", "/usr/local/bin", "/bin"}) {
+    if (fs::exists(std::string(d) + "/spm_train")) found = std::string(d) + "/spm_train";
+  }
+  return found;
+}
+
+// A 64-piece BPE model dir/m.model trained on dir/train.txt.
+ProcessResult train_spm64(const std::string& spm_train, const TempDir& dir) {
+  return run_process(spec_of({spm_train, "--input=" + (dir / "train.txt"), "--model_prefix=" + (dir / "m"),
+                              "--vocab_size=64", "--model_type=bpe"},
+                             60s));
+}
+
 // From text to a trained sample: fsdp-tokenize writes the shards (bytes, then a SentencePiece model
 // that Debian's spm_train makes here), train_gpt reads them with the vocabulary they record and
 // decodes its sample through --tokenizer: the prompt is the validation text's start.
 TEST(TrainGptTokens, ShardsFromFsdpTokenizeTrainAndSampleAsText) {
   TempDir dir;
-  {
-    std::ofstream train(dir / "train.txt"), val(dir / "val.txt");
-    for (int i = 0; i < 300; ++i) train << "the quick brown fox " << i % 17 << " jumps over the lazy dog\n\n";
-    for (int i = 0; i < 40; ++i) val << "a lazy dog naps in the sun " << i << "\n\n";
-  }
-  auto tokenize = [&](const std::vector<std::string>& args) {
-    ProcessSpec spec = spec_of({}, 60s);
-    spec.argv = {FSDP_TOKENIZE_PATH};
-    spec.argv.insert(spec.argv.end(), args.begin(), args.end());
-    const auto r = run_process(spec);
-    EXPECT_TRUE(r.ok()) << r.output;
-  };
-  tokenize({"--out", dir / "b_train", dir / "train.txt"});
-  tokenize({"--out", dir / "b_val", dir / "val.txt"});
+  write_texts(dir);
+  fsdp_tokenize({"--out", dir / "b_train", dir / "train.txt"});
+  fsdp_tokenize({"--out", dir / "b_val", dir / "val.txt"});
   auto bytes = alone(tiny(dir / "b.jsonl", {"--data", "tokens:" + (dir / "b_*.bin"), "--sample-tokens", "8"}));
   ASSERT_TRUE(bytes.ok()) << bytes.output;
   EXPECT_NE(bytes.output.find("vocabulary 257 (recorded in the shards)"), std::string::npos) << bytes.output;
   // The prompt: the separator (id 256) and the first 15 bytes of the validation text.
   EXPECT_NE(bytes.output.find("<|endoftext|>a lazy dog naps|"), std::string::npos) << bytes.output;
 
-  std::string spm_train;  // on PATH (execve takes a path)
-  for (const char* d : {"/usr/bin", "/usr/local/bin", "/bin"}) {
-    if (fs::exists(std::string(d) + "/spm_train")) spm_train = std::string(d) + "/spm_train";
-  }
+  const std::string spm_train = find_spm_train();
   if (spm_train.empty()) GTEST_SKIP() << "spm_train (Debian's sentencepiece) is not installed";
-  ProcessSpec train_spm = spec_of({spm_train, "--input=" + (dir / "train.txt"), "--model_prefix=" + (dir / "m"),
-                                   "--vocab_size=64", "--model_type=bpe"},
-                                  60s);
-  const auto trained = run_process(train_spm);
+  const auto trained = train_spm64(spm_train, dir);
   ASSERT_TRUE(trained.ok()) << trained.output;
-  tokenize({"--tokenizer", dir / "m.model", "--out", dir / "s_train", dir / "train.txt"});
-  tokenize({"--tokenizer", dir / "m.model", "--out", dir / "s_val", dir / "val.txt"});
+  fsdp_tokenize({"--tokenizer", dir / "m.model", "--out", dir / "s_train", dir / "train.txt"});
+  fsdp_tokenize({"--tokenizer", dir / "m.model", "--out", dir / "s_val", dir / "val.txt"});
   auto spm = alone(tiny(dir / "s.jsonl", {"--data", "tokens:" + (dir / "s_*.bin"), "--tokenizer", dir / "m.model",
                                           "--sample-tokens", "8"}));
   ASSERT_TRUE(spm.ok()) << spm.output;
@@ -213,20 +228,9 @@ std::string byte_level_tokenizer_json() {
 // 10% validates. A Hugging Face tokenizer.json decodes byte-level shards' sample.
 TEST(TrainGptTokens, TextFileTrainsAsItsFsdpTokenizeShards) {
   TempDir dir;
-  {
-    std::ofstream train(dir / "train.txt"), val(dir / "val.txt");
-    for (int i = 0; i < 300; ++i) train << "the quick brown fox " << i % 17 << " jumps over the lazy dog\n\n";
-    for (int i = 0; i < 40; ++i) val << "a lazy dog naps in the sun " << i << "\n\n";
-  }
-  auto tokenize = [&](const std::vector<std::string>& args) {
-    ProcessSpec spec = spec_of({}, 60s);
-    spec.argv = {FSDP_TOKENIZE_PATH};
-    spec.argv.insert(spec.argv.end(), args.begin(), args.end());
-    const auto r = run_process(spec);
-    EXPECT_TRUE(r.ok()) << r.output;
-  };
-  tokenize({"--out", dir / "b_train", dir / "train.txt"});
-  tokenize({"--out", dir / "b_val", dir / "val.txt"});
+  write_texts(dir);
+  fsdp_tokenize({"--out", dir / "b_train", dir / "train.txt"});
+  fsdp_tokenize({"--out", dir / "b_val", dir / "val.txt"});
   const std::vector<std::string> steps = {"--steps", "4", "--eval-every", "2"};
   auto shards = alone(tiny(dir / "b.jsonl", apply(steps, {"--data", "tokens:" + (dir / "b_*.bin")})));
   ASSERT_TRUE(shards.ok()) << shards.output;
@@ -255,17 +259,12 @@ TEST(TrainGptTokens, TextFileTrainsAsItsFsdpTokenizeShards) {
   ASSERT_TRUE(hf.ok()) << hf.output;
   EXPECT_NE(hf.output.find("<|endoftext|>a lazy dog naps|"), std::string::npos) << hf.output;
 
-  std::string spm_train;
-  for (const char* d : {"/usr/bin", "/usr/local/bin", "/bin"}) {
-    if (fs::exists(std::string(d) + "/spm_train")) spm_train = std::string(d) + "/spm_train";
-  }
+  const std::string spm_train = find_spm_train();
   if (spm_train.empty()) GTEST_SKIP() << "spm_train (Debian's sentencepiece) is not installed";
-  const auto trained = run_process(spec_of({spm_train, "--input=" + (dir / "train.txt"),
-                                            "--model_prefix=" + (dir / "m"), "--vocab_size=64", "--model_type=bpe"},
-                                           60s));
+  const auto trained = train_spm64(spm_train, dir);
   ASSERT_TRUE(trained.ok()) << trained.output;
-  tokenize({"--tokenizer", dir / "m.model", "--out", dir / "p_train", dir / "train.txt"});
-  tokenize({"--tokenizer", dir / "m.model", "--out", dir / "p_val", dir / "val.txt"});
+  fsdp_tokenize({"--tokenizer", dir / "m.model", "--out", dir / "p_train", dir / "train.txt"});
+  fsdp_tokenize({"--tokenizer", dir / "m.model", "--out", dir / "p_val", dir / "val.txt"});
   auto spm_shards = alone(tiny(dir / "p.jsonl", apply(steps, {"--data", "tokens:" + (dir / "p_*.bin")})));
   ASSERT_TRUE(spm_shards.ok()) << spm_shards.output;
   // fsdp-tokenize is found beside train_gpt (both in the build's bin folder).

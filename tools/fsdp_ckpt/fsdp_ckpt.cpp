@@ -180,11 +180,8 @@ int verify(const std::string& dir, bool quiet) {
   return kFailed;
 }
 
-int consolidate(const std::string& dir, const std::string& out, const std::string& max_shard_size, bool all) {
-  ckpt::ConsolidateOptions options;
-  options.all_tensors = all;
-  if (!max_shard_size.empty()) options.max_shard_bytes = parse_size(max_shard_size);
-  const auto written = ckpt::consolidate_checkpoint(dir, out, options);
+// Prints one "wrote FILE (SIZE)" line per file; returns their total size.
+uint64_t print_written(const std::vector<std::string>& written) {
   uint64_t total = 0;
   for (const auto& file : written) {
     std::error_code ec;
@@ -192,6 +189,15 @@ int consolidate(const std::string& dir, const std::string& out, const std::strin
     total += ec ? 0 : size;
     std::printf("wrote %s (%s)\n", file.c_str(), human_bytes(ec ? 0 : size).c_str());
   }
+  return total;
+}
+
+int consolidate(const std::string& dir, const std::string& out, const std::string& max_shard_size, bool all) {
+  ckpt::ConsolidateOptions options;
+  options.all_tensors = all;
+  if (!max_shard_size.empty()) options.max_shard_bytes = parse_size(max_shard_size);
+  const auto written = ckpt::consolidate_checkpoint(dir, out, options);
+  const uint64_t total = print_written(written);
   std::printf("fsdp-ckpt: consolidated %s into %zu file%s, %s\n", dir.c_str(), written.size(),
               written.size() == 1 ? "" : "s", human_bytes(total).c_str());
   return kOk;
@@ -233,13 +239,7 @@ int export_hf(const std::string& dir, const std::string& out, const std::string&
     std::fprintf(stderr, "fsdp-ckpt: error: %s\n", e.what());
     return kUsage;
   }
-  uint64_t total = 0;
-  for (const auto& file : written) {
-    std::error_code ec;
-    const auto size = std::filesystem::file_size(file, ec);
-    total += ec ? 0 : size;
-    std::printf("wrote %s (%s)\n", file.c_str(), human_bytes(ec ? 0 : size).c_str());
-  }
+  const uint64_t total = print_written(written);
   std::printf("fsdp-ckpt: exported %s as a Hugging Face folder %s (%s), %zu files, %s\n", dir.c_str(), out.c_str(),
               dtype.c_str(), written.size(), human_bytes(total).c_str());
   return kOk;

@@ -4,28 +4,34 @@
 # changed). Fine as root; uses sudo otherwise.
 #
 #   scripts/setup.sh                 # deps + configure + build everything (what the tests need)
-#   scripts/setup.sh fsdprun train_gpt   # deps + configure + only these targets (and the library)
+#   scripts/setup.sh fsdprun train_gpt   # build deps + configure + only these targets (and the library)
 #   BUILD_DIR=out scripts/setup.sh   # another build folder
 #   CMAKE_ARGS="-DCMAKE_PREFIX_PATH=/opt/libtorch" scripts/setup.sh   # another LibTorch
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
+# What building any target needs (the main job's first loss waits only for these).
 PACKAGES=(
   libtorch-dev          # LibTorch (1.13 on Debian 12) with c10d headers
   libgloo-dev           # c10d's Gloo headers include gloo's
   libopenblas0-pthread  # otherwise Debian's libtorch runs on the reference BLAS (~12x slower)
   cmake ninja-build g++ ccache
-  libgtest-dev          # GoogleTest
+  libgtest-dev          # GoogleTest (CMake configures the tests' targets too)
   nlohmann-json3-dev    # safetensors header JSON (library, private); train_gpt's metrics file
   zlib1g-dev            # crc32 of checkpoint files
   libcli11-dev          # train_gpt's command line (CLI11)
+  libsentencepiece-dev  # the data library's SentencePiece tokenizers
   fortunes              # train_gpt's default corpus: /usr/share/games/fortunes/cookie (245 KB of English)
+)
+# What the tests and tools need besides: installed when everything is built (no targets given).
+TEST_PACKAGES=(
   gnuplot-nox           # tools/plot: metrics -> PNG
   clang-format          # the pinned formatter (14): the CTest test `format`
-  libsentencepiece-dev sentencepiece  # fsdp-tokenize's SentencePiece tokenizers (spm_train/spm_encode: tests)
+  sentencepiece         # spm_train/spm_encode: the tokenizer tests' other side
   openmpi-bin           # mpirun: tests/launcher/test_real_launchers starts train_gpt with Open MPI (docs/launching.md)
   slurmd slurmctld slurm-client munge  # srun/sbatch: scripts/slurm-local.sh, a one-machine cluster for test_real_launchers
 )
+if [ $# -eq 0 ]; then PACKAGES+=("${TEST_PACKAGES[@]}"); fi
 
 missing=()
 for p in "${PACKAGES[@]}"; do

@@ -9,7 +9,6 @@ A world of one on NCCL (a FileStore rendezvous in a temporary folder: no launche
 Needs only the machine's torch (fully_shard from torch.distributed.fsdp, PyTorch >= 2.6).
 """
 import argparse
-import math
 import os
 import statistics
 import sys
@@ -23,7 +22,7 @@ import torch.nn.functional as F
 
 
 class Block(nn.Module):
-    # models/gpt.cpp's Block: pre-norm attention (explicit causal softmax, no fused kernel) + MLP.
+    # models/gpt.cpp's Block: pre-norm fused causal attention + MLP.
     def __init__(self, dim, heads):
         super().__init__()
         self.heads = heads
@@ -35,14 +34,16 @@ class Block(nn.Module):
         self.mlp_proj = nn.Linear(4 * dim, dim)
 
     def attn(self, x):
+        # The same attention as models/gpt.cpp's Block on a 2.x LibTorch (GPTConfig::fused_attention,
+        # on by default): F.scaled_dot_product_attention with is_causal=True, the fused op (on an
+        # H200 in bf16, FlashAttention's kernel), which is what fsdp::compat::fused_causal_attention
+        # calls (at::scaled_dot_product_attention(q, k, v, {}, 0.0, /*is_causal=*/true)).
         B, T, C = x.shape
         hd = C // self.heads
         q, k, v = self.c_attn(x).split(C, dim=2)
         q, k, v = (t.view(B, T, self.heads, hd).transpose(1, 2) for t in (q, k, v))
-        att = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(hd))
-        causal = torch.ones(T, T, dtype=torch.bool, device=x.device).tril()
-        att = F.softmax(att.masked_fill(~causal, float("-inf")), dim=-1)
-        return self.attn_proj((att @ v).transpose(1, 2).contiguous().view(B, T, C))
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=True)
+        return self.attn_proj(y.transpose(1, 2).contiguous().view(B, T, C))
 
     def forward(self, x):
         y = x + self.attn(self.ln_1(x))

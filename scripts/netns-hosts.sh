@@ -8,6 +8,7 @@
 #   scripts/netns-hosts.sh up 2                  # hosts fsdpmh-h0 (10.77.0.1) and fsdpmh-h1 (10.77.0.2)
 #   scripts/netns-hosts.sh exec 0 build/bin/fsdprun --nnodes 2 --node-rank 0 --master-addr 10.77.0.1 ...
 #   scripts/netns-hosts.sh exec 1 build/bin/fsdprun --nnodes 2 --node-rank 1 --master-addr 10.77.0.1 ...
+#   FSDP_NETNS_HOSTNAME=1 scripts/netns-hosts.sh exec 1 CMD...   # CMD's host name: 10.77.0.2
 #   scripts/netns-hosts.sh kill 1                # SIGKILL every process of host 1 ("the host died")
 #   scripts/netns-hosts.sh link 1 down           # unplug host 1's cable (and `link 1 up` again)
 #   scripts/netns-hosts.sh down                  # kill every process in the hosts, remove them all
@@ -23,9 +24,14 @@ NET=10.77.0
 
 die() { echo "netns-hosts: $*" >&2; exit 1; }
 host_ns() { echo "$P-h$1"; }
+# Runs a command inside namespace $1. nsenter rather than `ip -n` / `ip netns exec`: those also make
+# "/" a slave mount, which fails (EINVAL) where "/" is no mount point, as in a plain chroot (the sid
+# chroot of scripts/libtorch2-check.sh, where torchrun's multi-node test uses these hosts).
+in_ns() { local ns="$1"; shift; nsenter --net="/run/netns/$ns" -- "$@"; }
 need_root() {
   [ "$(id -u)" -eq 0 ] || die "needs root (network namespaces): run it with sudo"
   command -v ip >/dev/null || die "needs iproute2's ip: apt-get install iproute2"
+  command -v nsenter >/dev/null || die "needs util-linux's nsenter: apt-get install util-linux"
 }
 check_k() { [[ "$1" =~ ^[0-9]+$ ]] || die "'$1' is not a host number; give 0, 1, ..."; }
 ours() { ip netns list 2>/dev/null | awk '{print $1}' | grep -E "^$(printf '%s' "$P" | sed 's/[.[\*^$]/\\&/g')-(sw|h[0-9]+)$" || true; }
@@ -52,19 +58,19 @@ up() {
   [ -z "$(ours)" ] || die "hosts with prefix $P already exist; run '$0 down' first (or set FSDP_NETNS_PREFIX)"
   trap 'down; die "up failed; removed what it had made"' ERR
   ip netns add "$SW"
-  ip -n "$SW" link add br0 type bridge
-  ip -n "$SW" link set br0 up
+  in_ns "$SW" ip link add br0 type bridge
+  in_ns "$SW" ip link set br0 up
   for ((k = 0; k < n; k++)); do
     local h
     h=$(host_ns "$k")
     ip netns add "$h"
-    ip -n "$h" link set lo up
+    in_ns "$h" ip link set lo up
     # Both ends are created inside the namespaces: the machine's own namespace never sees them.
     ip link add mh0 netns "$h" type veth peer name "p$k" netns "$SW"
-    ip -n "$SW" link set "p$k" master br0
-    ip -n "$SW" link set "p$k" up
-    ip -n "$h" addr add "$NET.$((k + 1))/24" dev mh0
-    ip -n "$h" link set mh0 up
+    in_ns "$SW" ip link set "p$k" master br0
+    in_ns "$SW" ip link set "p$k" up
+    in_ns "$h" ip addr add "$NET.$((k + 1))/24" dev mh0
+    in_ns "$h" ip link set mh0 up
   done
   trap - ERR
   for ((k = 0; k < n; k++)); do echo "$(host_ns "$k") $NET.$((k + 1))"; done
@@ -82,13 +88,20 @@ case "$cmd" in
     [ "${1:-}" = "--" ] && shift
     [ $# -ge 1 ] || die "exec needs a command, e.g. exec 0 hostname -I"
     ip netns list | awk '{print $1}' | grep -qx "$(host_ns "$k")" || die "no host $k (prefix $P); run '$0 up N' first"
-    exec ip netns exec "$(host_ns "$k")" "$@"
+    if [ "${FSDP_NETNS_HOSTNAME:-0}" = 1 ]; then
+      # The command's host name is the host's address (a UTS namespace of its own), so that it
+      # resolves, to this host, without any hosts file or DNS: programs that look up their own
+      # name, as torchrun's c10d rendezvous does, find this host as on a real cluster's node.
+      exec nsenter --net="/run/netns/$(host_ns "$k")" -- \
+        unshare --uts -- sh -c 'hostname "$0" && exec "$@"' "$NET.$((k + 1))" "$@"
+    fi
+    exec nsenter --net="/run/netns/$(host_ns "$k")" -- "$@"
     ;;
   kill) need_root; check_k "${1:-x}"; kill_ns "$(host_ns "$1")" ;;
   link)
     need_root; check_k "${1:-x}"
     [ "${2:-}" = up ] || [ "${2:-}" = down ] || die "link needs up or down, e.g. link 1 down"
-    ip -n "$SW" link set "p$1" "$2"
+    in_ns "$SW" ip link set "p$1" "$2"
     ;;
   addr) check_k "${1:-x}"; echo "$NET.$(($1 + 1))" ;;
   ns) check_k "${1:-x}"; host_ns "$1" ;;

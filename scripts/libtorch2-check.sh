@@ -41,7 +41,7 @@ if [ "$FLAVOUR" = cpu ]; then
   CHROOT="${FSDP_SID_CHROOT:-/var/cache/fsdp/chroot-sid}"
   SUITE=sid
   COMPONENTS="main"
-  PACKAGES=(libtorch-dev libgloo-dev libopenblas0-pthread cmake ninja-build g++ ccache libgtest-dev
+  PACKAGES=(libtorch-dev libgloo-dev libopenblas0-pthread cmake ninja-build g++ ccache libgtest-dev iproute2
             nlohmann-json3-dev zlib1g-dev libcli11-dev libsentencepiece-dev libabsl-dev sentencepiece)
   # The other side of the checks against PyTorch's own tools: torchrun (python3-torch), transformers
   # and its tokenizers (protobuf reads a tokenizer.model). ~107 MB of downloads, ~1 min to install;

@@ -9,9 +9,13 @@
 
 #include <torch/csrc/distributed/c10d/ProcessGroupGloo.hpp>
 
-#ifdef FSDP_HAS_NCCL
-#include <torch/csrc/distributed/c10d/ProcessGroupNCCL.hpp>
-#endif
+#include <c10/core/impl/VirtualGuardImpl.h>
+
+#include <mutex>
+#include <thread>
+
+#include "comm/async_watch.h"
+#include "fsdp/compat/nccl.h"
 
 namespace fsdp::comm {
 
@@ -89,7 +93,38 @@ compat::BackendPtr make_gloo(const compat::StorePtr& store, int rank, int size, 
   return c10::make_intrusive<c10d::ProcessGroupGloo>(store, rank, size, opts);
 }
 
+#ifdef FSDP_HAS_NCCL
+struct NcclGroups {
+  std::mutex mu;
+  std::vector<c10::weak_intrusive_ptr<c10d::ProcessGroupNCCL>> groups;
+};
+NcclGroups& nccl_groups() {
+  static NcclGroups g;
+  return g;
+}
+void remember_nccl_group(const c10::intrusive_ptr<c10d::ProcessGroupNCCL>& pg) {
+  auto& g = nccl_groups();
+  std::lock_guard<std::mutex> lock(g.mu);
+  g.groups.emplace_back(pg);
+}
+#endif
+
 }  // namespace
+
+size_t shutdown_nccl_groups() {
+  size_t n = 0;
+#ifdef FSDP_HAS_NCCL
+  // Whatever is still queued finishes first (the watch ends the process if it never does).
+  while (detail::watched_collectives() > 0) std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  auto& g = nccl_groups();
+  std::lock_guard<std::mutex> lock(g.mu);
+  for (auto& weak : g.groups) {
+    if (auto pg = weak.lock()) n += compat::nccl_shutdown(*pg) ? 1 : 0;
+  }
+  g.groups.clear();
+#endif
+  return n;
+}
 
 std::shared_ptr<Comm> make_comm(BackendKind kind, const compat::StorePtr& store, std::vector<int> global_ranks,
                                 int group_rank, std::chrono::milliseconds timeout, const std::string& name,
@@ -104,8 +139,19 @@ std::shared_ptr<Comm> make_comm(BackendKind kind, const compat::StorePtr& store,
   } else if (kind == BackendKind::Nccl) {
 #ifdef FSDP_HAS_NCCL
     auto opts = c10d::ProcessGroupNCCL::Options::create();
-    opts->timeout = timeout;
-    backend = c10::make_intrusive<c10d::ProcessGroupNCCL>(store, group_rank, size, opts);
+    // c10d's watchdog fires later than our collective watch (comm/async_watch.h), which ends a
+    // hung collective with our message and the flight recorder's dump.
+    opts->timeout = detail::backend_watchdog_timeout(timeout);
+    // The group's device: the current CUDA device, which the rank sets before it makes its groups
+    // (train_gpt: cuda:LOCAL_RANK), as PyTorch's init_process_group(device_id=...). Bound, the
+    // communicator is made here, collectively with the other members, instead of inside the
+    // first collective (where LibTorch can: compat/nccl.h).
+    const c10::Device device = c10::impl::VirtualGuardImpl(c10::DeviceType::CUDA).getDevice();
+    const bool bound = compat::nccl_bind_options(*opts, device);
+    auto pg = c10::make_intrusive<c10d::ProcessGroupNCCL>(store, group_rank, size, opts);
+    if (bound || compat::nccl_bind_backend(*pg, device)) compat::nccl_connect_eagerly(*pg, device);
+    remember_nccl_group(pg);
+    backend = pg;
 #else
     backend_for_device("cuda");  // throws the explanation
 #endif

@@ -4,6 +4,7 @@
 #include <sstream>
 #include <stdexcept>
 
+#include "comm/async_watch.h"
 #include "fsdp/debug/desync.h"
 #include "fsdp/debug/flight_recorder.h"
 #include "memory/buffer_alloc.h"
@@ -132,6 +133,26 @@ void flight_issue(const Comm& c, const char* op, const at::Tensor& in, const at:
 
 uint64_t ring_share(uint64_t bytes, int n) { return n <= 1 ? 0 : bytes * static_cast<uint64_t>(n - 1) / n; }
 
+// FSDP_NCCL_WORLD_OF_ONE=1 (a test mode): a group of one that has a backend (NCCL: make_comm
+// gives a world of one on a GPU a one-rank communicator) sends its collectives through it instead
+// of copying locally, so NCCL's kernels, stream waits, AVG, bf16 and error path run on one GPU.
+bool one_rank_through_backend() {
+  static const bool on = [] {
+    const char* v = std::getenv("FSDP_NCCL_WORLD_OF_ONE");
+    return v != nullptr && std::string(v) == "1";
+  }();
+  return on;
+}
+
+// A group whose collectives are local copies: one rank, and no backend asked to run them.
+bool local_only(const Comm& c) { return c.size() == 1 && !(c.backend() && one_rank_through_backend()); }
+
+// The timeout handed to c10d with each collective. NCCL: c10d's watchdog gets a longer one, so the
+// collective watch (comm/async_watch.h) times the collective out first, with our message and dump.
+std::chrono::milliseconds op_timeout(const Comm& c) {
+  return c.backend_kind() == BackendKind::Nccl ? detail::backend_watchdog_timeout(c.timeout()) : c.timeout();
+}
+
 }  // namespace
 
 std::shared_ptr<Comm> Comm::single_process(std::string name) {
@@ -172,9 +193,14 @@ Work Comm::finish(OpKind kind, uint64_t bytes, compat::WorkPtr work, std::functi
   stats_.record(kind, bytes);
   process_comm_stats().record(kind, bytes);
   // NCCL: wait() makes the caller's current stream wait for the collective; a timeout would turn
-  // it into a host wait (polling), which defeats the streams. ProcessGroupNCCL's watchdog enforces
-  // the timeout instead (Options::timeout, set to ours); see work.h.
+  // it into a host wait (polling), which defeats the streams. The collective watch enforces the
+  // timeout instead (comm/async_watch.h; work.h).
   const auto wait_timeout = kind_ == BackendKind::Nccl ? compat::kNoWaitTimeout : timeout_;
+  if (kind_ == BackendKind::Nccl && work) {
+    // Its end is known only on the device: the watch marks the flight record completed when the
+    // collective's end event has passed, and times it out with our message (comm/async_watch.h).
+    detail::watch_async_collective(work, detail::flight_take_issued(), timeout_, describe(op_name));
+  }
   Work handle(std::move(work), std::move(after), wait_timeout, describe(op_name));
   if (!async_op) handle.wait();
   return handle;
@@ -188,14 +214,14 @@ compat::WorkPtr Comm::backend_all_gather(const at::Tensor& out, const at::Tensor
   }
   if (caps_.all_gather_base) {
     c10d::AllgatherOptions opts;
-    opts.timeout = timeout_;
+    opts.timeout = op_timeout(*this);
     return compat::all_gather_single(*backend_, flat_out, flat_in, opts);
   }
   // Fallback: the list form, with each rank's output a view into the flat buffer.
   std::vector<std::vector<at::Tensor>> outputs{flat_out.chunk(size())};
   std::vector<at::Tensor> inputs{flat_in};
   c10d::AllgatherOptions opts;
-  opts.timeout = timeout_;
+  opts.timeout = op_timeout(*this);
   return backend_->allgather(outputs, inputs, opts);
 }
 
@@ -207,7 +233,7 @@ compat::WorkPtr Comm::backend_all_to_all(const at::Tensor& out, const at::Tensor
   }
   std::vector<int64_t> equal_splits;  // empty = equal splits
   c10d::AllToAllOptions opts;
-  opts.timeout = timeout_;
+  opts.timeout = op_timeout(*this);
   return compat::all_to_all_single(*backend_, flat_out, flat_in, equal_splits, equal_splits, opts);
 }
 
@@ -226,7 +252,7 @@ Work Comm::all_gather_into_tensor(const at::Tensor& out, const at::Tensor& in, b
   // rank, so every rank skips alike.
   // In place: `in` is already this rank's chunk of `out` (FSDP's all-gather input).
   const bool in_place = in.numel() > 0 && in.data_ptr() == static_cast<char*>(out.data_ptr()) + rank_ * in.nbytes();
-  if (size() == 1 || in.numel() == 0) {
+  if (local_only(*this) || in.numel() == 0) {
     if (in.numel() > 0 && !in_place) out.view(-1).copy_(in.view(-1));  // a group of one: one copy
     return finish(OpKind::AllGather, 0, compat::WorkPtr(), nullptr, async_op, op.c_str());
   }
@@ -256,7 +282,7 @@ Work Comm::reduce_scatter_tensor(const at::Tensor& out, const at::Tensor& in, Re
   }
   detail::check_collective_matches(*this, ++seq_, OpKind::ReduceScatter, in, out, static_cast<int>(rop));
   flight_issue(*this, "reduce_scatter_tensor", in, out);
-  if (size() == 1 || out.numel() == 0) {
+  if (local_only(*this) || out.numel() == 0) {
     out.view(-1).copy_(in.view(-1));
     return finish(OpKind::ReduceScatter, 0, compat::WorkPtr(), nullptr, async_op, op.c_str());
   }
@@ -265,7 +291,7 @@ Work Comm::reduce_scatter_tensor(const at::Tensor& out, const at::Tensor& in, Re
   if (caps_.reduce_scatter_base && native_dtype && (rop != ReduceOp::Avg || caps_.avg)) {
     c10d::ReduceScatterOptions opts;
     opts.reduceOp = to_c10d(rop);
-    opts.timeout = timeout_;
+    opts.timeout = op_timeout(*this);
     at::Tensor flat_out = out.view(-1), flat_in = in.view(-1);
     auto work = compat::reduce_scatter_single(*backend_, flat_out, flat_in, opts);
     return finish(OpKind::ReduceScatter, bytes, std::move(work), nullptr, async_op, op.c_str());
@@ -331,7 +357,9 @@ at::Tensor pieces_summary(const std::vector<at::Tensor>& pieces) {
 
 }  // namespace
 
-bool Comm::takes_pieces(const at::Tensor& t) const { return size() == 1 || (kind_ == BackendKind::Gloo && t.is_cpu()); }
+bool Comm::takes_pieces(const at::Tensor& t) const {
+  return local_only(*this) || (kind_ == BackendKind::Gloo && t.is_cpu());
+}
 
 Work Comm::all_gather_pieces(const std::vector<at::Tensor>& ins, const std::vector<std::vector<at::Tensor>>& outs,
                              bool async_op) {
@@ -351,7 +379,7 @@ Work Comm::all_gather_pieces(const std::vector<at::Tensor>& ins, const std::vect
   const at::Tensor in_summary = pieces_summary(ins), out_summary = pieces_summary(gathered);
   detail::check_collective_matches(*this, ++seq_, OpKind::AllGather, in_summary, out_summary);
   flight_issue(*this, "all_gather_pieces", in_summary, out_summary);
-  if (size() == 1 || ins.empty()) {
+  if (local_only(*this) || ins.empty()) {
     for (size_t i = 0; i < ins.size(); ++i) {
       const at::Tensor& own = outs[i][0];
       if (ins[i].numel() > 0 && own.data_ptr() != ins[i].data_ptr()) own.view(-1).copy_(ins[i].view(-1));
@@ -387,7 +415,7 @@ Work Comm::reduce_scatter_pieces(const std::vector<at::Tensor>& outs, const std:
   detail::check_collective_matches(*this, ++seq_, OpKind::ReduceScatter, in_summary, out_summary,
                                    static_cast<int>(rop));
   flight_issue(*this, "reduce_scatter_pieces", in_summary, out_summary);
-  if (size() == 1 || outs.empty()) {
+  if (local_only(*this) || outs.empty()) {
     for (size_t i = 0; i < outs.size(); ++i) {
       const at::Tensor& own = ins[i][0];
       if (outs[i].numel() > 0 && own.data_ptr() != outs[i].data_ptr()) outs[i].view(-1).copy_(own.view(-1));
@@ -403,7 +431,7 @@ Work Comm::all_reduce(const at::Tensor& tensor, ReduceOp rop, bool async_op) {
   check_avg_dtype(op, rop, tensor);
   detail::check_collective_matches(*this, ++seq_, OpKind::AllReduce, tensor, at::Tensor(), static_cast<int>(rop));
   flight_issue(*this, "all_reduce", tensor, tensor);
-  if (size() == 1 || tensor.numel() == 0)
+  if (local_only(*this) || tensor.numel() == 0)
     return finish(OpKind::AllReduce, 0, compat::WorkPtr(), nullptr, async_op, op.c_str());
   const int n = size();
   if (moves_as_bits(tensor)) {
@@ -427,7 +455,7 @@ Work Comm::all_reduce(const at::Tensor& tensor, ReduceOp rop, bool async_op) {
   const bool divide_after = rop == ReduceOp::Avg && !caps_.avg;
   c10d::AllreduceOptions opts;
   opts.reduceOp = divide_after ? c10d::ReduceOp(c10d::ReduceOp::SUM) : to_c10d(rop);
-  opts.timeout = timeout_;
+  opts.timeout = op_timeout(*this);
   std::vector<at::Tensor> tensors{tensor};
   auto work = backend_->allreduce(tensors, opts);
   std::function<void()> after;
@@ -443,13 +471,13 @@ Work Comm::broadcast(const at::Tensor& tensor, int root, bool async_op) {
   }
   detail::check_collective_matches(*this, ++seq_, OpKind::Broadcast, tensor, at::Tensor(), -1, root);
   flight_issue(*this, "broadcast", tensor, tensor);
-  if (size() == 1 || tensor.numel() == 0)
+  if (local_only(*this) || tensor.numel() == 0)
     return finish(OpKind::Broadcast, 0, compat::WorkPtr(), nullptr, async_op, op.c_str());
   at::Tensor moved = moves_as_bits(tensor) ? tensor.view(kBitsCarrier) : tensor;
   c10d::BroadcastOptions opts;
   opts.rootRank = root;
   opts.rootTensor = 0;
-  opts.timeout = timeout_;
+  opts.timeout = op_timeout(*this);
   std::vector<at::Tensor> tensors{moved};
   auto work = backend_->broadcast(tensors, opts);
   // In a chain from the root every rank forwards the data except the last one.
@@ -469,7 +497,7 @@ Work Comm::all_to_all(const at::Tensor& out, const at::Tensor& in, bool async_op
   }
   detail::check_collective_matches(*this, ++seq_, OpKind::AllToAll, in, out);
   flight_issue(*this, "all_to_all", in, out);
-  if (size() == 1 || in.numel() == 0) {
+  if (local_only(*this) || in.numel() == 0) {
     out.view(-1).copy_(in.view(-1));
     return finish(OpKind::AllToAll, 0, compat::WorkPtr(), nullptr, async_op, op.c_str());
   }
@@ -480,9 +508,9 @@ Work Comm::all_to_all(const at::Tensor& out, const at::Tensor& in, bool async_op
 Work Comm::barrier(bool async_op) {
   detail::check_collective_matches(*this, ++seq_, OpKind::Barrier, at::Tensor(), at::Tensor());
   flight_issue(*this, "barrier", at::Tensor(), at::Tensor());
-  if (size() == 1) return finish(OpKind::Barrier, 0, compat::WorkPtr(), nullptr, async_op, "barrier");
+  if (local_only(*this)) return finish(OpKind::Barrier, 0, compat::WorkPtr(), nullptr, async_op, "barrier");
   c10d::BarrierOptions opts;
-  opts.timeout = timeout_;
+  opts.timeout = op_timeout(*this);
   auto work = backend_->barrier(opts);
   return finish(OpKind::Barrier, 0, std::move(work), nullptr, async_op, "barrier");
 }

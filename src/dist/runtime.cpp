@@ -201,6 +201,8 @@ bool is_initialized() {
 
 void destroy_distributed() {
   std::lock_guard<std::mutex> lock(g_mu);
+  // NCCL: communicators shut down cleanly (not aborted at exit, with c10d's warning).
+  if (g_runtime) comm::shutdown_nccl_groups();
   g_runtime.reset();
 }
 

@@ -1,6 +1,7 @@
 #pragma once
 // Creating c10d backends (Gloo for CPU, NCCL for CUDA when this LibTorch has it).
 #include <chrono>
+#include <cstddef>
 #include <memory>
 #include <string>
 #include <vector>
@@ -15,10 +16,17 @@ bool nccl_available();
 // The backend for a device type: "cpu" -> Gloo, "cuda" -> NCCL (errors name what is missing).
 BackendKind backend_for_device(const std::string& device_type);
 
+// Shuts down the NCCL communicators of every group made so far that is still alive, after their
+// queued collectives have completed (destroy_distributed calls it); returns how many were shut
+// down (0 in builds without NCCL, or where LibTorch has no clean shutdown: compat/nccl.h).
+size_t shutdown_nccl_groups();
+
 // Creates the backend for a group whose members rendezvous through `store` (already prefixed so
 // that groups do not collide). Collective among the members only. `hostname_hint` picks Gloo's
 // network interface: the loopback when every rank is on this host, else the address on this
 // machine's route to the hint (MASTER_ADDR), which the other hosts reach; GLOO_SOCKET_IFNAME wins.
+// NCCL: bound to the current CUDA device (set the rank's device before creating groups), its
+// communicator made here where LibTorch can (fsdp/compat/nccl.h).
 std::shared_ptr<Comm> make_comm(BackendKind kind, const compat::StorePtr& store, std::vector<int> global_ranks,
                                 int group_rank, std::chrono::milliseconds timeout, const std::string& name,
                                 const std::string& hostname_hint);

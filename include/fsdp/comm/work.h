@@ -8,10 +8,10 @@
 //
 // NCCL (CUDA tensors): wait() does not block the host. It makes the caller's current CUDA stream
 // wait for the collective ("ready" means: for kernels queued on that stream from now on), as
-// ProcessGroupNCCL's Work::wait() does. Timeouts are enforced by ProcessGroupNCCL's watchdog with
-// the group's timeout: by default (TORCH_NCCL_ASYNC_ERROR_HANDLING) it aborts the process with a
-// message naming the collective; with TORCH_NCCL_BLOCKING_WAIT=1, wait() blocks the host and a
-// timeout or a communicator error surfaces from it as CommError, like Gloo's.
+// ProcessGroupNCCL's Work::wait() does. The collective's end is watched on the device
+// (comm/async_watch.h): the flight recorder marks it completed then, and a collective that fails
+// or is not complete within the group's timeout ends the process (exit code 3) with the same
+// message as a Gloo failure and the flight recorder's dump, before c10d's own watchdog would.
 #include <chrono>
 #include <functional>
 #include <memory>

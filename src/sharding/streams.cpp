@@ -4,17 +4,40 @@
 #include <c10/core/impl/VirtualGuardImpl.h>
 
 #include <array>
+#include <cstdlib>
+#include <map>
 #include <memory>
 #include <mutex>
+#include <stdexcept>
+#include <string>
 #include <utility>
 #include <vector>
 
 #include "fsdp/debug/gpu_stats.h"
 
+#ifdef FSDP_HAS_CUDA
+#include <ATen/cuda/Sleep.h>
+#endif
+
 namespace fsdp::detail {
 
 // See [Note: FSDP streams] in the header. Only CUDA builds of LibTorch (FSDP_HAS_CUDA) make
 // streams; a CPU build compiles none of it, and CPU devices never get here.
+int64_t stream_race_microseconds() {
+  static const int64_t us = [] {
+    const char* v = std::getenv("FSDP_STREAM_RACE_US");
+    if (v == nullptr || *v == '\0') return int64_t{0};
+    char* end = nullptr;
+    const long long n = std::strtoll(v, &end, 10);
+    if (end == v || *end != '\0' || n < 0) {
+      throw std::invalid_argument(std::string("fsdp: FSDP_STREAM_RACE_US='") + v +
+                                  "' is not a number of microseconds (0 or more; 0 or unset: off)");
+    }
+    return static_cast<int64_t>(n);
+  }();
+  return us;
+}
+
 #ifdef FSDP_HAS_CUDA
 
 DeviceStreams* DeviceStreams::get(c10::Device device) {
@@ -38,14 +61,51 @@ DeviceStreams* DeviceStreams::get(c10::Device device) {
 
 c10::Stream DeviceStreams::current() const { return c10::impl::VirtualGuardImpl(device().type()).getStream(device()); }
 
-void DeviceStreams::wait_stream(const c10::Stream& waiter, const c10::Stream& producer) {
-  if (waiter == producer) return;
-  c10::Event event(producer.device_type());
-  event.record(producer);
-  event.block(waiter);
+namespace {
+
+// One event per producing stream, recorded again for every wait: cudaStreamWaitEvent takes the
+// event's state when it is called, so a later record does not move an earlier wait.
+c10::Event& producer_event(const c10::Stream& producer) {
+  static std::map<std::pair<int, c10::StreamId>, std::unique_ptr<c10::Event>> events;
+  auto& slot = events[{static_cast<int>(producer.device_index()), producer.id()}];
+  if (!slot) slot = std::make_unique<c10::Event>(producer.device_type());
+  return *slot;
+}
+std::mutex& producer_events_mu() {
+  static std::mutex mu;
+  return mu;
 }
 
-void DeviceStreams::wait_event(const c10::Stream& waiter, const c10::Event& event) { event.block(waiter); }
+// Stream-race mode: a side stream spins before the copy or collective it was told to wait for.
+void spin_if_racing(const c10::Stream& waiter) {
+  const int64_t us = stream_race_microseconds();
+  if (us == 0) return;
+  DeviceStreams* ds = DeviceStreams::get(waiter.device());
+  if (ds == nullptr || !(waiter == ds->copy_in || waiter == ds->all_gather || waiter == ds->reduce_scatter ||
+                         waiter == ds->all_reduce)) {
+    return;
+  }
+  c10::StreamGuard guard(waiter);
+  at::cuda::sleep(us * 2000);  // cycles: about 2 GHz (an H100/H200 runs at 1.6 to 2 GHz)
+}
+
+}  // namespace
+
+void DeviceStreams::wait_stream(const c10::Stream& waiter, const c10::Stream& producer) {
+  if (waiter == producer) return;
+  {
+    std::lock_guard<std::mutex> lock(producer_events_mu());
+    c10::Event& event = producer_event(producer);
+    event.record(producer);
+    event.block(waiter);
+  }
+  spin_if_racing(waiter);
+}
+
+void DeviceStreams::wait_event(const c10::Stream& waiter, const c10::Event& event) {
+  event.block(waiter);
+  spin_if_racing(waiter);
+}
 
 void DeviceStreams::synchronize(const c10::Stream& stream) { stream.synchronize(); }
 
@@ -54,6 +114,7 @@ struct WaitTiming {
   std::mutex mu;
   bool on = false;
   std::vector<std::pair<c10::Event, c10::Event>> pending;  // (before the wait, after it) on the compute stream
+  double done_ms = 0;  // pairs already passed, folded in so that `pending` stays short
 };
 WaitTiming& wait_timing() {
   static WaitTiming t;
@@ -76,6 +137,20 @@ void DeviceStreams::current_waits_for_all_gather() const {
   wait_stream(cur, all_gather);
   after.record(cur);
   t.pending.emplace_back(std::move(before), std::move(after));
+  // Nobody may ever ask (all_gather_wait_seconds): fold the pairs the GPU has passed, without a
+  // host wait, so the list does not grow step after step.
+  if (t.pending.size() >= 256) {
+    size_t kept = 0;
+    for (auto& pair : t.pending) {
+      if (pair.second.query()) {
+        t.done_ms += pair.first.elapsedTime(pair.second);
+      } else {
+        if (&t.pending[kept] != &pair) t.pending[kept] = std::move(pair);
+        ++kept;
+      }
+    }
+    t.pending.erase(t.pending.begin() + static_cast<std::ptrdiff_t>(kept), t.pending.end());
+  }
 }
 
 }  // namespace fsdp::detail
@@ -91,7 +166,7 @@ void set_all_gather_wait_timing(bool on) {
 double all_gather_wait_seconds() {
   auto& t = detail::wait_timing();
   std::lock_guard<std::mutex> lock(t.mu);
-  double ms = 0;
+  double ms = std::exchange(t.done_ms, 0.0);
   for (auto& [before, after] : t.pending) {
     after.synchronize();
     ms += before.elapsedTime(after);

@@ -33,16 +33,25 @@
 // allocations on the stream it was allocated on, in that stream's order, so no kernel of another
 // stream can still read it then: no record_stream is needed, and a block never moves between
 // streams' pools (FSDP2 keeps its buffers until the consuming event for the same reason).
+// Stream-race mode (a test mode: FSDP_STREAM_RACE_US=N): every side stream spins for about N
+// microseconds (at::cuda::sleep) right after each wait it is given, i.e. before each copy or
+// collective it runs, so a consumer that forgot to wait reads a buffer not yet written (a wrong
+// number, not a lucky one). Off when unset or 0.
 // On CPU devices none of this exists: DeviceStreams::get returns null and the runtime takes the
 // plain path (collectives wait on the host, as before).
 #include <c10/core/Device.h>
 #include <c10/core/Event.h>
 #include <c10/core/Stream.h>
 
+#include <cstdint>
 #include <memory>
 #include <optional>
 
 namespace fsdp::detail {
+
+// FSDP_STREAM_RACE_US, read once (0: off); throws std::invalid_argument naming the variable when
+// it is not a count.
+int64_t stream_race_microseconds();
 
 class DeviceStreams {
  public:

@@ -3,6 +3,7 @@
 #include <torch/torch.h>
 
 #include <cmath>
+#include <optional>
 #include <stdexcept>
 
 #include "fsdp/sharding/fully_shard.h"
@@ -18,18 +19,30 @@ double clip_grad_norm_(const std::vector<at::Tensor>& parameters, double max_nor
   // every rank. A part is reduced over each of its groups, so every element counts once across
   // dp and tp; parameters split over neither (replicated: every rank holds the same values) count
   // once from the local part.
+  // Every part stays a 0-dim float64 tensor on the device of the first gradient (a GPU's parts
+  // never visit the host): the host reads the result once, at the end, as PyTorch's
+  // clip_grad_norm_ with foreach reads none until the caller does.
   using Key = std::pair<std::shared_ptr<comm::Comm>, std::shared_ptr<comm::Comm>>;
+  std::optional<at::Device> device;
+  for (const auto& p : parameters) {
+    if (p.grad().defined() && p.grad().numel() > 0) {
+      device = p.grad().device();
+      break;
+    }
+  }
+  if (!device) device = at::Device(at::kCPU);
+  const auto opts = at::TensorOptions().dtype(at::kDouble).device(*device);
   std::vector<Key> keys;
-  std::vector<double> parts;
-  double replicated_part = 0;
-  auto combine = [&](double acc, double v) { return inf ? std::max(acc, v) : acc + v; };
-  auto local_part = [&](const at::Tensor& g) -> double {
-    if (!g.defined() || g.numel() == 0) return 0;
+  std::vector<at::Tensor> parts;
+  at::Tensor replicated_part = at::zeros({}, opts);
+  auto combine = [&](const at::Tensor& acc, const at::Tensor& v) { return inf ? at::maximum(acc, v) : acc + v; };
+  auto local_part = [&](const at::Tensor& g) -> at::Tensor {
+    if (!g.defined() || g.numel() == 0) return at::zeros({}, opts);
     at::Tensor a = g.detach().abs().to(at::kDouble);
-    return inf ? a.max().item<double>() : a.pow(norm_type).sum().item<double>();
+    return (inf ? a.max() : a.pow(norm_type).sum()).to(*device);
   };
   for (const auto& p : parameters) {
-    const double part = local_part(p.grad());
+    const at::Tensor part = local_part(p.grad());
     Key key;
     if (auto info = shard_info(p)) {
       key.first = info->mesh.comm(0);
@@ -45,22 +58,23 @@ double clip_grad_norm_(const std::vector<at::Tensor>& parameters, double max_nor
     while (i < keys.size() && keys[i] != key) ++i;
     if (i == keys.size()) {
       keys.push_back(key);
-      parts.push_back(0);
+      parts.push_back(at::zeros({}, opts));
     }
     parts[i] = combine(parts[i], part);
   }
-  double total = replicated_part;
+  at::Tensor total = replicated_part;
   for (size_t i = 0; i < keys.size(); ++i) {
-    at::Tensor t = at::tensor({parts[i]}, at::kDouble);
+    at::Tensor t = parts[i].reshape({1});
     for (const auto& comm : {keys[i].first, keys[i].second}) {
       if (!comm) continue;
       // NCCL takes CUDA tensors only (the current device: the one this rank computes on).
-      if (comm->backend_kind() == comm::BackendKind::Nccl) t = t.to(at::Device(at::kCUDA));
+      if (comm->backend_kind() == comm::BackendKind::Nccl && !t.is_cuda()) t = t.to(at::Device(at::kCUDA));
       comm->all_reduce(t, inf ? comm::ReduceOp::Max : comm::ReduceOp::Sum);
     }
-    total = combine(total, t.to(at::kCPU).item<double>());
+    total = combine(total, t.to(*device).reshape({}));
   }
-  const double norm = inf ? total : std::pow(total, 1.0 / norm_type);
+  const double total_value = total.item<double>();  // the one host synchronisation
+  const double norm = inf ? total_value : std::pow(total_value, 1.0 / norm_type);
   const double coef = max_norm / (norm + 1e-6);  // as torch::nn::utils::clip_grad_norm_
   if (coef < 1) {
     torch::NoGradGuard no_grad;

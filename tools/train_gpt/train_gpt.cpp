@@ -290,6 +290,9 @@ StepResult train_step(const Run& run, Model& m, torch::optim::Optimizer& opt, co
   opt.zero_grad();
   const at::Tensor global = data.train_batch(step, o.batch_size);
   StepResult r;
+  // The micro-batches' losses summed on the device (in float64, as the host would) and read once
+  // per step: a read per micro-batch would stop the host until each backward is done.
+  at::Tensor loss_sum;
   for (int64_t micro = 0; micro < o.grad_accum; ++micro) {
     const bool last = micro == o.grad_accum - 1;
     if (!m.units.empty()) m.units.back().set_requires_gradient_sync(last);
@@ -298,8 +301,10 @@ StepResult train_step(const Run& run, Model& m, torch::optim::Optimizer& opt, co
     auto logits = m.logits(batch.narrow(1, 0, o.seq_len));
     auto loss = m.loss(logits, batch.narrow(1, 1, o.seq_len)) / o.grad_accum;
     loss.backward();
-    r.local_loss += loss.item<double>();
+    const at::Tensor l = loss.detach().to(at::kDouble);
+    loss_sum = loss_sum.defined() ? loss_sum + l : l;
   }
+  r.local_loss = loss_sum.item<double>();
   const double max_norm = o.clip > 0 ? o.clip : std::numeric_limits<double>::infinity();
   // Sharded (FSDP, with or without TP): the norm over every rank's shards. Replicated or one
   // process: the gradients are whole (and, replicated, already averaged, so equal on every rank).

@@ -7,11 +7,19 @@
 //   device) vs one process: the stream/event ordering with real cross-rank collectives
 //   CPU offload (pinned shards and gradients), meta init onto the GPU, and 50 steps of a model of
 //   many small units compared at every step (a buffer freed too early across streams shows up
-//   as drift or garbage).
+//   as drift or garbage), with the stream-race mode on (FSDP_STREAM_RACE_US: every side stream
+//   spins before its copy or collective, so a missing wait reads unwritten memory).
+//   A world of one through NCCL anyway (FSDP_NCCL_WORLD_OF_ONE=1): NCCL's kernels, stream waits,
+//   AVG and bf16; completion seen on the device (flight recorder); a hung NCCL collective ends
+//   with our message, the dump and exit code 3 within FSDP_COLLECTIVE_TIMEOUT_S; 3 training steps
+//   with no host synchronisation (CUDA's sync-debug mode "error") but clip_grad_norm_'s one read
+//   and the loss read; a rank on cuda:1 while the current device is 0 (two GPUs; skips on one).
 #include <gtest/gtest.h>
 #include <torch/cuda.h>
 #include <torch/torch.h>
 #include <torch/version.h>
+
+#include <unistd.h>
 
 #include <cmath>
 #include <cstdlib>
@@ -21,10 +29,22 @@
 #include <string>
 #include <vector>
 
+#include <filesystem>
+#include <thread>
+
+#include "comm/async_watch.h"
 #include "fsdp/comm/backend.h"
+#include "fsdp/debug/flight_recorder.h"
 #include "fsdp/fsdp.h"
 #include "models/gpt.h"
 #include "multiprocess.h"
+
+#ifdef FSDP_HAS_CUDA
+#include <ATen/cuda/Sleep.h>
+#include <c10/cuda/CUDACachingAllocator.h>
+#include <c10/cuda/CUDAFunctions.h>
+#include <c10/util/Exception.h>
+#endif
 
 using fsdp::models::GPT;
 using fsdp::models::GPTConfig;
@@ -315,6 +335,230 @@ FSDP_RANK_WORKER(gpu_many_units) {
   check_shards(got.model, want.params, 1e-5);
 }
 
+#ifdef FSDP_HAS_CUDA
+
+namespace {
+
+// Queues a kernel that keeps the current stream busy for about `ms` milliseconds (2 GHz clocks).
+void busy_current_stream(double ms) { at::cuda::sleep(static_cast<int64_t>(ms * 2e6)); }
+
+fsdp::comm::FlightRecord last_record() {
+  auto records = fsdp::comm::FlightRecorder::process().snapshot();
+  TORCH_CHECK(!records.empty(), "the flight recorder holds no record (FSDP_FLIGHT_RECORDER_SIZE=0?)");
+  return records.back();
+}
+
+void wait_until_unwatched() {
+  const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(10);
+  while (fsdp::comm::detail::watched_collectives() > 0 && std::chrono::steady_clock::now() < until) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  }
+  TORCH_CHECK(fsdp::comm::detail::watched_collectives() == 0, "the watch still holds a completed collective");
+}
+
+// Counts CUDA's sync-debug warnings ("called a synchronizing CUDA operation") while alive.
+class SyncCounter : public c10::WarningHandler {
+ public:
+  SyncCounter() : previous_(c10::WarningUtils::get_warning_handler()) {
+    c10::WarningUtils::set_warning_handler(this);
+    c10::cuda::warning_state().set_sync_debug_mode(c10::cuda::SyncDebugMode::L_WARN);
+  }
+  ~SyncCounter() override {
+    c10::cuda::warning_state().set_sync_debug_mode(c10::cuda::SyncDebugMode::L_DISABLED);
+    c10::WarningUtils::set_warning_handler(previous_);
+  }
+  void process(const c10::Warning& w) override {
+    if (w.msg().find("synchroniz") != std::string::npos) ++count;
+  }
+  int count = 0;
+
+ private:
+  c10::WarningHandler* previous_;
+};
+
+void sync_debug(c10::cuda::SyncDebugMode mode) { c10::cuda::warning_state().set_sync_debug_mode(mode); }
+
+}  // namespace
+
+// FSDP_NCCL_WORLD_OF_ONE=1: the collectives of a world of one run NCCL's kernels (a local copy
+// would be complete at once, and the flight recorder would call it completed when queued).
+FSDP_RANK_WORKER(gpu_nccl_one_rank_collectives) {
+  init_cuda_runtime(/*gloo=*/false);
+  auto world = fsdp::dist::world_comm();
+  TORCH_CHECK(world->backend_kind() == fsdp::comm::BackendKind::Nccl && world->backend(), "the world must be NCCL");
+  const auto bf16 = at::TensorOptions().dtype(at::kBFloat16).device(gpu());
+  at::Tensor x = at::full({1000}, 3.0, bf16);
+  busy_current_stream(300);  // the all-reduce queues behind 0.3 s of spinning
+  auto work = world->all_reduce(x, fsdp::comm::ReduceOp::Avg, /*async_op=*/true);
+  TORCH_CHECK(!work.is_completed(), "an NCCL all-reduce queued behind a busy stream cannot be complete yet");
+  work.wait();  // a stream wait: the host goes on
+  TORCH_CHECK(last_record().state != fsdp::comm::FlightState::Completed,
+              "the flight recorder called a queued NCCL collective completed");
+  torch::cuda::synchronize();
+  wait_until_unwatched();
+  TORCH_CHECK(last_record().state == fsdp::comm::FlightState::Completed, "the record never became completed");
+  TORCH_CHECK(x.eq(3.0).all().item<bool>(), "AVG over one rank must keep the values");
+
+  // all-gather in place (the input is the output's row), reduce-scatter and broadcast, bf16.
+  at::Tensor out = at::zeros({64}, bf16);
+  at::Tensor in = out.narrow(0, 0, 64);
+  in.copy_(at::arange(64, at::TensorOptions().dtype(at::kFloat).device(gpu())).to(at::kBFloat16));
+  world->all_gather_into_tensor(out, in);
+  at::Tensor rs = at::empty({64}, bf16);
+  world->reduce_scatter_tensor(rs, out, fsdp::comm::ReduceOp::Sum);
+  world->broadcast(rs, 0);
+  torch::cuda::synchronize();
+  TORCH_CHECK(rs.to(at::kFloat).cpu().equal(at::arange(64, at::kFloat)), "reduce-scatter of one rank is a copy");
+}
+
+// A hung NCCL collective (here: queued behind 8 s of spinning, timeout 1 s) ends as a Gloo one:
+// our message, the flight recorder's dump, exit code 3; never c10d's asynchronous abort.
+FSDP_RANK_WORKER(gpu_nccl_timeout) {
+  init_cuda_runtime(/*gloo=*/false);
+  auto world = fsdp::dist::world_comm();
+  at::Tensor x = at::ones({256}, at::TensorOptions().device(gpu()));
+  busy_current_stream(8000);
+  world->all_reduce(x, fsdp::comm::ReduceOp::Sum, /*async_op=*/true).wait();
+  std::this_thread::sleep_for(std::chrono::seconds(20));  // the watch must end the process before this
+}
+
+// Three training steps with no host synchronisation: forward, backward and the optimizer under
+// CUDA's sync-debug mode "error"; clip_grad_norm_ reads its result once; the loss read at the end
+// of each step is the only other one.
+FSDP_RANK_WORKER(gpu_sync_free_steps) {
+  init_cuda_runtime(/*gloo=*/false);
+  const auto c = small_config();
+  GPT model = fresh_model(c);
+  shard_blocks_then_root(model, gpu_options(/*bf16=*/true));
+  auto opt = optimizer_for(*model);
+  std::vector<at::Tensor> batches;
+  for (int s = 0; s < 4; ++s) batches.push_back(batch_of(c, s).to(gpu()));
+  auto step = [&](int s, bool checked) {
+    if (checked) sync_debug(c10::cuda::SyncDebugMode::L_ERROR);
+    opt.zero_grad();
+    const at::Tensor& data = batches[static_cast<size_t>(s)];
+    auto logits = fsdp::call(model, data.narrow(1, 0, c.block_size));
+    auto loss = fsdp::models::gpt_loss(logits.to(at::kFloat), data.narrow(1, 1, c.block_size));
+    loss.backward();
+    int clip_syncs = 0;
+    {
+      SyncCounter counter;  // warn mode while it lives
+      fsdp::clip_grad_norm_(model->parameters(), 1.0);
+      clip_syncs = counter.count;
+    }
+    if (checked) sync_debug(c10::cuda::SyncDebugMode::L_ERROR);
+    opt.step();
+    sync_debug(c10::cuda::SyncDebugMode::L_DISABLED);
+    TORCH_CHECK(!checked || clip_syncs <= 1, "clip_grad_norm_ synchronised the host ", clip_syncs,
+                " times; at most once");
+    return loss.item<double>();
+  };
+  step(0, /*checked=*/false);  // the first step's lazy initialisation may synchronise
+  for (int s = 1; s < 4; ++s) {
+    try {
+      TORCH_CHECK(std::isfinite(step(s, /*checked=*/true)));
+    } catch (...) {
+      sync_debug(c10::cuda::SyncDebugMode::L_DISABLED);
+      throw;
+    }
+  }
+}
+
+// The rank's model on cuda:1 while the current device stays 0: FSDP must allocate (and the
+// collectives run) on the parameters' device, not the current one.
+FSDP_RANK_WORKER(gpu_second_device) {
+  init_cuda_runtime(/*gloo=*/false);
+  const auto c = small_config();
+  const torch::Device dev1(torch::kCUDA, 1);
+  c10::cuda::set_device(0);
+  torch::manual_seed(42);
+  GPT model(c);
+  model->to(dev1);
+  shard_blocks_then_root(model, {});
+  auto opt = optimizer_for(*model);
+  const auto on0 = [] { return c10::cuda::CUDACachingAllocator::getDeviceStats(0).allocated_bytes[0].current; };
+  at::zeros({1}, at::TensorOptions().device(gpu()));  // device 0's context exists either way
+  const int64_t before = on0();
+  for (int s = 0; s < 3; ++s) {
+    opt.zero_grad();
+    auto data = batch_of(c, s).to(dev1);
+    auto logits = fsdp::call(model, data.narrow(1, 0, c.block_size));
+    TORCH_CHECK(logits.device() == dev1, "forward ran on ", logits.device(), ", not cuda:1");
+    auto loss = fsdp::models::gpt_loss(logits, data.narrow(1, 1, c.block_size));
+    loss.backward();
+    fsdp::clip_grad_norm_(model->parameters(), 1.0);
+    opt.step();
+    TORCH_CHECK(std::isfinite(loss.item<double>()));
+  }
+  for (const auto& p : model->parameters()) TORCH_CHECK(p.device() == dev1, "a shard left cuda:1");
+  TORCH_CHECK(on0() == before, "FSDP allocated ", on0() - before, " bytes on cuda:0 for a model on cuda:1");
+  TORCH_CHECK(c10::cuda::current_device() == 0, "FSDP changed the current device");
+}
+
+#endif  // FSDP_HAS_CUDA
+
+namespace {
+
+RanksOptions through_nccl(RanksOptions o = gpu_ranks()) {
+  o.env["FSDP_NCCL_WORLD_OF_ONE"] = "1";
+  return o;
+}
+
+}  // namespace
+
+TEST(Gpu, WorldOfOneThroughNcclRunsNcclCollectives) {
+  SKIP_WITHOUT_GPU(true);
+  EXPECT_RANKS_PASS(1, "gpu_nccl_one_rank_collectives", through_nccl());
+}
+
+TEST(Gpu, WorldOfOneThroughNcclMatchesPlainTrainingFp32) {
+  SKIP_WITHOUT_GPU(true);
+  EXPECT_RANKS_PASS(1, "gpu_nccl_fp32", through_nccl());
+}
+
+TEST(Gpu, WorldOfOneThroughNcclMatchesPlainTrainingBf16) {
+  SKIP_WITHOUT_GPU(true);
+  EXPECT_RANKS_PASS(1, "gpu_nccl_bf16", through_nccl());
+}
+
+TEST(Gpu, HungNcclCollectiveEndsWithOurMessageAndTheDump) {
+  SKIP_WITHOUT_GPU(true);
+  const auto dir = std::filesystem::temp_directory_path() / ("fsdp_gpu_fr_" + std::to_string(::getpid()));
+  std::filesystem::remove_all(dir);
+  auto o = through_nccl();
+  o.env["FSDP_COLLECTIVE_TIMEOUT_S"] = "1";
+  o.env["FSDP_FLIGHT_RECORDER_DIR"] = dir.string();
+  o.timeout = std::chrono::milliseconds(60000);
+  const auto t0 = std::chrono::steady_clock::now();
+  auto r = run_ranks(1, "gpu_nccl_timeout", o);
+  const double took = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  ASSERT_EQ(r.ranks.size(), 1u);
+  const auto& rank0 = r.ranks[0];
+  EXPECT_FALSE(rank0.timed_out) << r.report();
+  EXPECT_EQ(rank0.term_signal, 0) << "c10d's abort, not our exit\n" << r.report();
+  EXPECT_EQ(rank0.exit_code, fsdp::comm::detail::kAsyncCollectiveExitCode) << r.report();
+  EXPECT_NE(rank0.output.find("all_reduce on group 'world' (nccl"), std::string::npos) << r.report();
+  EXPECT_NE(rank0.output.find("failed: timed out after 1.0 s"), std::string::npos) << r.report();
+  EXPECT_NE(rank0.output.find("FSDP_COLLECTIVE_TIMEOUT_S"), std::string::npos) << r.report();
+  EXPECT_TRUE(std::filesystem::exists(dir / "rank_0.jsonl")) << "no flight recorder dump in " << dir;
+  EXPECT_LT(took, 15.0) << "the timeout is 1 s; the rank ended after " << took << " s";
+  std::filesystem::remove_all(dir);
+}
+
+TEST(Gpu, ThreeStepsWithoutHostSyncBeyondClipAndLossRead) {
+  SKIP_WITHOUT_GPU(true);
+  EXPECT_RANKS_PASS(1, "gpu_sync_free_steps", through_nccl());
+}
+
+TEST(Gpu, RankOnSecondGpuAllocatesNothingOnTheFirst) {
+  SKIP_WITHOUT_GPU(true);
+  if (torch::cuda::device_count() < 2) {
+    GTEST_SKIP() << "needs two GPUs (a rank on cuda:1 while the current device is 0); " << torch::cuda::device_count()
+                 << " visible";
+  }
+  EXPECT_RANKS_PASS(1, "gpu_second_device", gpu_ranks());
+}
+
 TEST(Gpu, WorldOfOneOnNcclMatchesPlainTrainingFp32) {
   SKIP_WITHOUT_GPU(true);
   EXPECT_RANKS_PASS(1, "gpu_nccl_fp32", gpu_ranks());
@@ -345,14 +589,18 @@ TEST(Gpu, MetaInitOntoTheGpuMatchesTheUnshardedInit) {
   EXPECT_RANKS_PASS(1, "gpu_meta_init", gpu_ranks());
 }
 
+// With the stream-race mode on: each side stream spins 200 us before every copy and collective.
 TEST(Gpu, FiftyStepsOfManySmallUnitsMatchEveryStep) {
   SKIP_WITHOUT_GPU(true);
-  EXPECT_RANKS_PASS(1, "gpu_many_units", gpu_ranks());
+  auto o = through_nccl();
+  o.env["FSDP_STREAM_RACE_US"] = "200";
+  EXPECT_RANKS_PASS(1, "gpu_many_units", o);
 }
 
 TEST(Gpu, FiftyStepsOfManySmallUnitsTwoRanksSharingOneGpu) {
   SKIP_WITHOUT_GPU(false);
   auto o = gpu_ranks();
   o.env["FSDP_TEST_GLOO"] = "1";
+  o.env["FSDP_STREAM_RACE_US"] = "200";
   EXPECT_RANKS_PASS(2, "gpu_many_units", o);
 }

@@ -1,190 +1,289 @@
 #!/usr/bin/env bash
-# One command for a lent GPU machine (one H200, CUDA 13's nvcc, CMake, ninja, Python's torch 2.11
-# with its LibTorch and NCCL; no network): build against the torch package's LibTorch, run the GPU
-# tests and the GPU benchmark, write a one-screen summary and the logs.
+# The GPU check in one short call: build here, run there.
 #
-#   scripts/gpu-check.sh --prepare DIR        # on a CPU machine with network: fetch the build
-#                                             # dependencies the torch package lacks into DIR
-#   scripts/gpu-check.sh --run DIR OUTDIR     # on the GPU machine: unpack DIR, configure, build,
-#                                             # GPU tests, benchmark; summary.txt + logs in OUTDIR
+#   scripts/gpu-check.sh --prepare DIR            # development machine (CPU, network once)
+#   DIR/gpu-check.sh --run DIR OUTDIR [--no-bench] # the lent GPU machine (one H200, Python's torch
+#                                                 # 2.11 for CUDA 13, no network, minutes to spare)
 #
-# DIR holds Debian packages (GoogleTest, CLI11, nlohmann-json, zlib headers, gloo headers: about
-# 2 MiB) fetched with `apt-get download`, unpacked on the GPU machine with `dpkg -x` into a private
-# prefix (never into /). Only the checkout travels to the GPU machine, at most 64 MiB, so DIR must
-# be inside the repository, git-ignored (the default .gpu-deps is), and named in the device tool's
-# `carry`, e.g. run(command="scripts/gpu-check.sh --run .gpu-deps $OUT", carry=[".gpu-deps"]).
+# --prepare builds fsdp_build_info, the GPU tests (test_gpu) and gpu_bench against the CUDA LibTorch
+# of the same pip torch package the GPU machines have (the venv of scripts/cuda-build-check.sh,
+# FSDP_TORCH_CUDA_DIR, default /var/cache/fsdp/torch-cuda; installed there if missing), target by
+# target, niced and under the shared build lock (/tmp/fsdp-build.lock), then puts in DIR: the
+# stripped binaries (bin/), the shared libraries they need beyond torch's own and the system's
+# (lib/; libstdc++ and libgcc_s in lib/fallback/, used only when the machine's are older), this
+# script, benchmarks/fsdp2_gpu_bench.py and stamp.txt (torch and CUDA versions, commit). DIR must be
+# inside the repository and git-ignored (.gpu-deps is), and is named in the device tool's carry:
+#   run(command=".gpu-deps/gpu-check.sh --run .gpu-deps $OUT", carry=[".gpu-deps"])
+# Its size is printed; over 60 MiB fails.
 #
-# Settings (environment):
-#   FSDP_PYTHON          the Python whose torch to build against (default python3)
-#   FSDP_GPU_BUILD_DIR   build folder (default build-gpu, git-ignored)
-#   FSDP_GPU_DEPS_PREFIX where DIR is unpacked (default /tmp/fsdp-gpu-deps)
-#   FSDP_GPU_JOBS        parallel compile jobs (default: the cores)
-#   FSDP_GPU_SKIP_BENCH=1  tests only
-#   FSDP_GPU_STOP_AFTER  stop after this step: "configure" or "build" (dry runs on a CPU machine)
-# Every step prints its command; a failing step is named in the last line and in summary.txt.
+# --run: checks nvidia-smi (one line "no GPU" where there is none), that the machine's torch and
+# CUDA are the ones the binaries were built for (refused at once, naming both, when not),
+# LD_LIBRARY_PATH from the torch package, that fsdp_build_info says cuda=yes nccl=yes (a build
+# without them fails), then runs the GPU tests and the benchmarks (--no-bench: tests only). OUTDIR
+# gets at most 3 files: summary.txt (rewritten after every step, so a killed run leaves one),
+# run.log (every step's output, concatenated) and test_gpu.xml. The steps' limits keep the run
+# under 4 minutes.
+#
+# Settings (environment): FSDP_PYTHON (the GPU machine's Python, default python3),
+# FSDP_GPU_CONTINUE_WITHOUT_GPU=1 (a dry run on a CPU machine goes on past "no GPU": versions,
+# libraries, build info, and the GPU tests, which skip), FSDP_CUDA_BUILD_DIR (--prepare's build
+# folder, default build-cuda).
 set -uo pipefail
-REPO="$(cd "$(dirname "$0")/.." && pwd)"
-cd "$REPO" || exit 1
+SELF="$(cd "$(dirname "$0")" && pwd)/$(basename "$0")"
+LIMIT_MIB=60
+TARGETS=(fsdp_build_info test_gpu gpu_bench)
 
-usage() { sed -n '2,26p' "$0" | sed 's/^# \{0,1\}//'; }
+usage() { sed -n '2,31p' "$SELF" | sed 's/^# \{0,1\}//'; }
 die() { printf 'gpu-check: %s\n' "$*" >&2; exit 1; }
 
-# Debian packages the torch package does not bring. The -dev packages' shared-library symlinks
-# point to the runtime packages (zlib1g, libgloo0 is not needed: headers only).
-DEPS=(libgtest-dev libcli11-dev nlohmann-json3-dev zlib1g-dev zlib1g libgloo-dev)
-LIMIT_MIB=60
-
+# ---- --prepare -----------------------------------------------------------------------------
 prepare() {
   local dir="$1"
+  local repo
+  repo="$(cd "$(dirname "$SELF")/.." && pwd)"
+  [ -f "$repo/CMakeLists.txt" ] || die "--prepare runs from the repository's scripts/ (not from a prepared DIR)"
+  cd "$repo" || exit 1
   mkdir -p "$dir" || die "cannot create $dir"
   dir="$(cd "$dir" && pwd)"
   case "$dir/" in
-    "$REPO"/*) ;;
+    "$repo"/*) ;;
     *) echo "gpu-check: note: $dir is outside the repository; only the checkout travels to the GPU machine" >&2 ;;
   esac
-  if git -C "$REPO" rev-parse --git-dir >/dev/null 2>&1 && ! git -C "$REPO" check-ignore -q "$dir"; then
-    echo "gpu-check: note: $dir is not git-ignored; it would travel (and count) with every device call, not only those that carry it" >&2
+  if git rev-parse --git-dir >/dev/null 2>&1 && ! git check-ignore -q "$dir"; then
+    die "$dir is not git-ignored; it would travel (and count) with every device call: use .gpu-deps"
   fi
-  command -v apt-get >/dev/null || die "--prepare needs apt-get (a Debian or Ubuntu machine with network)"
-  echo "+ (cd $dir && apt-get download ${DEPS[*]})"
-  (cd "$dir" && apt-get download "${DEPS[@]}") || die "apt-get download failed (run apt-get update first?)"
-  local size
-  size=$(du -sm "$dir" | cut -f1)
-  ls -l "$dir"/*.deb
-  [ "$size" -le "$LIMIT_MIB" ] || die "$dir holds $size MiB, over the $LIMIT_MIB MiB budget"
-  echo "gpu-check: $dir ready ($size MiB). On the GPU machine: scripts/gpu-check.sh --run ${1} OUTDIR (carry ${1})"
+  local cache="${FSDP_TORCH_CUDA_DIR:-/var/cache/fsdp/torch-cuda}" spec="${FSDP_TORCH_SPEC:-torch==2.11.0}"
+  local build="${FSDP_CUDA_BUILD_DIR:-build-cuda}" venv
+  venv="$cache/venv"
+  local t0=$SECONDS
+  if ! "$venv/bin/python" -c 'import torch' 2>/dev/null; then
+    echo "+ install $spec into $venv (about 2.5 GB, once)"
+    mkdir -p "$cache" || die "cannot create $cache"
+    [ -x "$venv/bin/python" ] || python3 -m venv "$venv" || die "python3 -m venv $venv failed"
+    "$venv/bin/pip" download -q -d "$cache/wheels" "$spec" || die "pip download $spec failed"
+    "$venv/bin/pip" install -q --no-index --find-links "$cache/wheels" "$spec" || die "pip install $spec failed"
+  fi
+  local torch_version torch_cuda torch_prefix site
+  read -r torch_version torch_cuda torch_prefix site < <("$venv/bin/python" -c \
+    'import torch, sysconfig; print(torch.__version__, torch.version.cuda, torch.utils.cmake_prefix_path, sysconfig.get_paths()["purelib"])' 2>/dev/null | tail -n 1)
+  [ -n "${torch_cuda:-}" ] && [ "$torch_cuda" != None ] || die "$spec in $venv is not a CUDA build of torch"
+  echo "gpu-check: torch $torch_version (CUDA $torch_cuda) from $venv"
+  local cudacxx="${CUDACXX:-$(command -v nvcc || echo /usr/local/cuda/bin/nvcc)}"
+  [ -x "$cudacxx" ] || die "no nvcc (CUDA toolkit): install CUDA $torch_cuda's toolkit or set CUDACXX"
+  local nv_prefixes
+  nv_prefixes="$(find "$site/nvidia" -mindepth 1 -maxdepth 1 -type d 2>/dev/null | paste -sd';' -)"
+  if [ ! -f "$build/build.ninja" ]; then
+    # The same configuration as scripts/cuda-build-check.sh (it shares the build folder).
+    echo "+ cmake -S . -B $build (CUDA LibTorch of torch $torch_version)"
+    CUDA_HOME="$(cd "$(dirname "$cudacxx")/.." && pwd)" nice -n 10 cmake -S . -B "$build" -G Ninja \
+      -DCMAKE_BUILD_TYPE=Release "-DCMAKE_PREFIX_PATH=$torch_prefix;$nv_prefixes" \
+      "-DCMAKE_CUDA_COMPILER=$cudacxx" "-DTORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-9.0}" \
+      "-Dc10_LIBRARY=$site/torch/lib/libc10.so" || die "configure failed"
+  fi
+  local t o objs log=/tmp/gpu-check-build.$$.log
+  for t in "${TARGETS[@]}"; do
+    # Niced, under the shared build lock (/tmp/fsdp-build.lock) taken per target, so other builds
+    # on this machine interleave between targets. FSDP_GPU_LOCK_EACH=object takes it per object
+    # file instead (politer on a busy machine, slower when others hold it long).
+    if [ "${FSDP_GPU_LOCK_EACH:-target}" = object ]; then
+      objs="$(ninja -C "$build" -t inputs "$t" 2>/dev/null | grep -E '\.(o|gch)$' | sort -u)"
+      for o in $(echo "$objs" | grep '\.gch$') $(echo "$objs" | grep '\.o$'); do
+        ninja -C "$build" -n "$o" 2>/dev/null | grep -q 'no work to do' && continue
+        flock /tmp/fsdp-build.lock nice -n 10 ninja -C "$build" -j2 "$o" >"$log" 2>&1 ||
+          { tail -40 "$log"; die "building $o (for $t) failed"; }
+      done
+    fi
+    echo "+ flock /tmp/fsdp-build.lock nice -n 10 cmake --build $build --target $t -- -j2"
+    flock /tmp/fsdp-build.lock nice -n 10 cmake --build "$build" --target "$t" -- -j2 >"$log" 2>&1 ||
+      { tail -40 "$log"; die "building $t failed"; }
+  done
+  rm -f "$log"
+  "$build/bin/fsdp_build_info" | grep -q 'cuda=yes nccl=yes' ||
+    die "$build/bin/fsdp_build_info does not say cuda=yes nccl=yes: the configure found no CUDA/NCCL"
+
+  rm -rf "$dir/bin" "$dir/lib" && mkdir -p "$dir/bin" "$dir/lib/fallback" || die "cannot write $dir"
+  for t in "${TARGETS[@]}"; do
+    strip -o "$dir/bin/$t" "$build/bin/$t" || die "strip $t failed"
+  done
+  # Libraries beyond torch's own (torch/lib, the nvidia/* packages: the GPU machine's torch package
+  # has them) and the base system's (C library, loader, the driver's libcuda).
+  local lib
+  while read -r lib; do
+    case "$lib" in
+      "$site"/*) ;;
+      */libc.so.* | */libm.so.* | */libdl.so.* | */libpthread.so.* | */librt.so.* | */ld-linux*) ;;
+      */libcuda.so.* | */libnvidia*) ;;
+      */libstdc++.so.* | */libgcc_s.so.*) cp -L "$lib" "$dir/lib/fallback/" ;;
+      *) cp -L "$lib" "$dir/lib/" ;;
+    esac
+  done < <(for t in "${TARGETS[@]}"; do ldd "$build/bin/$t"; done | awk '$2 == "=>" && $3 ~ /^\// {print $3}' | sort -u)
+  # The C++ runtime can also come in only through torch's libraries; keep the build machine's.
+  for lib in libstdc++.so.6 libgcc_s.so.1; do
+    [ -f "$dir/lib/fallback/$lib" ] || cp -L "$(g++ -print-file-name="$lib")" "$dir/lib/fallback/" 2>/dev/null || true
+  done
+  cp "$SELF" "$dir/gpu-check.sh" && chmod +x "$dir/gpu-check.sh"
+  cp benchmarks/fsdp2_gpu_bench.py "$dir/"
+  {
+    echo "torch=$torch_version"
+    echo "cuda=$torch_cuda"
+    echo "commit=$(git rev-parse --short HEAD 2>/dev/null || echo ?)$(git diff --quiet HEAD 2>/dev/null || echo +changes)"
+    echo "built=$(date -u '+%Y-%m-%d %H:%M UTC') on $(uname -n)"
+    echo "targets=${TARGETS[*]}"
+  } >"$dir/stamp.txt"
+  ( cd "$dir" && ls -l bin lib lib/fallback | grep -v '^total' )
+  local size_kib size_mib
+  size_kib=$(du -sk "$dir" | cut -f1)
+  size_mib=$(((size_kib + 1023) / 1024))
+  cat "$dir/stamp.txt"
+  [ "$size_mib" -le "$LIMIT_MIB" ] || die "$dir holds $size_mib MiB, over the $LIMIT_MIB MiB budget"
+  echo "gpu-check: $dir ready: $size_mib MiB (limit $LIMIT_MIB), prepared in $((SECONDS - t0)) s. On the GPU machine:"
+  echo "  run(command=\"${dir#"$repo"/}/gpu-check.sh --run ${dir#"$repo"/} \$OUT\", carry=[\"${dir#"$repo"/}\"])"
 }
 
 # ---- --run ---------------------------------------------------------------------------------
+OUT=""
 STEP_NO=0
 FAILED=()
 SUMMARY=()
-OUT=""
+NOTES=()
 t0=$SECONDS
-# step NAME LOG -- command...: prints the command, runs it with its output in OUT/LOG (and on
-# screen), records the outcome. Returns the command's status.
-step() {
-  local name="$1" log="$2"
-  shift 3
-  STEP_NO=$((STEP_NO + 1))
-  printf '\n== step %d: %s\n+ %s\n' "$STEP_NO" "$name" "$*"
-  local s=$SECONDS rc
-  "$@" 2>&1 | tee "$OUT/$log"
-  rc=${PIPESTATUS[0]}
-  local line
-  line=$(printf '%-2d %-34s %-4s %4ds  %s' "$STEP_NO" "$name" "$([ "$rc" -eq 0 ] && echo ok || echo FAIL)" $((SECONDS - s)) "$log")
-  SUMMARY+=("$line")
-  if [ "$rc" -ne 0 ]; then
-    FAILED+=("step $STEP_NO ($name): $*")
-    printf 'gpu-check: step %d (%s) failed with exit %d: %s\n' "$STEP_NO" "$name" "$rc" "$*" >&2
-  fi
-  return "$rc"
-}
 
 write_summary() {
   {
     echo "gpu-check summary ($(date -u '+%Y-%m-%d %H:%M UTC'), $((SECONDS - t0)) s in all)"
-    echo "machine: $(nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>/dev/null | head -1) | $(nproc) cores"
-    echo "torch: ${TORCH_VERSION:-?} (CUDA ${TORCH_CUDA:-?}) at ${TORCH_PREFIX:-?}"
+    echo "built: $(tr '\n' ' ' <"$DIR/stamp.txt" 2>/dev/null)"
+    echo "machine: ${GPU_LINE:-?} | $(nproc) cores | torch ${TORCH_VERSION:-?} (CUDA ${TORCH_CUDA:-?})"
+    ((${#NOTES[@]})) && printf 'note: %s\n' "${NOTES[@]}"
     echo
-    echo "#  step                               ok?  time  log"
-    printf '%s\n' "${SUMMARY[@]}"
-    if [ -f "$OUT/test_gpu.log" ]; then
-      echo
-      echo "GPU tests:"
-      grep -E '^\[ +(OK|FAILED|SKIPPED) +\]|^\[  PASSED  \]|^\[  FAILED  \]|tests? ran' "$OUT/test_gpu.log" | grep -v ' listed below' | head -20
+    echo "#  step                               ok?  time"
+    ((${#SUMMARY[@]})) && printf '%s\n' "${SUMMARY[@]}"
+    if [ -f "$OUT/run.log" ]; then
+      if grep -q '^\[==========\]' "$OUT/run.log"; then
+        echo
+        echo "GPU tests:"
+        grep -E '^\[ +(OK|FAILED|SKIPPED) +\]|^\[  PASSED  \]|^\[  FAILED  \]' "$OUT/run.log" | grep -v ' listed below' | head -30
+      fi
+      if grep -qE '^(row|config|target) ' "$OUT/run.log"; then
+        echo
+        echo "GPU benchmark:"
+        grep -E '^(row|config|target) ' "$OUT/run.log" | head -12
+      fi
     fi
-    if [ -f "$OUT/bench.log" ]; then
-      echo
-      echo "GPU benchmark:"
-      grep -E '^(row|config|target|compute-stream)' "$OUT/bench.log" | head -12
-    fi
-    [ -f "$OUT/fsdp2.log" ] && grep -E '^row' "$OUT/fsdp2.log" | head -3
     echo
     if ((${#FAILED[@]})); then
       echo "FAILED:"
       printf '  %s\n' "${FAILED[@]}"
     else
-      echo "all steps passed"
+      echo "all steps so far passed"
     fi
   } >"$OUT/summary.txt"
-  echo
-  cat "$OUT/summary.txt"
 }
 
-# dpkg -x every package of DIR into PREFIX; absolute symlinks (e.g. libz.so -> /lib/...) are
-# pointed into PREFIX, so nothing resolves to the machine's own files.
-unpack_debs() {
-  local dir="$1" prefix="$2" d l
-  rm -rf "$prefix" && mkdir -p "$prefix" || return 1
-  for d in "$dir"/*.deb; do
-    [ -f "$d" ] || { echo "no .deb files in $dir"; return 1; }
-    if command -v dpkg >/dev/null; then
-      echo "dpkg -x $d $prefix"
-      dpkg -x "$d" "$prefix" || return 1
-    else  # no dpkg: a .deb is an ar archive around data.tar.xz
-      echo "ar p $d data.tar.xz | tar -xJ -C $prefix"
-      ar p "$d" data.tar.xz | tar -xJ -C "$prefix" || return 1
-    fi
-  done
-  find "$prefix" -type l -lname '/*' | while read -r l; do ln -sfn "$prefix$(readlink "$l")" "$l"; done
+# step NAME LIMIT_S -- command...: runs it under `timeout`, its output appended to run.log (and on
+# screen), records the outcome, rewrites the summary. Returns the command's status.
+step() {
+  local name="$1" limit="$2"
+  shift 3
+  STEP_NO=$((STEP_NO + 1))
+  printf '\n== step %d: %s (limit %d s)\n+ %s\n' "$STEP_NO" "$name" "$limit" "$*" | tee -a "$OUT/run.log"
+  local s=$SECONDS rc
+  timeout -k 5 "$limit" "$@" 2>&1 | tee -a "$OUT/run.log"
+  rc=${PIPESTATUS[0]}
+  local verdict=ok
+  [ "$rc" -eq 0 ] || verdict=FAIL
+  [ "$rc" -eq 124 ] && verdict=TIME
+  SUMMARY+=("$(printf '%-2d %-34s %-4s %4ds' "$STEP_NO" "$name" "$verdict" $((SECONDS - s)))")
+  if [ "$rc" -ne 0 ]; then
+    FAILED+=("step $STEP_NO ($name): exit $rc$([ "$rc" -eq 124 ] && echo ", over its $limit s"): $*")
+    printf 'gpu-check: step %d (%s) failed with exit %d\n' "$STEP_NO" "$name" "$rc" >&2
+  fi
+  write_summary
+  return "$rc"
+}
+
+# A check that stops the run: one line on stderr and in the summary.
+stop() {
+  FAILED+=("$1")
+  echo "gpu-check: $1" | tee -a "$OUT/run.log" >&2
+  write_summary
+  exit "${2:-1}"
 }
 
 run_check() {
-  local dir="$1"
+  DIR="$1"
   OUT="$2"
+  local bench=1
+  [ "${3:-}" = --no-bench ] && bench=0
   mkdir -p "$OUT" || die "cannot create $OUT"
   OUT="$(cd "$OUT" && pwd)"
-  [ -d "$dir" ] || die "no dependency folder '$dir': run scripts/gpu-check.sh --prepare $dir on a CPU machine, and carry it"
-  dir="$(cd "$dir" && pwd)"
-  local py="${FSDP_PYTHON:-python3}"
-  local build="${FSDP_GPU_BUILD_DIR:-build-gpu}"
-  local prefix="${FSDP_GPU_DEPS_PREFIX:-/tmp/fsdp-gpu-deps}"
-  local jobs="${FSDP_GPU_JOBS:-$(nproc)}"
+  rm -f "$OUT/summary.txt" "$OUT/run.log" "$OUT/test_gpu.xml"
+  [ -f "$DIR/stamp.txt" ] || die "'$DIR' is not a prepared folder (no stamp.txt): run scripts/gpu-check.sh --prepare $DIR on the development machine, and carry it"
+  DIR="$(cd "$DIR" && pwd)"
+  local want_torch want_cuda
+  want_torch="$(sed -n 's/^torch=//p' "$DIR/stamp.txt")"
+  want_cuda="$(sed -n 's/^cuda=//p' "$DIR/stamp.txt")"
 
-  step "find torch" torch.log -- "$py" -c \
-    'import torch, sysconfig; print(torch.__version__, torch.version.cuda, torch.utils.cmake_prefix_path, sysconfig.get_paths()["purelib"])' ||
-    { write_summary; exit 1; }
-  # The line with the versions (warnings, e.g. about NumPy, may come before it).
-  read -r TORCH_VERSION TORCH_CUDA TORCH_PREFIX SITE < <(grep -E '^[0-9]+\.[0-9]+' "$OUT/torch.log" | tail -n 1)
-  [ "$TORCH_CUDA" != None ] || { FAILED+=("step 1 (find torch): torch $TORCH_VERSION is a CPU build"); write_summary; exit 1; }
+  # 1. A GPU: nvidia-smi sees one.
+  local smi
+  if ! smi="$(nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>&1)" || [ -z "$smi" ]; then
+    GPU_LINE="none"
+    if [ "${FSDP_GPU_CONTINUE_WITHOUT_GPU:-0}" != 1 ]; then
+      stop "no GPU: nvidia-smi $(command -v nvidia-smi >/dev/null && echo "found none ($(echo "$smi" | head -1))" || echo "is not installed")" 2
+    fi
+    NOTES+=("no GPU (nvidia-smi: $(echo "$smi" | head -1)); going on (FSDP_GPU_CONTINUE_WITHOUT_GPU=1): the GPU tests skip")
+  else
+    GPU_LINE="$(echo "$smi" | head -1)"
+  fi
+  echo "gpu-check: GPU: $GPU_LINE" | tee -a "$OUT/run.log"
 
-  step "unpack build dependencies" unpack.log -- unpack_debs "$dir" "$prefix" || { write_summary; exit 1; }
+  # 2. The machine's torch and CUDA are the binaries' (refused at once otherwise).
+  local py="${FSDP_PYTHON:-python3}" found
+  found="$("$py" -c 'import torch, os; print(torch.__version__, torch.version.cuda, os.path.dirname(torch.__file__))' 2>&1 | tail -n 1)"
+  read -r TORCH_VERSION TORCH_CUDA TORCH_DIR <<<"$found"
+  [ -n "${TORCH_DIR:-}" ] && [ -d "$TORCH_DIR/lib" ] || stop "no usable torch in $py: $found"
+  # The release and the CUDA version must match (a local tag alone, "+cu130", may differ).
+  if [ "${TORCH_VERSION%%+*}" != "${want_torch%%+*}" ] || [ "$TORCH_CUDA" != "$want_cuda" ]; then
+    stop "refused: this machine has torch $TORCH_VERSION (CUDA $TORCH_CUDA), the binaries were built for torch $want_torch (CUDA $want_cuda); prepare again against torch==${TORCH_VERSION%%+*} (FSDP_TORCH_SPEC)"
+  fi
+  echo "gpu-check: torch $TORCH_VERSION (CUDA $TORCH_CUDA) at $TORCH_DIR, as built" | tee -a "$OUT/run.log"
 
-  local cudacxx="${CUDACXX:-$(command -v nvcc || echo /usr/local/cuda/bin/nvcc)}"
-  local nv_prefixes
-  nv_prefixes="$(find "$SITE/nvidia" -mindepth 1 -maxdepth 1 -type d 2>/dev/null | paste -sd';' -)"
-  # The unpacked prefix: CMake configs (GTest, CLI11, nlohmann_json), zlib, and gloo's headers
-  # (c10d's ProcessGroupGloo.hpp includes them; the torch package does not ship them).
-  step "configure" configure.log -- cmake -S . -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=Release \
-    "-DCMAKE_PREFIX_PATH=$TORCH_PREFIX;$nv_prefixes;$prefix/usr" "-DCMAKE_CUDA_COMPILER=$cudacxx" \
-    "-DTORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-9.0}" "-DCMAKE_CXX_FLAGS=-isystem $prefix/usr/include" \
-    "-Dc10_LIBRARY=$SITE/torch/lib/libc10.so" \
-    -DFSDP_USE_CCACHE=OFF || { write_summary; exit 1; }
+  # 3. The libraries: torch's, its nvidia/* packages', the bundled ones; the bundled C++ runtime
+  # only when the machine's is too old for the binaries.
+  local site nv
+  site="$(dirname "$TORCH_DIR")"
+  nv="$(find "$site/nvidia" -mindepth 2 -maxdepth 2 -type d -name lib 2>/dev/null | paste -sd: -)"
+  export LD_LIBRARY_PATH="$TORCH_DIR/lib${nv:+:$nv}:$DIR/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+  if ldd "$DIR/bin/test_gpu" 2>&1 | grep -qE 'not found|GLIBCXX|CXXABI'; then
+    export LD_LIBRARY_PATH="$DIR/lib/fallback:$LD_LIBRARY_PATH"
+    NOTES+=("the machine's C++ runtime is older than the build's: the bundled one is used")
+  fi
+  local missing
+  missing="$(for t in "$DIR"/bin/*; do ldd "$t" 2>&1; done | grep -E 'not found|version .* not found' | sort -u)"
+  [ -z "$missing" ] || stop "the binaries miss libraries here: $(echo "$missing" | tr -s ' \t\n' ' ')"
+  # Rank workers and their outputs stay under OUTDIR's run.log; scratch under /tmp.
+  export FSDP_FLIGHT_RECORDER_DIR="${FSDP_FLIGHT_RECORDER_DIR:-/tmp/gpu-check-fr}"
 
-  if [ "${FSDP_GPU_STOP_AFTER:-}" = configure ]; then write_summary; echo "gpu-check: stopped after configure (FSDP_GPU_STOP_AFTER)"; return 0; fi
-  step "build" build.log -- cmake --build "$build" --target fsdp_build_info test_gpu train_gpt gpu_bench -- -j"$jobs" ||
-    { write_summary; exit 1; }
+  # 4. The build has CUDA and NCCL (a build without them must fail here, not skip its tests).
+  step "build info (cuda=yes nccl=yes)" 10 -- "$DIR/bin/fsdp_build_info" || stop "fsdp_build_info did not run"
+  grep -q 'cuda=yes nccl=yes' "$OUT/run.log" || stop "fsdp_build_info does not say cuda=yes nccl=yes: this build has no CUDA/NCCL path"
 
-  if [ "${FSDP_GPU_STOP_AFTER:-}" = build ]; then write_summary; echo "gpu-check: stopped after build (FSDP_GPU_STOP_AFTER)"; return 0; fi
-  step "build info" build_info.log -- "$build/bin/fsdp_build_info"
-
-  step "GPU tests" test_gpu.log -- timeout 150 "$build/bin/test_gpu" "--gtest_output=xml:$OUT/test_gpu.xml"
-
-  if [ "${FSDP_GPU_SKIP_BENCH:-0}" != 1 ]; then
-    step "GPU benchmark (LibTorch, fully_shard)" bench.log -- timeout 100 "$build/bin/gpu_bench"
-    step "GPU benchmark (PyTorch FSDP2)" fsdp2.log -- timeout 80 "$py" benchmarks/fsdp2_gpu_bench.py
+  # 5. The GPU tests, then the benchmarks.
+  step "GPU tests" 140 -- "$DIR/bin/test_gpu" "--gtest_output=xml:$OUT/test_gpu.xml"
+  if [ "$bench" = 1 ] && [ "$GPU_LINE" != none ]; then
+    step "GPU benchmark (LibTorch, fully_shard)" 40 -- "$DIR/bin/gpu_bench" --steps 10 --warmup 3 --rounds 1
+    step "GPU benchmark (PyTorch FSDP2)" 35 -- "$py" "$DIR/fsdp2_gpu_bench.py" --steps 10 --warmup 3
   fi
   write_summary
-  if ((${#FAILED[@]})); then
-    echo "gpu-check: FAILED: ${FAILED[0]}" >&2
-    exit 1
-  fi
+  echo
+  cat "$OUT/summary.txt"
+  ((${#FAILED[@]} == 0)) || exit 1
 }
 
 case "${1:-}" in
-  --prepare) [ $# -eq 2 ] || { usage; exit 2; }; prepare "$2" ;;
-  --run) [ $# -eq 3 ] || { usage; exit 2; }; run_check "$2" "$3" ;;
+  --prepare) [ $# -eq 2 ] || { usage >&2; exit 2; }; prepare "$2" ;;
+  --run)
+    { [ $# -eq 3 ] || { [ $# -eq 4 ] && [ "$4" = --no-bench ]; }; } || { usage >&2; exit 2; }
+    run_check "$2" "$3" "${4:-}" ;;
   -h|--help) usage ;;
   *) usage >&2; exit 2 ;;
 esac

@@ -390,9 +390,27 @@ LoadResult load_safetensors(torch::nn::Module& model, const std::string& path, b
     throw CheckpointError("load_safetensors: '" + path + "': " + e.what());
   }
 
+  // One read buffer for every box, sized once to the largest (the file's dtype): a buffer per
+  // tensor, freed after its copy, left glibc's heap up to a third larger than the parameters
+  // when loading a 1.1B model (the freed buffers below the mmap threshold are not returned).
+  auto items = detail::model_items(model, global_rank());
+  uint64_t buffer_bytes = 0;
+  for (const auto& item : items) {
+    auto found = weight_map.find(strip(item.key, "model."));
+    if (found == weight_map.end()) continue;
+    try {
+      const auto& entry = reader_for(found->second).entry(found->first);
+      for (const auto& piece : detail::boxes(item))
+        buffer_bytes = std::max<uint64_t>(buffer_bytes,
+                                          static_cast<uint64_t>(piece.local.numel()) * c10::elementSize(entry.dtype));
+    } catch (const std::exception&) {  // reported with the file's name by the loop below
+    }
+  }
+  at::Tensor buffer = at::empty({static_cast<int64_t>(buffer_bytes)}, at::kByte);
+
   LoadResult result;
   std::set<std::string> used;
-  for (auto& item : detail::model_items(model, global_rank())) {
+  for (auto& item : items) {
     const std::string name = strip(item.key, "model.");
     auto found = weight_map.find(name);
     if (found == weight_map.end()) {
@@ -409,7 +427,8 @@ LoadResult load_safetensors(torch::nn::Module& model, const std::string& path, b
       for (const auto& piece : detail::boxes(item)) {  // a strided TP shard: several boxes
         if (piece.local.numel() == 0) continue;
         // This rank's box of the file's tensor: its contiguous runs (one for a dim-0 shard).
-        at::Tensor staging = at::empty(piece.local.sizes(), at::TensorOptions().dtype(entry.dtype));
+        at::Tensor staging =
+            at::from_blob(buffer.data_ptr(), piece.local.sizes(), at::TensorOptions().dtype(entry.dtype));
         const detail::Runs runs(item.global_shape, piece.offsets, piece.local.sizes().vec(),
                                 static_cast<int64_t>(c10::elementSize(entry.dtype)));
         auto* out = static_cast<uint8_t*>(staging.data_ptr());

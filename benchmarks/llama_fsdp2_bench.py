@@ -1,0 +1,113 @@
+#!/usr/bin/env python3
+"""PyTorch's own FSDP2 on transformers' LlamaForCausalLM (CPU, Gloo): the other side of
+benchmarks/llama_scale_bench.cpp --role train, for benchmarks/llama-fsdp2-compare.sh.
+
+    python3 benchmarks/llama_fsdp2_bench.py --role single|fsdp2 [--nproc 2] [--layers 12] [--hidden 768]
+        [--heads 12] [--kv-heads 4] [--ffn 2048] [--vocab 32000] [--seq 256] [--batch 2 (per rank)]
+        [--steps 4] [--warmup 1] [--threads T] --result FILE
+
+--role single: one process, one rank's batch, no process group (the limit). --role fsdp2: nproc
+processes started by this script (FileStore rendezvous in a temporary folder), fully_shard on every
+decoder layer then the root, as torchtitan does. The model: LlamaConfig of the given shape
+(rms_norm_eps 1e-5, rope_theta 10000, untied embeddings, no biases), attn_implementation "sdpa"
+(LibTorch's fused attention, as ours), float32. The loop is llama_scale_bench's: --batch sequences
+of --seq + 1 random tokens per rank and step (generator 1234 + rank), then (timed) zero_grad,
+forward (logits), cross-entropy, backward, AdamW(lr 1e-3) step, loss.item(). Appends one line to
+--result: "median_step_s S first_loss L params P world N".
+"""
+import argparse
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+import torch
+import torch.nn.functional as F
+
+
+def train(a, rank, world, sharded):
+    from transformers import LlamaConfig, LlamaForCausalLM
+    torch.set_num_threads(a.threads)
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=a.vocab, hidden_size=a.hidden, intermediate_size=a.ffn,
+                         num_hidden_layers=a.layers, num_attention_heads=a.heads, num_key_value_heads=a.kv_heads,
+                         max_position_embeddings=max(a.seq, 2048), rms_norm_eps=1e-5, tie_word_embeddings=False,
+                         use_cache=False)
+    config._attn_implementation = "sdpa"
+    model = LlamaForCausalLM(config).float()
+    params = sum(p.numel() for p in model.parameters())
+    if sharded:
+        from torch.distributed.fsdp import fully_shard
+        for layer in model.model.layers:
+            fully_shard(layer)
+        fully_shard(model)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    gen = torch.Generator().manual_seed(1234 + rank)
+    times, first_loss = [], None
+    for s in range(a.warmup + a.steps):
+        data = torch.randint(a.vocab, (a.batch, a.seq + 1), generator=gen)
+        t0 = time.perf_counter()
+        opt.zero_grad()
+        logits = model(input_ids=data[:, :-1], use_cache=False).logits
+        loss = F.cross_entropy(logits.reshape(-1, a.vocab), data[:, 1:].reshape(-1))
+        loss.backward()
+        opt.step()
+        value = loss.item()
+        if first_loss is None:
+            first_loss = value
+        if s >= a.warmup:
+            times.append(time.perf_counter() - t0)
+    if rank == 0:
+        with open(a.result, "a") as out:
+            out.write(f"median_step_s {statistics.median(times)} first_loss {first_loss} params {params} world {world}\n")
+
+
+NAMES = [("nproc", 2), ("layers", 12), ("hidden", 768), ("heads", 12), ("kv_heads", 4), ("ffn", 2048),
+         ("vocab", 32000), ("seq", 256), ("batch", 2), ("steps", 4), ("warmup", 1), ("threads", 0)]
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    for name, default in NAMES:
+        ap.add_argument("--" + name.replace("_", "-"), dest=name, type=int, default=default)
+    ap.add_argument("--role", choices=["single", "fsdp2", "rank"], required=True)
+    ap.add_argument("--result", required=True)
+    ap.add_argument("--store", default="")
+    a = ap.parse_args()
+    if a.threads <= 0:
+        a.threads = max(1, (os.cpu_count() or 1) // a.nproc)
+    if a.role == "single":
+        train(a, 0, 1, sharded=False)
+        return 0
+    if a.role == "rank":
+        import torch.distributed as dist
+        rank = int(os.environ["RANK"])
+        dist.init_process_group("gloo", store=dist.FileStore(a.store, a.nproc), rank=rank, world_size=a.nproc)
+        train(a, rank, a.nproc, sharded=True)
+        dist.destroy_process_group()
+        return 0
+    with tempfile.TemporaryDirectory(prefix="llama-fsdp2-bench-") as tmp:
+        args = [sys.executable, os.path.abspath(__file__), "--role", "rank", "--store", os.path.join(tmp, "store"),
+                "--result", a.result]
+        for name, _ in NAMES:
+            args += ["--" + name.replace("_", "-"), str(getattr(a, name))]
+        env = dict(os.environ, OMP_NUM_THREADS=str(a.threads), USE_LIBUV="0")
+        procs = [subprocess.Popen(args, env=dict(env, RANK=str(r))) for r in range(a.nproc)]
+        deadline = time.monotonic() + 3600
+        rcs = []
+        for p in procs:
+            try:
+                rcs.append(p.wait(timeout=max(1, deadline - time.monotonic())))
+            except subprocess.TimeoutExpired:
+                for q in procs:
+                    q.kill()
+                sys.exit("llama_fsdp2_bench: a rank did not finish within an hour; all killed")
+        if any(rcs):
+            sys.exit(f"llama_fsdp2_bench: ranks exited with {rcs}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -28,12 +28,16 @@ bool tuning_allowed() {
 
 }  // namespace
 
-bool tune_malloc(size_t mmap_threshold) {
+bool tune_malloc(size_t mmap_threshold, size_t trim_threshold) {
   if (!tuning_allowed()) return false;
 #ifdef __GLIBC__
-  return mallopt(M_MMAP_THRESHOLD, static_cast<int>(mmap_threshold)) == 1;
+  // Fixing the mmap threshold also fixes the trim threshold (glibc's dynamic adjustment stops):
+  // set it too, or it stays at 128 KiB and the heap is trimmed and faulted in again every step.
+  return mallopt(M_MMAP_THRESHOLD, static_cast<int>(mmap_threshold)) == 1 &&
+         mallopt(M_TRIM_THRESHOLD, static_cast<int>(trim_threshold)) == 1;
 #else
   (void)mmap_threshold;
+  (void)trim_threshold;
   return false;
 #endif
 }

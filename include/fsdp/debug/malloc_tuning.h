@@ -1,6 +1,7 @@
 #pragma once
 // glibc's malloc, set for training: a fixed mmap threshold, so that every freed block of at least
-// that size goes back to the kernel at once.
+// that size goes back to the kernel at once, and a fixed trim threshold, so that the heap of
+// smaller blocks is not given back and faulted in again every step.
 //
 // glibc starts with a 128 KiB threshold and raises it (up to 32 MiB) to the size of each large block
 // that is freed; after a few steps activations and autograd's gradients of up to 32 MiB come from
@@ -8,7 +9,13 @@
 // rather than what was alive at once (then, at 2 ranks, the sharding saving hardly reached the
 // process). A fixed threshold of 1 MiB keeps the heap to small blocks; large tensors are mapped
 // and unmapped (FSDP's own large buffers come from its pool, fsdp/debug/buffer_pool.h, and are
-// not affected). Measured in docs/benchmarks.md ("Memory").
+// not affected). Memory and time measured in docs/benchmarks.md ("Memory", "The malloc policy").
+//
+// Fixing the mmap threshold also stops glibc from moving its trim threshold, which then stays at
+// 128 KiB: the heap's top is returned to the kernel whenever that much is free there, which on a
+// model whose activations are below 1 MiB (bench's GPT: 512 KiB each) happens every step after
+// backward, and the next forward faults the same pages in again (~30,000 faults per step, measured
+// with FSDP in a world of one). `trim_threshold` (default 256 MiB) keeps that much free heap.
 //
 // Example:
 //   fsdp::tune_malloc();  // first thing in main(), before tensors are allocated
@@ -16,11 +23,12 @@
 
 namespace fsdp {
 
-// Sets glibc's mmap threshold to `mmap_threshold` bytes (mallopt M_MMAP_THRESHOLD). Returns true
-// when it was set; false where the C library is not glibc, or when the environment variable
+// Sets glibc's mmap threshold to `mmap_threshold` bytes and its trim threshold to
+// `trim_threshold` bytes (mallopt M_MMAP_THRESHOLD and M_TRIM_THRESHOLD). Returns true when both
+// were set; false where the C library is not glibc, or when the environment variable
 // FSDP_MALLOC_TUNING=0 says to leave malloc as it is (another value than 0 or 1 is reported in
 // one line on stderr and tunes). Call it before threads start allocating.
-bool tune_malloc(size_t mmap_threshold = size_t{1} << 20);
+bool tune_malloc(size_t mmap_threshold = size_t{1} << 20, size_t trim_threshold = size_t{256} << 20);
 
 // The other trade, for step time: glibc keeps freed blocks below `mmap_threshold` in its heap and
 // trims the heap only when `trim_threshold` bytes are free at its top (mallopt M_MMAP_THRESHOLD and

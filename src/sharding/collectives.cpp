@@ -14,28 +14,47 @@
 namespace fsdp::detail {
 
 namespace {
-// out[i] at column `offset` gets shard rank (first_rank + i)'s padded rows of `full` (flat).
+// out[i] at column `offset` gets shard rank (first_rank + i)'s padded rows of `full` (flat). The
+// ranks whose rows all exist are one copy (a strided [k, padded_rows * row_numel] view of `out`
+// from the contiguous rows of `full`), not one per rank; only a rank at the end with fewer rows
+// (or none) than padded_rows takes a copy and a zero fill of its own.
 void split_rows(const at::Tensor& full, const at::Tensor& out, int64_t offset, int first_rank, int64_t rows,
                 int64_t row_numel, int64_t padded_rows) {
-  for (int64_t i = 0; i < out.size(0); ++i) {
-    const int64_t first = (first_rank + i) * padded_rows;
+  const int64_t count = out.size(0), chunk = padded_rows * row_numel;
+  const int64_t start = static_cast<int64_t>(first_rank) * padded_rows;
+  const int64_t whole = std::clamp<int64_t>(padded_rows > 0 ? (rows - start) / padded_rows : 0, 0, count);
+  if (whole > 0) {
+    out.narrow(0, 0, whole)
+        .narrow(1, offset, chunk)
+        .copy_(full.narrow(0, start * row_numel, whole * chunk).view({whole, chunk}));
+  }
+  for (int64_t i = whole; i < count; ++i) {
+    const int64_t first = start + i * padded_rows;
     const int64_t n = std::max<int64_t>(0, std::min<int64_t>(padded_rows, rows - first));
     if (n > 0) out[i].narrow(0, offset, n * row_numel).copy_(full.narrow(0, first * row_numel, n * row_numel));
     if (n < padded_rows) out[i].narrow(0, offset + n * row_numel, (padded_rows - n) * row_numel).zero_();
   }
 }
 
-// gathered: [N, total]; parameter p's chunk of every rank starts at column `offset`.
+// gathered: [N, total]; parameter p's chunk of every rank starts at column `offset`. The inverse of
+// split_rows: the ranks with all their rows are one copy into the unsharded parameter, a last
+// rank with fewer rows one more.
 void copy_out_param(FSDPParam& p, const at::Tensor& gathered, int64_t offset) {
   const int64_t rows = p.rows(), row_numel = p.row_numel(), padded_rows = p.padded_rows();
-  at::Tensor dst = p.unsharded_alias().view({rows, row_numel});
-  for (int64_t r = 0; r < gathered.size(0); ++r) {
+  const int64_t count = gathered.size(0), chunk = padded_rows * row_numel;
+  at::Tensor dst = p.unsharded_alias().view(-1);
+  const int64_t whole = std::clamp<int64_t>(padded_rows > 0 ? rows / padded_rows : 0, 0, count);
+  if (whole > 0) {
+    dst.narrow(0, 0, whole * chunk).view({whole, chunk}).copy_(gathered.narrow(0, 0, whole).narrow(1, offset, chunk));
+  }
+  for (int64_t r = whole; r < count; ++r) {
     const int64_t first = r * padded_rows;
     const int64_t n = std::max<int64_t>(0, std::min<int64_t>(padded_rows, rows - first));
     if (n == 0) continue;
-    dst.narrow(0, first, n).copy_(gathered[r].narrow(0, offset, n * row_numel).view({n, row_numel}));
+    dst.narrow(0, first * row_numel, n * row_numel).copy_(gathered[r].narrow(0, offset, n * row_numel));
   }
 }
+
 // Rank r's rows of `p`, as [first row, count): only the rows that exist (none for a rank past
 // the end).
 std::pair<int64_t, int64_t> rows_of(const FSDPParam& p, int r) {
@@ -215,6 +234,23 @@ void release_reduce_pieces(ReducePieces& pieces) {
 
 void copy_in_all_gather_input(const FSDPParams& params, const std::vector<int64_t>& offsets, const at::Tensor& input) {
   torch::NoGradGuard no_grad;
+  // One op for the whole unit where every shard already has the input's dtype and device (the
+  // offsets are the shards side by side, so the input is their concatenation); else a copy (a cast,
+  // or a host-to-device transfer) per parameter.
+  bool one_op = !params.empty() && offsets.size() == params.size();
+  std::vector<at::Tensor> shards;
+  shards.reserve(params.size());
+  for (size_t i = 0; i < params.size() && one_op; ++i) {
+    const at::Tensor& shard = params[i]->padded_shard();
+    one_op = shard.scalar_type() == input.scalar_type() && shard.device() == input.device() &&
+             offsets[i] == (i == 0 ? 0 : offsets[i - 1] + params[i - 1]->shard_numel());
+    shards.push_back(shard);
+  }
+  if (one_op && offsets.back() + params.back()->shard_numel() == input.numel()) {
+    at::Tensor out = input;  // a handle: cat_out writes into the same memory
+    at::cat_out(out, at::TensorList(shards), 0);
+    return;
+  }
   for (size_t i = 0; i < params.size(); ++i) {
     input.narrow(0, offsets[i], params[i]->shard_numel()).copy_(params[i]->padded_shard(), /*non_blocking=*/true);
   }

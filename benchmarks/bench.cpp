@@ -183,12 +183,14 @@ int run_worker(const Options& o, bool sharded) {
   double first_loss = 0;
   auto stats0 = fsdp::comm::process_comm_stats().snapshot();
   double cpu0 = 0;
+  uint64_t faults0 = 0;
   uint64_t last_step_first_record = 0;
   for (int s = 0; s < o.warmup + o.steps; ++s) {
     if (s == o.warmup) {
       stats0 = fsdp::comm::process_comm_stats().snapshot();
       fsdp::reset_phase_timers();
       cpu0 = fsdp_bench::cpu_seconds();
+      faults0 = fsdp_bench::minor_faults();
     }
     if (s == o.warmup + o.steps - 1) last_step_first_record = fsdp::comm::FlightRecorder::process().recorded();
     auto data = fsdp_bench::random_tokens(gen, local_batch, o.shape.seq);
@@ -198,6 +200,7 @@ int run_worker(const Options& o, bool sharded) {
     if (s >= o.warmup) times.push_back(fsdp_bench::seconds_since(t0));
   }
   const double cpu_per_step = (fsdp_bench::cpu_seconds() - cpu0) / o.steps;
+  const double faults_per_step = static_cast<double>(fsdp_bench::minor_faults() - faults0) / o.steps;
   auto comm = fsdp::comm::process_comm_stats().snapshot() - stats0;
   Floor floor;
   if (sharded && o.floor_steps > 0 && world > 1) floor = transport_floor(last_step_first_record, o.floor_steps);
@@ -208,8 +211,8 @@ int run_worker(const Options& o, bool sharded) {
         << comm.total_bytes() / static_cast<double>(o.steps) << " param_bytes " << param_bytes << " world " << world
         << " all_reduce_bytes_per_step "
         << comm[fsdp::comm::OpKind::AllReduce].bytes_sent / static_cast<double>(o.steps) << " first_loss " << first_loss
-        << " cpu_per_step_s " << cpu_per_step << " floor_cpu_s " << floor.cpu_s << " floor_wall_s " << floor.wall_s
-        << " floor_collectives " << floor.collectives << "\n";
+        << " cpu_per_step_s " << cpu_per_step << " faults_per_step " << faults_per_step << " floor_cpu_s "
+        << floor.cpu_s << " floor_wall_s " << floor.wall_s << " floor_collectives " << floor.collectives << "\n";
   }
   if (sharded && fsdp::phase_timers_enabled()) {
     // FSDP_PHASE_TIMERS=1: where FSDP's own time went on this rank (fsdp/debug/phase_timers.h).
@@ -231,6 +234,7 @@ struct Row {
   bool distributed = true;             // under fsdprun (else one process with the rank's threads)
   std::string result;                  // the result file its workers append a line to, each round
   std::vector<double> medians;         // per round
+  std::vector<double> cpus, faults;    // per round: rank 0's CPU seconds and minor page faults per step
   std::map<std::string, double> last;  // the last round's result line
   double step() const { return median(medians); }
 };
@@ -296,6 +300,8 @@ int run_driver(const Options& o) {
   for (auto& r : rows) {  // one line per round
     for (const auto& line : fsdp_bench::read_result_lines(r.result)) {
       r.medians.push_back(line.at("median_step_s"));
+      r.cpus.push_back(line.at("cpu_per_step_s"));
+      r.faults.push_back(line.at("faults_per_step"));
       r.last = line;
     }
   }
@@ -303,8 +309,10 @@ int run_driver(const Options& o) {
   const double params = rows.front().last["param_bytes"], frac = static_cast<double>(o.nproc - 1) / o.nproc;
   const double hr = std::stod(o.hsdp.substr(0, o.hsdp.find('x'))), hs = o.nproc / hr;
   std::printf(
-      "\n| run | ranks | step time (median) | vs limit | train state / rank | max RSS / rank | sent / rank / step |\n");
-  std::printf("|---|---|---|---|---|---|---|\n");
+      "\n| run | ranks | step time (median) | vs limit | CPU / step, rank 0 (median) | vs limit | page faults / step | "
+      "train state / rank | max RSS / rank | sent / rank / step |\n");
+  std::printf("|---|---|---|---|---|---|---|---|---|---|\n");
+  const double limit_cpu = median(rows.front().cpus);
   for (auto& r : rows) {
     const int ranks = r.distributed ? o.nproc : 1;
     std::string ratio = r.key == "single" ? "1.00x (the limit)" : "";
@@ -329,8 +337,10 @@ int run_driver(const Options& o) {
       else
         std::snprintf(sent, sizeof sent, "%.2f MB", mb);
     }
-    std::printf("| %s | %d | %.1f ms | %s | %.2f MB | %.0f MB | %s |\n", r.label.c_str(), ranks, 1e3 * r.step(),
-                ratio.c_str(), r.last["state_bytes"] / 1e6, r.last["max_rss"] / 1e6, sent);
+    // CPU time and page faults do not move with other processes' load as wall time does.
+    std::printf("| %s | %d | %.1f ms | %s | %.1f ms | %.3fx | %.0f | %.2f MB | %.0f MB | %s |\n", r.label.c_str(),
+                ranks, 1e3 * r.step(), ratio.c_str(), 1e3 * median(r.cpus), median(r.cpus) / limit_cpu,
+                median(r.faults), r.last["state_bytes"] / 1e6, r.last["max_rss"] / 1e6, sent);
   }
   auto fsdp_row = std::find_if(rows.begin(), rows.end(), [](const Row& r) { return r.key == "fsdp"; });
   if (fsdp_row == rows.end()) return 0;

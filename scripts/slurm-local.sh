@@ -7,6 +7,14 @@
 #   scripts/slurm-local.sh down    # stop it and remove the folder
 #   scripts/slurm-local.sh env     # print the export line of a running one
 #
+# Several nodes on this machine: with SLURM_LOCAL_HOSTS=N and FSDP_NETNS_PREFIX=P naming hosts
+# that `scripts/netns-hosts.sh up N` made (network namespaces), each host runs a slurmd whose node
+# name is its address (10.77.0.1, 10.77.0.2, ...: it resolves without DNS) and host 0 also runs
+# slurmctld; srun and sbatch then run inside host 0, like on a login node:
+#   FSDP_NETNS_PREFIX=P SLURM_LOCAL_HOSTS=2 scripts/slurm-local.sh up
+#   FSDP_NETNS_PREFIX=P scripts/netns-hosts.sh exec 0 srun -N 2 -n 2 build/bin/train_gpt ...
+# munge's socket is a file, which every host reaches (the hosts share the file system).
+#
 # SLURM_LOCAL_DIR (default /tmp/slurm-local) holds the configuration, keys, state and logs.
 # Needs root (slurmd starts the tasks as their user) and Debian's slurmd, slurmctld,
 # slurm-client and munge (apt-get install slurmd slurmctld slurm-client munge). Ports: 6917/6918
@@ -16,6 +24,8 @@ set -euo pipefail
 DIR="${SLURM_LOCAL_DIR:-/tmp/slurm-local}"
 PORT="${SLURM_LOCAL_PORT:-6917}"
 CONF="$DIR/slurm.conf"
+HOSTS="${SLURM_LOCAL_HOSTS:-0}"
+NETNS="$(cd "$(dirname "$0")" && pwd)/netns-hosts.sh"
 
 die() { echo "slurm-local: $*" >&2; exit 1; }
 
@@ -41,7 +51,8 @@ stop_pidfile() {
 }
 
 down() {
-  stop_pidfile "$DIR/run/slurmd.pid"
+  local f
+  for f in "$DIR"/run/slurmd*.pid; do stop_pidfile "$f"; done
   stop_pidfile "$DIR/run/slurmctld.pid"
   stop_pidfile "$DIR/run/munged.pid"
   rm -rf "$DIR"
@@ -61,9 +72,19 @@ up() {
   munged --force --key-file="$DIR/munge/munge.key" --socket="$DIR/munge/munge.socket" \
     --pid-file="$DIR/run/munged.pid" --log-file="$DIR/log/munged.log" --seed-file="$DIR/munge/seed" ||
     die "munged did not start; see $DIR/log/munged.log"
-  local host cpus
+  local host cpus nodes k
   host="$(hostname -s)"
   cpus="$(nproc)"
+  nodes="NodeName=$host CPUs=$cpus State=UNKNOWN"
+  if [ "$HOSTS" != 0 ]; then
+    [[ "$HOSTS" =~ ^[0-9]+$ ]] || die "SLURM_LOCAL_HOSTS='$HOSTS' is not a number of hosts; give e.g. 2"
+    [ -n "${FSDP_NETNS_PREFIX:-}" ] || die "SLURM_LOCAL_HOSTS needs FSDP_NETNS_PREFIX naming hosts of netns-hosts.sh up"
+    host="$("$NETNS" addr 0)"
+    nodes=""
+    for ((k = 0; k < HOSTS; k++)); do
+      nodes+="NodeName=$("$NETNS" addr "$k") NodeAddr=$("$NETNS" addr "$k") CPUs=$cpus State=UNKNOWN"$'\n'
+    done
+  fi
   cat >"$CONF" <<EOF
 ClusterName=local
 SlurmctldHost=$host
@@ -74,11 +95,11 @@ AuthType=auth/munge
 AuthInfo=socket=$DIR/munge/munge.socket
 CredType=cred/munge
 StateSaveLocation=$DIR/state
-SlurmdSpoolDir=$DIR/spool
+SlurmdSpoolDir=$DIR/spool/%n
 SlurmctldPidFile=$DIR/run/slurmctld.pid
-SlurmdPidFile=$DIR/run/slurmd.pid
+SlurmdPidFile=$DIR/run/slurmd-%n.pid
 SlurmctldLogFile=$DIR/log/slurmctld.log
-SlurmdLogFile=$DIR/log/slurmd.log
+SlurmdLogFile=$DIR/log/slurmd-%n.log
 ProctrackType=proctrack/linuxproc
 TaskPlugin=task/none
 MpiDefault=none
@@ -90,21 +111,36 @@ JobAcctGatherType=jobacct_gather/none
 AccountingStorageType=accounting_storage/none
 ReturnToService=2
 KillWait=30
-NodeName=$host CPUs=$cpus State=UNKNOWN
-PartitionName=local Nodes=$host Default=YES MaxTime=INFINITE State=UP OverSubscribe=FORCE:4
+$nodes
+PartitionName=local Nodes=ALL Default=YES MaxTime=INFINITE State=UP OverSubscribe=FORCE:4
 EOF
   export SLURM_CONF="$CONF"
-  slurmctld -f "$CONF" || die "slurmctld did not start; see $DIR/log/slurmctld.log"
-  slurmd -f "$CONF" || die "slurmd did not start; see $DIR/log/slurmd.log"
+  local want=1
+  if [ "$HOSTS" = 0 ]; then
+    slurmctld -f "$CONF" || die "slurmctld did not start; see $DIR/log/slurmctld.log"
+    slurmd -f "$CONF" || die "slurmd did not start; see $DIR/log/slurmd-$host.log"
+  else
+    want="$HOSTS"
+    on_host 0 slurmctld -f "$CONF" || die "slurmctld did not start in host 0; see $DIR/log/slurmctld.log"
+    for ((k = 0; k < HOSTS; k++)); do
+      on_host "$k" slurmd -f "$CONF" -N "$("$NETNS" addr "$k")" ||
+        die "slurmd did not start in host $k; see $DIR/log/slurmd-$("$NETNS" addr "$k").log"
+    done
+  fi
   for _ in $(seq 100); do
-    if sinfo -h -o '%T' 2>/dev/null | grep -qE '^(idle|mixed|allocated)'; then
+    if [ "$(in_cluster sinfo -N -h -o '%T' 2>/dev/null | grep -cE '^(idle|mixed|allocated)')" -ge "$want" ]; then
       echo "export SLURM_CONF=$CONF"
       return 0
     fi
     sleep 0.2
   done
-  die "the node did not come up within 20 s: $(sinfo -h -o '%T %E' 2>&1 | head -1); logs in $DIR/log"
+  die "$want node(s) did not come up within 20 s: $(in_cluster sinfo -N -h -o '%N %T %E' 2>&1 | tr '\n' ' '); logs in $DIR/log"
 }
+
+# A command inside netns host $1, with the host's address as its host name.
+on_host() { local k="$1"; shift; FSDP_NETNS_HOSTNAME=1 "$NETNS" exec "$k" "$@"; }
+# A client command where slurmctld is reachable: here, or in host 0.
+in_cluster() { if [ "$HOSTS" = 0 ]; then "$@"; else on_host 0 "$@"; fi; }
 
 case "${1:-}" in
   up) up ;;

@@ -1,10 +1,14 @@
 // fsdp::tune_malloc_for_speed: after it, a large tensor freed and allocated again comes back from
 // glibc's heap (no page faulted in again), where glibc's default maps and faults it every time;
-// FSDP_MALLOC_TUNING=0 leaves malloc alone.
+// FSDP_MALLOC_TUNING=0 leaves malloc alone. fsdp::tune_malloc: blocks below its mmap threshold
+// (activations of 512 KiB) freed and allocated again stay resident: the heap is not trimmed.
 #include <gtest/gtest.h>
 #include <sys/resource.h>
 
+#include <malloc.h>
+
 #include <cstdlib>
+#include <vector>
 
 #include "fsdp/debug/malloc_tuning.h"
 
@@ -27,6 +31,22 @@ long faults_per_cycle(size_t bytes, int cycles) {
   return (minor_faults() - before) / cycles;
 }
 
+// Faults per cycle of allocating `count` blocks of `bytes`, touching them, and freeing them
+// newest first (the heap's top is freed last, as when backward releases the activations).
+long faults_per_heap_cycle(size_t bytes, int count, int cycles) {
+  const long before = minor_faults();
+  for (int c = 0; c < cycles; ++c) {
+    std::vector<volatile char*> blocks;
+    for (int i = 0; i < count; ++i) {
+      auto* p = static_cast<volatile char*>(std::malloc(bytes));
+      for (size_t off = 0; off < bytes; off += 4096) p[off] = 1;
+      blocks.push_back(p);
+    }
+    for (auto it = blocks.rbegin(); it != blocks.rend(); ++it) std::free(const_cast<char*>(*it));
+  }
+  return (minor_faults() - before) / cycles;
+}
+
 }  // namespace
 
 TEST(MallocTuning, SpeedKeepsLargeBlocksResident) {
@@ -44,5 +64,23 @@ TEST(MallocTuning, SpeedKeepsLargeBlocksResident) {
   faults_per_cycle(bytes, 1);  // the heap grows once
   const long tuned = faults_per_cycle(bytes, 5);
   EXPECT_LT(tuned, 100) << "after tune_malloc_for_speed the block should stay in the heap (untuned: " << untuned
+                        << " faults per cycle)";
+}
+
+// Runs after the test above (gtest keeps declaration order): glibc's trim threshold is set back to
+// its 128 KiB start first, so only tune_malloc() itself can keep the heap from being trimmed.
+TEST(MallocTuning, TuneMallocKeepsTheHeapResident) {
+#ifndef __GLIBC__
+  GTEST_SKIP() << "not glibc";
+#endif
+  ASSERT_EQ(mallopt(M_TRIM_THRESHOLD, 128 * 1024), 1);
+  // 64 blocks of 512 KiB (32 MiB, below 1 MiB each: from the heap, not mapped).
+  faults_per_heap_cycle(512 * 1024, 64, 1);
+  const long trimmed = faults_per_heap_cycle(512 * 1024, 64, 3);
+  EXPECT_GT(trimmed, 5000) << "with a 128 KiB trim threshold the heap's top should be faulted in every cycle";
+  ASSERT_TRUE(fsdp::tune_malloc());
+  faults_per_heap_cycle(512 * 1024, 64, 1);
+  const long tuned = faults_per_heap_cycle(512 * 1024, 64, 3);
+  EXPECT_LT(tuned, 500) << "after tune_malloc the freed heap should stay resident (trimmed: " << trimmed
                         << " faults per cycle)";
 }

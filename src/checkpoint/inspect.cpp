@@ -86,7 +86,11 @@ std::string tiling_problem(const TensorInfo& t) {
   return "";
 }
 
-// Opens data files once each, refusing names that leave the directory.
+}  // namespace
+
+// Opens data files once each, refusing names that leave the directory. Outside the anonymous
+// namespace: CheckpointReader::Impl holds one (a unity build would warn, -Wsubobject-linkage).
+namespace detail {
 class Files {
  public:
   explicit Files(std::string dir) : dir_(std::move(dir)) {}
@@ -113,6 +117,10 @@ class Files {
   std::string dir_;
   std::map<std::string, std::unique_ptr<safetensors::Reader>> readers_;
 };
+}  // namespace detail
+using detail::Files;
+
+namespace {
 
 // Reads chunk `box` of `key` into `dst` (the chunk's bytes, row-major in its box), checking
 // every block's CRC-32 against `crcs`.

@@ -14,7 +14,7 @@ namespace fsdp::tp {
 namespace detail {
 
 namespace {
-std::mutex g_mu;
+std::mutex g_handles_mu;
 std::unordered_map<int64_t, std::weak_ptr<comm::Comm>>& handles() {
   static std::unordered_map<int64_t, std::weak_ptr<comm::Comm>> map;
   return map;
@@ -24,13 +24,13 @@ std::unordered_map<int64_t, std::weak_ptr<comm::Comm>>& handles() {
 int64_t comm_handle(const std::shared_ptr<comm::Comm>& comm) {
   if (!comm) throw std::invalid_argument("fsdp::tp: no process group given (null Comm)");
   const int64_t key = reinterpret_cast<int64_t>(comm.get());
-  std::lock_guard<std::mutex> lock(g_mu);
+  std::lock_guard<std::mutex> lock(g_handles_mu);
   handles()[key] = comm;
   return key;
 }
 
 std::shared_ptr<comm::Comm> comm_from_handle(int64_t handle) {
-  std::lock_guard<std::mutex> lock(g_mu);
+  std::lock_guard<std::mutex> lock(g_handles_mu);
   auto it = handles().find(handle);
   auto comm = it == handles().end() ? nullptr : it->second.lock();
   if (!comm) {

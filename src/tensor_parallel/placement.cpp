@@ -19,7 +19,7 @@ struct Entry {
   c10::weak_intrusive_ptr<c10::TensorImpl> tensor;  // a dead tensor's address may be reused: check it
   TPPlacement placement;
 };
-std::mutex g_mu;
+std::mutex g_placements_mu;
 std::unordered_map<const c10::TensorImpl*, Entry>& placements() {
   static std::unordered_map<const c10::TensorImpl*, Entry> map;
   return map;
@@ -28,7 +28,7 @@ std::unordered_map<const c10::TensorImpl*, Entry>& placements() {
 
 namespace detail {
 void set_tp_placement(const at::Tensor& param, TPPlacement placement) {
-  std::lock_guard<std::mutex> lock(g_mu);
+  std::lock_guard<std::mutex> lock(g_placements_mu);
   auto& map = placements();
   for (auto it = map.begin(); it != map.end();) it = it->second.tensor.expired() ? map.erase(it) : std::next(it);
   map.insert_or_assign(param.unsafeGetTensorImpl(),
@@ -38,7 +38,7 @@ void set_tp_placement(const at::Tensor& param, TPPlacement placement) {
 
 std::optional<TPPlacement> tp_placement(const at::Tensor& param) {
   if (!param.defined()) return std::nullopt;
-  std::lock_guard<std::mutex> lock(g_mu);
+  std::lock_guard<std::mutex> lock(g_placements_mu);
   auto& map = placements();
   if (map.empty()) return std::nullopt;
   auto it = map.find(param.unsafeGetTensorImpl());

@@ -6,13 +6,16 @@
 // scripts/libtorch2-check.sh).
 #include <unistd.h>
 
+#include <csignal>
 #include <cstdlib>
 #include <fstream>
+#include <functional>
 #include <memory>
 #include <sstream>
 #include <thread>
 
 #include "../trainer/train_gpt_harness.h"
+#include "netns_hosts.h"
 
 using namespace train_gpt_test;
 
@@ -91,6 +94,61 @@ TEST(Mpirun, TrainsWithFsdprunsLosses) {
   const auto got = losses(dir / "mpirun.jsonl");
   EXPECT_EQ(got.size(), 6u);
   expect_close(got, losses(dir / "fsdprun.jsonl"), 1e-5);
+}
+
+// SIGTERM to mpirun alone (not its process group): Open MPI 4.1's mpirun sends SIGCONT and SIGTERM
+// to every rank, waits odls_base_sigkill_timeout seconds (default 1), then SIGKILLs what is left.
+// With the wait raised the ranks agree to stop, save a checkpoint of the last finished step holding
+// both ranks' shards and exit 0; mpirun itself exits 1 (it reports the job as aborted), after
+// about twice the wait.
+TEST(Mpirun, SigtermToMpirunSavesACheckpointOnEveryRank) {
+  std::string why;
+  const std::string mpirun = find_open_mpi(why);
+  if (mpirun.empty()) GTEST_SKIP() << why;
+  TempDir dir;
+  std::vector<std::string> argv = {mpirun,
+                                   "--allow-run-as-root",
+                                   "--oversubscribe",
+                                   "--mca",
+                                   "odls_base_sigkill_timeout",
+                                   "3",
+                                   "-np",
+                                   "2",
+                                   "-x",
+                                   "OMP_NUM_THREADS",
+                                   "-x",
+                                   "CUDA_VISIBLE_DEVICES",
+                                   kTrainGpt};
+  const auto args =
+      tiny(dir / "m.jsonl", {"--steps", "1000000", "--checkpoint-dir", dir / "ck", "--checkpoint-every", "1000000"});
+  argv.insert(argv.end(), args.begin(), args.end());
+  Child job(scrubbed(argv, 120s));
+  const auto steps_written = [&] {
+    std::ifstream in(dir / "m.jsonl");
+    const std::string text((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+    return count(text, "\n");
+  };
+  const auto deadline = std::chrono::steady_clock::now() + 90s;
+  while (steps_written() < 3 && std::chrono::steady_clock::now() < deadline && !job.try_wait())
+    std::this_thread::sleep_for(100ms);
+  ASSERT_FALSE(job.try_wait()) << job.result().output;
+  const auto t0 = std::chrono::steady_clock::now();
+  ASSERT_EQ(::kill(job.pid(), SIGTERM), 0);  // mpirun's pid only, as `kill PID` would
+  const auto r = job.wait();
+  const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  std::printf("SIGTERM to mpirun: exited %d after %.1f s\n", r.exit_code, seconds);
+  EXPECT_EQ(r.exit_code, 1) << r.output;  // Open MPI's status for a job ended by a signal to mpirun
+  EXPECT_LT(seconds, 30.0) << r.output;
+  EXPECT_EQ(count(r.output, "train_gpt: stopped by a signal after step"), 1u) << r.output;
+  EXPECT_EQ(count(r.output, "again: exiting now without saving"), 0u) << r.output;
+  int saved = 0;
+  for (const auto& e : fs::directory_iterator(dir / "ck")) {
+    if (e.path().filename().string().rfind("step_", 0) == 0) {
+      ++saved;
+      EXPECT_EQ(data_files(e.path().string()).size(), 2u) << e.path();
+    }
+  }
+  EXPECT_EQ(saved, 1) << r.output;
 }
 
 // A rank of a launcher whose variables we do not read stops before training, naming them.
@@ -254,6 +312,60 @@ TEST(Torchrun, TwoNodesOfC10dRendezvousTrainWithFsdprunsLosses) {
   expect_close(got, losses(dir / "fsdprun.jsonl"), 1e-5);
 }
 
+// torchrun's multi-node form on two hosts: network namespaces (tests/multihost/netns_hosts.h), each
+// process with the host's address as its host name (FSDP_NETNS_HOSTNAME=1: the name resolves, as a
+// cluster node's does, which torchrun's c10d rendezvous needs). The identical command on both hosts,
+// the endpoint on host 0 (whose agent hosts the store because the endpoint names it), no
+// --node_rank and no --local_addr: one job of two ranks that trains with fsdprun's losses.
+TEST(Torchrun, TwoHostsOfC10dRendezvousTrainWithFsdprunsLosses) {
+  std::string why;
+  std::vector<std::string> argv = find_torchrun(why);
+  if (argv.empty() && python_checks_required()) FAIL() << why << " (FSDP_REQUIRE_PYTHON_CHECKS=1: must run here)";
+  if (argv.empty()) GTEST_SKIP() << why;
+  if (const std::string no = fsdp::testing::NetnsHosts::unavailable(); !no.empty()) {
+    // CI's LibTorch 2.x half runs as root with iproute2 in its chroot: there this test must run.
+    if (python_checks_required()) FAIL() << no << " (FSDP_REQUIRE_PYTHON_CHECKS=1: must run here)";
+    GTEST_SKIP() << no;
+  }
+  TempDir dir;
+  const auto ref = ranks(2, tiny(dir / "fsdprun.jsonl"));
+  ASSERT_TRUE(ref.ok()) << ref.output;
+  fsdp::testing::NetnsHosts hosts(2);
+  const std::string endpoint = hosts.addr(0) + ":29400";  // torchrun's default port: each host is a fresh stack
+  for (std::string a : {"--nnodes", "2", "--nproc_per_node", "1", "--rdzv_backend", "c10d", "--rdzv_endpoint",
+                        endpoint.c_str(), "--rdzv_id", "two-hosts", "--no_python"})
+    argv.push_back(a);
+  argv.push_back(kTrainGpt);
+  const auto args = tiny(dir / "torchrun.jsonl");
+  argv.insert(argv.end(), args.begin(), args.end());
+  const auto on_host = [&](int k) {
+    ProcessSpec spec = hosts.spec(k, argv, 180s);
+    spec.env_unset = launcher_scrub();
+    spec.env_set["OMP_NUM_THREADS"] = "1";
+    spec.env_set["CUDA_VISIBLE_DEVICES"] = "";
+    spec.env_set["FSDP_NETNS_HOSTNAME"] = "1";
+    return spec;
+  };
+  const auto t0 = std::chrono::steady_clock::now();
+  Child second(on_host(1));  // the non-host node first: it waits for the store on host 0
+  Child first(on_host(0));
+  const auto r0 = first.wait();
+  const auto r1 = second.wait();
+  std::printf("torchrun on two hosts: %.1f s\n",
+              std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
+  ASSERT_TRUE(r0.ok()) << r0.output;
+  ASSERT_TRUE(r1.ok()) << r1.output;
+  const std::string both = r0.output + r1.output;
+  EXPECT_EQ(count(both, "fsdp: launcher torchrun (RANK, WORLD_SIZE, ...): 2 ranks, 1 on this host, master " +
+                            hosts.addr(0) + ":"),
+            1u)
+      << both;
+  EXPECT_EQ(count(both, "the launcher's store under /worker/attempt_0"), 1u) << both;
+  const auto got = losses(dir / "torchrun.jsonl");
+  EXPECT_EQ(got.size(), 6u);
+  expect_close(got, losses(dir / "fsdprun.jsonl"), 1e-5);
+}
+
 // Slurm: a one-machine cluster (scripts/slurm-local.sh) for this suite; `srun -n 2 train_gpt`, an
 // sbatch script and scancel, each as a user would run them.
 class Slurm : public ::testing::Test {
@@ -377,4 +489,55 @@ TEST_F(Slurm, ScancelSavesACheckpointOnEveryRank) {
     }
   }
   EXPECT_EQ(saved, 1) << r.output;
+}
+
+// srun on two hosts: network namespaces (tests/multihost/netns_hosts.h), a slurmd in each
+// (scripts/slurm-local.sh with SLURM_LOCAL_HOSTS=2: node names are the hosts' addresses,
+// slurmctld in host 0, munge's socket shared through the file system), srun started in host 0.
+// `srun -N 2 -n 2` puts one rank on each host; they meet at the first node of
+// SLURM_STEP_NODELIST (10.77.0.[1-2] -> 10.77.0.1) and train with fsdprun's losses.
+TEST(SlurmTwoHosts, SrunOnTwoNodesTrainsWithFsdprunsLosses) {
+  if (on_path("srun").empty()) GTEST_SKIP() << "srun is not on PATH (Debian's slurm-client, slurmd, slurmctld, munge)";
+  if (const std::string no = fsdp::testing::NetnsHosts::unavailable(); !no.empty()) GTEST_SKIP() << no;
+  TempDir dir;
+  const auto ref = ranks(2, tiny(dir / "fsdprun.jsonl"));
+  ASSERT_TRUE(ref.ok()) << ref.output;
+  fsdp::testing::NetnsHosts hosts(2);
+  const std::string cluster = dir / "cluster";
+  const auto slurm_local = [&](const std::string& what) {
+    ProcessSpec spec = scrubbed({SLURM_LOCAL_SCRIPT, what}, 60s);
+    spec.env_set = {{"SLURM_LOCAL_DIR", cluster}, {"SLURM_LOCAL_HOSTS", "2"}, {"FSDP_NETNS_PREFIX", hosts.prefix()}};
+    return run_process(spec);
+  };
+  const auto up = slurm_local("up");
+  // Stopped before the hosts go (their destructor kills whatever is left in them).
+  struct Down {
+    std::function<void()> run;
+    ~Down() { run(); }
+  } down{[&] { slurm_local("down"); }};
+  ASSERT_TRUE(up.ok()) << up.output;
+  std::vector<std::string> argv = {on_path("srun"), "-N", "2", "-n", "2", "--kill-on-bad-exit=1", kTrainGpt};
+  const auto args = tiny(dir / "srun.jsonl");
+  argv.insert(argv.end(), args.begin(), args.end());
+  ProcessSpec spec = hosts.spec(0, argv, 120s);
+  spec.env_unset = launcher_scrub();
+  spec.env_set = {{"OMP_NUM_THREADS", "1"},
+                  {"CUDA_VISIBLE_DEVICES", ""},
+                  {"SLURM_CONF", cluster + "/slurm.conf"},
+                  {"FSDP_NETNS_PREFIX", hosts.prefix()},
+                  {"FSDP_NETNS_HOSTNAME", "1"}};
+  const auto t0 = std::chrono::steady_clock::now();
+  const auto r = run_process(spec);
+  std::printf("srun on two hosts: %.1f s\n",
+              std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
+  ASSERT_TRUE(r.ok()) << r.output;
+  EXPECT_EQ(count(r.output,
+                  "fsdp: launcher slurm (SLURM_PROCID, SLURM_STEP_NUM_TASKS, SLURM_LOCALID): 2 ranks, 1 on this "
+                  "host, master " +
+                      hosts.addr(0) + ":"),
+            1u)
+      << r.output;
+  const auto got = losses(dir / "srun.jsonl");
+  EXPECT_EQ(got.size(), 6u);
+  expect_close(got, losses(dir / "fsdprun.jsonl"), 1e-5);
 }

@@ -27,11 +27,12 @@
 # Settings (environment): FSDP_PYTHON (the GPU machine's Python, default python3),
 # FSDP_GPU_CONTINUE_WITHOUT_GPU=1 (a dry run on a CPU machine goes on past "no GPU": versions,
 # libraries, build info, and the GPU tests, which skip), FSDP_CUDA_BUILD_DIR (--prepare's build
-# folder, default build-cuda).
+# folder, default build-cuda), FSDP_GPU_TARGETS (what --prepare builds and bundles, default
+# "fsdp_build_info test_gpu gpu_bench").
 set -uo pipefail
 SELF="$(cd "$(dirname "$0")" && pwd)/$(basename "$0")"
 LIMIT_MIB=60
-TARGETS=(fsdp_build_info test_gpu gpu_bench)
+read -r -a TARGETS <<<"${FSDP_GPU_TARGETS:-fsdp_build_info test_gpu gpu_bench}"
 
 usage() { sed -n '2,31p' "$SELF" | sed 's/^# \{0,1\}//'; }
 die() { printf 'gpu-check: %s\n' "$*" >&2; exit 1; }
@@ -93,6 +94,10 @@ prepare() {
           { tail -40 "$log"; die "building $o (for $t) failed"; }
       done
     fi
+    if ninja -C "$build" -n "$t" 2>/dev/null | grep -q 'no work to do'; then
+      echo "+ $t is up to date"
+      continue
+    fi
     echo "+ flock /tmp/fsdp-build.lock nice -n 10 cmake --build $build --target $t -- -j2"
     flock /tmp/fsdp-build.lock nice -n 10 cmake --build "$build" --target "$t" -- -j2 >"$log" 2>&1 ||
       { tail -40 "$log"; die "building $t failed"; }
@@ -101,7 +106,8 @@ prepare() {
   "$build/bin/fsdp_build_info" | grep -q 'cuda=yes nccl=yes' ||
     die "$build/bin/fsdp_build_info does not say cuda=yes nccl=yes: the configure found no CUDA/NCCL"
 
-  rm -rf "$dir/bin" "$dir/lib" && mkdir -p "$dir/bin" "$dir/lib/fallback" || die "cannot write $dir"
+  rm -rf "${dir:?}/bin" "${dir:?}/lib"
+  mkdir -p "$dir/bin" "$dir/lib/fallback" || die "cannot write $dir"
   for t in "${TARGETS[@]}"; do
     strip -o "$dir/bin/$t" "$build/bin/$t" || die "strip $t failed"
   done
@@ -111,7 +117,7 @@ prepare() {
   while read -r lib; do
     case "$lib" in
       "$site"/*) ;;
-      */libc.so.* | */libm.so.* | */libdl.so.* | */libpthread.so.* | */librt.so.* | */ld-linux*) ;;
+      */libc.so.* | */libm.so.* | */libdl.so.* | */libpthread.so.* | */librt.so.* | */libutil.so.* | */ld-linux*) ;;
       */libcuda.so.* | */libnvidia*) ;;
       */libstdc++.so.* | */libgcc_s.so.*) cp -L "$lib" "$dir/lib/fallback/" ;;
       *) cp -L "$lib" "$dir/lib/" ;;
@@ -130,7 +136,7 @@ prepare() {
     echo "built=$(date -u '+%Y-%m-%d %H:%M UTC') on $(uname -n)"
     echo "targets=${TARGETS[*]}"
   } >"$dir/stamp.txt"
-  ( cd "$dir" && ls -l bin lib lib/fallback | grep -v '^total' )
+  (cd "$dir" && find bin lib -type f -printf '%10s  %p\n' | sort -k2)
   local size_kib size_mib
   size_kib=$(du -sk "$dir" | cut -f1)
   size_mib=$(((size_kib + 1023) / 1024))
@@ -161,7 +167,8 @@ write_summary() {
       if grep -q '^\[==========\]' "$OUT/run.log"; then
         echo
         echo "GPU tests:"
-        grep -E '^\[ +(OK|FAILED|SKIPPED) +\]|^\[  PASSED  \]|^\[  FAILED  \]' "$OUT/run.log" | grep -v ' listed below' | head -30
+        # One line per test (those with their time), then the totals.
+        grep -E '^\[ +(OK|FAILED|SKIPPED) +\] .*\([0-9]+ ms\)$|^\[  PASSED  \]|^\[  FAILED  \] [0-9]+ test' "$OUT/run.log" | head -30
       fi
       if grep -qE '^(row|config|target) ' "$OUT/run.log"; then
         echo
@@ -230,7 +237,7 @@ run_check() {
     if [ "${FSDP_GPU_CONTINUE_WITHOUT_GPU:-0}" != 1 ]; then
       stop "no GPU: nvidia-smi $(command -v nvidia-smi >/dev/null && echo "found none ($(echo "$smi" | head -1))" || echo "is not installed")" 2
     fi
-    NOTES+=("no GPU (nvidia-smi: $(echo "$smi" | head -1)); going on (FSDP_GPU_CONTINUE_WITHOUT_GPU=1): the GPU tests skip")
+    NOTES+=("no GPU; going on (FSDP_GPU_CONTINUE_WITHOUT_GPU=1): the GPU tests skip, no benchmark")
   else
     GPU_LINE="$(echo "$smi" | head -1)"
   fi

@@ -654,7 +654,7 @@ int run_training(const Options& options, const std::optional<LlamaConfig>& llama
 
 int main(int argc, char** argv) {
   fsdp::dist::tune_cpu_or_reexec(argc, argv);
-  fsdp::tune_malloc();     // glibc: freed tensors of 1 MiB and more go back to the kernel (FSDP_MALLOC_TUNING=0: off)
+  fsdp::tune_malloc();  // glibc: tensors of 1 MiB+ go back to the kernel, small blocks stay (FSDP_MALLOC_TUNING=0: off)
   stop_signal::install();  // until the first step has finished, a signal exits at once
   int exit_code = 0;
   auto options = parse_options(argc, argv, exit_code);

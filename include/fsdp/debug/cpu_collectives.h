@@ -16,7 +16,7 @@
 //
 // Why flat is the default: on a 2-core machine with both cores computing, a message costs more
 // than the copy it saves for shards of up to a few hundred KiB, and larger shards gain nothing
-// measurable (benchmarks/layout_bench.cpp; docs/benchmarks.md, "Where FSDP's time goes"). Try it
+// measurable (benchmarks/layout_bench.cpp; docs/benchmarks-history.md, "Where FSDP's time goes"). Try it
 // where shards are large and cores spare.
 //
 // The flat layout is always used on GPUs (NCCL), for HSDP's reduce, integer

@@ -52,7 +52,8 @@ in_chroot() { chroot_run USE_LIBUV=0 -- "$@"; }
 in_chroot python3 -c 'import transformers, torch.distributed.fsdp' 2>/dev/null ||
   die "the chroot lacks python3-transformers or python3-torch (scripts/libtorch2-check.sh installs them)"
 BUILD=/build-torch2
-[ -f "$CHROOT$BUILD/build.ninja" ] || in_chroot cmake -S /src -B "$BUILD" -G Ninja -DCMAKE_BUILD_TYPE=Release >/dev/null
+# libtorch2-check.sh configures this folder without benchmarks: turn them on (it turns them off again).
+in_chroot cmake -S /src -B "$BUILD" -G Ninja -DCMAKE_BUILD_TYPE=Release -DFSDP_BUILD_BENCHMARKS=ON >/dev/null
 (flock 8 && in_chroot cmake --build "$BUILD" --target llama_scale_bench fsdprun -- -j2 | tail -n 1) 8>/tmp/fsdp-build.lock
 
 CORES=$(nproc) THREADS=$(($(nproc) / NPROC))

@@ -58,7 +58,8 @@ fi
 BUILD=/build-fsdp2-compare
 DDP_ROWS="$(mktemp /tmp/fsdp2-compare-ddp-XXXXXX)"
 log "torch $(in_chroot python3 -c 'import torch; print(torch.__version__)'); building bench, fsdprun, test_attention in $BUILD (chroot)"
-[ -f "$CHROOT$BUILD/build.ninja" ] || in_chroot cmake -S /src -B "$BUILD" -G Ninja -DCMAKE_BUILD_TYPE=Release >/dev/null
+# libtorch2-check.sh configures this folder without benchmarks: turn them on (it turns them off again).
+in_chroot cmake -S /src -B "$BUILD" -G Ninja -DCMAKE_BUILD_TYPE=Release -DFSDP_BUILD_BENCHMARKS=ON >/dev/null
 in_chroot cmake --build "$BUILD" --target bench fsdprun test_attention -- -j2 | tail -n 1
 in_chroot timeout 300 "$BUILD/bin/test_attention" --gtest_brief=1 || die "test_attention failed against this LibTorch"
 

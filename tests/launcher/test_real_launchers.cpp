@@ -55,6 +55,19 @@ std::string on_path(const std::string& name) {
   return "";
 }
 
+// Waits, at most 90 s, until the metrics file (one line per step) holds `steps` lines or the job
+// has ended: a stop signal sent then reaches ranks that are training.
+void wait_for_steps(Child& job, const std::string& metrics, size_t steps) {
+  const auto written = [&] {
+    std::ifstream in(metrics);
+    const std::string text((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+    return count(text, "\n");
+  };
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(90);
+  while (written() < steps && std::chrono::steady_clock::now() < deadline && !job.try_wait())
+    std::this_thread::sleep_for(std::chrono::milliseconds(100));
+}
+
 // Open MPI's mpirun on PATH, or "" (with the reason in `why`).
 std::string find_open_mpi(std::string& why) {
   if (const std::string candidate = on_path("mpirun"); !candidate.empty()) {
@@ -123,14 +136,7 @@ TEST(Mpirun, SigtermToMpirunSavesACheckpointOnEveryRank) {
       tiny(dir / "m.jsonl", {"--steps", "1000000", "--checkpoint-dir", dir / "ck", "--checkpoint-every", "1000000"});
   argv.insert(argv.end(), args.begin(), args.end());
   Child job(scrubbed(argv, 120s));
-  const auto steps_written = [&] {
-    std::ifstream in(dir / "m.jsonl");
-    const std::string text((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
-    return count(text, "\n");
-  };
-  const auto deadline = std::chrono::steady_clock::now() + 90s;
-  while (steps_written() < 3 && std::chrono::steady_clock::now() < deadline && !job.try_wait())
-    std::this_thread::sleep_for(100ms);
+  wait_for_steps(job, dir / "m.jsonl", 3);
   ASSERT_FALSE(job.try_wait()) << job.result().output;
   const auto t0 = std::chrono::steady_clock::now();
   ASSERT_EQ(::kill(job.pid(), SIGTERM), 0);  // mpirun's pid only, as `kill PID` would
@@ -463,15 +469,7 @@ TEST_F(Slurm, ScancelSavesACheckpointOnEveryRank) {
   ProcessSpec spec = scrubbed(argv, 120s);
   spec.env_set["SLURM_CONF"] = conf_;
   Child job(spec);
-  // Cancel once the ranks are training: the metrics file (one line per step) has a few steps.
-  const auto steps_written = [&] {
-    std::ifstream in(dir / "m.jsonl");
-    const std::string text((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
-    return count(text, "\n");
-  };
-  const auto deadline = std::chrono::steady_clock::now() + 90s;
-  while (steps_written() < 3 && std::chrono::steady_clock::now() < deadline && !job.try_wait())
-    std::this_thread::sleep_for(100ms);
+  wait_for_steps(job, dir / "m.jsonl", 3);
   ASSERT_FALSE(job.try_wait()) << job.result().output;
   const auto t0 = std::chrono::steady_clock::now();
   ASSERT_TRUE(slurm({on_path("scancel"), "-n", name}, 30s).ok());

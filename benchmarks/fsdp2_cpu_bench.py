@@ -24,11 +24,11 @@ zero_grad, forward, cross-entropy, backward, AdamW(lr 1e-3, LibTorch's defaults)
 import argparse
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
 
+from bench_ranks import run_ranks
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -159,19 +159,7 @@ def main():
         for name in ("nproc", "layers", "dim", "heads", "seq", "batch", "steps", "warmup", "threads"):
             args += ["--" + name, str(getattr(a, name))]
         args += ["--result", a.result]
-        env = dict(os.environ, OMP_NUM_THREADS=str(a.threads), USE_LIBUV="0")
-        procs = [subprocess.Popen(args, env=dict(env, RANK=str(r))) for r in range(a.nproc)]
-        deadline = time.monotonic() + 3600
-        rcs = []
-        for p in procs:
-            try:
-                rcs.append(p.wait(timeout=max(1, deadline - time.monotonic())))
-            except subprocess.TimeoutExpired:
-                for q in procs:
-                    q.kill()
-                sys.exit("fsdp2_cpu_bench: a rank did not finish within an hour; all killed")
-        if any(rcs):
-            sys.exit(f"fsdp2_cpu_bench: ranks exited with {rcs}")
+        run_ranks(args, a.nproc, a.threads, "fsdp2_cpu_bench")
     return 0
 
 

@@ -18,11 +18,11 @@ forward (logits), cross-entropy, backward, AdamW(lr 1e-3) step, loss.item(). App
 import argparse
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
 
+from bench_ranks import run_ranks
 import torch
 import torch.nn.functional as F
 
@@ -93,19 +93,7 @@ def main():
                 "--result", a.result]
         for name, _ in NAMES:
             args += ["--" + name.replace("_", "-"), str(getattr(a, name))]
-        env = dict(os.environ, OMP_NUM_THREADS=str(a.threads), USE_LIBUV="0")
-        procs = [subprocess.Popen(args, env=dict(env, RANK=str(r))) for r in range(a.nproc)]
-        deadline = time.monotonic() + 3600
-        rcs = []
-        for p in procs:
-            try:
-                rcs.append(p.wait(timeout=max(1, deadline - time.monotonic())))
-            except subprocess.TimeoutExpired:
-                for q in procs:
-                    q.kill()
-                sys.exit("llama_fsdp2_bench: a rank did not finish within an hour; all killed")
-        if any(rcs):
-            sys.exit(f"llama_fsdp2_bench: ranks exited with {rcs}")
+        run_ranks(args, a.nproc, a.threads, "llama_fsdp2_bench")
     return 0
 
 

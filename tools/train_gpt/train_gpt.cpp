@@ -654,11 +654,12 @@ int run_training(const Options& options, const std::optional<LlamaConfig>& llama
 
 int main(int argc, char** argv) {
   fsdp::dist::tune_cpu_or_reexec(argc, argv);
-  fsdp::tune_malloc();  // glibc: tensors of 1 MiB+ go back to the kernel, small blocks stay (FSDP_MALLOC_TUNING=0: off)
   stop_signal::install();  // until the first step has finished, a signal exits at once
   int exit_code = 0;
   auto options = parse_options(argc, argv, exit_code);
   if (!options) return exit_code;
+  // --malloc tuned: tensors of 1 MiB+ go back to the kernel when freed (FSDP_MALLOC_TUNING=0 still vetoes it).
+  if (options->malloc_policy == "tuned") fsdp::tune_malloc();
   try {
     validate(*options);
     // --init-from: the sizes and the vocabulary from config.json (model.h), before the data is checked against it.

@@ -36,7 +36,7 @@ bool tune_malloc(size_t mmap_threshold = size_t{1} << 20, size_t trim_threshold 
 // gradients come from the heap again and no page is faulted in each step; the peak RSS becomes
 // the heap's high-water mark. Under glibc's default (a threshold that moves with the sizes freed)
 // FSDP's ranks fault pages in again every step, more than one process does (figures in
-// docs/benchmarks.md, "fully_shard against the one-process limit"). Same environment switch and
+// docs/benchmarks.md, "The malloc policy"). Same environment switch and
 // return value as tune_malloc.
 //
 // Example:

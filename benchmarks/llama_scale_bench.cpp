@@ -23,7 +23,33 @@
 // benchmarks/fsdp2_cpu_bench.py; --fixed-batch: the first batch every step, so that the loss
 // falls visibly). Rank 0 prints every step and appends "median_step_s S first_loss L last_loss L
 // params P world N peak_rss_bytes B" to --result; every rank prints its peak RSS.
+//
+// Memory (--role train; all off by default, so that step times compare with earlier runs):
+//   --memory              each rank prints its memory timeline: for every step and phase (forward,
+//                         backward, trim, optimizer) the exact peak RSS of that phase (the kernel's
+//                         VmHWM, reset at the phase's start through /proc/self/clear_refs), the
+//                         largest sample of a 2 ms sampler with what it held, and what is held as the
+//                         phase ends: the training state (shards + gradients + AdamW), FSDP's pool
+//                         (live, cached and resident), autograd's unsharded gradients FSDP holds,
+//                         glibc's free heap, and the rest (activations, temporaries, LibTorch).
+//   --timeline FILE       also every sample that moved the RSS by 1 MB, to FILE.<rank>
+//   --malloc tuned        fsdp::tune_malloc() first (train_gpt's policy: blocks of 1 MiB+ mapped and
+//                         given back when freed)
+//   --trim-after-backward fsdp::trim_cached_buffers() between backward and the optimizer step: the
+//                         pool's cache (the root's unsharded parameters, reduce-scatter buffers) is
+//                         otherwise resident while AdamW allocates its state in step 0
+//   --wrap split          the embedding and [norm, lm_head] are units of their own (torchtitan's
+//                         wrapping; the head's unit keeps its parameters from forward to backward),
+//                         instead of staying in the root's unit (--wrap layers, the default): their
+//                         unsharded parameters and gradients are then never alive together.
+#include <malloc.h>
+
+#include <atomic>
 #include <cmath>
+#include <fstream>
+#include <memory>
+#include <mutex>
+#include <thread>
 
 #include "bench_support.h"
 #include "models/llama/hf.h"
@@ -39,6 +65,9 @@ struct Options {
   int64_t seq = 256, batch = 2, steps = 4, warmup = 1;
   std::string lr = "1e-3";
   bool plain = false, ac = false, fixed_batch = false;
+  // Memory: the timeline, and the three changes measured with it (file comment).
+  bool memory = false, trim_after_backward = false;
+  std::string timeline, malloc_mode = "glibc", wrap = "layers";
 };
 
 Options parse(int argc, char** argv) {
@@ -48,13 +77,24 @@ Options parse(int argc, char** argv) {
       "usage: llama_scale_bench --role load|train [--hf DIR] [--plain] [--ac] [--fixed-batch] [--lr 1e-3]\n"
       "         [--layers 12 --hidden 768 --heads 12 --kv-heads 4 --ffn 2048 --vocab 32000]\n"
       "         [--seq 256 --batch 2 (per rank) --steps 4 --warmup 1] [--result FILE]\n"
+      "         [--memory] [--timeline FILE] [--malloc glibc|tuned] [--trim-after-backward] [--wrap layers|split]\n"
       "       (sharded roles under fsdprun; --role load needs --hf)");
   args.option("--role", &o.role).option("--hf", &o.hf).option("--result", &o.result).option("--lr", &o.lr);
   args.option("--layers", &o.layers).option("--hidden", &o.hidden).option("--heads", &o.heads);
   args.option("--kv-heads", &o.kv_heads).option("--ffn", &o.ffn).option("--vocab", &o.vocab);
   args.option("--seq", &o.seq).option("--batch", &o.batch).option("--steps", &o.steps).option("--warmup", &o.warmup);
   args.flag("--plain", &o.plain).flag("--ac", &o.ac).flag("--fixed-batch", &o.fixed_batch);
+  args.flag("--memory", &o.memory).flag("--trim-after-backward", &o.trim_after_backward);
+  args.option("--timeline", &o.timeline).option("--malloc", &o.malloc_mode).option("--wrap", &o.wrap);
   args.parse(argc, argv);
+  if (!o.timeline.empty()) o.memory = true;
+  if (o.malloc_mode != "glibc" && o.malloc_mode != "tuned")
+    args.fail("--malloc takes glibc or tuned, got '" + o.malloc_mode + "'");
+  if (o.wrap != "layers" && o.wrap != "split") args.fail("--wrap takes layers or split, got '" + o.wrap + "'");
+  if (o.role == "load" && (o.memory || o.trim_after_backward || o.wrap != "layers"))
+    args.fail("--memory, --timeline, --trim-after-backward and --wrap are options of --role train");
+  if (o.plain && (o.trim_after_backward || o.wrap != "layers"))
+    args.fail("--trim-after-backward and --wrap split need FSDP (drop --plain)");
   if (o.role != "load" && o.role != "train") args.fail("--role takes load or train, got '" + o.role + "'");
   if (o.role == "load" && (o.hf.empty() || o.plain)) args.fail("--role load needs --hf DIR and no --plain");
   if (o.steps < 1 || o.warmup < 0 || o.seq < 1 || o.batch < 1) args.fail("--steps, --seq, --batch must be >= 1");
@@ -101,9 +141,10 @@ int64_t file_element_size(const LlamaConfig& c) {
   return c.torch_dtype == "bfloat16" || c.torch_dtype == "float16" ? 2 : 4;
 }
 
-// The model on the meta device, (activation checkpointing,) fully_shard per layer then the root
-// unless plain, then this rank's parameters allocated on the CPU. Returns the parameter count.
-int64_t build(Llama& model, const LlamaConfig& config, bool plain, bool ac) {
+// The model on the meta device, (activation checkpointing,) fully_shard per decoder layer then the root
+// unless plain (split: the embedding and [norm, lm_head] first, as units of their own). Returns the
+// parameter count.
+int64_t build(Llama& model, const LlamaConfig& config, bool plain, bool ac, bool split = false) {
   LlamaConfig c = config;
   c.device = torch::kMeta;
   model = Llama(c);
@@ -113,11 +154,202 @@ int64_t build(Llama& model, const LlamaConfig& config, bool plain, bool ac) {
     fsdp::activation::apply_activation_checkpointing(
         *model, fsdp::activation::every_kth<fsdp::models::LlamaDecoderLayerImpl>(1));
   if (!plain) {
+    if (split) {
+      if (!model->lm_head)
+        throw std::invalid_argument(
+            "--wrap split needs an untied lm_head (the head reads the embedding's weight in the root's forward); "
+            "use --wrap layers with tie_word_embeddings");
+      fsdp::fully_shard(model->model->embed_tokens);
+    }
     for (auto& layer : model->layers()) fsdp::fully_shard(layer);
+    if (split) {
+      // Last in forward, first in backward: kept unsharded in between (torchtitan's choice).
+      fsdp::FullyShardOptions head;
+      head.reshard_after_forward = false;
+      fsdp::fully_shard(std::vector<std::shared_ptr<torch::nn::Module>>{model->model->norm.ptr(), model->lm_head.ptr()},
+                        head);
+    }
     fsdp::fully_shard(model);
   }
   return params;
 }
+
+// ---- The memory timeline (--memory) ---------------------------------------------------------------
+
+enum Phase : int { kSetup = 0, kForward, kBackward, kTrim, kOptimizer, kBetween };
+const char* phase_name(int p) {
+  static const char* names[] = {"setup", "forward", "backward", "trim", "optimizer", "between"};
+  return names[p];
+}
+
+double mb(double bytes) { return bytes / 1e6; }
+
+struct MemSample {
+  double t = 0, rss = 0, heap_in_use = 0, heap_free = 0, mmapped = 0;
+  fsdp::BufferMemoryStats fsdp;
+  double unsharded_grads() const { return double(fsdp.current[static_cast<int>(fsdp::BufferOwner::UnshardedGrads)]); }
+  // FSDP's pool: blocks handed out plus cached blocks whose pages are resident.
+  double pool_resident() const { return double(fsdp.pool_live + fsdp.pool_cached_resident); }
+};
+
+MemSample sample_memory() {
+  MemSample s;
+  s.rss = fsdp_bench::resident_bytes();
+  const struct mallinfo2 mi = mallinfo2();  // every arena
+  s.heap_in_use = double(mi.uordblks);
+  s.heap_free = double(mi.fordblks);
+  s.mmapped = double(mi.hblkhd);
+  s.fsdp = fsdp::buffer_memory_stats();
+  return s;
+}
+
+// One rank's timeline: the training loop calls begin(step, phase) as a phase starts and end() as
+// it ends (with the training state's bytes then); a sampler thread keeps the largest sample of the
+// phase. A phase's exact peak is the kernel's VmHWM, reset at begin() (/proc/self/clear_refs "5";
+// the process's overall peak is kept here, as the maximum over the phases).
+class MemoryTimeline {
+ public:
+  struct Row {
+    int step = -1, phase = kSetup;
+    double hwm = 0;          // VmHWM during the phase
+    MemSample largest, end;  // the largest sample of the phase; the sample at its end
+    double state = 0;        // params + grads + AdamW state at its end
+    fsdp_bench::StateBytes parts;
+  };
+
+  MemoryTimeline(bool on, const std::string& file, int rank) : on_(on) {
+    if (!on_) return;
+    if (!file.empty()) {
+      out_ = std::make_unique<std::ofstream>(file + "." + std::to_string(rank));
+      *out_ << "# t_s step phase rss_MB pool_live_MB pool_cached_resident_MB unsharded_grads_MB heap_in_use_MB "
+               "heap_free_MB glibc_mmapped_MB\n";
+    }
+    t0_ = std::chrono::steady_clock::now();
+    sampler_ = std::thread([this] { run(); });
+  }
+  ~MemoryTimeline() {
+    stop_ = true;
+    if (sampler_.joinable()) sampler_.join();
+  }
+  bool on() const { return on_; }
+
+  // The setup (load) ends: its row, then the first phase.
+  void begin(int step, Phase phase) {
+    if (!on_) return;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      current_ = Row{};
+      current_.step = step;
+      current_.phase = phase;
+      ++generation_;
+    }
+    overall_hwm_ = std::max(overall_hwm_, fsdp_bench::vm_hwm_bytes());
+    std::ofstream("/proc/self/clear_refs") << "5";  // VmHWM := VmRSS
+  }
+  void end(const fsdp_bench::StateBytes& state) {
+    if (!on_) return;
+    Row row;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      row = current_;
+    }
+    row.hwm = fsdp_bench::vm_hwm_bytes();
+    overall_hwm_ = std::max(overall_hwm_, row.hwm);
+    row.end = sample_memory();
+    if (row.end.rss > row.largest.rss) row.largest = row.end;
+    row.parts = state;
+    row.state = double(state.params + state.grads + state.optim);
+    rows_.push_back(row);
+    std::lock_guard<std::mutex> lock(mu_);
+    current_.phase = kBetween;
+    current_.largest = MemSample{};
+    ++generation_;
+  }
+  // The process's peak RSS so far (VmHWM is reset per phase).
+  double peak() const { return std::max(overall_hwm_, fsdp_bench::vm_hwm_bytes()); }
+
+  void print(int rank) const {
+    if (!on_) return;
+    std::printf(
+        "rank %d memory timeline (MB; state = this rank's shards + sharded gradients + AdamW state; pool = FSDP's "
+        "buffer pool, blocks live + cached blocks still resident; ugrads = autograd's unsharded gradients FSDP "
+        "holds until reduced; other = RSS - state - pool - ugrads - glibc free heap: activations, temporaries, "
+        "LibTorch)\n",
+        rank);
+    std::printf(
+        "| step | phase | peak RSS (VmHWM) | largest sample: RSS, pool, ugrads, heap free, other | at its end: RSS | "
+        "state (params + grads + AdamW) | pool live + cached resident | ugrads | glibc heap in use / free | glibc "
+        "mmapped | other |\n|---|---|---|---|---|---|---|---|---|---|---|\n");
+    for (const Row& r : rows_) {
+      auto other = [&](const MemSample& s) {
+        return s.rss - r.state - s.pool_resident() - s.unsharded_grads() - s.heap_free;
+      };
+      const MemSample& l = r.largest;
+      const MemSample& e = r.end;
+      std::printf(
+          "| %d | %s | %.0f | %.0f, %.0f, %.0f, %.0f, %.0f | %.0f | %.0f (%.0f + %.0f + %.0f) | %.0f + %.0f | %.0f | "
+          "%.0f / %.0f | %.0f | %.0f |\n",
+          r.step, phase_name(r.phase), mb(r.hwm), mb(l.rss), mb(l.pool_resident()), mb(l.unsharded_grads()),
+          mb(l.heap_free), mb(other(l)), mb(e.rss), mb(r.state), mb(double(r.parts.params)), mb(double(r.parts.grads)),
+          mb(double(r.parts.optim)), mb(double(e.fsdp.pool_live)), mb(double(e.fsdp.pool_cached_resident)),
+          mb(e.unsharded_grads()), mb(e.heap_in_use), mb(e.heap_free), mb(e.mmapped), mb(other(e)));
+    }
+    std::printf("rank %d: FSDP's buffers alive at each phase's largest sample, by owner (MB):\n", rank);
+    for (const Row& r : rows_) {
+      std::printf("  step %d %s:", r.step, phase_name(r.phase));
+      for (int k = 0; k < fsdp::kBufferOwners; ++k)
+        if (r.largest.fsdp.current[k] > 0)
+          std::printf(" %s %.0f", fsdp::buffer_owner_name(static_cast<fsdp::BufferOwner>(k)),
+                      mb(double(r.largest.fsdp.current[k])));
+      std::printf("; pool live %.0f, cached %.0f (resident %.0f)\n", mb(double(r.largest.fsdp.pool_live)),
+                  mb(double(r.largest.fsdp.pool_cached)), mb(double(r.largest.fsdp.pool_cached_resident)));
+    }
+    std::fflush(stdout);
+  }
+
+ private:
+  void run() {
+    MemSample last;
+    int last_phase = -1;
+    while (!stop_) {
+      uint64_t generation;
+      {
+        std::lock_guard<std::mutex> lock(mu_);
+        generation = generation_;
+      }
+      MemSample s = sample_memory();
+      s.t = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0_).count();
+      int step, phase;
+      {
+        std::lock_guard<std::mutex> lock(mu_);
+        // A sample that straddled a phase change belongs to neither phase.
+        if (generation == generation_ && s.rss > current_.largest.rss) current_.largest = s;
+        step = current_.step;
+        phase = current_.phase;
+      }
+      if (out_ && (std::abs(s.rss - last.rss) >= 1e6 || phase != last_phase)) {
+        *out_ << s.t << " " << step << " " << phase_name(phase) << " " << mb(s.rss) << " "
+              << mb(double(s.fsdp.pool_live)) << " " << mb(double(s.fsdp.pool_cached_resident)) << " "
+              << mb(s.unsharded_grads()) << " " << mb(s.heap_in_use) << " " << mb(s.heap_free) << " " << mb(s.mmapped)
+              << "\n";
+        last = s;
+        last_phase = phase;
+      }
+      std::this_thread::sleep_for(std::chrono::milliseconds(2));
+    }
+  }
+
+  bool on_;
+  std::unique_ptr<std::ofstream> out_;
+  std::chrono::steady_clock::time_point t0_;
+  std::atomic<bool> stop_{false};
+  std::thread sampler_;
+  mutable std::mutex mu_;
+  Row current_;
+  std::vector<Row> rows_;
+  uint64_t generation_ = 0;  // a new phase (under mu_)
+  double overall_hwm_ = 0;
+};
 
 int run_load(const Options& o) {
   const auto place = fsdp_bench::join_world(true);
@@ -160,11 +392,14 @@ int run_load(const Options& o) {
 }
 
 int run_train(const Options& o) {
+  if (o.malloc_mode == "tuned") fsdp::tune_malloc();  // before any tensor
   const auto place = fsdp_bench::join_world(!o.plain);
+  MemoryTimeline mem(o.memory, o.timeline, place.rank);
+  mem.begin(-1, kSetup);
   const LlamaConfig config = config_of(o);
   Llama model{nullptr};
   fsdp_bench::Stopwatch setup;
-  const int64_t params = build(model, config, o.plain, o.ac);
+  const int64_t params = build(model, config, o.plain, o.ac, o.wrap == "split");
   fsdp::to_empty(*model, torch::kCPU);
   if (o.hf.empty())
     model->reset_parameters();  // fsdp::init: the same values at any world size
@@ -172,18 +407,21 @@ int run_train(const Options& o) {
     fsdp::models::load_hf_weights(*model, o.hf);
   const double setup_s = setup.wall();
   torch::optim::AdamW opt(model->parameters(), torch::optim::AdamWOptions(std::stod(o.lr)));
+  auto state = [&] { return fsdp_bench::state_bytes(*model, opt); };
+  mem.end(state());
   auto gen = fsdp_bench::token_stream(place.rank);
   auto next = [&] { return at::randint(config.vocab_size, {o.batch, o.seq + 1}, gen, at::kLong); };
   const at::Tensor fixed = next();
   if (place.rank == 0)
     std::printf(
         "llama_scale_bench train: %s; %s; seq %lld, batch %lld per rank, fp32, %s attention%s, AdamW lr %s; "
-        "%s batch; setup %.1f s\n",
+        "%s batch; setup %.1f s; malloc %s, wrap %s%s\n",
         describe(config, params).c_str(),
         o.plain ? "one process" : ("FSDP " + std::to_string(place.world) + " ranks").c_str(), (long long)o.seq,
         (long long)o.batch, model->layers()[0]->self_attn->fused ? "fused" : "written-out",
         o.ac ? ", activation checkpointing every layer" : "", o.lr.c_str(),
-        o.fixed_batch ? "the same" : "a fresh random", setup_s);
+        o.fixed_batch ? "the same" : "a fresh random", setup_s, o.malloc_mode.c_str(), o.wrap.c_str(),
+        o.trim_after_backward ? ", pool trimmed after backward" : "");
   std::vector<double> times;
   double first_loss = NAN, last_loss = NAN;
   for (int64_t s = 0; s < o.warmup + o.steps; ++s) {
@@ -191,10 +429,26 @@ int run_train(const Options& o) {
     fsdp_bench::Stopwatch step;
     opt.zero_grad();
     auto input = data.narrow(1, 0, o.seq);
+    const int k = static_cast<int>(s);
+    mem.begin(k, kForward);
     auto logits = o.plain ? model->forward(input) : fsdp::call(model, input);
     auto loss = fsdp::models::gpt_loss(logits, data.narrow(1, 1, o.seq));
+    mem.end(state());
+    mem.begin(k, kBackward);
     loss.backward();
+    logits = at::Tensor();  // as a loop whose logits go out of scope with the step would have it
+    mem.end(state());
+    if (o.trim_after_backward) {
+      // The pool's cache holds the blocks of backward's largest live set (the root's unsharded
+      // parameters, reduce-scatter buffers): their pages go back before AdamW's step (its state in
+      // step 0, its temporaries every step); the next forward faults them in again.
+      mem.begin(k, kTrim);
+      fsdp::trim_cached_buffers();
+      mem.end(state());
+    }
+    mem.begin(k, kOptimizer);
     opt.step();
+    mem.end(state());
     const double value = loss.item<double>();
     const double wall = step.wall();
     if (std::isnan(first_loss)) first_loss = value;
@@ -202,16 +456,17 @@ int run_train(const Options& o) {
     if (s >= o.warmup) times.push_back(wall);
     if (place.rank == 0) {
       std::printf("step %lld%s: loss %.4f, %.2f s, peak RSS %.2f GiB\n", (long long)s, s < o.warmup ? " (warm-up)" : "",
-                  value, wall, gib(fsdp_bench::vm_hwm_bytes()));
+                  value, wall, gib(mem.on() ? mem.peak() : fsdp_bench::vm_hwm_bytes()));
       std::fflush(stdout);
     }
   }
-  const double hwm = fsdp_bench::vm_hwm_bytes();
+  const double hwm = mem.on() ? mem.peak() : fsdp_bench::vm_hwm_bytes();
   if (!o.plain) barrier();
   for (int r = 0; r < place.world; ++r) {
     if (r == place.rank) {
       std::printf("rank %d: median step %.3f s, first loss %.4f, last loss %.4f, peak RSS (VmHWM) %.3f GiB\n", r,
                   fsdp_bench::median(times), first_loss, last_loss, gib(hwm));
+      mem.print(r);
       std::fflush(stdout);
     }
     if (!o.plain) barrier();

@@ -1,9 +1,13 @@
 #include "fsdp/sharding/materialize.h"
 
 #include <ATen/CPUGeneratorImpl.h>
+#include <ATen/Context.h>
+#include <c10/core/DeviceGuard.h>
 #include <torch/torch.h>
 
+#include <algorithm>
 #include <functional>
+#include <mutex>
 #include <stdexcept>
 #include <unordered_set>
 
@@ -30,62 +34,139 @@ uint64_t splitmix64(uint64_t x) {
   return x ^ (x >> 31);
 }
 
-// Calls fill(row_view, global_row, columns) for each row this tensor holds of its full parameter.
-// A row is dims 1.. flattened; `columns` says which part of the full row the local row is: all of
-// it, or (tensor parallelism along a dim > 0) a slice of it, so the fill draws the full row's
-// values and keeps the local part. Tensor parallelism along dim 0 moves the rows instead.
+// Which part of the full row a local row is: all of it, or (tensor parallelism along a dim > 0) a
+// slice of it, so the fill draws the full row's values and keeps the local part. Tensor
+// parallelism along dim 0 moves the rows instead (RowMap::global).
 struct RowSlice {
   std::vector<int64_t> full_row_shape;  // the full parameter's dims 1..
   int64_t dim = -1;                     // -1: the whole row; else the sliced dim of the row
   int64_t offset = 0, size = 0;
 };
 
-void for_each_row(const at::Tensor& param, const std::function<void(at::Tensor, int64_t, const RowSlice&)>& fill) {
+// Where the rows this tensor holds sit in its full parameter. A row is dims 1.. flattened.
+struct RowMap {
+  int64_t first = 0;                       // the first row held, in the tensor fully_shard took (TP-local under TP)
+  int64_t rows = 0;                        // rows held here
+  int64_t full_rows = 1;                   // rows of the full parameter
+  std::optional<tp::TPPlacement> rows_tp;  // TP along dim 0: local row -> global row
+  RowSlice slice;
+  int64_t global(int64_t local) const { return rows_tp ? rows_tp->global_index(first + local) : first + local; }
+};
+
+RowMap row_map(const at::Tensor& param) {
   if (param.device().is_meta()) {
     throw std::invalid_argument("fsdp::init: the parameter is on the meta device; call fsdp::to_empty first");
   }
-  int64_t first = 0, rows = param.dim() == 0 ? 1 : param.size(0);
+  RowMap m;
+  m.rows = param.dim() == 0 ? 1 : param.size(0);
+  m.full_rows = m.rows;
   std::optional<tp::TPPlacement> tp;
   if (auto info = shard_info(param)) {
-    first = info->dim0_offset;
-    rows = info->local_rows;
+    m.first = info->dim0_offset;
+    m.rows = info->local_rows;
+    m.full_rows = info->global_shape.empty() ? 1 : info->global_shape[0];
     tp = info->tp;
   } else {
     tp = tp::tp_placement(param);
   }
-  RowSlice slice;
-  std::optional<tp::TPPlacement> rows_tp;  // TP along dim 0: local row -> global row
   if (tp) {
     if (tp->blocks > 1 && tp->dim != 0) {
       throw std::invalid_argument("fsdp::init: a strided (fused) tensor-parallel placement along dim " +
                                   std::to_string(tp->dim) + " is not supported; fuse along dim 0 (ColwiseParallel)");
     }
     if (tp->dim == 0) {
-      rows_tp = tp;
+      m.rows_tp = tp;
+      m.full_rows = tp->global_shape[0];
     } else {
-      slice.full_row_shape.assign(tp->global_shape.begin() + 1, tp->global_shape.end());
-      slice.dim = tp->dim - 1;
-      slice.offset = tp->offset;
-      slice.size = tp->size;
+      m.slice.full_row_shape.assign(tp->global_shape.begin() + 1, tp->global_shape.end());
+      m.slice.dim = tp->dim - 1;
+      m.slice.offset = tp->offset;
+      m.slice.size = tp->size;
+      m.full_rows = tp->global_shape[0];
     }
   }
-  if (rows == 0) return;
+  if (m.rows > 0) m.full_rows = std::max(m.full_rows, m.global(m.rows - 1) + 1);
+  return m;
+}
+
+// The values drawn for n full rows ([n, full row]), cut to the local part of each row.
+at::Tensor local_part(const at::Tensor& full_rows, const RowSlice& slice) {
+  if (slice.dim < 0) return full_rows;
+  std::vector<int64_t> shape{full_rows.size(0)};
+  shape.insert(shape.end(), slice.full_row_shape.begin(), slice.full_row_shape.end());
+  return full_rows.view(shape).narrow(slice.dim + 1, slice.offset, slice.size).reshape({full_rows.size(0), -1});
+}
+
+// Values a device generator draws together: whole rows of the full parameter, about 1M values
+// (4 MB of floats), chunk c holding rows [c * rows_per_chunk, (c + 1) * rows_per_chunk).
+constexpr int64_t kChunkValues = int64_t{1} << 20;
+
+// A generator of `device`'s kind (its own, not the default one) seeded with `seed`.
+at::Generator device_generator(c10::Device device, uint64_t seed) {
+  const at::Generator& def = at::globalContext().defaultGenerator(device);
+  at::Generator gen;
+  {
+    std::lock_guard<std::mutex> lock(const_cast<at::Generator&>(def).mutex());
+    gen = def.clone();
+  }
+  gen.set_current_seed(seed);
+  return gen;
+}
+
+// Fills `param` (a full parameter, a shard, or a TP-local tensor) with the values its rows hold in
+// the full parameter; draw(out, gen) fills a float tensor in place from `gen`. The values depend
+// on (seed, the full parameter's shape, the row) only, never on the world size:
+//  - On the CPU every row has its own generator, seeded with splitmix64(seed + row), drawn one
+//    row at a time (what fsdp::init has always drawn: CPU values are unchanged).
+//  - On a device (CUDA) one generator of the device draws a chunk of whole rows at a time,
+//    seeded with splitmix64(seed + chunk), where the chunks' boundaries depend only on the full
+//    parameter's shape (kChunkValues). PyTorch's device kernels give the same values for the
+//    same generator state, number of values and device model, so every process on the same
+//    kind of GPU draws the same chunk, and each keeps the rows it holds: a shard holds what the
+//    unsharded parameter initialised on that kind of GPU holds. (The values differ from the
+//    CPU's, as torch.manual_seed's do.)
+// Rows are copied in runs (consecutive rows of one chunk), not one by one.
+void fill_rows(const at::Tensor& param, uint64_t seed, const std::function<void(at::Tensor&, at::Generator)>& draw) {
+  const RowMap m = row_map(param);
+  if (m.rows == 0) return;
   if (!param.is_contiguous()) throw std::invalid_argument("fsdp::init: the parameter must be contiguous");
-  at::Tensor as_rows = param.detach().view({rows, -1});  // a view: filling rows fills the parameter
-  for (int64_t r = 0; r < rows; ++r) fill(as_rows[r], rows_tp ? rows_tp->global_index(first + r) : first + r, slice);
-}
-
-// The values drawn for a full row, cut to the local part.
-at::Tensor local_part(const at::Tensor& full_row, const RowSlice& slice) {
-  if (slice.dim < 0) return full_row;
-  return full_row.view(slice.full_row_shape).narrow(slice.dim, slice.offset, slice.size).reshape(-1);
-}
-
-int64_t full_row_numel(const at::Tensor& row, const RowSlice& slice) {
-  if (slice.dim < 0) return row.numel();
-  int64_t n = 1;
-  for (int64_t s : slice.full_row_shape) n *= s;
-  return n;
+  at::Tensor as_rows = param.detach().view({m.rows, -1});  // a view: filling rows fills the parameter
+  int64_t row_values = as_rows.size(1);                    // of a full row
+  if (m.slice.dim >= 0) {
+    row_values = 1;
+    for (int64_t s : m.slice.full_row_shape) row_values *= s;
+  }
+  const int64_t chunk_rows = std::max<int64_t>(1, kChunkValues / std::max<int64_t>(1, row_values));
+  const c10::Device device = param.device();
+  const bool on_cpu = device.is_cpu();
+  c10::OptionalDeviceGuard guard;
+  if (!on_cpu) guard.reset_device(device);
+  const auto floats = param.options().dtype(at::kFloat).requires_grad(false);
+  at::Tensor chunk;  // device: the chunk drawn last
+  int64_t chunk_index = -1;
+  for (int64_t r = 0; r < m.rows;) {
+    const int64_t g = m.global(r), c = g / chunk_rows;
+    int64_t n = 1;
+    while (r + n < m.rows && m.global(r + n) == g + n && (g + n) / chunk_rows == c) ++n;
+    at::Tensor values;  // [n, row_values]: full rows g .. g + n - 1
+    if (on_cpu) {
+      values = at::empty({n, row_values}, floats);
+      for (int64_t i = 0; i < n; ++i) {
+        at::Tensor row = values[i];
+        draw(row, at::detail::createCPUGenerator(splitmix64(seed + static_cast<uint64_t>(g + i))));
+      }
+    } else {
+      if (c != chunk_index) {
+        const int64_t first_row = c * chunk_rows;
+        chunk = at::empty({std::min(chunk_rows, m.full_rows - first_row), row_values}, floats);
+        draw(chunk, device_generator(device, splitmix64(seed + static_cast<uint64_t>(c))));
+        chunk_index = c;
+      }
+      values = chunk.narrow(0, g - c * chunk_rows, n);
+    }
+    as_rows.narrow(0, r, n).copy_(local_part(values, m.slice));
+    r += n;
+  }
 }
 
 }  // namespace
@@ -122,22 +203,12 @@ uint64_t param_seed(uint64_t base_seed, const std::string& name) {
 
 void normal_(const at::Tensor& param, double mean, double std, uint64_t seed) {
   torch::NoGradGuard no_grad;
-  for_each_row(param, [&](at::Tensor row, int64_t r, const RowSlice& slice) {
-    auto gen = at::detail::createCPUGenerator(splitmix64(seed + static_cast<uint64_t>(r)));
-    at::Tensor values =
-        at::normal(mean, std, {full_row_numel(row, slice)}, gen, row.options().dtype(at::kFloat).device(at::kCPU));
-    row.copy_(local_part(values, slice));
-  });
+  fill_rows(param, seed, [&](at::Tensor& out, at::Generator gen) { out.normal_(mean, std, gen); });
 }
 
 void uniform_(const at::Tensor& param, double low, double high, uint64_t seed) {
   torch::NoGradGuard no_grad;
-  for_each_row(param, [&](at::Tensor row, int64_t r, const RowSlice& slice) {
-    auto gen = at::detail::createCPUGenerator(splitmix64(seed + static_cast<uint64_t>(r)));
-    at::Tensor values = at::empty({full_row_numel(row, slice)}, row.options().dtype(at::kFloat).device(at::kCPU));
-    values.uniform_(low, high, gen);
-    row.copy_(local_part(values, slice));
-  });
+  fill_rows(param, seed, [&](at::Tensor& out, at::Generator gen) { out.uniform_(low, high, gen); });
 }
 
 void constant_(const at::Tensor& param, double value) {

@@ -4,7 +4,10 @@
 #include <gtest/gtest.h>
 #include <sys/resource.h>
 
+#include <ATen/CPUGeneratorImpl.h>
+
 #include <cmath>
+#include <cstdint>
 #include <iostream>
 
 #include "fsdp/fsdp.h"
@@ -109,4 +112,40 @@ TEST(MetaInit, ForwardBeforeMaterialisingIsRefused) {
     EXPECT_NE(std::string(e.what()).find("fsdp::to_empty"), std::string::npos) << e.what();
   }
   fsdp::dist::destroy_distributed();
+}
+
+// On the CPU, fsdp::init's values are pinned: row r of a parameter holds what a CPU generator
+// seeded with splitmix64(seed + r) draws for one full row (values drawn in float, then cast), so
+// models initialised before stay bit-identical. Rows of 300 values make the [5000, 300] tensor
+// cross the drawing chunks (1M values) at row 3495; rows of one value take the unvectorised path.
+TEST(MetaInit, CpuValuesAreEachRowsOwnStream) {
+  auto splitmix64 = [](uint64_t x) {
+    x += 0x9E3779B97F4A7C15ull;
+    x = (x ^ (x >> 30)) * 0xBF58476D1CE4E5B9ull;
+    x = (x ^ (x >> 27)) * 0x94D049BB133111EBull;
+    return x ^ (x >> 31);
+  };
+  const uint64_t seed = fsdp::init::param_seed(99, "layer.weight");
+  auto expected = [&](at::IntArrayRef shape, bool normal, at::ScalarType dtype) {
+    const int64_t rows = shape[0];
+    int64_t row_numel = 1;
+    for (size_t d = 1; d < shape.size(); ++d) row_numel *= shape[d];
+    std::vector<at::Tensor> out;
+    for (int64_t r = 0; r < rows; ++r) {
+      auto gen = at::detail::createCPUGenerator(splitmix64(seed + static_cast<uint64_t>(r)));
+      at::Tensor v = normal ? at::normal(0.5, 2.0, {row_numel}, gen, at::TensorOptions().dtype(at::kFloat))
+                            : at::empty({row_numel}, at::kFloat).uniform_(-3.0, 1.0, gen);
+      out.push_back(v.to(dtype));
+    }
+    return at::stack(out).view(shape);
+  };
+  for (auto dtype : {at::kFloat, at::kBFloat16}) {
+    for (std::vector<int64_t> shape : {std::vector<int64_t>{5000, 300}, std::vector<int64_t>{3000}}) {
+      at::Tensor p = at::empty(shape, dtype);
+      fsdp::init::normal_(p, 0.5, 2.0, seed);
+      EXPECT_TRUE(p.equal(expected(shape, true, dtype))) << "normal_ " << p.sizes() << " " << dtype;
+      fsdp::init::uniform_(p, -3.0, 1.0, seed);
+      EXPECT_TRUE(p.equal(expected(shape, false, dtype))) << "uniform_ " << p.sizes() << " " << dtype;
+    }
+  }
 }

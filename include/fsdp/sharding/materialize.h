@@ -10,8 +10,13 @@
 //   model->reset_parameters();                     // 4. initialise them (fsdp::init below)
 //
 // Initialisation must give the unsharded model's values whatever the world size, so fsdp::init
-// draws every row of a parameter from its own stream, keyed by (seed, parameter name, row): a
-// shard draws just its rows, and gets exactly what the full parameter would hold there.
+// draws a parameter's values by row, keyed by (seed, parameter name, row), on the parameter's own
+// device (FSDP2's reset_parameters() after to_empty(device)): a shard draws just its rows, and
+// gets exactly what the full parameter would hold there.
+//  - CPU: every row from its own CPU generator.
+//  - A GPU: chunks of about 1M values (whole rows, boundaries set by the full parameter's shape),
+//    each from its own generator of that GPU; a rank draws the chunks its rows fall in and keeps
+//    its rows. Equal to the unsharded init on the same kind of GPU (not to the CPU's values).
 #include <ATen/ATen.h>
 #include <torch/nn/module.h>
 
@@ -29,7 +34,8 @@ namespace init {
 
 // A parameter's stream seed, from a base seed and its name (stable across world sizes).
 uint64_t param_seed(uint64_t base_seed, const std::string& name);
-// Fill a full parameter, or a shard from fully_shard (rows at its dim-0 offset), row by row.
+// Fill a full parameter, or a shard from fully_shard (rows at its dim-0 offset), by row, on its
+// device.
 void normal_(const at::Tensor& param, double mean, double std, uint64_t seed);
 void uniform_(const at::Tensor& param, double low, double high, uint64_t seed);
 void constant_(const at::Tensor& param, double value);

@@ -8,6 +8,8 @@
 #include <torch/csrc/autograd/engine.h>
 #include <torch/torch.h>
 
+#include <algorithm>
+#include <memory>
 #include <stdexcept>
 
 #include "fsdp/compat/rng.h"
@@ -29,8 +31,9 @@ using torch::autograd::variable_list;
 struct Closure : torch::CustomClassHolder {
   fsdp::detail::TensorFn fn;
   CheckpointOptions options;
-  compat::RngState rng;              // the generators before the forward
-  std::vector<bool> input_is_float;  // which inputs can take a gradient
+  std::vector<at::Device> rng_devices;  // besides the inputs' (a checkpointed module's parameters')
+  compat::RngState rng;                 // the generators before the forward
+  std::vector<bool> input_is_float;     // which inputs can take a gradient
 };
 
 bool differentiable(const at::Tensor& t) { return t.defined() && at::isFloatingType(t.scalar_type()); }
@@ -41,7 +44,7 @@ struct CheckpointFunction : torch::autograd::Function<CheckpointFunction> {
   // function's parameters do.
   static variable_list forward(AutogradContext* ctx, at::TensorList inputs, c10::intrusive_ptr<Closure> closure) {
     std::vector<at::Tensor> args(inputs.begin(), inputs.end() - 1);
-    if (closure->options.preserve_rng_state) closure->rng = compat::capture_rng_state(args);
+    if (closure->options.preserve_rng_state) closure->rng = compat::capture_rng_state(args, closure->rng_devices);
     for (const auto& a : args) closure->input_is_float.push_back(differentiable(a));
     ctx->save_for_backward(args);
     ctx->saved_data["closure"] = c10::IValue::make_capsule(closure);
@@ -129,21 +132,51 @@ struct CheckpointFunction : torch::autograd::Function<CheckpointFunction> {
 
 }  // namespace
 
+namespace {
+
 std::vector<at::Tensor> checkpoint_tensors(const fsdp::detail::TensorFn& fn, const std::vector<at::Tensor>& inputs,
-                                           const CheckpointOptions& options) {
+                                           const CheckpointOptions& options, std::vector<at::Device> rng_devices) {
   if (!torch::GradMode::is_enabled()) return fn(inputs);  // nothing to save memory from
   auto closure = c10::make_intrusive<Closure>();
   closure->fn = fn;
   closure->options = options;
+  closure->rng_devices = std::move(rng_devices);
   std::vector<at::Tensor> args = inputs;
   static const at::Tensor anchor = at::zeros({0}).requires_grad_(true);
   args.push_back(anchor);
   return CheckpointFunction::apply(at::TensorList(args), closure);
 }
 
-fsdp::detail::CallWrapper make_wrapper(const CheckpointOptions& options) {
-  return [options](const fsdp::detail::TensorFn& fn, const std::vector<at::Tensor>& inputs) {
-    return checkpoint_tensors(fn, inputs, options);
+// The CUDA devices of `module`'s parameters and buffers (itself and below): its dropout may draw
+// there even when no input lives there (PyTorch's checkpoint saves only the inputs' devices).
+std::vector<at::Device> module_devices(const torch::nn::Module& module) {
+  std::vector<at::Device> devices;
+  if (!at::hasCUDA()) return devices;  // a CPU-only process: nothing beyond the CPU generator
+  auto add = [&devices](const at::Tensor& t) {
+    if (!t.defined() || !t.is_cuda()) return;
+    if (std::find(devices.begin(), devices.end(), t.device()) == devices.end()) devices.push_back(t.device());
+  };
+  for (const auto& p : module.parameters(/*recurse=*/true)) add(p);
+  for (const auto& b : module.buffers(/*recurse=*/true)) add(b);
+  return devices;
+}
+
+}  // namespace
+
+std::vector<at::Tensor> checkpoint_tensors(const fsdp::detail::TensorFn& fn, const std::vector<at::Tensor>& inputs,
+                                           const CheckpointOptions& options) {
+  return checkpoint_tensors(fn, inputs, options, {});
+}
+
+fsdp::detail::CallWrapper make_wrapper(const CheckpointOptions& options,
+                                       const std::shared_ptr<torch::nn::Module>& module) {
+  std::weak_ptr<torch::nn::Module> weak = module;  // the registry keeps the wrapper while the module lives
+  return [options, weak](const fsdp::detail::TensorFn& fn, const std::vector<at::Tensor>& inputs) {
+    std::vector<at::Device> devices;
+    if (options.preserve_rng_state && torch::GradMode::is_enabled()) {
+      if (auto m = weak.lock()) devices = module_devices(*m);
+    }
+    return checkpoint_tensors(fn, inputs, options, std::move(devices));
   };
 }
 
@@ -152,7 +185,7 @@ fsdp::detail::CallWrapper make_wrapper(const CheckpointOptions& options) {
 bool mark_checkpointed(const std::shared_ptr<torch::nn::Module>& module, const CheckpointOptions& options) {
   if (!module) throw std::invalid_argument("fsdp::activation::checkpoint_wrapper: the module is null");
   const bool was = is_checkpointed(*module);
-  fsdp::hooks::set_call_wrapper(module, detail::make_wrapper(options));
+  fsdp::hooks::set_call_wrapper(module, detail::make_wrapper(options, module));
   return !was;
 }
 

@@ -28,7 +28,11 @@
 //  - RNG: by default the recompute draws the same random numbers as the forward (dropout): the
 //    CPU generator's state, and each input device's CUDA generator's, are saved before the forward
 //    and restored around the recompute; the generators continue afterwards as if nothing was
-//    recomputed. CheckpointOptions::preserve_rng_state = false skips this (dropout then differs).
+//    recomputed. A checkpointed module (checkpoint_wrapper, apply_activation_checkpointing) also
+//    saves its parameters' and buffers' devices' generators (PyTorch's saves the inputs' only), so
+//    a block whose inputs live elsewhere replays its dropout too; a plain checkpoint(fn, ...) call
+//    cannot see what fn uses: there, the inputs' devices only, as in PyTorch.
+//    CheckpointOptions::preserve_rng_state = false skips this (dropout then differs).
 //  - Side effects run twice: anything the function does besides computing its outputs (a counter,
 //    a log line, batch-norm running statistics) happens again in the recompute. Guard it with
 //    fsdp::activation::is_recomputing() to do it once.

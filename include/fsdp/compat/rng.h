@@ -1,9 +1,10 @@
 #pragma once
 // Random-number-generator state for activation checkpointing's replay, on every LibTorch:
 //  - the CPU generator always;
-//  - the default generator of each accelerator device the inputs live on (CUDA), found at run
-//    time through at::globalContext().defaultGenerator(device), so this compiles and runs
-//    without CUDA (a CPU-only build never sees a CUDA tensor).
+//  - the default generator of each accelerator device (CUDA) the inputs live on, and of the
+//    devices the caller adds (a checkpointed module's parameters'), found at run time through
+//    at::globalContext().defaultGenerator(device), so this compiles and runs without CUDA (a
+//    CPU-only build never sees a CUDA tensor).
 // Why activation checkpointing is reentrant-style here: LibTorch's saved-tensor default hooks
 // (at::SavedTensorDefaultHooks, what torch.utils.checkpoint's non-reentrant mode uses) take
 // PyObject* pack/unpack hooks in 1.13 and SafePyObject in 2.x; neither version offers a C++ hook.
@@ -33,18 +34,23 @@ inline void set_generator_state(at::Generator gen, const at::Tensor& state) {
   gen.set_state(state);
 }
 
-// The generators that the computation on `inputs` may draw from.
-inline RngState capture_rng_state(const std::vector<at::Tensor>& inputs) {
+// The generators that the computation on `inputs` may draw from: the CPU's, and those of the
+// CUDA devices the inputs live on and of `devices` (a checkpointed module's parameters' devices:
+// a block whose inputs are elsewhere still draws its dropout on its parameters' device).
+inline RngState capture_rng_state(const std::vector<at::Tensor>& inputs, const std::vector<at::Device>& devices = {}) {
   RngState s;
   s.cpu = generator_state(at::detail::getDefaultCPUGenerator());
-  for (const auto& t : inputs) {
-    if (!t.defined() || t.device().type() != at::kCUDA) continue;
-    bool seen = false;
-    for (const auto& d : s.devices) seen = seen || d.first == t.device();
-    if (!seen && at::hasCUDA()) {
-      s.devices.emplace_back(t.device(), generator_state(at::globalContext().defaultGenerator(t.device())));
+  auto add = [&s](const at::Device& device) {
+    if (device.type() != at::kCUDA) return;
+    for (const auto& d : s.devices) {
+      if (d.first == device) return;
     }
+    if (at::hasCUDA()) s.devices.emplace_back(device, generator_state(at::globalContext().defaultGenerator(device)));
+  };
+  for (const auto& t : inputs) {
+    if (t.defined()) add(t.device());
   }
+  for (const auto& d : devices) add(d);
   return s;
 }
 

@@ -16,7 +16,10 @@ namespace detail {
 // The core, on tensors: returns fn(inputs) as autograd outputs of one recompute node.
 std::vector<at::Tensor> checkpoint_tensors(const fsdp::detail::TensorFn& fn, const std::vector<at::Tensor>& inputs,
                                            const CheckpointOptions& options);
-fsdp::detail::CallWrapper make_wrapper(const CheckpointOptions& options);
+// The call wrapper of a checkpointed module: also saves and restores the generators of the
+// module's parameters' devices.
+fsdp::detail::CallWrapper make_wrapper(const CheckpointOptions& options,
+                                       const std::shared_ptr<torch::nn::Module>& module);
 
 template <typename M>
 std::shared_ptr<torch::nn::Module> shared_module(M& module) {

@@ -7,6 +7,12 @@
 //   fsdprun --nproc-per-node 2 -- llama_scale_bench --role train --hf /var/tmp/tinyllama-1.1b \
 //       --seq 512 --batch 1 --steps 4 --warmup 0 --ac --fixed-batch --lr 1e-4
 //   llama_scale_bench --role train --plain --layers 12 --hidden 768 ... --result FILE   # one process
+//   # the lowest peak per rank (memory options below; the reduce-scatter finished before the next
+//   # unit's backward), with each rank's memory timeline; a TinyLlama-width proxy: --layers 2
+//   # --hidden 2048 --heads 32 --kv-heads 4 --ffn 5632 --vocab 32000 instead of --hf
+//   FSDP_REDUCE_SCATTER_OVERLAP=0 fsdprun --nproc-per-node 2 -- llama_scale_bench --role train \
+//       --hf /var/tmp/tinyllama-1.1b --seq 512 --batch 1 --steps 4 --warmup 0 --ac --fixed-batch --lr 1e-4 \
+//       --malloc tuned --trim-after-backward --wrap split --memory
 //
 // --role load: the model is built on the meta device, fully_shard per decoder layer then the root;
 // the RSS is read (before), this rank's fp32 shards allocated (fsdp::to_empty) and
@@ -244,7 +250,10 @@ class MemoryTimeline {
       ++generation_;
     }
     overall_hwm_ = std::max(overall_hwm_, fsdp_bench::vm_hwm_bytes());
-    std::ofstream("/proc/self/clear_refs") << "5";  // VmHWM := VmRSS
+    std::ofstream reset("/proc/self/clear_refs");
+    reset << "5";  // VmHWM := VmRSS
+    reset.flush();
+    if (!reset) hwm_reset_ = false;
   }
   void end(const fsdp_bench::StateBytes& state) {
     if (!on_) return;
@@ -294,6 +303,10 @@ class MemoryTimeline {
           mb(double(r.parts.optim)), mb(double(e.fsdp.pool_live)), mb(double(e.fsdp.pool_cached_resident)),
           mb(e.unsharded_grads()), mb(e.heap_in_use), mb(e.heap_free), mb(e.mmapped), mb(other(e)));
     }
+    if (!hwm_reset_)
+      std::printf(
+          "rank %d: /proc/self/clear_refs could not be written: each phase's VmHWM is the process's peak so far\n",
+          rank);
     std::printf("rank %d: FSDP's buffers alive at each phase's largest sample, by owner (MB):\n", rank);
     for (const Row& r : rows_) {
       std::printf("  step %d %s:", r.step, phase_name(r.phase));
@@ -348,6 +361,7 @@ class MemoryTimeline {
   Row current_;
   std::vector<Row> rows_;
   uint64_t generation_ = 0;  // a new phase (under mu_)
+  bool hwm_reset_ = true;    // false: /proc/self/clear_refs refused, phase peaks are the process's so far
   double overall_hwm_ = 0;
 };
 

@@ -64,10 +64,11 @@ c10::Stream DeviceStreams::current() const { return c10::impl::VirtualGuardImpl(
 namespace {
 
 // One event per producing stream, recorded again for every wait: cudaStreamWaitEvent takes the
-// event's state when it is called, so a later record does not move an earlier wait.
+// event's state when it is called, so a later record does not move an earlier wait. Never
+// destroyed: at exit the CUDA runtime may be gone before static destructors run.
 c10::Event& producer_event(const c10::Stream& producer) {
-  static std::map<std::pair<int, c10::StreamId>, std::unique_ptr<c10::Event>> events;
-  auto& slot = events[{static_cast<int>(producer.device_index()), producer.id()}];
+  static auto* events = new std::map<std::pair<int, c10::StreamId>, std::unique_ptr<c10::Event>>;
+  auto& slot = (*events)[{static_cast<int>(producer.device_index()), producer.id()}];
   if (!slot) slot = std::make_unique<c10::Event>(producer.device_type());
   return *slot;
 }
@@ -110,15 +111,29 @@ void DeviceStreams::wait_event(const c10::Stream& waiter, const c10::Event& even
 void DeviceStreams::synchronize(const c10::Stream& stream) { stream.synchronize(); }
 
 namespace {
+using EventPair = std::pair<c10::Event, c10::Event>;
 struct WaitTiming {
   std::mutex mu;
   bool on = false;
-  std::vector<std::pair<c10::Event, c10::Event>> pending;  // (before the wait, after it) on the compute stream
-  double done_ms = 0;  // pairs already passed, folded in so that `pending` stays short
+  std::vector<EventPair> pending;  // (before the wait, after it) on the compute stream
+  std::vector<EventPair> spare;    // pairs already read, recorded again by later waits
+  double done_ms = 0;              // pairs already passed, folded in so that `pending` stays short
+  // A pair to record on the stream `on`: a spare one of its device, else a new one.
+  EventPair take(const c10::Stream& on) {
+    for (size_t i = spare.size(); i-- > 0;) {
+      if (spare[i].first.device_index() == on.device_index()) {
+        EventPair p = std::move(spare[i]);
+        spare.erase(spare.begin() + static_cast<std::ptrdiff_t>(i));
+        return p;
+      }
+    }
+    return EventPair(c10::Event(on.device_type(), c10::EventFlag::BACKEND_DEFAULT),
+                     c10::Event(on.device_type(), c10::EventFlag::BACKEND_DEFAULT));
+  }
 };
 WaitTiming& wait_timing() {
-  static WaitTiming t;
-  return t;
+  static auto* t = new WaitTiming;  // never destroyed: its events outlive the CUDA runtime at exit
+  return *t;
 }
 }  // namespace
 
@@ -130,13 +145,13 @@ void DeviceStreams::current_waits_for_all_gather() const {
     wait_stream(cur, all_gather);
     return;
   }
-  // Nothing runs on the compute stream between the two events but the wait itself.
-  c10::Event before(cur.device_type(), c10::EventFlag::BACKEND_DEFAULT);
-  c10::Event after(cur.device_type(), c10::EventFlag::BACKEND_DEFAULT);
-  before.record(cur);
+  // Nothing runs on the compute stream between the two events but the wait itself. The timing
+  // events are reused once read (a pair per wait in flight, not per wait).
+  EventPair timed = t.take(cur);
+  timed.first.record(cur);
   wait_stream(cur, all_gather);
-  after.record(cur);
-  t.pending.emplace_back(std::move(before), std::move(after));
+  timed.second.record(cur);
+  t.pending.push_back(std::move(timed));
   // Nobody may ever ask (all_gather_wait_seconds): fold the pairs the GPU has passed, without a
   // host wait, so the list does not grow step after step.
   if (t.pending.size() >= 256) {
@@ -144,6 +159,7 @@ void DeviceStreams::current_waits_for_all_gather() const {
     for (auto& pair : t.pending) {
       if (pair.second.query()) {
         t.done_ms += pair.first.elapsedTime(pair.second);
+        t.spare.push_back(std::move(pair));
       } else {
         if (&t.pending[kept] != &pair) t.pending[kept] = std::move(pair);
         ++kept;
@@ -167,9 +183,10 @@ double all_gather_wait_seconds() {
   auto& t = detail::wait_timing();
   std::lock_guard<std::mutex> lock(t.mu);
   double ms = std::exchange(t.done_ms, 0.0);
-  for (auto& [before, after] : t.pending) {
-    after.synchronize();
-    ms += before.elapsedTime(after);
+  for (auto& pair : t.pending) {
+    pair.second.synchronize();
+    ms += pair.first.elapsedTime(pair.second);
+    t.spare.push_back(std::move(pair));
   }
   t.pending.clear();
   return ms / 1000.0;

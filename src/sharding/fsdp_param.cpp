@@ -1,5 +1,6 @@
 #include "fsdp_param.h"
 
+#include <c10/core/DeviceGuard.h>
 #include <torch/torch.h>
 
 #include <stdexcept>
@@ -16,6 +17,11 @@ namespace {
 // hold) stays the same. On the CPU the memory comes from FSDP's buffer pool (reused unit after unit
 // and step after step, see fsdp/debug/buffer_pool.h); elsewhere from the storage's own allocator.
 void set_storage_bytes(c10::StorageImpl* storage, size_t nbytes) {
+  // A device allocator (CUDA's caching allocator) allocates on the current device: the storage's
+  // own device is made current, so a rank whose parameters live on cuda:k while the current device
+  // is 0 gets its memory on cuda:k (FSDP2 allocates with device= explicitly).
+  c10::OptionalDeviceGuard on_device;
+  if (storage->device().is_cuda()) on_device.reset_device(storage->device());
   if (nbytes == 0) {
     storage->set_data_ptr_noswap(at::DataPtr(nullptr, storage->device()));
   } else {
@@ -200,6 +206,18 @@ void FSDPParam::accumulate_sharded_grad(const at::Tensor& reduced, int64_t offse
     const bool pinned = placement_.offload_to_cpu && placement_.pin_memory && !device().is_cpu();
     grad = pinned ? at::empty(g.sizes(), g.options().pinned_memory(true)).copy_(g) : g.clone();
   }
+}
+
+bool FSDPParam::adopt_sharded_grad(const at::Tensor& owned, int64_t offset) {
+  at::Tensor& grad = sharded_param_.mutable_grad();
+  if (grad.defined() || owned.scalar_type() != sharded_param_.scalar_type() ||
+      owned.device() != sharded_param_.device() || !owned.is_contiguous()) {
+    return false;
+  }
+  at::Tensor slot = at::empty({0}, owned.options().requires_grad(false));
+  slot.set_(owned.storage(), owned.storage_offset() + offset, local_shape_, c10::contiguous_strides(local_shape_));
+  grad = slot;
+  return true;
 }
 
 void FSDPParam::materialize(c10::Device device) {

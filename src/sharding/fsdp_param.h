@@ -101,6 +101,13 @@ class FSDPParam {
   void accumulate_unsharded_grad();
   // reduced: this rank's flat reduce-scatter output; adds to (or sets) sharded_param.grad.
   void accumulate_sharded_grad(const at::Tensor& reduced, int64_t offset);
+  // With no gradient yet: sharded_param.grad becomes this parameter's rows of `owned` itself (FSDP2's
+  // gradients as views of the reduce-scatter output), not a copy. `owned` is flat, in the shard's
+  // dtype and on its device, and the caller hands it over: nothing else writes it afterwards. The
+  // gradient is a tensor on owned's storage (Tensor::set_), not an autograd view, so optimizers may
+  // detach_() and zero_() it (LibTorch 1.13's zero_grad does). Returns false (nothing done) when a
+  // gradient exists or the dtype or device differ.
+  bool adopt_sharded_grad(const at::Tensor& owned, int64_t offset);
   // Meta-device initialisation: gives the shard memory on `device` (the CPU when offloaded) as a new
   // leaf registered in place of the meta one, and the unsharded parameter zero elements there.
   void materialize(c10::Device device);

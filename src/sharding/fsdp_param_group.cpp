@@ -39,11 +39,17 @@ bool FSDPParamGroup::offloaded_grads() const {
   return !params_.empty() && params_.front()->shard_device().is_cpu() && !params_.front()->device().is_cpu();
 }
 
+c10::OptionalDeviceGuard FSDPParamGroup::device_guard() const {
+  if (params_.empty() || !params_.front()->device().is_cuda()) return c10::OptionalDeviceGuard();
+  return c10::OptionalDeviceGuard(params_.front()->device());
+}
+
 void FSDPParamGroup::unshard(bool async_op, const c10::Event* after) {
   if (state_ != State::Sharded || params_.empty()) {
     if (params_.empty()) state_ = State::Unsharded;
     return;
   }
+  const auto on_device = device_guard();
   const int n = comm_->size();
   const auto& first = params_.front()->padded_shard();
   // Copy-in: every padded shard side by side in one flat input, this rank's row of the output.
@@ -89,7 +95,18 @@ void FSDPParamGroup::unshard(bool async_op, const c10::Event* after) {
     if (!async_op) wait_for_unshard();
     return;
   }
-  all_gather_output_ = empty_buffer({n, total_shard_numel_}, options, BufferOwner::AllGatherOutput);
+  {
+    // After the post-optim event, copy-in waits on that event only, not on the current stream: a
+    // block of the current stream's pool may have been freed after the event while a kernel queued
+    // after it still reads it, and copy-in would write under that reader. So the output (which
+    // copy-in writes: the input is its row) comes from the all-gather stream's pool then, as
+    // FSDP2's foreach_all_gather allocates it under the all-gather stream. It is released after the
+    // current stream's copy-out; the next allocation from that pool is the next step's, after the
+    // next event, which follows that copy-out.
+    std::optional<c10::StreamGuard> on_all_gather;
+    if (s && after && !post_forward_shard_.defined()) on_all_gather.emplace(s->all_gather);
+    all_gather_output_ = empty_buffer({n, total_shard_numel_}, options, BufferOwner::AllGatherOutput);
+  }
   if (post_forward_shard_.defined()) {
     // Backward after an integer reshard: the k ranks of the post-forward group hold, together,
     // every row of the [S, total] output (see the header).
@@ -143,6 +160,7 @@ void FSDPParamGroup::unshard(bool async_op, const c10::Event* after) {
 void FSDPParamGroup::wait_for_unshard() {
   if (state_ == State::Sharded) unshard(/*async_op=*/false);
   if (state_ != State::Unsharding) return;
+  const auto on_device = device_guard();
   if (DeviceStreams* s = streams()) {
     // NCCL: the all-gather stream waits for the collective (no host wait); then the current
     // stream waits for the all-gather stream before it copies the rows out.
@@ -190,6 +208,7 @@ void FSDPParamGroup::reshard() {
   if (state_ == State::Unsharding) wait_for_unshard();  // a gather in flight cannot be cancelled
   post_forward_shard_ = at::Tensor();
   if (state_ != State::Unsharded) return;
+  const auto on_device = device_guard();
   PhaseScope timed(Phase::Reshard);
   const profiler::Range range("fsdp::reshard", label);
   for (auto& p : params_) p->free_unsharded();
@@ -200,6 +219,7 @@ void FSDPParamGroup::reshard_post_forward() {
   if (state_ == State::Unsharding) wait_for_unshard();
   if (!post_forward_comm || state_ != State::Unsharded) return reshard();
   // This rank stands for shard ranks [g*m, (g+1)*m) within its k-group, m = S/k, g its rank there.
+  const auto on_device = device_guard();
   const int64_t m = comm_->size() / post_forward_comm->size();
   const int first_rank = static_cast<int>(post_forward_comm->rank() * m);
   const auto& p0 = params_.front();
@@ -212,6 +232,7 @@ void FSDPParamGroup::reshard_post_forward() {
 }
 
 void FSDPParamGroup::post_backward() {
+  const auto on_device = device_guard();
   if (!requires_gradient_sync) {
     // No sync: the unsharded gradients are kept (in reduce_dtype) and keep accumulating.
     for (auto& p : params_) p->accumulate_unsharded_grad();
@@ -276,9 +297,12 @@ void FSDPParamGroup::post_backward() {
     // The input was written on the current stream; the reduce-scatter stream waits for it, and the
     // collective then overlaps the backward of the units still to come.
     DeviceStreams::wait_stream(s->reduce_scatter, s->current());
-    c10::StreamGuard on_reduce_scatter(s->reduce_scatter);
-    PhaseScope timed(Phase::ReduceScatterIssue);
-    reduce_work_ = comm_->reduce_scatter_tensor(reduce_output_, input.view(-1), op, /*async_op=*/true);
+    {
+      c10::StreamGuard on_reduce_scatter(s->reduce_scatter);
+      PhaseScope timed(Phase::ReduceScatterIssue);
+      reduce_work_ = comm_->reduce_scatter_tensor(reduce_output_, input.view(-1), op, /*async_op=*/true);
+    }
+    queue_post_reduce(*s);
   } else {
     PhaseScope timed(Phase::ReduceScatterIssue);
     reduce_work_ = comm_->reduce_scatter_tensor(reduce_output_, input.view(-1), op, /*async_op=*/true);
@@ -286,11 +310,9 @@ void FSDPParamGroup::post_backward() {
 }
 
 void FSDPParamGroup::start_all_reduce() {
-  DeviceStreams* s = streams();
-  // On a GPU the partial sums are kept and added on the reduce-scatter stream, after the
-  // collective (a stream wait, no host wait on NCCL).
-  std::optional<c10::StreamGuard> on_reduce_scatter;
-  if (s) on_reduce_scatter.emplace(s->reduce_scatter);
+  // The CPU's HSDP (a GPU's is queued by queue_post_reduce): Gloo's collectives run on the host, so
+  // the all-reduce can only start once the reduce-scatter has ended; started one unit later, it
+  // overlaps that unit's backward.
   {
     PhaseScope timed(Phase::ReduceScatterWait);
     reduce_work_.wait();
@@ -300,11 +322,6 @@ void FSDPParamGroup::start_all_reduce() {
     // Partial (shard group only) sums wait for the next all-reduce; nothing reaches .grad yet.
     for (auto& [p, offset] : reduced_params_) p->stash_partial_reduce(reduce_output_, offset);
     reduced_params_.clear();
-    if (s) {
-      on_reduce_scatter.reset();
-      // The buffers were allocated on the current stream: it waits before they are released.
-      DeviceStreams::wait_stream(s->current(), s->reduce_scatter);
-    }
     reduce_output_ = at::Tensor();
     release_buffer(reduce_input_);
     return;
@@ -313,18 +330,95 @@ void FSDPParamGroup::start_all_reduce() {
   // The reduce-scatter averaged over the S shard ranks; averaging over the R replicas makes the
   // division R * S in total, FSDP2's factor for HSDP. A custom factor divides the plain sum.
   const auto op = pending_divide_ ? comm::ReduceOp::Sum : comm::ReduceOp::Avg;
-  if (s) {
-    on_reduce_scatter.reset();
-    DeviceStreams::wait_stream(s->all_reduce, s->reduce_scatter);
-    c10::StreamGuard on_all_reduce(s->all_reduce);
-    reduce_work_ = replicate_comm_->all_reduce(reduce_output_, op, /*async_op=*/true);
-  } else {
-    reduce_work_ = replicate_comm_->all_reduce(reduce_output_, op, /*async_op=*/true);
-  }
+  reduce_work_ = replicate_comm_->all_reduce(reduce_output_, op, /*async_op=*/true);
   all_reduce_started_ = true;
 }
 
+void FSDPParamGroup::queue_post_reduce(DeviceStreams& s) {
+  // FSDP2's foreach_reduce after its reduce-scatter: every step below is queued on a side stream
+  // in order (NCCL's Work::wait is a stream wait), the host waits for none of them, and the
+  // current stream only at the end (finish_reduce).
+  {
+    c10::StreamGuard on_reduce_scatter(s.reduce_scatter);
+    {
+      PhaseScope timed(Phase::ReduceScatterWait);
+      reduce_work_.wait();
+    }
+    reduce_work_ = comm::Work();
+    if (!reduce_scatter_done_) reduce_scatter_done_.emplace(s.reduce_scatter.device_type());
+    reduce_scatter_done_->record(s.reduce_scatter);
+    if (replicate_comm_ && !requires_all_reduce) {
+      // Partial (shard group only) sums wait for the next all-reduce; nothing reaches .grad yet.
+      for (auto& [p, offset] : reduced_params_) p->stash_partial_reduce(reduce_output_, offset);
+      reduced_params_.clear();
+      post_reduce_stream_ = s.reduce_scatter;
+      return;
+    }
+    if (replicate_comm_) {
+      for (auto& [p, offset] : reduced_params_) p->add_partial_reduce(reduce_output_, offset);
+    }
+  }
+  c10::Stream post = s.reduce_scatter;
+  if (replicate_comm_) {
+    // HSDP: the all-reduce over the replicas right after the reduce-scatter, on its own stream
+    // (FSDP2's all_reduce_stream); the current stream waits for it at the end of backward. The
+    // reduce-scatter averaged over the S shard ranks; averaging over the R replicas makes the
+    // division R * S in total, FSDP2's factor for HSDP. A custom factor divides the plain sum.
+    const auto op = pending_divide_ ? comm::ReduceOp::Sum : comm::ReduceOp::Avg;
+    DeviceStreams::wait_stream(s.all_reduce, s.reduce_scatter);
+    c10::StreamGuard on_all_reduce(s.all_reduce);
+    reduce_work_ = replicate_comm_->all_reduce(reduce_output_, op, /*async_op=*/true);
+    reduce_work_.wait();  // a stream wait: the all-reduce stream waits for NCCL's
+    reduce_work_ = comm::Work();
+    post = s.all_reduce;
+  }
+  post_reduce_stream_ = post;
+  c10::StreamGuard on_post(post);
+  if (pending_divide_) reduce_output_.div_(*pending_divide_);
+  pending_divide_.reset();
+  if (!offloaded_grads() || reduced_params_.empty()) return;
+  // CPU offload: the reduced gradients go to pinned host memory with a non-blocking copy on this
+  // stream (FSDP2's foreach_reduce with offload_to_cpu), cast to the shard dtype on the device
+  // first; the host waits for it once, at the end of backward (finish_reduce). Where no gradient
+  // exists yet the copy lands in a fresh pinned buffer (the host allocator's cache) that becomes
+  // the gradients; else in the group's persistent pinned buffer, added to them then.
+  const auto dtype = params_.front()->dtype();
+  offload_source_ = reduce_output_.scalar_type() == dtype ? reduce_output_ : reduce_output_.to(dtype);
+  bool none = true;
+  for (auto& [p, offset] : reduced_params_) none = none && !p->sharded_param().grad().defined();
+  const auto host_options = offload_source_.options().device(at::kCPU).pinned_memory(true);
+  if (none) {
+    offload_host_ = at::empty(offload_source_.sizes(), host_options);
+  } else {
+    if (!offload_staging_.defined() || offload_staging_.numel() < offload_source_.numel() ||
+        offload_staging_.scalar_type() != dtype) {
+      offload_staging_ = at::empty(offload_source_.sizes(), host_options);
+    }
+    offload_host_ = offload_staging_.narrow(0, 0, offload_source_.numel());
+  }
+  offload_adopt_ = none;
+  offload_host_.copy_(offload_source_, /*non_blocking=*/true);
+}
+
+void FSDPParamGroup::release_reduce_input(DeviceStreams& s) {
+  if (!reduce_input_.defined()) return;
+  // FSDP2's reduce_scatter_state event: the input was allocated on the current stream, which waits
+  // for the reduce-scatter (only: not for what follows it on the side streams) before the block
+  // can be handed out again.
+  if (reduce_scatter_done_)
+    DeviceStreams::wait_event(s.current(), *reduce_scatter_done_);
+  else
+    DeviceStreams::wait_stream(s.current(), s.reduce_scatter);
+  release_buffer(reduce_input_);
+}
+
 void FSDPParamGroup::advance_reduce() {
+  if (DeviceStreams* s = streams(); s && !reduce_pieces_) {
+    const auto on_device = device_guard();
+    release_reduce_input(*s);
+    if (reduce_waits_for_end_of_backward()) return;
+    return finish_reduce();
+  }
   if (needs_all_reduce_start())
     start_all_reduce();
   else
@@ -358,28 +452,52 @@ void FSDPParamGroup::finish_reduce_pieces() {
   reduce_pieces_.reset();
 }
 
+void FSDPParamGroup::write_grads(const at::Tensor& reduced, bool owned) {
+  PhaseScope timed(Phase::GradAccumulate);
+  if (reduced_params_.empty()) return;
+  bool none = true;
+  for (auto& [p, offset] : reduced_params_) none = none && !p->sharded_param().grad().defined();
+  if (none) {
+    // No gradient yet (the first step; every step where zero_grad sets them to none, LibTorch
+    // 2.x's default): they become this rank's rows of one buffer of the unit, as FSDP2's are views
+    // of its reduce-scatter output, instead of one allocation and copy each. The buffer is the
+    // result itself where it is the group's (a GPU's reduce output, a fresh offload buffer), else
+    // (the CPU's result is a row of the pooled input, going back to the pool) one copy of it.
+    const at::Tensor& shard = params_.front()->sharded_param();
+    at::Tensor flat = reduced.to(shard.device(), shard.scalar_type());
+    if (flat.is_same(reduced) && !owned) flat = reduced.clone(at::MemoryFormat::Contiguous);
+    for (auto& [p, offset] : reduced_params_) {
+      if (!p->adopt_sharded_grad(flat, offset)) p->accumulate_sharded_grad(reduced, offset);
+    }
+    return;
+  }
+  for (auto& [p, offset] : reduced_params_) p->accumulate_sharded_grad(reduced, offset);
+}
+
 void FSDPParamGroup::finish_reduce() {
   const profiler::Range range("fsdp::reduce_scatter_wait", label);
+  const auto on_device = device_guard();
   if (needs_all_reduce_start()) start_all_reduce();
   if (!has_pending_reduce()) return;
   if (reduce_pieces_) return finish_reduce_pieces();
   at::Tensor reduced = reduce_output_;
+  bool owned = false;
   if (DeviceStreams* s = streams()) {
-    const c10::Stream& side = all_reduce_started_ ? s->all_reduce : s->reduce_scatter;
-    {
-      c10::StreamGuard on_side(side);
-      PhaseScope timed(Phase::ReduceScatterWait);
-      reduce_work_.wait();
-    }
-    DeviceStreams::wait_stream(s->current(), side);
-    if (pending_divide_) reduced.div_(*pending_divide_);
-    if (offloaded_grads()) {
-      // CPU offload: the gradients go back to pinned host memory, where the optimizer reads them
-      // right after backward, so the host waits for this copy.
-      at::Tensor host = at::empty(reduced.sizes(), reduced.options().device(at::kCPU).pinned_memory(true));
-      host.copy_(reduced, /*non_blocking=*/true);
-      DeviceStreams::synchronize(s->current());
-      reduced = host;
+    // Everything was queued by queue_post_reduce; the end of the reduction (FSDP2's
+    // finalize_backward) is one wait: the host's for an offload copy, else the current stream's.
+    release_reduce_input(*s);
+    if (offload_host_.defined()) {
+      {
+        // One host wait per backward: the first group to finish waits for everything queued on
+        // the stream (every unit's copy so far); the others find it done.
+        PhaseScope timed(Phase::ReduceScatterWait);
+        if (!post_reduce_stream_->query()) DeviceStreams::synchronize(*post_reduce_stream_);
+      }
+      reduced = offload_host_;
+      owned = offload_adopt_;
+    } else {
+      DeviceStreams::wait_stream(s->current(), *post_reduce_stream_);
+      owned = true;  // a buffer of its own, allocated on the current stream, which has now waited
     }
   } else {
     {
@@ -391,11 +509,15 @@ void FSDPParamGroup::finish_reduce() {
   }
   reduce_work_ = comm::Work();
   all_reduce_started_ = false;
-  PhaseScope timed(Phase::GradAccumulate);
-  for (auto& [p, offset] : reduced_params_) p->accumulate_sharded_grad(reduced, offset);
+  pending_divide_.reset();
+  write_grads(reduced, owned);
   reduced_params_.clear();
   reduced = at::Tensor();
   reduce_output_ = at::Tensor();  // on the CPU a view of the input: released with it
+  offload_host_ = at::Tensor();
+  offload_source_ = at::Tensor();
+  offload_adopt_ = false;
+  post_reduce_stream_.reset();
   release_buffer(reduce_input_);
 }
 

@@ -23,7 +23,9 @@
 // Gloo group they move each parameter's rows straight between shards, unsharded parameters and
 // gradients: [Note: FSDP's CPU collectives, per parameter] in collectives.h.
 #include <ATen/ATen.h>
+#include <c10/core/DeviceGuard.h>
 #include <c10/core/Event.h>
+#include <c10/core/Stream.h>
 
 #include <memory>
 #include <optional>
@@ -67,12 +69,18 @@ class FSDPParamGroup {
   // Reshards afterwards when reshard_after_backward.
   void post_backward();
   bool has_pending_reduce() const { return reduce_output_.defined() || reduce_pieces_.has_value(); }
-  // One step of a pending reduction: under HSDP, a finished reduce-scatter starts its all-reduce
-  // over the replicas (asynchronously, so it overlaps the next unit's backward); otherwise, or
-  // once that is in flight, finish_reduce().
+  // One step of a pending reduction, called from the next unit's backward. On the CPU: under
+  // HSDP, a finished reduce-scatter starts its all-reduce over the replicas (asynchronously, so it
+  // overlaps the next unit's backward); otherwise, or once that is in flight, finish_reduce(). On
+  // a GPU everything after the reduce-scatter was queued on the side streams by post_backward:
+  // the current stream waits for the reduce-scatter and its input is released; where an HSDP
+  // all-reduce or a CPU offload copy follows, the rest waits for the end of backward (FSDP2's
+  // finalize_backward), else finish_reduce().
   void advance_reduce();
-  // Waits for the reduction (reduce-scatter, then HSDP's all-reduce) and writes (or adds to) the
-  // sharded gradients.
+  // Waits for the reduction (reduce-scatter, then HSDP's all-reduce, then on a GPU with CPU
+  // offload the copy to the host) and writes (or adds to) the sharded gradients. Gradients that
+  // do not exist yet become tensors on one buffer of the unit (the reduce output itself on a GPU,
+  // where it has its own; one copy of this rank's row on the CPU) instead of a copy each.
   void finish_reduce();
 
   bool reshard_after_forward = true;
@@ -112,6 +120,18 @@ class FSDPParamGroup {
   std::optional<GatherPieces> gather_pieces_;
   std::optional<ReducePieces> reduce_pieces_;
   bool all_reduce_started_ = false;  // HSDP: reduce_work_ is the all-reduce, not the reduce-scatter
+  // GPU: what post_backward queued after the reduce-scatter (queue_post_reduce). The stream that
+  // writes reduce_output_ last (reduce_scatter, or all_reduce under HSDP), which the current
+  // stream waits for before it reads the result; an event recorded right after the
+  // reduce-scatter, which the current stream waits for before reduce_input_ is released.
+  std::optional<c10::Stream> post_reduce_stream_;
+  std::optional<c10::Event> reduce_scatter_done_;
+  // GPU with CPU offload: the reduced gradients' copy to pinned host memory, queued non-blocking on
+  // the post-reduce stream; the host waits for it once, at the end of backward.
+  at::Tensor offload_host_;     // where the copy lands
+  at::Tensor offload_source_;   // the device tensor it reads (reduce_output_ or its cast), kept until then
+  bool offload_adopt_ = false;  // offload_host_ is a fresh buffer that becomes the gradients (there were none)
+  at::Tensor offload_staging_;  // persistent pinned buffer, the copy's target when gradients exist (added to)
 
   // The side streams of the parameters' device; null on the CPU (see streams.h).
   DeviceStreams* streams() const;
@@ -126,8 +146,27 @@ class FSDPParamGroup {
   bool gathers_pieces() const;
   bool reduces_pieces(const std::vector<std::pair<FSDPParam*, at::Tensor>>& grads) const;
   void finish_reduce_pieces();
-  bool needs_all_reduce_start() const { return replicate_comm_ && has_pending_reduce() && !all_reduce_started_; }
+  // CPU only: a GPU's all-reduce is queued by post_backward (queue_post_reduce).
+  bool needs_all_reduce_start() const {
+    return replicate_comm_ && has_pending_reduce() && !all_reduce_started_ && !streams();
+  }
   void start_all_reduce();
+  // The parameters' device made current for the scope (CUDA only): the caching allocator and
+  // kernels without tensor arguments use the current device.
+  c10::OptionalDeviceGuard device_guard() const;
+  // GPU: after the reduce-scatter is issued, HSDP's all-reduce, the divide and CPU offload's copy to
+  // the host, all queued on side streams (FSDP2's foreach_reduce), no host wait.
+  void queue_post_reduce(DeviceStreams& s);
+  // GPU: the current stream waits for the reduce-scatter, then its input goes back.
+  void release_reduce_input(DeviceStreams& s);
+  // The end of a reduction where the result has to wait on the side streams: HSDP's all-reduce or
+  // the offload copy.
+  bool reduce_waits_for_end_of_backward() const {
+    return offload_host_.defined() || (replicate_comm_ && !reduced_params_.empty());
+  }
+  // Writes (or adds) `reduced` into the sharded gradients of reduced_params_; `owned`: reduced is
+  // the group's to hand over (nothing else writes it afterwards).
+  void write_grads(const at::Tensor& reduced, bool owned);
 };
 
 }  // namespace fsdp::detail

@@ -29,6 +29,7 @@
 #include <string>
 #include <vector>
 
+#include <atomic>
 #include <filesystem>
 #include <thread>
 
@@ -43,6 +44,7 @@
 #include <ATen/cuda/Sleep.h>
 #include <c10/cuda/CUDACachingAllocator.h>
 #include <c10/cuda/CUDAFunctions.h>
+#include <c10/cuda/CUDAStream.h>
 #include <c10/util/Exception.h>
 #endif
 
@@ -495,6 +497,128 @@ FSDP_RANK_WORKER(gpu_second_device) {
   TORCH_CHECK(c10::cuda::current_device() == 0, "FSDP changed the current device");
 }
 
+namespace {
+
+// Counts CUDA's sync-debug warnings on every thread that installed it (backward's hooks run on the
+// autograd engine's device thread, whose warning handler is its own); lives as long as the process.
+class GlobalSyncCounter : public c10::WarningHandler {
+ public:
+  void process(const c10::Warning& w) override {
+    if (active.load() && w.msg().find("synchroniz") != std::string::npos) ++count;
+  }
+  std::atomic<bool> active{false};
+  std::atomic<int> count{0};
+};
+GlobalSyncCounter& global_sync_counter() {
+  static auto* counter = new GlobalSyncCounter();  // never destroyed: device threads keep a pointer
+  return *counter;
+}
+
+}  // namespace
+
+// CPU offload: the reduced gradients go to pinned host memory with non-blocking copies on the
+// side stream, and the host waits once, at the end of backward (FSDP2's finalize_backward), not
+// at every unit (before: a whole-stream synchronisation per unit). Counted with CUDA's sync-debug
+// mode on the calling thread and on the autograd device thread; values checked against plain
+// training, with gradients set to none (fresh buffers that become the gradients) and zeroed in
+// place (the persistent staging buffer, added to them) on alternate steps.
+FSDP_RANK_WORKER(gpu_offload_waits_once) {
+  init_cuda_runtime(/*gloo=*/false);
+  const auto c = small_config();
+  const int steps = 6;
+  const Run want = train_plain(c, steps, /*bf16=*/false);
+  fsdp::FullyShardOptions o;
+  o.offload_policy = fsdp::CPUOffloadPolicy{};
+  GPT model = fresh_model(c);
+  shard_blocks_then_root(model, o);
+  auto opt = optimizer_for(*model);
+  auto& counter = global_sync_counter();
+  c10::WarningHandler* previous = c10::WarningUtils::get_warning_handler();
+  c10::WarningUtils::set_warning_handler(&counter);
+  std::vector<double> losses;
+  for (int s = 0; s < steps; ++s) {
+    for (const auto& p : model->parameters()) {
+      if (s % 2 == 0 || !p.grad().defined()) {
+        p.mutable_grad().reset();
+      } else {
+        torch::NoGradGuard no_grad;
+        p.mutable_grad().zero_();
+      }
+    }
+    auto data = batch_of(c, s).to(gpu());
+    auto logits = fsdp::call(model, data.narrow(1, 0, c.block_size));
+    logits.register_hook([&counter](const at::Tensor& g) {
+      c10::WarningUtils::set_warning_handler(&counter);  // the autograd device thread's handler
+      return g;
+    });
+    auto loss = fsdp::models::gpt_loss(logits, data.narrow(1, 1, c.block_size));
+    counter.count = 0;
+    counter.active = true;
+    sync_debug(c10::cuda::SyncDebugMode::L_WARN);
+    loss.backward();
+    sync_debug(c10::cuda::SyncDebugMode::L_DISABLED);
+    counter.active = false;
+    TORCH_CHECK(counter.count <= 1, "step ", s, ": backward with CPU offload synchronised the host ",
+                counter.count.load(), " times; once, at its end");
+    for (const auto& p : model->parameters()) {
+      TORCH_CHECK(p.grad().defined() && p.grad().is_cpu() && p.grad().is_pinned(),
+                  "offloaded gradients must land in pinned host memory");
+    }
+    opt.step();
+    losses.push_back(loss.item<double>());
+  }
+  c10::WarningUtils::set_warning_handler(previous);
+  check_losses(losses, want.losses, 1e-6);
+  check_shards(model, want.params, 1e-6);
+}
+
+// set_post_optim_event: the root's first all-gather of a step waits on the user's event only.
+// A tensor of exactly the all-gather output's size is allocated after the event, read by a kernel
+// queued behind 50 ms of spinning, and freed: were the output allocated from the current stream's
+// pool (it would get that block), copy-in would overwrite it before the reader ran.
+FSDP_RANK_WORKER(gpu_post_optim_event_allocation) {
+  init_cuda_runtime(/*gloo=*/false);
+  const auto c = small_config();
+  GPT model = fresh_model(c);
+  auto root = fsdp::fully_shard(model);  // one unit: its all-gather output holds every parameter
+  auto opt = optimizer_for(*model);
+  int64_t total = 0;
+  for (const auto& p : model->parameters()) total += p.numel();
+  for (int s = 0; s < 4; ++s) {
+    opt.zero_grad();
+    auto data = batch_of(c, s).to(gpu());
+    auto logits = fsdp::call(model, data.narrow(1, 0, c.block_size));
+    fsdp::models::gpt_loss(logits, data.narrow(1, 1, c.block_size)).backward();
+    opt.step();
+    auto event = std::make_shared<c10::Event>(c10::DeviceType::CUDA);
+    event->record(c10::cuda::getCurrentCUDAStream());
+    root.set_post_optim_event(event);
+    at::Tensor freed = at::full({total}, 7.0, at::TensorOptions().device(gpu()));
+    busy_current_stream(50);
+    at::Tensor read = freed.clone();  // queued behind the spinning
+    freed = at::Tensor();             // its block is free for the current stream's next allocation
+    auto next = fsdp::call(model, data.narrow(1, 0, c.block_size));  // the all-gather after the event
+    TORCH_CHECK(read.eq(7.0).all().item<bool>(), "step ", s,
+                ": the all-gather after the post-optim event wrote into a block a queued kernel still read");
+    TORCH_CHECK(std::isfinite(next.sum().item<double>()));
+  }
+}
+
+// HSDP on a 1x1 mesh through NCCL: each unit's all-reduce over the replicas is queued right after
+// its reduce-scatter and waited for at the end of backward; with the stream-race mode on, a missing
+// wait shows as a difference from plain training.
+FSDP_RANK_WORKER(gpu_hsdp_one_by_one) {
+  init_cuda_runtime(/*gloo=*/false);
+  fsdp::FullyShardOptions o;
+  o.mesh = fsdp::init_device_mesh({1, 1}, {"replicate", "shard"});
+  const auto c = small_config();
+  const int steps = 8;
+  const Run want = train_plain(c, steps, /*bf16=*/false);
+  Run got = train_fsdp(
+      c, steps, [&](GPT& m) { shard_blocks_then_root(m, o); }, /*bf16=*/false, &want.losses, 1e-5);
+  check_shards(got.model, want.params, 1e-5);
+}
+
 #endif  // FSDP_HAS_CUDA
 
 namespace {
@@ -603,4 +727,21 @@ TEST(Gpu, FiftyStepsOfManySmallUnitsTwoRanksSharingOneGpu) {
   o.env["FSDP_TEST_GLOO"] = "1";
   o.env["FSDP_STREAM_RACE_US"] = "200";
   EXPECT_RANKS_PASS(2, "gpu_many_units", o);
+}
+
+TEST(Gpu, CpuOffloadWaitsOnceAtTheEndOfBackward) {
+  SKIP_WITHOUT_GPU(true);
+  EXPECT_RANKS_PASS(1, "gpu_offload_waits_once", through_nccl());
+}
+
+TEST(Gpu, PostOptimEventAllGatherDoesNotReuseTheComputeStreamsBlocks) {
+  SKIP_WITHOUT_GPU(true);
+  EXPECT_RANKS_PASS(1, "gpu_post_optim_event_allocation", through_nccl());
+}
+
+TEST(Gpu, HsdpAllReduceQueuedAfterTheReduceScatterMatchesPlainTraining) {
+  SKIP_WITHOUT_GPU(true);
+  auto o = through_nccl();
+  o.env["FSDP_STREAM_RACE_US"] = "200";
+  EXPECT_RANKS_PASS(1, "gpu_hsdp_one_by_one", o);
 }

@@ -5,6 +5,9 @@
 
 #include <cstdlib>
 #include <iostream>
+#include <map>
+#include <string>
+#include <vector>
 
 #include "fsdp/debug.h"
 #include "fsdp/fsdp.h"
@@ -238,5 +241,64 @@ FSDP_RANK_WORKER(gradient_divide_factor) {
 
 TEST(FullyShardSettings, GradientDivideFactorOneSums) {
   auto r = run_ranks(2, "gradient_divide_factor");
+  EXPECT_TRUE(r.all_ok()) << r.report();
+}
+
+// Gradients that do not exist yet (the first step, or zero_grad setting them to none) become this
+// rank's rows of one buffer per unit, as FSDP2's are views of its reduce-scatter output, instead
+// of a copy each: a unit's gradients share that buffer, are not autograd views (LibTorch 1.13's
+// zero_grad detach_()s them), equal the one-process gradient's rows, stay independent when one is
+// zeroed in place, and accumulate over a second backward.
+FSDP_RANK_WORKER(grads_share_unit_buffer) {
+  fsdp::set_cpu_collective_options({});  // the flat layout (FSDP_CPU_COLLECTIVES may say otherwise)
+  const auto c = uneven_config();
+  const int rank = fsdp::dist::rank();
+  const auto data = global_batch(c, 6, 0, 0);
+  torch::manual_seed(42);
+  GPT full(c);
+  fsdp::models::gpt_loss(full->forward(data.narrow(1, 0, c.block_size)), data.narrow(1, 1, c.block_size)).backward();
+  std::map<std::string, at::Tensor> want;
+  for (const auto& p : full->named_parameters()) want[p.key()] = p.value().grad().clone();
+
+  torch::manual_seed(42);
+  GPT model(c);
+  shard_blocks_then_root(model);
+  const auto mine = data.narrow(0, 3 * rank, 3);
+  auto backward = [&] {
+    fsdp::models::gpt_loss(fsdp::call(model, mine.narrow(1, 0, c.block_size)), mine.narrow(1, 1, c.block_size))
+        .backward();
+  };
+  // Each gradient against `scale` times the one-process gradient's rows (`skip`: the one zeroed).
+  auto check = [&](double scale, const at::Tensor& skip) {
+    for (const auto& p : model->named_parameters()) {
+      if (p.value().is_same(skip)) continue;
+      const auto info = fsdp::shard_info(p.value());
+      at::Tensor rows = want.at(p.key());
+      rows = (rows.dim() == 0 ? rows.reshape({1}) : rows).narrow(0, info->dim0_offset, info->local_rows);
+      TORCH_CHECK(p.value().grad().defined(), p.key(), " has no gradient");
+      TORCH_CHECK(p.value().grad().allclose(rows * scale, 1e-4, 1e-6), p.key(), ": gradient differs from ", scale,
+                  " x the one-process gradient's rows");
+    }
+  };
+  backward();
+  std::vector<at::Tensor> block = model->blocks[0]->parameters();
+  for (const auto& p : block) {
+    TORCH_CHECK(!p.grad().is_view(), "a gradient must not be an autograd view (optimizers detach_() it)");
+    TORCH_CHECK(p.grad().is_alias_of(block[0].grad()), "a unit's new gradients must share one buffer");
+  }
+  check(1.0, {});
+  {
+    torch::NoGradGuard no_grad;
+    block[0].grad().detach_();  // what LibTorch 1.13's Optimizer::zero_grad does
+    block[0].grad().zero_();
+  }
+  check(1.0, block[0]);
+  TORCH_CHECK(block[0].grad().abs().sum().item<double>() == 0.0, "the zeroed gradient must stay zero");
+  backward();
+  check(2.0, block[0]);
+}
+
+TEST(FullyShardGradients, NewGradientsShareOneBufferPerUnit) {
+  auto r = run_ranks(2, "grads_share_unit_buffer");
   EXPECT_TRUE(r.all_ok()) << r.report();
 }

@@ -64,3 +64,51 @@ TEST(Replicate, GradientsLiveInTheBuckets) {
   o.timeout = std::chrono::milliseconds(300000);
   EXPECT_RANKS_PASS(2, "replicate_grads_in_buckets", o);
 }
+
+// Each gradient goes into its bucket as soon as backward has produced it (DDP's
+// mark_variable_ready), not when the whole bucket is ready: with one bucket for the whole model,
+// the second layer's gradients already live in it while the first layer's backward has yet to
+// run, though the bucket's all-reduce waits for that layer. A fresh gradient (the first step, or
+// set to none by zero_grad) is thus freed while backward still allocates.
+FSDP_RANK_WORKER(replicate_fills_bucket_early) {
+  torch::manual_seed(0);
+  TwoLayers model;
+  auto ddp = fsdp::replicate(model);
+  TORCH_CHECK(ddp.num_buckets() == 1, "one bucket expected, got ", ddp.num_buckets());
+  const int rank = fsdp::dist::rank(), world = fsdp::dist::world_size();
+  torch::manual_seed(7 + rank);
+  auto x = torch::randn({4, 32});
+  auto h = model->l1(x).relu();
+  bool in_bucket = false;
+  h.register_hook([&](const at::Tensor&) {  // runs after l2's backward, before l1's
+    const auto& w = model->l2->weight.grad();
+    const auto& b = model->l2->bias.grad();
+    in_bucket = w.defined() && b.defined() && w.is_alias_of(b) && !model->l1->weight.grad().defined();
+  });
+  model->l2(h).sum().backward();
+  TORCH_CHECK(in_bucket, "l2's gradients were not in the bucket before l1's backward");
+  for (const auto& p : model->parameters()) {
+    TORCH_CHECK(p.grad().is_alias_of(model->l2->weight.grad()), "a gradient is not in the bucket after backward");
+  }
+  // The bucket holds the average: divided on the way in (Gloo has no AVG), summed by the all-reduce.
+  auto g = model->l1->weight.grad().clone();
+  fsdp::dist::world_comm()->broadcast(g, 0);
+  TORCH_CHECK(g.equal(model->l1->weight.grad()), "rank ", rank, " holds a gradient that differs from rank 0's");
+  torch::manual_seed(0);
+  TwoLayers alone;
+  at::Tensor sum;
+  for (int r = 0; r < world; ++r) {
+    torch::manual_seed(7 + r);
+    alone->zero_grad();
+    alone->forward(torch::randn({4, 32})).sum().backward();
+    sum = r == 0 ? alone->l1->weight.grad().clone() : sum + alone->l1->weight.grad();
+  }
+  TORCH_CHECK(model->l1->weight.grad().allclose(sum / world, 1e-6, 1e-7), "the bucket does not hold the average");
+  if (rank == 0) std::cout << "l2's gradients were in the bucket before l1's backward; the average after" << std::endl;
+}
+
+TEST(Replicate, GradientsGoIntoTheBucketWhenReady) {
+  RanksOptions o;
+  o.timeout = std::chrono::milliseconds(300000);
+  EXPECT_RANKS_PASS(2, "replicate_fills_bucket_early", o);
+}

@@ -20,19 +20,29 @@
 //      all_gather; only then does it copy the rows out and compute with them.
 //   3. post_backward: the reduce-scatter input is built on the current stream; reduce_scatter
 //      waits on it and issues the collective, which then overlaps the next (earlier) unit's
-//      backward. The reduction is finished one unit later (queue_reduce): the current stream
-//      waits on reduce_scatter (or all_reduce under HSDP, which first waits on reduce_scatter)
-//      before it reads the reduced gradients.
+//      backward. Right behind it, on side streams and without a host wait (FSDP2's foreach_reduce):
+//      an event records the reduce-scatter's end; under HSDP all_reduce waits on reduce_scatter and
+//      issues the all-reduce over the replicas; the divide by a custom factor and the CPU-offload
+//      copy follow on the last of those streams (the "post-reduce" stream). The next unit's
+//      post_backward makes the current stream wait only on the reduce-scatter's event before it
+//      releases this unit's input. The current stream waits on the post-reduce stream before it
+//      reads the reduced gradients: one unit later for plain FSDP, at the end of backward under
+//      HSDP and with offload.
 //   4. CPU offload: the shards live in pinned host memory, copied in with non_blocking copies on
-//      copy_in; the reduced gradients go back to pinned host memory, and the host waits for that
-//      copy (the optimizer runs on the CPU right after backward).
+//      copy_in; the reduced gradients go to pinned host memory with a non_blocking copy on the
+//      post-reduce stream, and the host waits once, at the end of backward (FSDP2's
+//      finalize_backward), before the optimizer runs on the CPU.
 // Memory that crosses streams: every buffer a side stream reads or writes (all-gather input and
 // output, reduce-scatter input and output, the post-forward shard) is allocated on the current
 // stream *before* the side stream waits on it, and is released only after the current stream has
 // waited on the side stream's event. The caching allocator hands a freed block out again only to
 // allocations on the stream it was allocated on, in that stream's order, so no kernel of another
 // stream can still read it then: no record_stream is needed, and a block never moves between
-// streams' pools (FSDP2 keeps its buffers until the consuming event for the same reason).
+// streams' pools (FSDP2 keeps its buffers until the consuming event for the same reason). Two
+// exceptions, each freed only after the matching wait: with a post-optim event the all-gather
+// output is allocated on all_gather (FSDP2 does so: the compute stream's blocks freed after the
+// event may still be read by kernels queued after it), and the offload cast on the post-reduce
+// stream.
 // Stream-race mode (a test mode: FSDP_STREAM_RACE_US=N): every side stream spins for about N
 // microseconds (at::cuda::sleep) right after each wait it is given, i.e. before each copy or
 // collective it runs, so a consumer that forgot to wait reads a buffer not yet written (a wrong

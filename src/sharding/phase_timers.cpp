@@ -18,7 +18,9 @@ bool from_env() {
 }
 constexpr size_t kCount = static_cast<size_t>(Phase::Count);
 std::array<std::atomic<uint64_t>, kCount> g_ns{};
+std::array<std::atomic<uint64_t>, kCount> g_cpu_ns{};
 std::array<std::atomic<uint64_t>, kCount> g_calls{};
+std::atomic<uint64_t> g_unhooked_ns{0}, g_unhooked_cpu_ns{0};
 }  // namespace
 
 std::atomic<int> g_phase_timers_on{-1};
@@ -30,9 +32,14 @@ int read_phase_timers_env() {
   return g_phase_timers_on.load();
 }
 
-void add_phase_time(Phase p, uint64_t ns) {
+void add_phase_time(Phase p, uint64_t ns, uint64_t cpu_ns, bool unhooked) {
   g_ns[static_cast<size_t>(p)].fetch_add(ns, std::memory_order_relaxed);
+  g_cpu_ns[static_cast<size_t>(p)].fetch_add(cpu_ns, std::memory_order_relaxed);
   g_calls[static_cast<size_t>(p)].fetch_add(1, std::memory_order_relaxed);
+  if (unhooked) {
+    g_unhooked_ns.fetch_add(ns, std::memory_order_relaxed);
+    g_unhooked_cpu_ns.fetch_add(cpu_ns, std::memory_order_relaxed);
+  }
 }
 }  // namespace detail
 
@@ -54,22 +61,42 @@ const char* phase_name(Phase p) {
   return "?";
 }
 
+PhaseTimes PhaseTimes::operator-(const PhaseTimes& before) const {
+  PhaseTimes d;
+  for (size_t i = 0; i < detail::kCount; ++i) {
+    d.ns[i] = ns[i] - before.ns[i];
+    d.cpu_ns[i] = cpu_ns[i] - before.cpu_ns[i];
+    d.calls[i] = calls[i] - before.calls[i];
+  }
+  d.unhooked_ns = unhooked_ns - before.unhooked_ns;
+  d.unhooked_cpu_ns = unhooked_cpu_ns - before.unhooked_cpu_ns;
+  return d;
+}
+
 std::string PhaseTimes::table(int steps) const {
   const double per = steps > 0 ? static_cast<double>(steps) : 1.0;
-  std::string out = "| phase | calls / step | ms / step |\n|---|---|---|\n";
-  double leaves = 0;
-  char line[160];
+  std::string out = "| phase | calls / step | ms / step | CPU ms / step |\n|---|---|---|---|\n";
+  // The leaves inside the hooks: all of them but those run directly (e.g. FSDPModule::unshard).
+  double leaves = -static_cast<double>(unhooked_ns) / 1e6, leaves_cpu = -static_cast<double>(unhooked_cpu_ns) / 1e6;
+  char line[200];
   for (size_t i = 0; i < detail::kCount; ++i) {
     const auto p = static_cast<Phase>(i);
-    if (p != Phase::Hooks) leaves += ms(p);
-    std::snprintf(line, sizeof line, "| %s | %.1f | %.2f |\n", phase_name(p), static_cast<double>(calls[i]) / per,
-                  ms(p) / per);
+    if (p != Phase::Hooks) {
+      leaves += ms(p);
+      leaves_cpu += cpu_ms(p);
+    }
+    std::snprintf(line, sizeof line, "| %s | %.1f | %.2f | %.2f |\n", phase_name(p),
+                  static_cast<double>(calls[i]) / per, ms(p) / per, cpu_ms(p) / per);
     out += line;
   }
-  // The phases run inside the hooks (unless called directly, e.g. FSDPModule::unshard).
-  std::snprintf(line, sizeof line, "| hooks minus the phases above (bookkeeping) | | %.2f |\n",
-                (ms(Phase::Hooks) - leaves) / per);
+  std::snprintf(line, sizeof line, "| hooks minus the phases inside them (bookkeeping) | | %.2f | %.2f |\n",
+                (ms(Phase::Hooks) - leaves) / per, (cpu_ms(Phase::Hooks) - leaves_cpu) / per);
   out += line;
+  if (unhooked_ns > 0) {
+    std::snprintf(line, sizeof line, "| phases outside the hooks (included above) | | %.2f | %.2f |\n",
+                  static_cast<double>(unhooked_ns) / 1e6 / per, static_cast<double>(unhooked_cpu_ns) / 1e6 / per);
+    out += line;
+  }
   return out;
 }
 
@@ -79,16 +106,22 @@ bool phase_timers_enabled() { return detail::phase_timers_on(); }
 void reset_phase_timers() {
   for (size_t i = 0; i < detail::kCount; ++i) {
     detail::g_ns[i].store(0, std::memory_order_relaxed);
+    detail::g_cpu_ns[i].store(0, std::memory_order_relaxed);
     detail::g_calls[i].store(0, std::memory_order_relaxed);
   }
+  detail::g_unhooked_ns.store(0, std::memory_order_relaxed);
+  detail::g_unhooked_cpu_ns.store(0, std::memory_order_relaxed);
 }
 
 PhaseTimes phase_times() {
   PhaseTimes t;
   for (size_t i = 0; i < detail::kCount; ++i) {
     t.ns[i] = detail::g_ns[i].load(std::memory_order_relaxed);
+    t.cpu_ns[i] = detail::g_cpu_ns[i].load(std::memory_order_relaxed);
     t.calls[i] = detail::g_calls[i].load(std::memory_order_relaxed);
   }
+  t.unhooked_ns = detail::g_unhooked_ns.load(std::memory_order_relaxed);
+  t.unhooked_cpu_ns = detail::g_unhooked_cpu_ns.load(std::memory_order_relaxed);
   return t;
 }
 

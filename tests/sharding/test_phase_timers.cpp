@@ -1,8 +1,9 @@
 // FSDP's phase timers (fsdp/debug/phase_timers.h): with the timers on, every phase
 // of a training step is counted as often as FSDP runs it (an all-gather per unit in forward, one
 // per resharded unit in backward, a reduce-scatter per unit) and takes time; the hooks' inclusive
-// time covers the phases inside them; with the timers off nothing is counted; a bad
-// FSDP_PHASE_TIMERS names the variable and the values it takes.
+// time covers the phases inside them; each phase's thread CPU time is counted, and is at most its
+// wall time; the difference of two snapshots is what ran between them; with the timers off
+// nothing is counted; a bad FSDP_PHASE_TIMERS names the variable and the values it takes.
 #include <gtest/gtest.h>
 
 #include <cstdlib>
@@ -61,22 +62,62 @@ FSDP_RANK_WORKER(phase_timers_count_every_phase) {
   TORCH_CHECK(calls(t, Phase::Reshard) >= 2 * 2 * blocks, "reshard: ", calls(t, Phase::Reshard), " calls");
   TORCH_CHECK(calls(t, Phase::GradAccumulate) >= reduces, "grad write: ", calls(t, Phase::GradAccumulate));
   TORCH_CHECK(calls(t, Phase::PoolTrim) >= 1, "the pool was never trimmed after forward");
-  double leaves = 0;
+  double leaves = 0, leaves_cpu = 0;
   for (int i = 0; i < static_cast<int>(Phase::Count); ++i) {
     const auto p = static_cast<Phase>(i);
+    // The CPU clock is read inside the wall clock's readings: a scope's CPU time cannot exceed them.
+    TORCH_CHECK(t.cpu_ns[static_cast<size_t>(i)] <= t.ns[static_cast<size_t>(i)], fsdp::phase_name(p), ": CPU ",
+                t.cpu_ms(p), " ms > wall ", t.ms(p), " ms");
     if (p == Phase::Hooks || calls(t, p) == 0) continue;
     TORCH_CHECK(t.ns[static_cast<size_t>(i)] > 0, fsdp::phase_name(p), " was counted but took no time");
     leaves += t.ms(p);
+    leaves_cpu += t.cpu_ms(p);
   }
   TORCH_CHECK(t.ms(Phase::Hooks) >= leaves, "the hooks (", t.ms(Phase::Hooks),
               " ms) took less than the phases inside them (", leaves, " ms)");
+  // Copying the shards in and out is work on this thread, not waiting.
+  TORCH_CHECK(t.cpu_ns[static_cast<size_t>(Phase::CopyIn)] > 0 && t.cpu_ns[static_cast<size_t>(Phase::CopyOut)] > 0,
+              "the copies took no CPU time");
+  // Every phase here runs inside a hook, so FSDP's own CPU time is the hooks' (which hold the phases').
+  TORCH_CHECK(t.unhooked_ns == 0 && t.unhooked_cpu_ns == 0, "a phase was counted outside the hooks");
+  TORCH_CHECK(t.own_cpu_ms() == t.cpu_ms(Phase::Hooks) && t.own_cpu_ms() >= leaves_cpu, "FSDP's own CPU ",
+              t.own_cpu_ms(), " ms, the hooks' ", t.cpu_ms(Phase::Hooks), " ms, the phases' ", leaves_cpu, " ms");
+  // Two more steps without a reset: the difference of the snapshots counts them alone.
+  train_two_steps();
+  const auto more = fsdp::phase_times() - t;
+  for (int i = 0; i < static_cast<int>(Phase::Count); ++i) {
+    const auto p = static_cast<Phase>(i);
+    TORCH_CHECK(calls(more, p) == calls(t, p), fsdp::phase_name(p), ": ", calls(more, p),
+                " calls in the difference, expected ", calls(t, p));
+    TORCH_CHECK(calls(t, p) == 0 || more.ns[static_cast<size_t>(i)] > 0, fsdp::phase_name(p),
+                " took no time in the difference");
+  }
+  // FSDPModule::unshard and reshard called directly: their phases are FSDP's own time outside any hook.
+  {
+    GPT model = fsdp::testing::parity_model(uneven_config());
+    auto unit = fsdp::fully_shard(model->blocks[0]);
+    fsdp::reset_phase_timers();
+    unit.unshard();
+    unit.reshard();
+    const auto direct = fsdp::phase_times();
+    TORCH_CHECK(calls(direct, Phase::AllGatherWait) == 1 && calls(direct, Phase::Hooks) == 0,
+                "a direct unshard: ", calls(direct, Phase::AllGatherWait), " waits, ", calls(direct, Phase::Hooks),
+                " hooks");
+    uint64_t leaves = 0;
+    for (int i = 0; i < static_cast<int>(Phase::Count); ++i) leaves += direct.ns[static_cast<size_t>(i)];
+    TORCH_CHECK(direct.unhooked_ns == leaves && direct.unhooked_cpu_ns > 0 &&
+                    direct.own_cpu_ms() == static_cast<double>(direct.unhooked_cpu_ns) / 1e6,
+                "the direct unshard's phases took ", leaves, " ns, counted outside the hooks ", direct.unhooked_ns,
+                " ns");
+  }
   // Off: nothing more is counted.
   fsdp::set_phase_timers(false);
   fsdp::reset_phase_timers();
   train_two_steps();
   const auto off = fsdp::phase_times();
   for (int i = 0; i < static_cast<int>(Phase::Count); ++i) {
-    TORCH_CHECK(off.calls[static_cast<size_t>(i)] == 0 && off.ns[static_cast<size_t>(i)] == 0,
+    TORCH_CHECK(off.calls[static_cast<size_t>(i)] == 0 && off.ns[static_cast<size_t>(i)] == 0 &&
+                    off.cpu_ns[static_cast<size_t>(i)] == 0,
                 fsdp::phase_name(static_cast<Phase>(i)), " was counted with the timers off");
   }
 }

@@ -112,3 +112,85 @@ TEST(Replicate, GradientsGoIntoTheBucketWhenReady) {
   o.timeout = std::chrono::milliseconds(300000);
   EXPECT_RANKS_PASS(2, "replicate_fills_bucket_early", o);
 }
+
+// Ranks of one host all-reduce the buckets through shared memory ([Note: Shared-memory
+// all-reduce] in src/sharding/reducer.h): the same averages as the backend's all-reduce (bit for bit
+// at 2 ranks, where either adds the same two numbers; within rounding at 3, where the order of the
+// additions differs), with none of the backend's all-reduces, the gradients still the buckets'
+// memory across steps and zero_grad, and one chunk per rank cut through buckets of 1, 32 and 512
+// elements (ranks with an empty chunk at 3 ranks).
+FSDP_RANK_WORKER(replicate_shared_memory) {
+  const int rank = fsdp::dist::rank(), world = fsdp::dist::world_size();
+  auto make = [](bool shm) {
+    torch::manual_seed(0);
+    TwoLayers model;
+    fsdp::ReplicateOptions o;
+    o.bucket_cap_bytes = 64 * 4;  // buckets: l2.bias; l2.weight and l1.bias; l1.weight
+    o.first_bucket_cap_bytes = 4;
+    o.shared_memory = shm;
+    auto ddp = fsdp::replicate(model, o);
+    TORCH_CHECK(ddp.num_buckets() == 3, "3 buckets expected, got ", ddp.num_buckets());
+    TORCH_CHECK(ddp.uses_shared_memory() == shm, "ranks of one host: shared memory ",
+                shm ? "expected but not used" : "used though turned off");
+    return model;
+  };
+  TwoLayers shared = make(true), backend = make(false);
+  torch::optim::SGD opt_shared(shared->parameters(), torch::optim::SGDOptions(0.1));
+  torch::optim::SGD opt_backend(backend->parameters(), torch::optim::SGDOptions(0.1));
+  auto comm = fsdp::dist::world_comm();
+  std::vector<const void*> first_ptrs;
+  for (int step = 0; step < 3; ++step) {
+    opt_shared.zero_grad();
+    opt_backend.zero_grad();
+    torch::manual_seed(100 + step * world + rank);  // each rank its own data
+    auto x = torch::randn({4, 32});
+    const auto before = comm->stats().snapshot();
+    shared->forward(x).sum().backward();
+    const auto ops = comm->stats().snapshot() - before;
+    TORCH_CHECK(ops[fsdp::comm::OpKind::AllReduce].calls == 0, "the shared-memory path issued ",
+                ops[fsdp::comm::OpKind::AllReduce].calls, " all-reduces of the backend");
+    backend->forward(x).sum().backward();
+    auto got = shared->parameters(), want = backend->parameters();
+    std::vector<const void*> ptrs;
+    for (size_t i = 0; i < got.size(); ++i) {
+      const at::Tensor& g = got[i].grad();
+      TORCH_CHECK(g.defined(), "no gradient after backward");
+      if (world == 2) {
+        TORCH_CHECK(g.equal(want[i].grad()), "step ", step, " parameter ", i, ": shared memory and the backend differ");
+      } else {
+        TORCH_CHECK(g.allclose(want[i].grad(), 1e-6, 1e-7), "step ", step, " parameter ", i,
+                    ": shared memory and the backend differ beyond rounding");
+      }
+      auto on_zero = g.clone();
+      comm->broadcast(on_zero, 0);
+      TORCH_CHECK(on_zero.equal(g), "rank ", rank, " holds a gradient that differs from rank 0's");
+      ptrs.push_back(g.data_ptr());
+    }
+    if (step == 0) first_ptrs = ptrs;
+    TORCH_CHECK(ptrs == first_ptrs, "step ", step, ": the gradients moved out of the shared buckets");
+    opt_shared.step();
+    opt_backend.step();
+  }
+  if (rank == 0) std::cout << world << " ranks, 3 steps: shared memory equals the backend's all-reduce" << std::endl;
+}
+
+TEST(Replicate, SharedMemoryMatchesTheBackend) {
+  RanksOptions o;
+  o.timeout = std::chrono::milliseconds(300000);
+  EXPECT_RANKS_PASS(2, "replicate_shared_memory", o);
+  EXPECT_RANKS_PASS(3, "replicate_shared_memory", o);
+}
+
+// FSDP_REPLICATE_SHARED_MEMORY=0 keeps the backend (for measuring one against the other).
+FSDP_RANK_WORKER(replicate_shared_memory_off) {
+  TwoLayers model;
+  auto ddp = fsdp::replicate(model);
+  TORCH_CHECK(!ddp.uses_shared_memory(), "FSDP_REPLICATE_SHARED_MEMORY=0 did not turn shared memory off");
+}
+
+TEST(Replicate, SharedMemoryTurnedOffByTheEnvironment) {
+  RanksOptions o;
+  o.timeout = std::chrono::milliseconds(300000);
+  o.env["FSDP_REPLICATE_SHARED_MEMORY"] = "0";
+  EXPECT_RANKS_PASS(2, "replicate_shared_memory_off", o);
+}

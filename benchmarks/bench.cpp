@@ -2,7 +2,8 @@
 //
 //   build/bin/bench [--nproc 2] [--steps 20] [--warmup 3] [--rounds 2]
 //                   [--layers 4] [--dim 256] [--heads 4] [--seq 128] [--batch 8] [--hsdp RxS]
-//                   [--malloc default|speed] [--rows single,local,fsdp,keep-last,zero2,bf16,hsdp,replicate]
+//                   [--malloc default|tuned|speed] [--cpu-split on|off]
+//                   [--rows single,local,fsdp,keep-last,zero2,bf16,hsdp,replicate]
 //
 // The limit on a CPU is one process doing one rank's share of the work (the global batch / N,
 // with the cores / N threads a rank gets), with no communication. bench runs that and the N-rank
@@ -17,6 +18,27 @@
 // last step with no compute and measures the CPU they take (transport_floor). Where every core
 // computes (ranks x threads >= cores) no FSDP can beat the limit plus that CPU on this transport;
 // the driver prints that ratio next to the measured one.
+//
+// Where the CPU goes (--cpu-split on, the default): every worker of every row splits each
+// measured step's CPU time, on every rank, into
+//   ours       the CPU time of FSDP's own code on the thread that runs it (the phase timers,
+//              fsdp/debug/phase_timers.h, switched on in the FSDP workers: the hooks, inclusive,
+//              and phases run outside them), split into copies (copy-in, copy-out, the
+//              reduce-scatter input, the sharded gradient write), collective calls (issuing
+//              and waiting: with Gloo's p2p all-gather the calling thread writes the sends) and
+//              the rest (bookkeeping, freeing, trimming the pool, allocation);
+//   transport  the CPU time of the threads that joining the world started (Gloo's workers and
+//              event loop, the store: [Note: CPU time by thread role] in bench_support.h);
+//   compute    the rest of the process's CPU time (the main thread outside FSDP, BLAS or OpenMP
+//              workers),
+// with the minor page faults and the wall time of the step, and prints per row and rank the
+// medians over the steps of all rounds (medians of the parts need not add up to the median of the
+// whole). Time blocked in a wait is wall but no CPU: that is what the split separates. The single
+// row has no FSDP and no world, so ours and transport are 0 there by construction, and the local
+// row (a world of one) starts no transport thread; replicate runs no phase timer (its ours reads
+// n/a, and its shared-memory all-reduce is compute). The phase timers cost two thread-clock reads
+// per timed phase (~90 phases a step on bench's GPT: well under 0.1 ms); --cpu-split off leaves
+// them off.
 #include <unistd.h>
 
 #include <algorithm>
@@ -37,14 +59,15 @@ using fsdp_bench::median;
 
 struct Options {
   int nproc = 2, steps = 20, warmup = 3, rounds = 2;
-  fsdp_bench::GptShape shape;       // bench's GPT: 4 layers, d=256, 4 heads, seq 128, global batch 8
-  std::string role = "driver";      // driver | single | fsdp
-  std::string mp = "fp32";          // fp32 | bf16 (MixedPrecisionPolicy: bf16 params, fp32 reduce)
-  std::string mode = "fsdp";        // fsdp | hsdp | replicate (the distributed worker's parallelism)
-  std::string hsdp;                 // "RxS" for the HSDP row (default: see parse)
-  std::string result;               // where a worker writes its result line
-  std::string pool_trim = "on";     // BufferPoolOptions::trim_after_forward (worker; for comparison)
-  std::string malloc = "default";   // default | speed (every worker: fsdp::tune_malloc_for_speed)
+  fsdp_bench::GptShape shape;    // bench's GPT: 4 layers, d=256, 4 heads, seq 128, global batch 8
+  std::string role = "driver";   // driver | single | fsdp
+  std::string mp = "fp32";       // fp32 | bf16 (MixedPrecisionPolicy: bf16 params, fp32 reduce)
+  std::string mode = "fsdp";     // fsdp | hsdp | replicate (the distributed worker's parallelism)
+  std::string hsdp;              // "RxS" for the HSDP row (default: see parse)
+  std::string result;            // where a worker writes its result line
+  std::string pool_trim = "on";  // BufferPoolOptions::trim_after_forward (worker; for comparison)
+  fsdp_bench::MallocPolicy malloc = fsdp_bench::MallocPolicy::Default;  // --malloc (every worker)
+  std::string cpu_split = "on";     // on | off: every worker times compute / transport / ours per step
   std::string rows = "all";         // the driver's rows, comma-separated keys (see run_driver)
   std::string reshard = "default";  // default | keep-last | false (the FSDP worker's reshard_after_forward)
   int floor_steps = 0;              // FSDP fp32 worker: replays of its last step's collectives (see
@@ -55,20 +78,22 @@ Options parse(int argc, char** argv) {
   Options o;
   fsdp_bench::Args args("bench",
                         "usage: bench [--nproc N] [--steps N] [--warmup N] [--rounds N] [--layers N] [--dim N] "
-                        "[--heads N] [--seq N] [--batch N] [--hsdp RxS] [--pool-trim on|off] [--malloc default|speed]\n"
+                        "[--heads N] [--seq N] [--batch N] [--hsdp RxS] [--pool-trim on|off]\n"
+                        "       [--malloc default|tuned|speed] [--cpu-split on|off]\n"
                         "       [--rows single,local,fsdp,keep-last,zero2,bf16,hsdp,replicate] (default all)\n"
                         "FSDP_PHASE_TIMERS=1 makes every FSDP worker print where FSDP's own time went, by phase");
   o.shape.add_options(args);
   args.option("--nproc", &o.nproc).option("--steps", &o.steps).option("--warmup", &o.warmup);
   args.option("--rounds", &o.rounds).option("--role", &o.role).option("--result", &o.result).option("--mp", &o.mp);
   args.option("--mode", &o.mode).option("--hsdp", &o.hsdp).option("--pool-trim", &o.pool_trim);
-  args.option("--malloc", &o.malloc).option("--reshard", &o.reshard).option("--rows", &o.rows);
+  fsdp_bench::add_malloc_option(args, &o.malloc);
+  args.option("--reshard", &o.reshard).option("--rows", &o.rows).option("--cpu-split", &o.cpu_split);
   args.option("--floor-steps", &o.floor_steps);
   args.parse(argc, argv);
   if (o.nproc < 1 || o.shape.batch % o.nproc != 0) bad_input("--batch must be a positive multiple of --nproc");
   if (o.steps < 1) bad_input("--steps must be positive");
   if (o.pool_trim != "on" && o.pool_trim != "off") bad_input("--pool-trim takes on or off");
-  if (o.malloc != "default" && o.malloc != "speed") bad_input("--malloc takes default or speed");
+  if (o.cpu_split != "on" && o.cpu_split != "off") bad_input("--cpu-split takes on or off");
   if (o.reshard != "default" && o.reshard != "keep-last" && o.reshard != "false") {
     bad_input("--reshard takes default, keep-last or false");
   }
@@ -142,17 +167,76 @@ Floor transport_floor(uint64_t first, int reps) {
   return f;
 }
 
+// Where a worker's process stands at one instant, for the CPU split (see the header): the
+// process's CPU time, its threads' CPU by role, FSDP's phase times and the minor page faults.
+struct CpuReading {
+  double process_cpu_s = 0;
+  fsdp_bench::ThreadRoles::Cpu threads;
+  fsdp::PhaseTimes phases;
+  uint64_t faults = 0;
+};
+
+// Read before a step: the slower readings first, the process's CPU clock last.
+CpuReading read_before(fsdp_bench::ThreadRoles& roles) {
+  CpuReading r;
+  r.threads = roles.cpu();
+  r.phases = fsdp::phase_times();
+  r.faults = fsdp_bench::minor_faults();
+  r.process_cpu_s = fsdp_bench::cpu_seconds();
+  return r;
+}
+// Read after it: the process's CPU clock first.
+CpuReading read_after(fsdp_bench::ThreadRoles& roles) {
+  CpuReading r;
+  r.process_cpu_s = fsdp_bench::cpu_seconds();
+  r.faults = fsdp_bench::minor_faults();
+  r.phases = fsdp::phase_times();
+  r.threads = roles.cpu();
+  return r;
+}
+
+// One step's split, as a result line ("key value ..."; seconds, faults, thread counts).
+std::string split_line(double wall_s, const CpuReading& a, const CpuReading& b) {
+  using fsdp::Phase;
+  const fsdp::PhaseTimes d = b.phases - a.phases;
+  auto cpu_s = [&d](std::initializer_list<Phase> phases) {
+    double ms = 0;
+    for (Phase p : phases) ms += d.cpu_ms(p);
+    return ms / 1e3;
+  };
+  const double cpu = b.process_cpu_s - a.process_cpu_s;
+  const double transport = 1e-9 * static_cast<double>(static_cast<int64_t>(b.threads.transport_ns) -
+                                                      static_cast<int64_t>(a.threads.transport_ns));
+  const double ours = d.own_cpu_ms() / 1e3;
+  const double copies = cpu_s({Phase::CopyIn, Phase::CopyOut, Phase::ReduceScatterInput, Phase::GradAccumulate});
+  const double calls =
+      cpu_s({Phase::AllGatherIssue, Phase::AllGatherWait, Phase::ReduceScatterIssue, Phase::ReduceScatterWait});
+  std::ostringstream out;
+  out << "wall_s " << wall_s << " cpu_s " << cpu << " compute_s " << cpu - transport - ours << " transport_s "
+      << transport << " ours_s " << ours << " copies_s " << copies << " calls_s " << calls << " rest_s "
+      << ours - copies - calls << " faults " << static_cast<double>(b.faults - a.faults) << " compute_threads "
+      << b.threads.compute_threads << " transport_threads " << b.threads.transport_threads << "\n";
+  return out.str();
+}
+
 // One worker: trains `local_batch` sequences per step, sharded or not; writes one result line.
 int run_worker(const Options& o, bool sharded) {
-  // --malloc speed: glibc's heap keeps freed tensors (no page faulted in again each step), in the
-  // one-process run and the distributed ones alike (fsdp/debug/malloc_tuning.h).
-  if (o.malloc == "speed") fsdp::tune_malloc_for_speed();
+  // --malloc, in the one-process run and the distributed ones alike (speed: glibc's heap keeps
+  // freed tensors, no page faulted in again each step; fsdp/debug/malloc_tuning.h).
+  fsdp_bench::apply_malloc_policy(o.malloc);
   {
     fsdp::BufferPoolOptions pool;
     pool.trim_after_forward = o.pool_trim == "on";
     fsdp::set_buffer_pool_options(pool);
   }
+  fsdp_bench::ThreadRoles roles;  // the threads joining the world starts carry the transport
+  roles.before_transport();
   const auto [rank, world] = fsdp_bench::join_world(sharded);
+  roles.after_transport();
+  // FSDP_PHASE_TIMERS=1 prints the phase table; the CPU split needs the timers' CPU times.
+  const bool print_phases = sharded && fsdp::phase_timers_enabled();
+  const bool split = o.cpu_split == "on";
+  if (split) fsdp::set_phase_timers(true);
   const int64_t local_batch = o.shape.batch / o.nproc;
   auto model = fsdp_bench::seeded_gpt(o.shape.config());
   double param_bytes = 0;
@@ -185,6 +269,7 @@ int run_worker(const Options& o, bool sharded) {
   double cpu0 = 0;
   uint64_t faults0 = 0;
   uint64_t last_step_first_record = 0;
+  std::string splits;  // one line per measured step
   for (int s = 0; s < o.warmup + o.steps; ++s) {
     if (s == o.warmup) {
       stats0 = fsdp::comm::process_comm_stats().snapshot();
@@ -194,10 +279,15 @@ int run_worker(const Options& o, bool sharded) {
     }
     if (s == o.warmup + o.steps - 1) last_step_first_record = fsdp::comm::FlightRecorder::process().recorded();
     auto data = fsdp_bench::random_tokens(gen, local_batch, o.shape.seq);
+    const bool measured = s >= o.warmup;
+    CpuReading before;
+    if (split && measured) before = read_before(roles);
     const auto t0 = std::chrono::steady_clock::now();
     const double value = fsdp_bench::train_step(model, opt, data, sharded).item<float>();
+    const double wall = fsdp_bench::seconds_since(t0);
     if (s == 0) first_loss = value;
-    if (s >= o.warmup) times.push_back(fsdp_bench::seconds_since(t0));
+    if (measured) times.push_back(wall);
+    if (split && measured) splits += split_line(wall, before, read_after(roles));
   }
   const double cpu_per_step = (fsdp_bench::cpu_seconds() - cpu0) / o.steps;
   const double faults_per_step = static_cast<double>(fsdp_bench::minor_faults() - faults0) / o.steps;
@@ -214,7 +304,11 @@ int run_worker(const Options& o, bool sharded) {
         << " cpu_per_step_s " << cpu_per_step << " faults_per_step " << faults_per_step << " floor_cpu_s "
         << floor.cpu_s << " floor_wall_s " << floor.wall_s << " floor_collectives " << floor.collectives << "\n";
   }
-  if (sharded && fsdp::phase_timers_enabled()) {
+  if (!splits.empty() && !o.result.empty()) {  // every rank: its own file
+    std::ofstream out(o.result + ".cpu." + std::to_string(rank), std::ios::app);
+    out << splits;
+  }
+  if (print_phases) {
     // FSDP_PHASE_TIMERS=1: where FSDP's own time went on this rank (fsdp/debug/phase_timers.h).
     double total = 0;
     for (double t : times) total += t;
@@ -239,11 +333,44 @@ struct Row {
   double step() const { return median(medians); }
 };
 
+// The CPU split (see the header): per row and rank, the medians over every measured step of every
+// round.
+void print_cpu_split(const std::vector<Row>& rows, int nproc) {
+  std::printf(
+      "\nWhere the CPU goes, per rank and step (medians over the steps of all rounds; ours: FSDP's hooks and "
+      "phases on the main thread; transport: the threads joining the world started; compute: the rest):\n"
+      "| run | rank | wall | CPU | compute | transport | ours | ours: copies | ours: collective calls | ours: rest "
+      "| ours / wall | minor faults | threads (compute + transport) |\n"
+      "|---|---|---|---|---|---|---|---|---|---|---|---|---|\n");
+  for (const auto& r : rows) {
+    const int ranks = r.distributed ? nproc : 1;
+    for (int rank = 0; rank < ranks; ++rank) {
+      std::map<std::string, std::vector<double>> steps;
+      for (const auto& line : fsdp_bench::read_result_lines(r.result + ".cpu." + std::to_string(rank))) {
+        for (const auto& [k, v] : line) steps[k].push_back(v);
+      }
+      if (steps.empty()) continue;
+      auto ms = [&steps](const char* key) { return 1e3 * median(steps[key]); };
+      // replicate's reducer runs no phase timer: its own time is in compute there.
+      const bool timed = r.key != "replicate";
+      char ours[200] = "n/a | n/a | n/a | n/a | n/a";
+      if (timed) {
+        std::snprintf(ours, sizeof ours, "%.2f ms | %.2f ms | %.2f ms | %.2f ms | %.1f%%", ms("ours_s"), ms("copies_s"),
+                      ms("calls_s"), ms("rest_s"), 100 * median(steps["ours_s"]) / median(steps["wall_s"]));
+      }
+      std::printf("| %s | %d | %.1f ms | %.1f ms | %.1f ms | %.2f ms | %s | %.0f | %.0f + %.0f |\n", r.key.c_str(),
+                  rank, ms("wall_s"), ms("cpu_s"), ms("compute_s"), ms("transport_s"), ours, median(steps["faults"]),
+                  median(steps["compute_threads"]), median(steps["transport_threads"]));
+    }
+  }
+}
+
 int run_driver(const Options& o) {
   fsdp_bench::WorkerLauncher launcher("bench");
   std::vector<std::string> common = o.shape.worker_args();
   common.insert(common.end(), {"--steps", std::to_string(o.steps), "--warmup", std::to_string(o.warmup), "--nproc",
-                               std::to_string(o.nproc), "--malloc", o.malloc});
+                               std::to_string(o.nproc), "--malloc", fsdp_bench::malloc_policy_name(o.malloc),
+                               "--cpu-split", o.cpu_split});
   const long long local_batch = o.shape.batch / o.nproc, batch = o.shape.batch;
   auto b = [](long long v) { return " (batch " + std::to_string(v) + ")"; };
   std::vector<Row> all = {
@@ -284,7 +411,8 @@ int run_driver(const Options& o) {
   std::printf(
       "bench: %s, global batch %lld, float32; %d ranks x %d thread(s); %d steps after %d warm-up, %d rounds; "
       "malloc %s\n",
-      o.shape.describe().c_str(), batch, o.nproc, threads, o.steps, o.warmup, o.rounds, o.malloc.c_str());
+      o.shape.describe().c_str(), batch, o.nproc, threads, o.steps, o.warmup, o.rounds,
+      fsdp_bench::malloc_policy_name(o.malloc));
   std::fflush(stdout);
   for (auto& r : rows) r.result = launcher.result_path(r.key);
   for (int round = 0; round < o.rounds; ++round) {
@@ -342,6 +470,7 @@ int run_driver(const Options& o) {
                 ranks, 1e3 * r.step(), ratio.c_str(), 1e3 * median(r.cpus), median(r.cpus) / limit_cpu,
                 median(r.faults), r.last["state_bytes"] / 1e6, r.last["max_rss"] / 1e6, sent);
   }
+  if (o.cpu_split == "on") print_cpu_split(rows, o.nproc);
   auto fsdp_row = std::find_if(rows.begin(), rows.end(), [](const Row& r) { return r.key == "fsdp"; });
   if (fsdp_row == rows.end()) return 0;
   Row& f = *fsdp_row;

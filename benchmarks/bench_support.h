@@ -8,10 +8,12 @@
 //   - the model: bench's GPT from seed 0, fully_shard per block and on the root, materialising a
 //     meta model, random tokens, one training step (GptTraining puts these together), the bytes
 //     of parameters / gradients / AdamW state;
-//   - timing: the median, wall and process CPU time of a stretch (Stopwatch, Samples);
-//   - memory: peak and current RSS, VmHWM, minor page faults;
+//   - timing: the median, wall and process CPU time of a stretch (Stopwatch, Samples), and the
+//     process's CPU time by thread role (ThreadRoles: compute, transport);
+//   - memory: peak and current RSS, VmHWM, minor page faults; --malloc's policies (MallocPolicy);
 //   - drivers: starting a worker copy of the program (directly or under fsdprun) with extra
 //     environment variables, and the key-value result files the workers write.
+#include <dirent.h>
 #include <spawn.h>
 #include <stdlib.h>
 #include <sys/resource.h>
@@ -20,6 +22,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <cctype>
 #include <cerrno>
 #include <chrono>
 #include <cstdint>
@@ -86,6 +89,101 @@ struct Samples {
   size_t size() const { return wall.size(); }
   double wall_median() const { return median(wall); }
   double cpu_median() const { return median(cpu); }
+};
+
+// [Note: CPU time by thread role]
+// bench splits each step's CPU time into compute, transport and FSDP's own ("ours"). Ours is timed
+// inside FSDP (fsdp/debug/phase_timers.h: the thread CPU time of the hooks and of the phases run
+// outside them). Transport is the CPU of the threads that move the bytes: c10d's ProcessGroupGloo
+// workers, gloo's TCP event loop, the store's threads. They cannot be told by their names: under
+// LibTorch 1.13 none of them names itself, so each shows the name of the thread that started it
+// (every thread of a bench worker is "bench"). They are told by when they start instead: every
+// thread that exists when the process joins its world computes (the main thread, a BLAS pool
+// started at load), and every thread started while it joins (fsdp::dist::init_distributed: the
+// process group's workers and loop, the store's) carries the transport: 3 on each of bench's 2
+// ranks, none in a world of one (joining it starts no thread). A thread first seen later computes
+// (OpenMP's pool, started by the first parallel region), unless its name says Gloo or c10d
+// (LibTorch versions that name their threads); FSDP's collective watcher (comm/async_watch.cpp)
+// starts only for NCCL. Transport done on the calling thread (the sends of Gloo's p2p all-gather,
+// replicate's shared-memory all-reduce) is not in it: the former is in ours (FSDP's collective
+// calls), the latter in compute (replicate runs no phase timer). Each thread's CPU clock is read
+// directly (the kernel's per-thread clock, in nanoseconds, as CLOCK_THREAD_CPUTIME_ID is for the
+// caller); /proc's utime/stime count 10 ms ticks, too coarse for a step of tens of milliseconds.
+// A thread that ends during a step takes its CPU out of the sum over threads but not out of the
+// process's: compute is what is left of the process's CPU.
+
+// The CPU time, in nanoseconds, of thread `tid` of this process (0 once it has ended). The clock id
+// is Linux's for a thread's CPU clock (what pthread_getcpuclockid returns: MAKE_THREAD_CPUCLOCK(tid,
+// CPUCLOCK_SCHED) = ~tid << 3 | 6), which works for any thread of the calling process.
+inline uint64_t thread_cpu_ns(pid_t tid) {
+  const auto clock = static_cast<clockid_t>((~static_cast<unsigned>(tid) << 3) | 6u);
+  timespec ts{};
+  if (clock_gettime(clock, &ts) != 0) return 0;
+  return static_cast<uint64_t>(ts.tv_sec) * 1000000000u + static_cast<uint64_t>(ts.tv_nsec);
+}
+
+// The ids of this process's threads now (/proc/self/task).
+inline std::vector<pid_t> thread_ids() {
+  std::vector<pid_t> ids;
+  DIR* dir = opendir("/proc/self/task");
+  if (dir == nullptr) return ids;
+  while (const dirent* e = readdir(dir)) {
+    if (e->d_name[0] >= '0' && e->d_name[0] <= '9') ids.push_back(static_cast<pid_t>(std::atol(e->d_name)));
+  }
+  closedir(dir);
+  return ids;
+}
+
+// A thread's name (/proc/self/task/TID/comm), "" once it has ended.
+inline std::string thread_name(pid_t tid) {
+  std::ifstream in("/proc/self/task/" + std::to_string(tid) + "/comm");
+  std::string name;
+  std::getline(in, name);
+  return name;
+}
+
+// This process's threads by role, and their CPU time (see [Note: CPU time by thread role]).
+class ThreadRoles {
+ public:
+  enum Role { Compute, Transport };
+  struct Cpu {
+    uint64_t compute_ns = 0, transport_ns = 0;  // over the threads alive when read
+    int compute_threads = 0, transport_threads = 0;
+  };
+
+  // Before joining the world: the threads there are compute.
+  void before_transport() {
+    for (pid_t t : thread_ids()) roles_.emplace(t, Compute);
+  }
+  // After joining it: the threads started since carry the transport.
+  void after_transport() {
+    for (pid_t t : thread_ids()) roles_.emplace(t, Transport);
+  }
+  // The CPU time so far of the threads alive now, by role; a thread seen for the first time gets
+  // its role from its name.
+  Cpu cpu() {
+    Cpu c;
+    for (pid_t t : thread_ids()) {
+      auto it = roles_.find(t);
+      if (it == roles_.end()) it = roles_.emplace(t, role_by_name(thread_name(t))).first;
+      const uint64_t ns = thread_cpu_ns(t);
+      if (it->second == Transport) {
+        c.transport_ns += ns;
+        ++c.transport_threads;
+      } else {
+        c.compute_ns += ns;
+        ++c.compute_threads;
+      }
+    }
+    return c;
+  }
+
+ private:
+  static Role role_by_name(std::string name) {
+    std::transform(name.begin(), name.end(), name.begin(), [](unsigned char ch) { return std::tolower(ch); });
+    return name.find("gloo") != std::string::npos || name.find("c10d") != std::string::npos ? Transport : Compute;
+  }
+  std::map<pid_t, Role> roles_;
 };
 
 // ---- Memory -------------------------------------------------------------------------------------
@@ -206,6 +304,48 @@ class Args {
   std::map<std::string, std::function<void()>> flags_;
   std::map<std::string, std::function<void(const std::string&)>> options_;
 };
+
+// --malloc: how glibc's malloc is set in a benchmark's processes (fsdp/debug/malloc_tuning.h).
+enum class MallocPolicy {
+  Default,  // "default", also "glibc": glibc's own thresholds, which move with the sizes freed
+  Tuned,    // "tuned": fsdp::tune_malloc(), train_gpt's policy for memory (blocks of 1 MiB+ mapped)
+  Speed,    // "speed": fsdp::tune_malloc_for_speed() (freed tensors stay in the heap: no page
+            // faulted in again each step; the peak RSS is the heap's high-water mark)
+};
+
+inline const char* malloc_policy_name(MallocPolicy p) {
+  switch (p) {
+    case MallocPolicy::Tuned: return "tuned";
+    case MallocPolicy::Speed: return "speed";
+    case MallocPolicy::Default: break;
+  }
+  return "default";
+}
+
+// The policy named `name`; another name is bad input (one line listing the names, exit 2).
+inline MallocPolicy malloc_policy(const std::string& name) {
+  if (name == "default" || name == "glibc") return MallocPolicy::Default;
+  if (name == "tuned") return MallocPolicy::Tuned;
+  if (name == "speed") return MallocPolicy::Speed;
+  bad_input(
+      "--malloc takes default (glibc's own; also glibc), tuned (fsdp::tune_malloc: memory) or speed "
+      "(fsdp::tune_malloc_for_speed: step time), got '" +
+      name + "'");
+}
+
+// Sets malloc as `p` says (Default: leaves it); first thing in a worker, before tensors are
+// allocated. Returns whether malloc was changed (false for Default, or where tuning is off:
+// FSDP_MALLOC_TUNING=0, not glibc).
+inline bool apply_malloc_policy(MallocPolicy p) {
+  if (p == MallocPolicy::Tuned) return fsdp::tune_malloc();
+  if (p == MallocPolicy::Speed) return fsdp::tune_malloc_for_speed();
+  return false;
+}
+
+// --malloc NAME, checked as it is parsed, bound to `policy`.
+inline void add_malloc_option(Args& args, MallocPolicy* policy) {
+  args.option("--malloc", [policy](const std::string& name) { *policy = malloc_policy(name); });
+}
 
 // ---- The model ----------------------------------------------------------------------------------
 

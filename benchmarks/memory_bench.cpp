@@ -3,7 +3,7 @@
 //   build/bin/memory_bench                       # GPT 12 x 768, 12 heads, seq 256 (85.6M), 1 vs 2 and 4 ranks
 //   build/bin/memory_bench --small               # GPT 4 x 256, 4 heads, seq 128 (3.2M)
 //   build/bin/memory_bench --ranks 2 --steps 3 --batch 2 --layers 12 --dim 768 --heads 12 --seq 256
-//   [--malloc default|tuned] [--pool on|off] [--pool-trim on|off] [--threads 1] [--gloo-fallback p2p|collective]
+//   [--malloc default|tuned|speed] [--pool on|off] [--pool-trim on|off] [--threads 1] [--gloo-fallback p2p|collective]
 //   fsdprun --nproc-per-node 2 -- memory_bench --role fsdp --result R --timeline T --steps 3 --malloc tuned
 //                                                # one configuration; T.<rank>: the RSS over time, by phase
 //
@@ -23,7 +23,8 @@
 // a rank) divided by that.
 //
 // --malloc tuned: the workers fix glibc's mmap threshold at 1 MiB (fsdp::tune_malloc, what train_gpt
-// does): large freed blocks go back to the kernel instead of staying in the heap. --pool off: FSDP's
+// does): large freed blocks go back to the kernel instead of staying in the heap (speed: the
+// opposite trade, fsdp::tune_malloc_for_speed; bench_support.h's MallocPolicy). --pool off: FSDP's
 // buffers come from LibTorch's allocator instead of FSDP's caching pool. --gloo-fallback: how Comm
 // builds Gloo's reduce-scatter (and 1.13's all-gather): p2p (send/recv, 1/N scratch; the default)
 // or collective (all_to_all, a scratch as large as the input). "step" is the median step time
@@ -54,7 +55,7 @@ struct Options {
   fsdp_bench::GptShape shape{12, 768, 12, 256, 2};  // --batch: sequences per rank
   int steps = 3, threads = 1;
   std::vector<int> ranks = {2, 4};
-  std::string malloc_mode = "default";  // default | tuned
+  fsdp_bench::MallocPolicy malloc = fsdp_bench::MallocPolicy::Default;  // --malloc
   std::string pool = "on";
   std::string pool_trim = "on";  // BufferPoolOptions::trim_after_forward
   std::string gloo_fallback = "p2p";
@@ -68,16 +69,16 @@ Options parse(int argc, char** argv) {
   fsdp_bench::Args args(
       "memory_bench",
       "usage: memory_bench [--small] [--ranks 2,4] [--steps N] [--batch N] [--layers N] [--dim N] [--heads N] "
-      "[--seq N] [--threads N] [--malloc default|tuned] [--pool on|off] [--pool-trim on|off] "
+      "[--seq N] [--threads N] [--malloc default|tuned|speed] [--pool on|off] [--pool-trim on|off] "
       "[--gloo-fallback p2p|collective] [--timeline FILE (with --role)]");
   o.shape.add_options(args);
   args.flag("--small", [&o] { o.shape = {4, 256, 4, 128, 4}; });
   args.option("--role", &o.role).option("--result", &o.result).option("--timeline", &o.timeline);
-  args.option("--malloc", &o.malloc_mode).option("--pool", &o.pool).option("--pool-trim", &o.pool_trim);
+  fsdp_bench::add_malloc_option(args, &o.malloc);
+  args.option("--pool", &o.pool).option("--pool-trim", &o.pool_trim);
   args.option("--gloo-fallback", &o.gloo_fallback).option("--steps", &o.steps).option("--threads", &o.threads);
   args.option("--ranks", [&](const std::string& v) { o.ranks = args.integers("--ranks", v); });
   args.parse(argc, argv);
-  if (o.malloc_mode != "default" && o.malloc_mode != "tuned") bad_input("--malloc takes default or tuned");
   if (o.pool != "on" && o.pool != "off") bad_input("--pool takes on or off");
   if (o.pool_trim != "on" && o.pool_trim != "off") bad_input("--pool-trim takes on or off");
   if (o.gloo_fallback != "p2p" && o.gloo_fallback != "collective") {
@@ -132,7 +133,7 @@ void write_sample(std::ostream& out, const Sample& s) {
 }
 
 int run_worker(const Options& o, bool sharded) {
-  if (o.malloc_mode == "tuned") fsdp::tune_malloc();
+  fsdp_bench::apply_malloc_policy(o.malloc);
   fsdp::comm::set_gloo_fallback(o.gloo_fallback == "p2p" ? fsdp::comm::GlooFallback::PointToPoint
                                                          : fsdp::comm::GlooFallback::Collective);
   {
@@ -251,14 +252,14 @@ double mb(double bytes) { return bytes / 1e6; }
 int run_driver(const Options& o) {
   fsdp_bench::WorkerLauncher launcher("memory_bench");
   std::vector<std::string> common = o.shape.worker_args();
-  common.insert(common.end(),
-                {"--steps", std::to_string(o.steps), "--threads", std::to_string(o.threads), "--malloc", o.malloc_mode,
-                 "--pool", o.pool, "--pool-trim", o.pool_trim, "--gloo-fallback", o.gloo_fallback});
+  common.insert(common.end(), {"--steps", std::to_string(o.steps), "--threads", std::to_string(o.threads), "--malloc",
+                               fsdp_bench::malloc_policy_name(o.malloc), "--pool", o.pool, "--pool-trim", o.pool_trim,
+                               "--gloo-fallback", o.gloo_fallback});
   std::printf(
       "memory_bench: %s; %lld sequences per rank, %d steps, fp32, AdamW, %d thread(s) per rank; malloc %s, FSDP "
       "pool %s (trim after forward %s), Gloo fallback %s\n",
-      o.shape.describe().c_str(), static_cast<long long>(o.shape.batch), o.steps, o.threads, o.malloc_mode.c_str(),
-      o.pool.c_str(), o.pool_trim.c_str(), o.gloo_fallback.c_str());
+      o.shape.describe().c_str(), static_cast<long long>(o.shape.batch), o.steps, o.threads,
+      fsdp_bench::malloc_policy_name(o.malloc), o.pool.c_str(), o.pool_trim.c_str(), o.gloo_fallback.c_str());
   std::fflush(stdout);
   struct Run {
     std::string name;

@@ -1,9 +1,12 @@
 #include "autograd_hooks.h"
 
 #include <torch/csrc/autograd/engine.h>
+#include <torch/csrc/autograd/function.h>
 #include <torch/csrc/autograd/utils/lambda_post_hook.h>
 #include <torch/csrc/autograd/variable.h>
 #include <torch/torch.h>
+
+#include <algorithm>
 
 #include "fsdp_state.h"
 
@@ -11,46 +14,102 @@ namespace fsdp::detail {
 
 namespace {
 
-struct PostBackwardHook : torch::autograd::Function<PostBackwardHook> {
-  static torch::autograd::variable_list forward(torch::autograd::AutogradContext* ctx, at::TensorList inputs,
-                                                int64_t state) {
-    ctx->saved_data["state"] = state;
-    return inputs.vec();
+// [Note: the post-backward node]
+// FSDP2's RegisterPostBackwardFunction is an identity autograd Function on a unit's inputs: its
+// backward runs once the gradients of everything the unit computed from them exist, that is after
+// the unit's backward. torch::autograd::Function<T>::apply builds that node with the bookkeeping a
+// general custom Function needs (a context with a saved-data map, input and output descriptions
+// with their sizes, sets of dirty and non-differentiable tensors, a copy of each list), a few dozen
+// heap allocations per unit and step, and as many again in its backward. The node below is the
+// same identity with only what it uses: its edges to the inputs' gradient functions, one input
+// description per output (the engine checks the gradients' shapes against them), and the outputs
+// made as Function::apply makes an input returned unchanged (a view of it taken without grad mode,
+// whose gradient function is this node, marked as created in a custom Function so an in-place
+// change of it fails the same way). Its backward, like a C++ Function's with materialized
+// gradients (the default), turns an undefined gradient into zeros and passes the gradients through.
+struct PostBackwardNode final : torch::autograd::Node {
+  explicit PostBackwardNode(FSDPState* state) : state_(state) {}
+  torch::autograd::variable_list apply(torch::autograd::variable_list&& grads) override {
+    state_->post_backward();
+    torch::autograd::variable_list out(std::move(grads));
+    for (size_t i = 0; i < out.size(); ++i) {
+      if (!out[i].defined()) out[i] = input_metadata(i).zeros_like();
+    }
+    return out;
   }
-  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
-                                                 torch::autograd::variable_list grads) {
-    reinterpret_cast<FSDPState*>(ctx->saved_data["state"].toInt())->post_backward();
-    grads.emplace_back();  // no gradient for the state argument
-    return grads;
-  }
+  std::string name() const override { return "fsdp::PostBackward"; }
+
+ private:
+  FSDPState* state_;
 };
 
 bool takes_grad(const at::Tensor& t) { return t.defined() && t.requires_grad() && at::isFloatingType(t.scalar_type()); }
+
+// Pre-backward as a pre-hook of the node that produced an output: it runs when that node runs,
+// which is when a tensor hook on the output would (the engine runs a tensor's hooks from the same
+// place), and registering it is one small object on the node instead of a tensor hook's
+// std::function, hook list and two hook objects. pre_backward runs once per unit and step, so
+// outputs of one node share a hook.
+struct PreBackwardHook final : torch::autograd::FunctionPreHook {
+  explicit PreBackwardHook(FSDPState* state) : state_(state) {}
+  torch::autograd::variable_list operator()(const torch::autograd::variable_list& grads) override {
+    state_->pre_backward();
+    return grads;
+  }
+
+ private:
+  FSDPState* state_;
+};
 
 }  // namespace
 
 std::vector<at::Tensor> register_post_backward_hook(FSDPState* state, std::vector<at::Tensor> args) {
   if (!torch::GradMode::is_enabled()) return args;
-  std::vector<at::Tensor> hooked;
-  std::vector<size_t> where;
+  // [Note: the post-backward node]
+  c10::SmallVector<size_t, 4> where;
   for (size_t i = 0; i < args.size(); ++i) {
-    if (takes_grad(args[i])) {
-      hooked.push_back(args[i]);
-      where.push_back(i);
-    }
+    if (takes_grad(args[i])) where.push_back(i);
   }
-  if (hooked.empty()) return args;  // the final callback covers this unit
-  auto outs = PostBackwardHook::apply(at::TensorList(hooked), reinterpret_cast<int64_t>(state));
-  for (size_t k = 0; k < where.size(); ++k) args[where[k]] = outs[k];
+  if (where.empty()) return args;  // the final callback covers this unit
+  // One allocation for the node and its count (make_shared): without torch::autograd::deleteNode,
+  // which only keeps long chains of nodes from being freed recursively; this node frees the nodes
+  // it points to through theirs.
+  auto node = std::make_shared<PostBackwardNode>(state);
+  {
+    torch::autograd::edge_list edges;
+    edges.reserve(where.size());
+    for (size_t i : where) edges.push_back(torch::autograd::impl::gradient_edge(args[i]));
+    node->set_next_edges(std::move(edges));
+  }
+  for (size_t i : where) {
+    at::Tensor out;
+    {
+      at::AutoGradMode no_grad(false);
+      out = args[i].view_as(args[i]);
+    }
+    const uint32_t output_nr = node->add_input_metadata(out);
+    torch::autograd::impl::set_gradient_edge(out, {node, output_nr});
+    if (auto* view = torch::autograd::impl::get_view_autograd_meta(out); view && view->has_bw_view()) {
+      view->set_creation_meta(torch::autograd::CreationMeta::IN_CUSTOM_FUNCTION);
+    }
+    args[i] = std::move(out);
+  }
   return args;
 }
 
 void register_pre_backward_hooks(FSDPState* state, const std::vector<at::Tensor>& outputs) {
   if (!torch::GradMode::is_enabled()) return;
+  c10::SmallVector<const torch::autograd::Node*, 4> hooked;
   for (const auto& t : outputs) {
-    if (t.defined() && t.requires_grad()) {
+    if (!t.defined() || !t.requires_grad()) continue;
+    const auto& node = t.grad_fn();
+    if (!node) {  // a leaf returned as an output: a tensor hook (on its gradient accumulator)
       at::Tensor(t).register_hook([state](const at::Tensor&) { state->pre_backward(); });
+      continue;
     }
+    if (std::find(hooked.begin(), hooked.end(), node.get()) != hooked.end()) continue;
+    node->add_pre_hook(std::make_unique<PreBackwardHook>(state));
+    hooked.push_back(node.get());
   }
 }
 

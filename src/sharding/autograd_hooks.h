@@ -1,9 +1,10 @@
 #pragma once
 // The autograd pieces FSDP needs, which LibTorch offers without module hooks:
-//  - post-backward: an identity autograd Function applied to a unit's inputs; its backward runs
-//    once the unit's own backward has produced the parameter gradients (FSDP2's
-//    RegisterPostBackwardFunction);
-//  - pre-backward: tensor hooks on a unit's outputs, run before that part of backward;
+//  - post-backward: an identity autograd node applied to a unit's inputs; it runs once the unit's
+//    own backward has produced the parameter gradients (FSDP2's RegisterPostBackwardFunction;
+//    [Note: the post-backward node] in autograd_hooks.cpp);
+//  - pre-backward: pre-hooks on the nodes that produced a unit's outputs (a tensor hook for an
+//    output that is a leaf), run before that part of backward;
 //  - the final callback: queued on the autograd engine, runs when the whole backward ends;
 //  - gradient-accumulated hooks (fsdp::replicate): a post-hook on a leaf's AccumulateGrad node,
 //    run once the leaf's .grad holds this backward's gradient (DDP's reducer hook).

@@ -4,6 +4,7 @@
 #include <torch/torch.h>
 
 #include <stdexcept>
+#include <utility>
 
 #include "memory/buffer_alloc.h"
 #include "module_access.h"
@@ -127,11 +128,14 @@ bool FSDPParam::alias_shard_as_unsharded() {
   auto* impl = unsharded_param_.unsafeGetTensorImpl();
   c10::StorageImpl* storage = impl->storage().unsafeGetStorageImpl();
   // The data pointer's context is a reference to the shard's storage: it stays valid even if the
-  // shard is replaced (materialize) before this storage is freed.
-  auto* keep = new c10::Storage(padded_shard_.storage());
+  // shard is replaced (materialize) before this storage is freed. The reference is the storage's
+  // own intrusive count (taken here, dropped by the deleter), not a heap-allocated handle: an
+  // unshard of a world of one allocates nothing.
+  c10::StorageImpl* shard_storage = padded_shard_.storage().unsafeGetStorageImpl();
+  c10::raw::intrusive_ptr::incref(shard_storage);
   storage->set_data_ptr_noswap(at::DataPtr(
-      padded_shard_.data_ptr(), keep, [](void* ctx) { delete static_cast<c10::Storage*>(ctx); },
-      padded_shard_.device()));
+      padded_shard_.data_ptr(), shard_storage,
+      [](void* ctx) { c10::raw::intrusive_ptr::decref(static_cast<c10::StorageImpl*>(ctx)); }, padded_shard_.device()));
   storage->set_nbytes(padded_shard_.nbytes());
   impl->set_sizes_contiguous(global_shape_);
   unsharded_ = true;
@@ -171,9 +175,22 @@ void FSDPParam::add_partial_reduce(const at::Tensor& reduced, int64_t offset) {
   partial_reduce_ = at::Tensor();
 }
 
+void FSDPParam::share_sharded_grad() {
+  const at::Tensor& grad = sharded_param_.grad();
+  if (shard_size_ != 1 || !grad.defined() || unsharded_param_.grad().defined() || accumulated_grad_.defined() ||
+      partial_reduce_.defined() || reduce_dtype_ != compute_dtype_ || compute_dtype_ != grad.scalar_type() ||
+      grad.device() != device() || grad.sizes() != at::IntArrayRef(global_shape_)) {
+    return;
+  }
+  unsharded_param_.mutable_grad() = grad;
+  grad_shared_ = true;
+}
+
 at::Tensor FSDPParam::take_unsharded_grad() {
   at::Tensor g = unsharded_param_.grad();
   unsharded_param_.mutable_grad().reset();
+  // Shared (share_sharded_grad): autograd has added this backward's gradient into the sharded one.
+  if (std::exchange(grad_shared_, false) && g.defined() && g.is_same(sharded_param_.grad())) g = at::Tensor();
   if (!accumulated_grad_.defined()) return g;
   at::Tensor total = std::move(accumulated_grad_);
   if (g.defined()) total.add_(g.to(total.scalar_type()));

@@ -89,12 +89,20 @@ class FSDPParam {
   // A shard group of one without replicas (no reduce-scatter needed): `g` (the unsharded gradient,
   // the full parameter's) becomes or is added to the sharded gradient, divided by `divide`.
   void accumulate_full_grad(at::Tensor g, std::optional<double> divide);
+  // A shard group of one (the shard is the whole parameter) in the shard's dtype and on its device,
+  // during a backward without create_graph: the sharded gradient, when there is one, becomes the
+  // unsharded parameter's gradient too, so that autograd adds the new gradient into it in place, as
+  // into a plain parameter's (no copy of the new gradient, no add of it afterwards). The caller
+  // knows that no cast, division or reduction is due. take_unsharded_grad() undoes it.
+  void share_sharded_grad();
+  bool shares_sharded_grad() const { return grad_shared_; }
   // HSDP with the all-reduce skipped: keeps this parameter's reduce-scatter output (the sum of
   // the shard group only) until the next all-reduce, which add_partial_reduce() folds it into.
   void stash_partial_reduce(const at::Tensor& reduced, int64_t offset);
   void add_partial_reduce(const at::Tensor& reduced, int64_t offset);
   // The gradient to reduce: the unsharded parameter's, plus what no-sync steps accumulated; both
-  // are released. Undefined when there is none.
+  // are released. Undefined when there is none, or when autograd added it into the sharded
+  // gradient itself (share_sharded_grad).
   at::Tensor take_unsharded_grad();
   // No-sync step: keeps the gradient for the next synced one (in reduce_dtype when that differs
   // from the compute dtype, as FSDP2 does, so bf16 gradients do not lose the small increments).
@@ -127,6 +135,7 @@ class FSDPParam {
   at::ScalarType compute_dtype_, reduce_dtype_;
   ParamPlacement placement_;
   bool unsharded_ = true;
+  bool grad_shared_ = false;  // share_sharded_grad() until take_unsharded_grad()
 };
 
 }  // namespace fsdp::detail

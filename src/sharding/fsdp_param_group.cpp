@@ -231,6 +231,16 @@ void FSDPParamGroup::reshard_post_forward() {
   post_forward_shard_ = std::move(kept);
 }
 
+void FSDPParamGroup::share_sharded_grads() {
+  // Autograd adds in place only with grad mode off (a backward without create_graph); with it on
+  // it would replace the shared gradient by a new sum, which post_backward would add again.
+  if (state_ != State::Unsharded || !direct_world_of_one() || !requires_gradient_sync || gradient_divide_factor ||
+      at::GradMode::is_enabled()) {
+    return;
+  }
+  for (auto& p : params_) p->share_sharded_grad();
+}
+
 void FSDPParamGroup::post_backward() {
   const auto on_device = device_guard();
   if (!requires_gradient_sync) {
@@ -241,26 +251,32 @@ void FSDPParamGroup::post_backward() {
   }
   const profiler::Range range("fsdp::post_backward_reduce_scatter", label);
   if (has_pending_reduce()) finish_reduce();
-  // Only parameters that received a gradient take part (the same ones on every rank).
-  std::vector<std::pair<FSDPParam*, at::Tensor>> with_grad;
+  // Only parameters that received a gradient take part (the same ones on every rank), listed in the
+  // group's own vector, emptied after use: its capacity stays (no allocation per backward).
+  auto& with_grad = taken_grads_;
+  with_grad.clear();
   int64_t total = 0;
+  bool shared = false;  // some gradient was accumulated by autograd into the sharded one
   for (auto& p : params_) {
+    shared = shared || p->shares_sharded_grad();
     at::Tensor g = p->take_unsharded_grad();
     if (!g.defined()) continue;
-    with_grad.emplace_back(p.get(), g);
+    with_grad.emplace_back(p.get(), std::move(g));
     total += p->shard_numel();
   }
   // The parameters are no longer needed once their gradients exist: freed before the
   // reduce-scatter input is allocated, so the two are never alive together.
   if (reshard_after_backward) reshard();
-  if (with_grad.empty()) return;
+  if (with_grad.empty() && !shared) return;
   if (direct_world_of_one()) {
     // Nothing to reduce: each gradient becomes (or is added to) the sharded gradient as it is.
     for (auto& [p, g] : with_grad) p->accumulate_full_grad(std::move(g), gradient_divide_factor);
+    with_grad.clear();
     comm_->stats().record(comm::OpKind::ReduceScatter, 0);
     comm::process_comm_stats().record(comm::OpKind::ReduceScatter, 0);
     return;
   }
+  if (with_grad.empty()) return;
   // Default: average over the data-parallel ranks. A custom factor: sum, then divide by it.
   const auto op = gradient_divide_factor ? comm::ReduceOp::Sum : comm::ReduceOp::Avg;
   if (reduces_pieces(with_grad)) {

@@ -64,6 +64,11 @@ class FSDPParamGroup {
   // Drops a post-forward shard (its rows are stale once an optimizer step may have run).
   void discard_post_forward() { post_forward_shard_ = at::Tensor(); }
 
+  // Before this group's backward (its pre-backward), in a world of one without replicas where
+  // gradients are neither cast nor divided and gradient sync is on, outside create_graph: each
+  // sharded gradient that exists becomes its unsharded parameter's too (FSDPParam::
+  // share_sharded_grad), so autograd accumulates into it in place, as without FSDP.
+  void share_sharded_grads();
   // After this group's backward: with gradient sync on, issues the reduce-scatter of the unsharded
   // gradients (asynchronously) and releases them; with it off, leaves them to accumulate.
   // Reshards afterwards when reshard_after_backward.
@@ -113,6 +118,8 @@ class FSDPParamGroup {
   at::Tensor reduce_output_;
   comm::Work reduce_work_;
   std::vector<std::pair<FSDPParam*, int64_t>> reduced_params_;  // (param, offset in reduce_output_)
+  // post_backward's gradients taken from the unsharded parameters (empty between calls).
+  std::vector<std::pair<FSDPParam*, at::Tensor>> taken_grads_;
   std::optional<double> pending_divide_;
   // The CPU's per-parameter collectives in flight ([Note: FSDP's CPU collectives, per parameter]
   // in collectives.h): the pieces are kept until the wait (the sends read them, the receives

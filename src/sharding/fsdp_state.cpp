@@ -121,7 +121,9 @@ void FSDPState::root_pre_forward() {
   for (FSDPState* s : ctx_->states) {
     if (s->group_) s->group_->discard_post_forward();
   }
-  if (!ctx_->forward_order.empty()) ctx_->previous_forward_order = std::move(ctx_->forward_order);
+  // Swapped, not moved: both vectors keep their capacity, so recording the order allocates
+  // nothing from the second step on.
+  if (!ctx_->forward_order.empty()) std::swap(ctx_->previous_forward_order, ctx_->forward_order);
   ctx_->forward_order.clear();
   ctx_->post_forward_order.clear();
 }
@@ -190,12 +192,13 @@ std::vector<at::Tensor> FSDPState::pre_forward(std::vector<at::Tensor> args) {
     post_optim_event.reset();
     ctx_->forward_order.push_back(this);
     // Overlap: start the next unit's all-gather now, so it runs while this unit computes.
-    std::vector<FSDPState*> targets = explicit_forward_prefetch;
-    if (!has_explicit_forward_prefetch) {
-      if (FSDPState* next = neighbour(ctx_->previous_forward_order, +1)) targets = {next};
-    }
-    for (FSDPState* t : targets) {
+    auto prefetch = [](FSDPState* t) {
       if (t->group_) t->group_->unshard(/*async_op=*/true);
+    };
+    if (has_explicit_forward_prefetch) {
+      for (FSDPState* t : explicit_forward_prefetch) prefetch(t);
+    } else if (FSDPState* next = neighbour(ctx_->previous_forward_order, +1)) {
+      prefetch(next);
     }
     // The last unit of forward (last in the previous step's order, so known from the second step
     // on; an explicit prefetch list does not change which unit that is): the activations are near
@@ -253,15 +256,17 @@ void FSDPState::pre_backward() {
   if (group_) {
     const profiler::Range range("fsdp::pre_backward_all_gather", label_);
     group_->wait_for_unshard();
+    group_->share_sharded_grads();
   }
   // Overlap: the unit whose forward ended just before this one's runs next in backward (for the
   // root, whose forward ends last: the last block).
-  std::vector<FSDPState*> targets = explicit_backward_prefetch;
-  if (!has_explicit_backward_prefetch) {
-    if (FSDPState* prev = neighbour(ctx_->post_forward_order, -1)) targets = {prev};
-  }
-  for (FSDPState* t : targets) {
+  auto prefetch = [](FSDPState* t) {
     if (t->group_ && t->training_ != Training::PostBackward) t->group_->unshard(/*async_op=*/true);
+  };
+  if (has_explicit_backward_prefetch) {
+    for (FSDPState* t : explicit_backward_prefetch) prefetch(t);
+  } else if (FSDPState* prev = neighbour(ctx_->post_forward_order, -1)) {
+    prefetch(prev);
   }
 }
 
@@ -278,12 +283,14 @@ void FSDPState::queue_reduce(FSDPParamGroup* group) {
     }
     return;
   }
-  std::vector<FSDPParamGroup*> still_pending;
-  for (FSDPParamGroup* g : ctx_->pending_reduces) {
+  // Compacted in place (no new vector per call).
+  auto& pending = ctx_->pending_reduces;
+  size_t kept = 0;
+  for (FSDPParamGroup* g : pending) {
     g->advance_reduce();
-    if (g->has_pending_reduce()) still_pending.push_back(g);
+    if (g->has_pending_reduce()) pending[kept++] = g;
   }
-  ctx_->pending_reduces = std::move(still_pending);
+  pending.resize(kept);
 }
 
 void FSDPState::post_backward() {

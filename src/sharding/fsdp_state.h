@@ -4,12 +4,12 @@
 //
 // Timeline of one training step for a unit U (not the root):
 //   fsdp::call(U, x)  pre_forward   unshard U (wait), prefetch the next unit's all-gather, wrap
-//                                   x in PostBackwardHook so a node runs after U's backward
+//                                   x in the post-backward node, which runs after U's backward
 //                     forward       the module's own code
 //                     post_forward  reshard U (reshard_after_forward), hook U's outputs
 //   backward          pre_backward  (hook on U's output) unshard U, prefetch the previous unit
 //                     U's backward  autograd, gradients land on the unsharded parameters
-//                     post_backward (PostBackwardHook) reduce-scatter U's gradients, reshard
+//                     post_backward (that node) reduce-scatter U's gradients, reshard
 //   end of backward   final callback (root, queued by the first pre_backward): post_backward
 //                     for units whose hook never ran (e.g. the root, whose input is token ids),
 //                     wait for the reductions, reshard what is left, reset for the next step.

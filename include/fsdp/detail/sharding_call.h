@@ -3,6 +3,7 @@
 // fsdp/sharding/forward_method.h) and of activation checkpointing's checkpoint(): how a call's
 // tensor arguments and outputs are found, substituted and handed to the module's forward hooks
 // and call wrapper. Not an API: included by those headers only.
+#include <c10/util/SmallVector.h>
 #include <torch/nn/module.h>
 
 #include <functional>
@@ -55,16 +56,18 @@ decltype(auto) substitute(T&& arg, std::vector<at::Tensor>::iterator& next) {
   }
 }
 
-inline void collect_outputs(at::Tensor& t, std::vector<at::Tensor*>& out) { out.push_back(&t); }
-inline void collect_outputs(std::vector<at::Tensor>& ts, std::vector<at::Tensor*>& out) {
+// Where a call's output tensors are: inline up to four (no allocation for a module's one output).
+using OutputSlots = c10::SmallVector<at::Tensor*, 4>;
+inline void collect_outputs(at::Tensor& t, OutputSlots& out) { out.push_back(&t); }
+inline void collect_outputs(std::vector<at::Tensor>& ts, OutputSlots& out) {
   for (auto& t : ts) out.push_back(&t);
 }
 template <typename... Ts>
-void collect_outputs(std::tuple<Ts...>& tuple, std::vector<at::Tensor*>& out) {
+void collect_outputs(std::tuple<Ts...>& tuple, OutputSlots& out) {
   std::apply([&](auto&... elems) { (collect_outputs(elems, out), ...); }, tuple);
 }
 template <typename T>
-void collect_outputs(T&, std::vector<at::Tensor*>&) {}  // not a tensor: nothing to hook
+void collect_outputs(T&, OutputSlots&) {}  // not a tensor: nothing to hook
 
 // fn(args...) between `module`'s forward hooks: the pre hooks on the tensor arguments, fn with
 // the tensors they returned, the post hooks on the output tensors (abort on a throw). The one body
@@ -83,9 +86,12 @@ auto call_with_hooks(const torch::nn::Module* module, Fn&& fn, Args&&... args) {
       detail::substitute(std::forward<Args>(args), next)...};
   try {
     auto output = std::apply([&](auto&&... a) { return fn(std::forward<decltype(a)>(a)...); }, std::move(forwarded));
-    std::vector<at::Tensor*> outputs;
+    OutputSlots outputs;
     detail::collect_outputs(output, outputs);
-    std::vector<at::Tensor> out_tensors;
+    // The arguments' vector (the call holds its own copies) carries the outputs: its capacity is
+    // reused, so a call with as many outputs as tensor arguments allocates one vector in all.
+    std::vector<at::Tensor>& out_tensors = tensors;
+    out_tensors.clear();
     for (auto* t : outputs) out_tensors.push_back(*t);
     hooks::detail::run_post(*hooks, out_tensors);
     for (size_t i = 0; i < outputs.size(); ++i) *outputs[i] = out_tensors[i];
@@ -130,7 +136,7 @@ auto call_through(const CallWrapper& wrapper, Fn fn, Args&&... args) {
   auto first = std::make_shared<std::optional<Output>>();
   TensorFn tensor_fn = [fn, held, first](const std::vector<at::Tensor>& tensors) mutable {
     Output output = apply_with_tensors(fn, *held, tensors);
-    std::vector<at::Tensor*> ptrs;
+    OutputSlots ptrs;
     collect_outputs(output, ptrs);
     std::vector<at::Tensor> out;
     for (auto* t : ptrs) out.push_back(*t);
@@ -142,7 +148,7 @@ auto call_through(const CallWrapper& wrapper, Fn fn, Args&&... args) {
   };
   std::vector<at::Tensor> results = wrapper(tensor_fn, inputs);
   Output output = std::move(first->value());
-  std::vector<at::Tensor*> ptrs;
+  OutputSlots ptrs;
   collect_outputs(output, ptrs);
   if (results.size() != ptrs.size()) throw std::logic_error("fsdp::call: a call wrapper changed the number of outputs");
   for (size_t i = 0; i < ptrs.size(); ++i) *ptrs[i] = results[i];

@@ -147,6 +147,13 @@ void FSDPState::trim_pool_after_forward() {
   trim_cached_buffers(options.trim_min_bytes);
 }
 
+void FSDPState::trim_pool_after_backward() {
+  const BufferPoolOptions options = buffer_pool_options();
+  if (!options.trim_after_backward) return;
+  PhaseScope timed(Phase::PoolTrim);
+  trim_cached_buffers(options.trim_min_bytes);
+}
+
 std::vector<at::Tensor> FSDPState::pre_recompute(std::vector<at::Tensor> args) {
   // Activation checkpointing runs this unit's forward again inside its backward: the parameters
   // are gathered as for backward (the unit after it prefetched them); no forward prefetch and no
@@ -324,6 +331,11 @@ void FSDPState::final_callback() {
     if (s->group_) s->group_->discard_post_forward();
   }
   ctx_->final_callback_queued = false;
+  // Every reduction has been waited for and written into the gradients, and every unit resharded:
+  // all of this backward's FSDP buffers are back in the pool, whose cache can go back to the kernel
+  // before the optimizer step (BufferPoolOptions::trim_after_backward). Not while reductions stay
+  // pending (a backward that is not the last one before the step): their buffers are still live.
+  if (ctx_->pending_reduces.empty()) trim_pool_after_backward();
 }
 
 }  // namespace fsdp::detail

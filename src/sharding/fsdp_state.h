@@ -90,6 +90,8 @@ class FSDPState {
   // The pool's cache goes back to the kernel as forward ends (BufferPoolOptions::trim_after_forward,
   // trim_min_bytes): at the last unit's pre-forward and at the root's post-forward.
   void trim_pool_after_forward();
+  // ... and as backward ends (BufferPoolOptions::trim_after_backward): in the root's final callback.
+  void trim_pool_after_backward();
 
   std::vector<torch::nn::Module*> modules_;
   std::string label_;  // the name in profiler ranges (set at the root's lazy init)

@@ -24,15 +24,18 @@ struct PoolRun {
   std::vector<double> losses;
   std::map<std::string, at::Tensor> shards;
   std::vector<fsdp::BufferMemoryStats> after_step;
-  std::vector<fsdp::BufferMemoryStats> after_forward;  // as the root's forward returned
-  double largest_unit_bytes = 0;                       // the largest fully_shard unit's unsharded parameters
+  std::vector<fsdp::BufferMemoryStats> after_forward;   // as the root's forward returned
+  std::vector<fsdp::BufferMemoryStats> after_backward;  // as backward returned (before the optimizer step)
+  std::map<std::string, at::Tensor> grads;              // the last step's gradients, as backward left them
+  double largest_unit_bytes = 0;                        // the largest fully_shard unit's unsharded parameters
 };
 
-PoolRun train(bool pool, int steps, size_t trim_min_bytes = 0) {
+PoolRun train(bool pool, int steps, size_t trim_min_bytes = 0, bool trim_after_backward = false) {
   fsdp::BufferPoolOptions options;
   options.enabled = pool;
   options.min_bytes = 1;                    // every buffer through the pool: the test model is small
   options.trim_min_bytes = trim_min_bytes;  // 0: the cache is trimmed however small it is
+  options.trim_after_backward = trim_after_backward;
   fsdp::set_buffer_pool_options(options);
   fsdp::release_cached_buffers();
   fsdp::reset_buffer_memory_peak();
@@ -62,6 +65,12 @@ PoolRun train(bool pool, int steps, size_t trim_min_bytes = 0) {
     r.after_forward.push_back(fsdp::buffer_memory_stats());
     auto loss = fsdp::models::gpt_loss(logits, data.narrow(1, 1, c.block_size));
     loss.backward();
+    r.after_backward.push_back(fsdp::buffer_memory_stats());
+    if (s + 1 == steps) {
+      for (const auto& p : model->named_parameters()) {
+        if (p.value().grad().defined()) r.grads[p.key()] = p.value().grad().clone();
+      }
+    }
     opt.step();
     r.losses.push_back(loss.item<double>());
     r.after_step.push_back(fsdp::buffer_memory_stats());
@@ -163,3 +172,33 @@ FSDP_RANK_WORKER(pool_reuse_exact_and_bounded) {
 TEST(BufferPool, TwoRanksReuseIsExactAndBounded) { EXPECT_RANKS_PASS(2, "pool_reuse_exact_and_bounded"); }
 
 TEST(BufferPool, WorldOfOneReuseIsExactAndBounded) { EXPECT_RANKS_PASS(1, "pool_reuse_exact_and_bounded"); }
+
+// BufferPoolOptions::trim_after_backward: when backward ends (the root's final callback, after the
+// last reduce-scatter) the pool's cache gives its pages back, so none is resident as backward
+// returns, before the optimizer step; without it the blocks backward freed stay resident. The
+// gradients, losses and shards are bit for bit those of the run without the trim.
+FSDP_RANK_WORKER(pool_trim_after_backward) {
+  const int steps = 3;
+  const PoolRun kept = train(/*pool=*/true, steps, /*trim_min_bytes=*/0, /*trim_after_backward=*/false);
+  const PoolRun trimmed = train(/*pool=*/true, steps, /*trim_min_bytes=*/0, /*trim_after_backward=*/true);
+  for (int s = 0; s < steps; ++s) {
+    const auto& on = trimmed.after_backward[s];
+    TORCH_CHECK(
+        on.pool_cached > 0 && on.pool_cached_resident == 0 && on.pool_trimmed > trimmed.after_forward[s].pool_trimmed,
+        "step ", s, ": the cache was not trimmed after backward: ", describe(on));
+    const auto& off = kept.after_backward[s];
+    TORCH_CHECK(off.pool_cached_resident > 0 && off.pool_trimmed == kept.after_forward[s].pool_trimmed, "step ", s,
+                ": the cache was trimmed after backward with trim_after_backward off: ", describe(off));
+    TORCH_CHECK(trimmed.losses[s] == kept.losses[s], "step ", s, ": loss ", trimmed.losses[s], " with the trim, ",
+                kept.losses[s], " without");
+  }
+  TORCH_CHECK(!kept.grads.empty() && kept.grads.size() == trimmed.grads.size(), "gradients missing");
+  for (const auto& [name, g] : kept.grads) {
+    TORCH_CHECK(torch::equal(trimmed.grads.at(name), g), "gradient of ", name, " differs with the trim");
+  }
+  for (const auto& [name, t] : kept.shards) {
+    TORCH_CHECK(torch::equal(trimmed.shards.at(name), t), "parameter ", name, " differs with the trim");
+  }
+}
+
+TEST(BufferPool, TwoRanksTrimAfterBackward) { EXPECT_RANKS_PASS(2, "pool_trim_after_backward"); }

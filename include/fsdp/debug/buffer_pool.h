@@ -20,8 +20,9 @@
 // (before it maps a new block it unmaps cached ones until live + cached + new <= that high-water
 // mark), so the pool's footprint is the live set's peak. fully_shard trims the cache's pages
 // when forward ends (BufferPoolOptions::trim_after_forward): the blocks stay mapped, but while the
-// activations are at their largest only the live blocks are resident. Smaller buffers and other devices use
-// LibTorch's allocator (a GPU's caching allocator already pools).
+// activations are at their largest only the live blocks are resident (and, with
+// BufferPoolOptions::trim_after_backward, when backward ends, before the optimizer step). Smaller buffers and other
+// devices use LibTorch's allocator (a GPU's caching allocator already pools).
 #include <array>
 #include <cstddef>
 #include <cstdint>
@@ -78,6 +79,15 @@ struct BufferPoolOptions {
   // pages in again during backward, every step: worth it where the cache is large against the
   // peak, not where it is a few MB (docs/benchmarks.md, "Memory"). 0: always trim.
   size_t trim_min_bytes = 32u << 20;
+  // fully_shard also trims the cache when backward ends (the root's final callback, once the last
+  // reduce-scatter has been waited for and the gradients are in place): the optimizer step that
+  // usually follows allocates its state and temporaries while the cache (every unit's freed
+  // buffers: the largest unit's parameters, gradients and reduce-scatter input, and more) would
+  // otherwise stay resident through it. The trade is trim_after_forward's: the trimmed pages are
+  // faulted in again (zero-filled) when the next step's forward hands the blocks out, every step.
+  // Worth it where the optimizer step is the peak (a large model near the memory limit: a 1.1B
+  // Llama at 2 ranks, docs/benchmarks.md); off by default. Honours trim_min_bytes.
+  bool trim_after_backward = false;
 };
 void set_buffer_pool_options(const BufferPoolOptions& options);
 BufferPoolOptions buffer_pool_options();

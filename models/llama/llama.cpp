@@ -5,6 +5,7 @@
 #include <stdexcept>
 
 #include "fsdp/compat/attention.h"
+#include "fsdp/compat/gqa_attention.h"
 #include "fsdp/sharding/call.h"
 #include "fsdp/sharding/materialize.h"
 
@@ -91,12 +92,16 @@ torch::Tensor LlamaAttentionImpl::forward(const torch::Tensor& x, const torch::T
   auto k = apply_rope(heads_of(fsdp::call(k_proj, x)), cos, sin);
   auto v = heads_of(fsdp::call(v_proj, x));
   const int64_t n_rep = q.size(1) / k.size(1);
-  k = repeat_kv(k, n_rep);
-  v = repeat_kv(v, n_rep);
   torch::Tensor y;
-  if (fused) {
-    y = fsdp::compat::fused_causal_attention(q, k, v);
+  if (fused && fsdp::compat::kHasGqaFusedAttention) {
+    // The kernel maps each query head to its KV head: no repeated copy of k and v, and their
+    // gradients are summed over the group inside the kernel (transformers' sdpa path without a mask).
+    y = fsdp::compat::fused_causal_gqa_attention(q, k, v);
+  } else if (fused) {
+    y = fsdp::compat::fused_causal_attention(q, repeat_kv(k, n_rep), repeat_kv(v, n_rep));
   } else {
+    k = repeat_kv(k, n_rep);
+    v = repeat_kv(v, n_rep);
     auto att = torch::matmul(q, k.transpose(-2, -1)) * (1.0 / std::sqrt(static_cast<double>(d)));
     auto causal = torch::ones({T, T}, x.options().dtype(torch::kBool)).tril();
     att = F::softmax(att.masked_fill(causal.logical_not(), -INFINITY), F::SoftmaxFuncOptions(-1).dtype(torch::kFloat))

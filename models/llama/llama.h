@@ -8,7 +8,9 @@
 //
 // The numerics follow transformers' LlamaForCausalLM step for step (RMSNorm in float32, rotary
 // embeddings by rotate_half with llama3 frequency scaling, grouped-query attention by repeating
-// KV heads, SwiGLU), so logits match within float32 rounding (tests/models/test_llama_hf.cpp).
+// KV heads, or on LibTorch 2.5+ by the fused kernel reading each KV head for its query heads as
+// transformers' sdpa path does, SwiGLU), so logits match within float32 rounding
+// (tests/models/test_llama_hf.cpp).
 //
 // Example (the GPT's recipe, models/gpt.h):
 //   auto c = LlamaConfig::from_file(dir + "/config.json");

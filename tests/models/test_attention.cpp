@@ -2,6 +2,8 @@
 // matmul / mask / softmax / matmul (1.13, or fused_attention = false) give the same outputs and
 // gradients within fp32 rounding, and both match an independent float64 reference (a loop over
 // query positions, each attending to the keys up to it: no mask, a hand-written softmax).
+// The Llama's grouped-query attention: the fused op given the KV heads as they are (enable_gqa,
+// 2.5+) against the written-out attention over repeated KV heads.
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
@@ -10,7 +12,9 @@
 
 #include "fsdp/compat/attention.h"
 #include "fsdp/compat/c10d.h"  // FSDP_TORCH_AT_LEAST
+#include "fsdp/compat/gqa_attention.h"
 #include "models/gpt.h"
+#include "models/llama/llama.h"
 
 namespace {
 
@@ -101,6 +105,57 @@ TEST(Attention, DetectionFollowsTheLibTorchVersion) {
   if (!fsdp::compat::kHasFusedAttention) {
     auto t = torch::zeros({1, 1, 2, 2});
     EXPECT_THROW(fsdp::compat::fused_causal_attention(t, t, t), std::logic_error);
+  }
+}
+
+TEST(Attention, GqaDetectionFollowsTheLibTorchVersion) {
+  // enable_gqa arrived in 2.5; 2.0-2.4 have the fused op without it.
+  EXPECT_EQ(fsdp::compat::kHasGqaFusedAttention, FSDP_TORCH_AT_LEAST(2, 5));
+  if (!fsdp::compat::kHasGqaFusedAttention) {
+    auto t = torch::zeros({1, 2, 2, 2});
+    EXPECT_THROW(fsdp::compat::fused_causal_gqa_attention(t, t.narrow(1, 0, 1), t.narrow(1, 0, 1)), std::logic_error);
+  }
+}
+
+// The Llama's attention with 6 query heads over 2 KV heads (each KV head serves 3 consecutive
+// query heads, transformers' repeat_kv order): fused (on 2.5+ without repeating the KV heads)
+// against written-out, same weights: output, d/dx and every projection's gradient (k_proj's and
+// v_proj's sum over their 3 query heads). A kernel that paired query and KV heads in another
+// order would fail every check.
+TEST(Attention, LlamaGroupedQueryFusedMatchesWrittenOut) {
+  fsdp::models::LlamaConfig c;
+  c.hidden_size = 48;
+  c.num_attention_heads = 6;
+  c.num_key_value_heads = 2;
+  c.fused_attention = true;
+  fsdp::models::LlamaAttention fused(c);
+  c.fused_attention = false;
+  fsdp::models::LlamaAttention written(c);
+  EXPECT_EQ(fused->fused, fsdp::compat::kHasFusedAttention);
+  EXPECT_FALSE(written->fused);
+  torch::manual_seed(5);
+  {
+    torch::NoGradGuard no_grad;
+    auto pw = written->named_parameters();
+    for (auto& item : fused->named_parameters()) {
+      item.value().normal_(0.0, 0.3);  // a peaked softmax, as in check_module_against_reference
+      pw[item.key()].copy_(item.value());
+    }
+  }
+  const int64_t B = 3, T = 11;
+  auto [cos, sin] = fsdp::models::rope_cos_sin(fsdp::models::rope_inv_freq(c), T);
+  auto x = torch::randn({B, T, c.hidden_size});
+  auto upstream = torch::randn({B, T, c.hidden_size});
+  auto xf = x.clone().requires_grad_(true), xw = x.clone().requires_grad_(true);
+  auto yf = fused(xf, cos, sin), yw = written(xw, cos, sin);
+  (yf * upstream).sum().backward();
+  (yw * upstream).sum().backward();
+  expect_close(yf, yw, 1e-5, "output");
+  expect_close(xf.grad(), xw.grad(), 1e-5, "grad of the input");
+  auto pw = written->named_parameters();
+  for (const auto& item : fused->named_parameters()) {
+    ASSERT_TRUE(item.value().grad().defined() && pw[item.key()].grad().defined()) << item.key();
+    expect_close(item.value().grad(), pw[item.key()].grad(), 1e-5, "grad of " + item.key());
   }
 }
 

@@ -28,7 +28,9 @@
 // per rank (a fresh batch every step from the rank's stream 1234 + rank, as bench and
 // benchmarks/fsdp2_cpu_bench.py; --fixed-batch: the first batch every step, so that the loss
 // falls visibly). Rank 0 prints every step and appends "median_step_s S first_loss L last_loss L
-// params P world N peak_rss_bytes B" to --result; every rank prints its peak RSS.
+// params P world N peak_rss_bytes B forward_s F backward_s B optimizer_s O" (the step's parts,
+// medians) to --result; every rank prints its peak RSS and the parts, and with FSDP_PHASE_TIMERS=1
+// its table of FSDP's phases over the measured steps.
 //
 // Memory (--role train; all off by default, so that step times compare with earlier runs):
 //   --memory              each rank prints its memory timeline: for every step and phase (forward,
@@ -437,20 +439,28 @@ int run_train(const Options& o) {
         o.fixed_batch ? "the same" : "a fresh random", setup_s, o.malloc_mode.c_str(), o.wrap.c_str(),
         o.trim_after_backward ? ", pool trimmed after backward" : "");
   std::vector<double> times;
+  // Where a measured step's time goes on this rank: forward + loss, backward, optimizer step (the
+  // rest: zero_grad, the trim, loss.item()); medians over the measured steps.
+  std::vector<double> forward_s, backward_s, optimizer_s;
   double first_loss = NAN, last_loss = NAN;
   for (int64_t s = 0; s < o.warmup + o.steps; ++s) {
     const at::Tensor data = o.fixed_batch ? fixed : next();
+    if (s == o.warmup) fsdp::reset_phase_timers();  // FSDP_PHASE_TIMERS=1: the measured steps only
     fsdp_bench::Stopwatch step;
     opt.zero_grad();
     auto input = data.narrow(1, 0, o.seq);
     const int k = static_cast<int>(s);
     mem.begin(k, kForward);
+    fsdp_bench::Stopwatch forward;
     auto logits = o.plain ? model->forward(input) : fsdp::call(model, input);
     auto loss = fsdp::models::gpt_loss(logits, data.narrow(1, 1, o.seq));
+    const double forward_wall = forward.wall();
     mem.end(state());
     mem.begin(k, kBackward);
+    fsdp_bench::Stopwatch backward;
     loss.backward();
     logits = at::Tensor();  // as a loop whose logits go out of scope with the step would have it
+    const double backward_wall = backward.wall();
     mem.end(state());
     if (o.trim_after_backward) {
       // The pool's cache holds the blocks of backward's largest live set (the root's unsharded
@@ -461,13 +471,20 @@ int run_train(const Options& o) {
       mem.end(state());
     }
     mem.begin(k, kOptimizer);
+    fsdp_bench::Stopwatch optimizer;
     opt.step();
+    const double optimizer_wall = optimizer.wall();
     mem.end(state());
     const double value = loss.item<double>();
     const double wall = step.wall();
     if (std::isnan(first_loss)) first_loss = value;
     last_loss = value;
-    if (s >= o.warmup) times.push_back(wall);
+    if (s >= o.warmup) {
+      times.push_back(wall);
+      forward_s.push_back(forward_wall);
+      backward_s.push_back(backward_wall);
+      optimizer_s.push_back(optimizer_wall);
+    }
     if (place.rank == 0) {
       std::printf("step %lld%s: loss %.4f, %.2f s, peak RSS %.2f GiB\n", (long long)s, s < o.warmup ? " (warm-up)" : "",
                   value, wall, gib(mem.on() ? mem.peak() : fsdp_bench::vm_hwm_bytes()));
@@ -480,6 +497,11 @@ int run_train(const Options& o) {
     if (r == place.rank) {
       std::printf("rank %d: median step %.3f s, first loss %.4f, last loss %.4f, peak RSS (VmHWM) %.3f GiB\n", r,
                   fsdp_bench::median(times), first_loss, last_loss, gib(hwm));
+      std::printf("rank %d: median forward + loss %.3f s, backward %.3f s, optimizer step %.3f s\n", r,
+                  fsdp_bench::median(forward_s), fsdp_bench::median(backward_s), fsdp_bench::median(optimizer_s));
+      if (!o.plain && fsdp::phase_timers_enabled())
+        std::printf("rank %d: FSDP's phases over the measured steps:\n%s", r,
+                    fsdp::phase_times().table(static_cast<int>(o.steps)).c_str());
       mem.print(r);
       std::fflush(stdout);
     }
@@ -487,10 +509,12 @@ int run_train(const Options& o) {
   }
   if (place.rank == 0 && !o.result.empty()) {
     std::ofstream out(o.result, std::ios::app);
-    char line[256];
+    char line[384];
     std::snprintf(line, sizeof(line),
-                  "median_step_s %.6f first_loss %.6f last_loss %.6f params %lld world %d peak_rss_bytes %.0f\n",
-                  fsdp_bench::median(times), first_loss, last_loss, (long long)params, place.world, hwm);
+                  "median_step_s %.6f first_loss %.6f last_loss %.6f params %lld world %d peak_rss_bytes %.0f "
+                  "forward_s %.6f backward_s %.6f optimizer_s %.6f\n",
+                  fsdp_bench::median(times), first_loss, last_loss, (long long)params, place.world, hwm,
+                  fsdp_bench::median(forward_s), fsdp_bench::median(backward_s), fsdp_bench::median(optimizer_s));
     out << line;
   }
   if (!o.plain) fsdp::dist::destroy_distributed();

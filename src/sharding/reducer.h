@@ -21,25 +21,6 @@
 // the whole run, no copy-in while zero_grad() zeroes in place (1.13), no copy-out, no allocation
 // per step. A gradient that is not the slot (set_to_none, as 2.x's zero_grad() does, the first
 // step, a user's assignment) is copied in (divided on the way) and replaced by the slot.
-//
-// [Note: Shared-memory all-reduce]
-// When every rank of the group runs on this host (and shared memory is allowed), the buckets live
-// in shared memory that every rank maps, and the end of backward all-reduces them without the
-// backend. Gloo moves each byte through a loopback TCP socket: a copy into the kernel, a copy out
-// into a scratch buffer, then the sum, on Gloo's threads (about 15 ms of CPU per step and rank on
-// bench's 3.3M GPT, more than the reducer's whole main-thread share). Here each rank sums its
-// 1/N of every bucket straight from its peers' memory, then copies the peers' sums from theirs:
-// reads of N + (N-1)/N, writes of 1/N + (N-1)/N times the bucket bytes per rank, no system call.
-// Three phases, each closed by a counter per rank in the shared header (release on increment,
-// acquire on read; a waiter spins briefly, then sleeps on the counter's futex): (1) every rank's
-// buckets hold its gradients, (2) every rank has summed its chunk, (3) every rank has copied the
-// others' chunks, so none may yet write its buckets again (the next backward) while a peer reads
-// them. It runs on the main thread at the end of backward, so nothing overlaps backward; on a host
-// whose cores all run ranks' compute (the case this is for) an overlapped all-reduce only takes
-// the same CPU from backward. Setup is collective (replicate() is): rank 0 draws a name, every
-// rank creates and fills its segment (posix_fallocate, so a /dev/shm too small for the buckets is
-// found now, not as SIGBUS later), opens every peer's, and the name is unlinked once all have
-// mapped all; if any rank fails any step, every rank keeps the backend.
 #include <torch/csrc/autograd/function.h>
 #include <torch/nn/module.h>
 
@@ -59,11 +40,6 @@ class Reducer : public std::enable_shared_from_this<Reducer> {
 
   bool requires_gradient_sync = true;
   size_t num_buckets() const { return buckets_.size(); }
-  // The buckets are all-reduced through shared memory ([Note: Shared-memory all-reduce]).
-  bool uses_shared_memory() const { return shm_ != nullptr; }
-  // Collective: maps the buckets into shared memory when every rank can (see the note); else
-  // leaves them to the backend.
-  void try_shared_memory();
   comm::Comm& comm() const { return *comm_; }
 
  private:
@@ -86,16 +62,12 @@ class Reducer : public std::enable_shared_from_this<Reducer> {
   void launch(Bucket& bucket);
   void finalize();
   void reset();
-  void shared_all_reduce();
 
   std::vector<at::Tensor> params_;
   std::shared_ptr<comm::Comm> comm_;
   std::vector<std::shared_ptr<void>> grad_accumulators_;  // kept alive: they hold the hooks
   std::vector<size_t> bucket_of_;
-  std::vector<size_t> slot_of_;      // each parameter's position in its bucket
-  std::vector<int64_t> shm_offset_;  // each bucket's byte offset in a rank's shared segment
-  struct SharedSegments;
-  std::shared_ptr<SharedSegments> shm_;  // every rank's segment, mapped; null: the backend
+  std::vector<size_t> slot_of_;  // each parameter's position in its bucket
   int64_t world_ = 1;
   bool divide_ = false;  // divide each gradient by world_ before a sum (the backend has no AVG)
   std::vector<bool> ready_;

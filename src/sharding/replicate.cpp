@@ -2,9 +2,7 @@
 
 #include <torch/torch.h>
 
-#include <cstdlib>
 #include <stdexcept>
-#include <string>
 #include <unordered_set>
 
 #include "fsdp/dist/runtime.h"
@@ -56,8 +54,6 @@ ReplicateModule replicate(const std::shared_ptr<torch::nn::Module>& module, Repl
   }
   auto reducer =
       std::make_shared<Reducer>(std::move(params), comm, options.bucket_cap_bytes, options.first_bucket_cap_bytes);
-  const char* shm_env = std::getenv("FSDP_REPLICATE_SHARED_MEMORY");
-  if (options.shared_memory && !(shm_env && std::string(shm_env) == "0")) reducer->try_shared_memory();
   reducer->install_hooks();
   // Every submodule too: fully_shard on a part of a replicated model is refused.
   for (const auto& sub : module->modules(/*include_self=*/true)) register_replicated(sub, reducer);
@@ -75,7 +71,5 @@ void ReplicateModule::set_requires_gradient_sync(bool requires_sync) {
 }
 
 size_t ReplicateModule::num_buckets() const { return reducer_->num_buckets(); }
-
-bool ReplicateModule::uses_shared_memory() const { return reducer_->uses_shared_memory(); }
 
 }  // namespace fsdp

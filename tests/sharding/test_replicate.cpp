@@ -27,22 +27,15 @@ std::string env(const char* name, const char* fallback) {
 
 }  // namespace
 
-// PARITY_MODE: replicate | no_sync; BUCKET: bucket_cap_bytes; SHM: 1 for the shared-memory
-// all-reduce (ranks of one host), 0 for the backend's.
+// PARITY_MODE: replicate | no_sync; BUCKET: bucket_cap_bytes.
 FSDP_RANK_WORKER(replicate_parity) {
   const auto config = uneven_config();
   const std::string m = env("PARITY_MODE", "replicate");
   const int64_t bucket = std::stoll(env("BUCKET", "26214400"));
-  const bool shm = env("SHM", "1") == "1";
   ShardedRun run;
   size_t buckets = 0;
-  run.shard = [bucket, shm, &buckets](GPT& model) {
-    fsdp::ReplicateOptions o;
-    o.bucket_cap_bytes = bucket;
-    o.shared_memory = shm;
-    auto ddp = fsdp::replicate(model, o);
-    TORCH_CHECK(ddp.uses_shared_memory() == shm, "shared memory ", shm ? "expected" : "not expected",
-                " for ranks of one host");
+  run.shard = [bucket, &buckets](GPT& model) {
+    auto ddp = fsdp::replicate(model, fsdp::ReplicateOptions{std::nullopt, bucket});
     buckets = ddp.num_buckets();
   };
   int micro_batches = 1;
@@ -63,15 +56,14 @@ FSDP_RANK_WORKER(replicate_parity) {
   for (const auto& p : got.model->parameters()) {
     TORCH_CHECK(!fsdp::shard_info(p).has_value(), "replicated parameters are not shards");
   }
-  // One all-reduce per bucket per synced backward (plus train_sharded's loss all-reduce per step);
-  // through shared memory none, only the two of its setup (every rank's verdict, twice).
-  const uint64_t want_calls = static_cast<uint64_t>(kSteps) * ((shm ? 0 : buckets) + 1) + (shm ? 2 : 0);
+  // One all-reduce per bucket per synced backward (plus train_sharded's loss all-reduce per step).
+  const uint64_t want_calls = static_cast<uint64_t>(kSteps) * (buckets + 1);
   TORCH_CHECK(ops[fsdp::comm::OpKind::AllReduce].calls == want_calls, "expected ", want_calls, " all-reduces, got ",
               ops[fsdp::comm::OpKind::AllReduce].calls);
   if (fsdp::dist::rank() == 0) {
-    std::cout << m << " (" << buckets << " buckets, " << (shm ? "shared memory" : "backend") << "): " << kSteps
-              << " steps, last loss " << got.losses.back() << " (single process " << want.losses.back()
-              << "), worst parameter difference " << worst << " relative; " << ops.to_string() << std::endl;
+    std::cout << m << " (" << buckets << " buckets): " << kSteps << " steps, last loss " << got.losses.back()
+              << " (single process " << want.losses.back() << "), worst parameter difference " << worst << " relative; "
+              << ops.to_string() << std::endl;
   }
 }
 
@@ -79,7 +71,6 @@ struct ReplicateCase {
   std::string mode;
   int world;
   int64_t bucket;
-  bool shm;
 };
 
 class ReplicateParity : public ::testing::TestWithParam<ReplicateCase> {};
@@ -89,21 +80,18 @@ TEST_P(ReplicateParity, MatchesSingleProcess) {
   o.timeout = std::chrono::milliseconds(600000);
   o.env["PARITY_MODE"] = GetParam().mode;
   o.env["BUCKET"] = std::to_string(GetParam().bucket);
-  o.env["SHM"] = GetParam().shm ? "1" : "0";
   auto r = run_ranks(GetParam().world, "replicate_parity", o);
   EXPECT_TRUE(r.all_ok()) << r.report();
   if (r.all_ok()) std::cout << r.ranks[0].output;
 }
 
-INSTANTIATE_TEST_SUITE_P(
-    Replicate, ReplicateParity,
-    ::testing::Values(ReplicateCase{"replicate", 2, 25 << 20, true}, ReplicateCase{"replicate", 2, 25 << 20, false},
-                      ReplicateCase{"replicate", 4, 4096, true}, ReplicateCase{"replicate", 4, 4096, false},
-                      ReplicateCase{"no_sync", 2, 4096, true}, ReplicateCase{"no_sync", 4, 25 << 20, false}),
-    [](const auto& info) {
-      return info.param.mode + "_bucket" + std::to_string(info.param.bucket) + "_" + std::to_string(info.param.world) +
-             "ranks" + (info.param.shm ? "_shm" : "_backend");
-    });
+INSTANTIATE_TEST_SUITE_P(Replicate, ReplicateParity,
+                         ::testing::Values(ReplicateCase{"replicate", 2, 25 << 20}, ReplicateCase{"replicate", 4, 4096},
+                                           ReplicateCase{"no_sync", 2, 4096}, ReplicateCase{"no_sync", 4, 25 << 20}),
+                         [](const auto& info) {
+                           return info.param.mode + "_bucket" + std::to_string(info.param.bucket) + "_" +
+                                  std::to_string(info.param.world) + "ranks";
+                         });
 
 namespace {
 struct ThreeLayersImpl : torch::nn::Module {
@@ -122,10 +110,7 @@ TORCH_MODULE(ThreeLayers);
 FSDP_RANK_WORKER(replicate_overlaps) {
   torch::manual_seed(fsdp::dist::rank());  // different on purpose: replicate broadcasts rank 0's
   ThreeLayers model;
-  fsdp::ReplicateOptions o;
-  o.bucket_cap_bytes = 64 * 65 * 4;
-  o.shared_memory = false;  // the backend's all-reduces overlap backward (shared memory's run at its end)
-  auto ddp = fsdp::replicate(model, o);
+  auto ddp = fsdp::replicate(model, fsdp::ReplicateOptions{std::nullopt, 64 * 65 * 4});
   TORCH_CHECK(ddp.num_buckets() == 3, "one bucket per layer, got ", ddp.num_buckets());
   auto w = model->l1->weight.detach().clone();
   fsdp::dist::world_comm()->broadcast(w, 0);

@@ -10,9 +10,8 @@
 //
 // Every rank holds the whole model. During backward, gradients are all-reduced in buckets as soon
 // as every gradient of a bucket is ready, so communication overlaps the rest of backward (DDP's
-// reducer); the end of backward waits for them. Ranks that share a host instead all-reduce the
-// buckets through shared memory at the end of backward (ReplicateOptions::shared_memory). Parameters are not sharded:
-// shard_info() returns nullopt for them and a checkpoint saves them whole.
+// reducer); the end of backward waits for them. Parameters are not sharded: shard_info() returns
+// nullopt for them and a checkpoint saves them whole.
 #include <torch/nn/module.h>
 
 #include <cstdint>
@@ -36,11 +35,6 @@ struct ReplicateOptions {
   // The first bucket (the last parameters, whose gradients come first) is smaller, so the first
   // all-reduce starts early in backward (DDP's 1 MiB; capped by bucket_cap_bytes).
   int64_t first_bucket_cap_bytes = 1024 * 1024;
-  // When every rank of the mesh is on this host, the buckets live in shared memory and are
-  // all-reduced there at the end of backward, without the backend's sockets (CPU float32/float64
-  // buckets; setup falls back to the backend when any rank cannot map them). The environment
-  // variable FSDP_REPLICATE_SHARED_MEMORY=0 turns it off as well (the same on every rank).
-  bool shared_memory = true;
 };
 
 // The handle replicate returns. Copyable; the state lives as long as the module.
@@ -53,9 +47,6 @@ class ReplicateModule {
   void set_requires_gradient_sync(bool requires_sync);
   // Number of gradient buckets (reverse parameter order, as DDP builds them).
   size_t num_buckets() const;
-  // Whether the buckets are all-reduced through this host's shared memory (ReplicateOptions::
-  // shared_memory) rather than by the backend.
-  bool uses_shared_memory() const;
 
  private:
   std::shared_ptr<detail::Reducer> reducer_;

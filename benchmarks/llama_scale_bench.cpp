@@ -42,10 +42,10 @@
 //                         glibc's free heap, and the rest (activations, temporaries, LibTorch).
 //   --timeline FILE       also every sample that moved the RSS by 1 MB, to FILE.<rank>
 //   --malloc tuned        fsdp::tune_malloc() first (train_gpt's policy: blocks of 1 MiB+ mapped and
-//                         given back when freed)
-//   --trim-after-backward fsdp::trim_cached_buffers() between backward and the optimizer step: the
-//                         pool's cache (the root's unsharded parameters, reduce-scatter buffers) is
-//                         otherwise resident while AdamW allocates its state in step 0
+//                         given back when freed); default|glibc, tuned, speed (bench_support.h)
+//   --trim-after-backward BufferPoolOptions::trim_after_backward: the root's end of backward trims the
+//                         pool's cache (the root's unsharded parameters, reduce-scatter buffers), which
+//                         is otherwise resident while AdamW allocates its state in step 0
 //   --wrap split          the embedding and [norm, lm_head] are units of their own (torchtitan's
 //                         wrapping; the head's unit keeps its parameters from forward to backward),
 //                         instead of staying in the root's unit (--wrap layers, the default): their
@@ -75,7 +75,8 @@ struct Options {
   bool plain = false, ac = false, fixed_batch = false;
   // Memory: the timeline, and the three changes measured with it (file comment).
   bool memory = false, trim_after_backward = false;
-  std::string timeline, malloc_mode = "glibc", wrap = "layers";
+  std::string timeline, wrap = "layers";
+  fsdp_bench::MallocPolicy malloc = fsdp_bench::MallocPolicy::Default;
 };
 
 Options parse(int argc, char** argv) {
@@ -85,7 +86,8 @@ Options parse(int argc, char** argv) {
       "usage: llama_scale_bench --role load|train [--hf DIR] [--plain] [--ac] [--fixed-batch] [--lr 1e-3]\n"
       "         [--layers 12 --hidden 768 --heads 12 --kv-heads 4 --ffn 2048 --vocab 32000]\n"
       "         [--seq 256 --batch 2 (per rank) --steps 4 --warmup 1] [--result FILE]\n"
-      "         [--memory] [--timeline FILE] [--malloc glibc|tuned] [--trim-after-backward] [--wrap layers|split]\n"
+      "         [--memory] [--timeline FILE] [--malloc default|tuned|speed] [--trim-after-backward] [--wrap "
+      "layers|split]\n"
       "       (sharded roles under fsdprun; --role load needs --hf)");
   args.option("--role", &o.role).option("--hf", &o.hf).option("--result", &o.result).option("--lr", &o.lr);
   args.option("--layers", &o.layers).option("--hidden", &o.hidden).option("--heads", &o.heads);
@@ -93,11 +95,10 @@ Options parse(int argc, char** argv) {
   args.option("--seq", &o.seq).option("--batch", &o.batch).option("--steps", &o.steps).option("--warmup", &o.warmup);
   args.flag("--plain", &o.plain).flag("--ac", &o.ac).flag("--fixed-batch", &o.fixed_batch);
   args.flag("--memory", &o.memory).flag("--trim-after-backward", &o.trim_after_backward);
-  args.option("--timeline", &o.timeline).option("--malloc", &o.malloc_mode).option("--wrap", &o.wrap);
+  args.option("--timeline", &o.timeline).option("--wrap", &o.wrap);
+  fsdp_bench::add_malloc_option(args, &o.malloc);
   args.parse(argc, argv);
   if (!o.timeline.empty()) o.memory = true;
-  if (o.malloc_mode != "glibc" && o.malloc_mode != "tuned")
-    args.fail("--malloc takes glibc or tuned, got '" + o.malloc_mode + "'");
   if (o.wrap != "layers" && o.wrap != "split") args.fail("--wrap takes layers or split, got '" + o.wrap + "'");
   if (o.role == "load" && (o.memory || o.trim_after_backward || o.wrap != "layers"))
     args.fail("--memory, --timeline, --trim-after-backward and --wrap are options of --role train");
@@ -184,9 +185,9 @@ int64_t build(Llama& model, const LlamaConfig& config, bool plain, bool ac, bool
 
 // ---- The memory timeline (--memory) ---------------------------------------------------------------
 
-enum Phase : int { kSetup = 0, kForward, kBackward, kTrim, kOptimizer, kBetween };
+enum Phase : int { kSetup = 0, kForward, kBackward, kOptimizer, kBetween };
 const char* phase_name(int p) {
-  static const char* names[] = {"setup", "forward", "backward", "trim", "optimizer", "between"};
+  static const char* names[] = {"setup", "forward", "backward", "optimizer", "between"};
   return names[p];
 }
 
@@ -408,7 +409,12 @@ int run_load(const Options& o) {
 }
 
 int run_train(const Options& o) {
-  if (o.malloc_mode == "tuned") fsdp::tune_malloc();  // before any tensor
+  fsdp_bench::apply_malloc_policy(o.malloc);  // before any tensor
+  if (o.trim_after_backward) {
+    auto pool = fsdp::buffer_pool_options();
+    pool.trim_after_backward = true;
+    fsdp::set_buffer_pool_options(pool);
+  }
   const auto place = fsdp_bench::join_world(!o.plain);
   MemoryTimeline mem(o.memory, o.timeline, place.rank);
   mem.begin(-1, kSetup);
@@ -436,8 +442,8 @@ int run_train(const Options& o) {
         o.plain ? "one process" : ("FSDP " + std::to_string(place.world) + " ranks").c_str(), (long long)o.seq,
         (long long)o.batch, model->layers()[0]->self_attn->fused ? "fused" : "written-out",
         o.ac ? ", activation checkpointing every layer" : "", o.lr.c_str(),
-        o.fixed_batch ? "the same" : "a fresh random", setup_s, o.malloc_mode.c_str(), o.wrap.c_str(),
-        o.trim_after_backward ? ", pool trimmed after backward" : "");
+        o.fixed_batch ? "the same" : "a fresh random", setup_s, fsdp_bench::malloc_policy_name(o.malloc),
+        o.wrap.c_str(), o.trim_after_backward ? ", pool trimmed after backward" : "");
   std::vector<double> times;
   // Where a measured step's time goes on this rank: forward + loss, backward, optimizer step (the
   // rest: zero_grad, the trim, loss.item()); medians over the measured steps.
@@ -462,14 +468,6 @@ int run_train(const Options& o) {
     logits = at::Tensor();  // as a loop whose logits go out of scope with the step would have it
     const double backward_wall = backward.wall();
     mem.end(state());
-    if (o.trim_after_backward) {
-      // The pool's cache holds the blocks of backward's largest live set (the root's unsharded
-      // parameters, reduce-scatter buffers): their pages go back before AdamW's step (its state in
-      // step 0, its temporaries every step); the next forward faults them in again.
-      mem.begin(k, kTrim);
-      fsdp::trim_cached_buffers();
-      mem.end(state());
-    }
     mem.begin(k, kOptimizer);
     fsdp_bench::Stopwatch optimizer;
     opt.step();

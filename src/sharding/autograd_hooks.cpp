@@ -8,6 +8,7 @@
 
 #include <algorithm>
 
+#include "fsdp/compat/autograd_node.h"
 #include "fsdp_state.h"
 
 namespace fsdp::detail {
@@ -71,10 +72,10 @@ std::vector<at::Tensor> register_post_backward_hook(FSDPState* state, std::vecto
     if (takes_grad(args[i])) where.push_back(i);
   }
   if (where.empty()) return args;  // the final callback covers this unit
-  // One allocation for the node and its count (make_shared): without torch::autograd::deleteNode,
-  // which only keeps long chains of nodes from being freed recursively; this node frees the nodes
-  // it points to through theirs.
-  auto node = std::make_shared<PostBackwardNode>(state);
+  // One allocation for the node and its count (compat/autograd_node.h): without
+  // torch::autograd::deleteNode, which only keeps long chains of nodes from being freed
+  // recursively; this node frees the nodes it points to through theirs.
+  auto node = compat::make_autograd_node<PostBackwardNode>(state);
   {
     torch::autograd::edge_list edges;
     edges.reserve(where.size());

@@ -48,8 +48,10 @@ bool takes_grad(const at::Tensor& t) { return t.defined() && t.requires_grad() &
 
 // Pre-backward as a pre-hook of the node that produced an output: it runs when that node runs,
 // which is when a tensor hook on the output would (the engine runs a tensor's hooks from the same
-// place), and registering it is one small object on the node instead of a tensor hook's
-// std::function, hook list and two hook objects. pre_backward runs once per unit and step, so
+// place), in registration order with the user's tensor hooks on that output as FSDP2's tensor hooks
+// run (compat::add_output_pre_hook: on 2.x a tensor pre-hook of the node), and registering it is
+// one small object on the node instead of a tensor hook's std::function, hook list and two hook
+// objects. pre_backward runs once per unit and step, so
 // outputs of one node share a hook.
 struct PreBackwardHook final : torch::autograd::FunctionPreHook {
   explicit PreBackwardHook(FSDPState* state) : state_(state) {}
@@ -109,7 +111,7 @@ void register_pre_backward_hooks(FSDPState* state, const std::vector<at::Tensor>
       continue;
     }
     if (std::find(hooked.begin(), hooked.end(), node.get()) != hooked.end()) continue;
-    node->add_pre_hook(std::make_unique<PreBackwardHook>(state));
+    compat::add_output_pre_hook(*node, std::make_unique<PreBackwardHook>(state));
     hooked.push_back(node.get());
   }
 }

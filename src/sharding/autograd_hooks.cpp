@@ -51,8 +51,7 @@ bool takes_grad(const at::Tensor& t) { return t.defined() && t.requires_grad() &
 // place), in registration order with the user's tensor hooks on that output as FSDP2's tensor hooks
 // run (compat::add_output_pre_hook: on 2.x a tensor pre-hook of the node), and registering it is
 // one small object on the node instead of a tensor hook's std::function, hook list and two hook
-// objects. pre_backward runs once per unit and step, so
-// outputs of one node share a hook.
+// objects. pre_backward runs once per unit and step, so outputs of one node share a hook.
 struct PreBackwardHook final : torch::autograd::FunctionPreHook {
   explicit PreBackwardHook(FSDPState* state) : state_(state) {}
   torch::autograd::variable_list operator()(const torch::autograd::variable_list& grads) override {

@@ -140,16 +140,9 @@ bool FSDPState::is_last_in(const std::vector<FSDPState*>& order) const {
   return !order.empty() && order.back() == this;
 }
 
-void FSDPState::trim_pool_after_forward() {
+void FSDPState::trim_pool(bool BufferPoolOptions::*when) {
   const BufferPoolOptions options = buffer_pool_options();
-  if (!options.trim_after_forward) return;
-  PhaseScope timed(Phase::PoolTrim);
-  trim_cached_buffers(options.trim_min_bytes);
-}
-
-void FSDPState::trim_pool_after_backward() {
-  const BufferPoolOptions options = buffer_pool_options();
-  if (!options.trim_after_backward) return;
+  if (!(options.*when)) return;
   PhaseScope timed(Phase::PoolTrim);
   trim_cached_buffers(options.trim_min_bytes);
 }
@@ -211,7 +204,7 @@ std::vector<at::Tensor> FSDPState::pre_forward(std::vector<at::Tensor> args) {
     // on; an explicit prefetch list does not change which unit that is): the activations are near
     // their largest from here until backward frees them, and every block in the pool's cache
     // waits for backward. Its pages go back now (BufferPoolOptions).
-    if (!is_root() && is_last_in(ctx_->previous_forward_order)) trim_pool_after_forward();
+    if (!is_root() && is_last_in(ctx_->previous_forward_order)) trim_pool(&BufferPoolOptions::trim_after_forward);
   }
   cast_forward_inputs(args);
   // List form: one post-backward node, on the inputs of the group's first module, so it runs
@@ -240,7 +233,7 @@ void FSDPState::post_forward(std::vector<at::Tensor>& outputs) {
   // The root's forward is done: the activations are at their largest until the first unit's
   // backward has run, and the pool's cache holds blocks backward needs only later (or not before
   // the next forward). Its pages go back now; the blocks stay mapped (BufferPoolOptions).
-  if (is_root() && !in_recompute()) trim_pool_after_forward();
+  if (is_root() && !in_recompute()) trim_pool(&BufferPoolOptions::trim_after_forward);
 }
 
 void FSDPState::abort_forward() noexcept {
@@ -335,7 +328,7 @@ void FSDPState::final_callback() {
   // all of this backward's FSDP buffers are back in the pool, whose cache can go back to the kernel
   // before the optimizer step (BufferPoolOptions::trim_after_backward). Not while reductions stay
   // pending (a backward that is not the last one before the step): their buffers are still live.
-  if (ctx_->pending_reduces.empty()) trim_pool_after_backward();
+  if (ctx_->pending_reduces.empty()) trim_pool(&BufferPoolOptions::trim_after_backward);
 }
 
 }  // namespace fsdp::detail

@@ -26,6 +26,7 @@
 #include <string>
 #include <vector>
 
+#include "fsdp/debug/buffer_pool.h"
 #include "fsdp/sharding/policies.h"
 #include "fsdp_param_group.h"
 
@@ -87,11 +88,11 @@ class FSDPState {
   void queue_reduce(FSDPParamGroup* group);
   FSDPState* neighbour(const std::vector<FSDPState*>& order, int step) const;
   bool is_last_in(const std::vector<FSDPState*>& order) const;
-  // The pool's cache goes back to the kernel as forward ends (BufferPoolOptions::trim_after_forward,
-  // trim_min_bytes): at the last unit's pre-forward and at the root's post-forward.
-  void trim_pool_after_forward();
-  // ... and as backward ends (BufferPoolOptions::trim_after_backward): in the root's final callback.
-  void trim_pool_after_backward();
+  // The pool's cache goes back to the kernel (trim_min_bytes permitting) when the option `when`
+  // is on: as forward ends (&BufferPoolOptions::trim_after_forward: at the last unit's pre-forward
+  // and at the root's post-forward) and as backward ends (&BufferPoolOptions::trim_after_backward:
+  // in the root's final callback).
+  static void trim_pool(bool BufferPoolOptions::*when);
 
   std::vector<torch::nn::Module*> modules_;
   std::string label_;  // the name in profiler ranges (set at the root's lazy init)

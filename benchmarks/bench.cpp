@@ -36,7 +36,7 @@
 // whole). Time blocked in a wait is wall but no CPU: that is what the split separates. The single
 // row has no FSDP and no world, so ours and transport are 0 there by construction, and the local
 // row (a world of one) starts no transport thread; replicate runs no phase timer (its ours reads
-// n/a, and its shared-memory all-reduce is compute). The phase timers cost two thread-clock reads
+// n/a). The phase timers cost two thread-clock reads
 // per timed phase (87 phases a step on bench's GPT; a read is a system call, ~0.5 us: ~0.1 ms a
 // step); --cpu-split off leaves them off.
 #include <unistd.h>

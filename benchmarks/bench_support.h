@@ -104,9 +104,8 @@ struct Samples {
 // ranks, none in a world of one (joining it starts no thread). A thread first seen later computes
 // (OpenMP's pool, started by the first parallel region), unless its name says Gloo or c10d
 // (LibTorch versions that name their threads); FSDP's collective watcher (comm/async_watch.cpp)
-// starts only for NCCL. Transport done on the calling thread (the sends of Gloo's p2p all-gather,
-// replicate's shared-memory all-reduce) is not in it: the former is in ours (FSDP's collective
-// calls), the latter in compute (replicate runs no phase timer). Each thread's CPU clock is read
+// starts only for NCCL. Transport done on the calling thread (the sends of Gloo's p2p all-gather)
+// is not in it: it is in ours (FSDP's collective calls). Each thread's CPU clock is read
 // directly (the kernel's per-thread clock, in nanoseconds, as CLOCK_THREAD_CPUTIME_ID is for the
 // caller); /proc's utime/stime count 10 ms ticks, too coarse for a step of tens of milliseconds.
 // A thread that ends during a step takes its CPU out of the sum over threads but not out of the

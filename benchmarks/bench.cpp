@@ -17,7 +17,8 @@
 // The transport floor: after its timed steps the FSDP fp32 worker replays the collectives of its
 // last step with no compute and measures the CPU they take (transport_floor). Where every core
 // computes (ranks x threads >= cores) no FSDP can beat the limit plus that CPU on this transport;
-// the driver prints that ratio next to the measured one.
+// the driver prints that ratio next to the measured one. The replicate worker does the same with
+// its bucket all-reduces: the floor of any DDP on this transport.
 //
 // Where the CPU goes (--cpu-split on, the default): every worker of every row splits each
 // measured step's CPU time, on every rank, into
@@ -35,10 +36,10 @@
 // medians over the steps of all rounds (medians of the parts need not add up to the median of the
 // whole). Time blocked in a wait is wall but no CPU: that is what the split separates. The single
 // row has no FSDP and no world, so ours and transport are 0 there by construction, and the local
-// row (a world of one) starts no transport thread; replicate runs no phase timer (its ours reads
-// n/a). The phase timers cost two thread-clock reads
-// per timed phase (87 phases a step on bench's GPT; a read is a system call, ~0.5 us: ~0.1 ms a
-// step); --cpu-split off leaves them off.
+// row (a world of one) starts no transport thread; replicate's reducer times its gradient copies
+// into the buckets and its all-reduce calls as FSDP's copies and collective calls. The phase
+// timers cost two thread-clock reads per timed phase (87 phases a step on bench's GPT; a read is
+// a system call, ~0.5 us: ~0.1 ms a step); --cpu-split off leaves them off.
 #include <unistd.h>
 
 #include <algorithm>
@@ -70,8 +71,8 @@ struct Options {
   std::string cpu_split = "on";     // on | off: every worker times compute / transport / ours per step
   std::string rows = "all";         // the driver's rows, comma-separated keys (see run_driver)
   std::string reshard = "default";  // default | keep-last | false (the FSDP worker's reshard_after_forward)
-  int floor_steps = 0;              // FSDP fp32 worker: replays of its last step's collectives (see
-                                    // transport_floor); the driver passes --steps
+  int floor_steps = 0;              // FSDP fp32 and replicate workers: replays of their last step's
+                                    // collectives (see transport_floor); the driver passes --steps
 };
 
 Options parse(int argc, char** argv) {
@@ -351,13 +352,11 @@ void print_cpu_split(const std::vector<Row>& rows, int nproc) {
       }
       if (steps.empty()) continue;
       auto ms = [&steps](const char* key) { return 1e3 * median(steps[key]); };
-      // replicate's reducer runs no phase timer: its own time is in compute there.
-      const bool timed = r.key != "replicate";
-      char ours[200] = "n/a | n/a | n/a | n/a | n/a";
-      if (timed) {
-        std::snprintf(ours, sizeof ours, "%.2f ms | %.2f ms | %.2f ms | %.2f ms | %.1f%%", ms("ours_s"), ms("copies_s"),
-                      ms("calls_s"), ms("rest_s"), 100 * median(steps["ours_s"]) / median(steps["wall_s"]));
-      }
+      // replicate's reducer times its slot fills, all-reduce calls and waits under the
+      // reduce-scatter's phases (reducer.h): its copies and collective calls.
+      char ours[200];
+      std::snprintf(ours, sizeof ours, "%.2f ms | %.2f ms | %.2f ms | %.2f ms | %.1f%%", ms("ours_s"), ms("copies_s"),
+                    ms("calls_s"), ms("rest_s"), 100 * median(steps["ours_s"]) / median(steps["wall_s"]));
       std::printf("| %s | %d | %.1f ms | %.1f ms | %.1f ms | %.2f ms | %s | %.0f | %.0f + %.0f |\n", r.key.c_str(),
                   rank, ms("wall_s"), ms("cpu_s"), ms("compute_s"), ms("transport_s"), ours, median(steps["faults"]),
                   median(steps["compute_threads"]), median(steps["transport_threads"]));
@@ -389,7 +388,7 @@ int run_driver(const Options& o) {
        {"--role", "fsdp", "--mode", "hsdp", "--hsdp", o.hsdp}},
       {"replicate",
        "replicate (DDP: 1 MiB first bucket, then 25 MiB)" + b(batch),
-       {"--role", "fsdp", "--mode", "replicate"}},
+       {"--role", "fsdp", "--mode", "replicate", "--floor-steps", std::to_string(o.steps)}},
   };
   std::vector<Row> rows;
   for (auto& r : all) {
@@ -471,6 +470,16 @@ int run_driver(const Options& o) {
                 median(r.faults), r.last["state_bytes"] / 1e6, r.last["max_rss"] / 1e6, sent);
   }
   if (o.cpu_split == "on") print_cpu_split(rows, o.nproc);
+  // replicate's floor: its bucket all-reduces of the last step, replayed alone (transport_floor).
+  auto rep = std::find_if(rows.begin(), rows.end(), [](const Row& r) { return r.key == "replicate"; });
+  if (rep != rows.end() && rep->last["floor_collectives"] > 0) {
+    const double cpu = rep->last["floor_cpu_s"];
+    std::printf(
+        "\nreplicate's transport floor: its %d all-reduces of a step replayed alone (%.2f MB sent per rank): %.1f ms "
+        "of CPU per rank (wall %.1f ms); (limit + it) / limit = %.3f against replicate / limit = %.3f\n",
+        static_cast<int>(rep->last["floor_collectives"]), rep->last["comm_bytes_per_step"] / 1e6, 1e3 * cpu,
+        1e3 * rep->last["floor_wall_s"], (limit + cpu) / limit, rep->step() / limit);
+  }
   auto fsdp_row = std::find_if(rows.begin(), rows.end(), [](const Row& r) { return r.key == "fsdp"; });
   if (fsdp_row == rows.end()) return 0;
   Row& f = *fsdp_row;

@@ -11,7 +11,8 @@
 # --role fsdp), theirs one process, theirs FSDP2 (benchmarks/fsdp2_cpu_bench.py). Every run gets
 # OMP_NUM_THREADS = cores / ranks. Prints median step times and the ratios. --ddp adds, per round,
 # our replicate (bench --mode replicate) and PyTorch's DistributedDataParallel on the same work,
-# and a second table with them. It also builds and runs
+# and a second table with them and replicate's transport floor (bench's transport_floor: its
+# all-reduces of a step replayed alone; the best ours / theirs that transport allows). It also builds and runs
 # tests/models/test_attention (fused attention against the written-out one) against that LibTorch.
 #
 #   FSDP_SID_CHROOT   the chroot (default /var/cache/fsdp/chroot-sid; run libtorch2-check.sh once to
@@ -30,7 +31,7 @@ while (($#)); do
     --warmup) WARMUP="$2"; shift 2 ;;
     --rows) ROWS="$2"; shift 2 ;;
     --ddp) DDP=1; shift ;;
-    -h|--help) sed -n '2,19p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+    -h|--help) sed -n '2,20p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
     *) echo "fsdp2-cpu-compare: unknown argument '$1' (see --help)" >&2; exit 2 ;;
   esac
 done
@@ -85,7 +86,7 @@ for row in $ROWS; do
       --threads "$threads" --result "$out/theirs_fsdp" "${shape[@]}"
     if ((DDP)); then
       in_chroot env OMP_NUM_THREADS="$threads" timeout 3600 "$BUILD/bin/fsdprun" --nproc-per-node "$nproc" --master-port 0 -- \
-        "$BUILD/bin/bench" --role fsdp --mode replicate --result "$out/ours_ddp" "${shape[@]}" >/dev/null
+        "$BUILD/bin/bench" --role fsdp --mode replicate --floor-steps "$STEPS" --result "$out/ours_ddp" "${shape[@]}" >/dev/null
       in_chroot env OMP_NUM_THREADS="$threads" timeout 3600 python3 /src/benchmarks/fsdp2_cpu_bench.py --role ddp \
         --threads "$threads" --result "$out/theirs_ddp" "${shape[@]}"
     fi
@@ -109,15 +110,21 @@ EOF
     in_chroot python3 - "$out" "$name" "$nproc" >>"$DDP_ROWS" <<'EOF'
 import statistics, sys
 out, name, nproc = sys.argv[1:]
-med = lambda f: statistics.median(float(l.split()[1]) for l in open(f"{out}/{f}") if l.strip())
+rows = lambda f: [dict(zip(l.split()[0::2], map(float, l.split()[1::2]))) for l in open(f"{out}/{f}") if l.strip()]
+med = lambda f, key="median_step_s": statistics.median(r[key] for r in rows(f))
 os_, od, ts, td = med("ours_single"), med("ours_ddp"), med("theirs_single"), med("theirs_ddp")
-print(f"| {name} | {nproc} | {os_ * 1e3:.1f} ms | {od * 1e3:.1f} ms | {od / os_:.2f}x | {ts * 1e3:.1f} ms "
-      f"| {td * 1e3:.1f} ms | {td / ts:.2f}x | {od / td:.2f}x |")
+# The floor (bench's transport_floor): our replicate's bucket all-reduces of a step replayed alone;
+# with every core computing, no replicate, ours or theirs, beats limit + that CPU on Gloo.
+fcpu = med("ours_ddp", "floor_cpu_s")
+floor = (os_ + fcpu) / os_
+print(f"| {name} | {nproc} | {os_ * 1e3:.1f} ms | {od * 1e3:.1f} ms | {od / os_:.3f}x | {fcpu * 1e3:.1f} ms "
+      f"| {floor:.3f}x | {ts * 1e3:.1f} ms | {td * 1e3:.1f} ms | {td / ts:.3f}x | {od / td:.3f}x "
+      f"| {floor * os_ / td:.3f}x |")
 EOF
   fi
 done
 if ((DDP)); then
-  printf '\nReplicate (DDP) on the same work:\n\n| model | ranks | ours 1 proc | ours replicate | ours / limit | theirs 1 proc | theirs DDP | theirs / limit | ours replicate / theirs DDP |\n|---|---|---|---|---|---|---|---|---|\n'
+  printf '\nReplicate (DDP) on the same work (floor: ours 1 proc + the CPU of our replicate'"'"'s all-reduces of a step replayed alone; best: floor x ours 1 proc / theirs DDP, the lowest ours / theirs this transport allows):\n\n| model | ranks | ours 1 proc | ours replicate | ours / limit | floor CPU | floor / limit | theirs 1 proc | theirs DDP | theirs / limit | ours replicate / theirs DDP | best ours / theirs DDP |\n|---|---|---|---|---|---|---|---|---|---|---|---|\n'
   cat "$DDP_ROWS"
 fi
 printf '\nfsdp2-cpu-compare: load average at the end: %s\n' "$(cut -d' ' -f1-3 /proc/loadavg)"

@@ -6,6 +6,7 @@
 #include <vector>
 
 #include "autograd_hooks.h"
+#include "phase_timers.h"
 
 namespace fsdp::detail {
 
@@ -62,6 +63,7 @@ void Reducer::reset() {
 
 void Reducer::on_grad_ready(size_t index) {
   if (!requires_gradient_sync) return;  // no-sync: .grad keeps accumulating locally
+  PhaseScope timed(Phase::Hooks);
   if (!callback_queued_) {
     callback_queued_ = true;
     std::weak_ptr<Reducer> weak = weak_from_this();
@@ -96,6 +98,7 @@ void Reducer::allocate(Bucket& b) {
 void Reducer::fill_slot(size_t index) {
   torch::NoGradGuard no_grad;
   Bucket& b = buckets_[bucket_of_[index]];
+  PhaseScope timed(Phase::ReduceScatterInput);  // the reduce-scatter input's counterpart (reducer.h)
   allocate(b);
   at::Tensor& g = params_[index].mutable_grad();
   at::Tensor slot = b.slots[slot_of_[index]];  // a handle (div_out writes through it)
@@ -122,15 +125,20 @@ void Reducer::launch(Bucket& b) {
     if (!ready_[index]) fill_slot(index);
   }
   allocate(b);
+  PhaseScope timed(Phase::ReduceScatterIssue);
   b.work = comm_->all_reduce(b.flat, divide_ ? comm::ReduceOp::Sum : comm::ReduceOp::Avg, /*async_op=*/true);
   b.launched = true;
 }
 
 void Reducer::finalize() {
+  PhaseScope timed(Phase::Hooks);
   while (next_bucket_ < buckets_.size()) launch(buckets_[next_bucket_++]);
   torch::NoGradGuard no_grad;
   for (auto& b : buckets_) {
-    b.work.wait();  // the average, in place: the gradients that are slots hold it already
+    {
+      PhaseScope waiting(Phase::ReduceScatterWait);
+      b.work.wait();  // the average, in place: the gradients that are slots hold it already
+    }
     for (size_t j = 0; j < b.params.size(); ++j) {
       at::Tensor& g = params_[b.params[j]].mutable_grad();
       // No gradient here this time: take the average only if some rank had one (the same

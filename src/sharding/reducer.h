@@ -21,6 +21,11 @@
 // the whole run, no copy-in while zero_grad() zeroes in place (1.13), no copy-out, no allocation
 // per step. A gradient that is not the slot (set_to_none, as 2.x's zero_grad() does, the first
 // step, a user's assignment) is copied in (divided on the way) and replaced by the slot.
+//
+// The phase timers (fsdp/debug/phase_timers.h) time the reducer under the phases of the
+// reduce-scatter it stands in for: filling a slot is ReduceScatterInput, issuing a bucket's
+// all-reduce ReduceScatterIssue, waiting for it ReduceScatterWait, and the hooks and the final
+// callback are Hooks, so bench's CPU split shows replicate's own time as it does FSDP's.
 #include <torch/csrc/autograd/function.h>
 #include <torch/nn/module.h>
 

@@ -5,7 +5,10 @@
 //  - Newer LibTorch (Debian sid's 2.14): nodes are owned by c10::intrusive_ptr (the count lives in
 //    the node); an Edge is made from a c10::intrusive_ptr<Node>.
 // Detected by feature, not version: whether an Edge can be made from a std::shared_ptr of the
-// node. Either way the node and its count are one allocation.
+// node. Either way the node and its count are one allocation. A node class that recycles its
+// memory gets it used in both forms: its allocator_type (std::allocate_shared's, for the one block
+// of node and count) and its class operator new/delete (c10::make_intrusive's `new T` and the
+// count's `delete`).
 //
 // add_output_pre_hook: a hook run before a node's backward, in registration order with the hooks
 // users put on the node's output tensors (Tensor::register_hook), as FSDP2's tensor hooks on a
@@ -31,7 +34,11 @@ namespace fsdp::compat {
 template <typename T, typename... Args>
 auto make_autograd_node(Args&&... args) {
   if constexpr (std::is_constructible_v<torch::autograd::Edge, std::shared_ptr<T>, uint32_t>) {
-    return std::make_shared<T>(std::forward<Args>(args)...);
+    if constexpr (requires { typename T::allocator_type; }) {
+      return std::allocate_shared<T>(typename T::allocator_type{}, std::forward<Args>(args)...);
+    } else {
+      return std::make_shared<T>(std::forward<Args>(args)...);
+    }
   } else {
     return c10::make_intrusive<T>(std::forward<Args>(args)...);
   }

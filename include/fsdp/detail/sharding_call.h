@@ -69,6 +69,46 @@ void collect_outputs(std::tuple<Ts...>& tuple, OutputSlots& out) {
 template <typename T>
 void collect_outputs(T&, OutputSlots&) {}  // not a tensor: nothing to hook
 
+// [Note: the argument vectors kept between calls]
+// A call's tensor arguments travel through its hooks in one std::vector (each hook takes it and
+// returns it by value, so passing it along moves the same buffer) and the vector then carries the
+// outputs. A new vector per call would be one heap allocation per unit and step; instead each
+// thread keeps the vectors of its finished calls, emptied (no tensor is held between calls), and a
+// call takes one back with the capacity an earlier call gave it. A stack of them, since calls nest
+// (a root's forward calls its blocks'); a few at most, of a few tensors each.
+class ArgumentVector {
+ public:
+  ArgumentVector() {
+    auto& spare = spares();
+    if (!spare.empty()) {
+      tensors = std::move(spare.back());
+      spare.pop_back();
+    }
+  }
+  ~ArgumentVector() {
+    tensors.clear();
+    auto& spare = spares();
+    if (tensors.capacity() != 0 && tensors.capacity() <= kMaxKeptCapacity && spare.size() < kMaxKept) {
+      spare.push_back(std::move(tensors));
+    }
+  }
+  ArgumentVector(const ArgumentVector&) = delete;
+  ArgumentVector& operator=(const ArgumentVector&) = delete;
+
+  std::vector<at::Tensor> tensors;
+
+ private:
+  static constexpr size_t kMaxKept = 16, kMaxKeptCapacity = 64;
+  static std::vector<std::vector<at::Tensor>>& spares() {
+    thread_local std::vector<std::vector<at::Tensor>> spare = [] {
+      std::vector<std::vector<at::Tensor>> kept;
+      kept.reserve(kMaxKept);  // the destructor's push_back does not allocate
+      return kept;
+    }();
+    return spare;
+  }
+};
+
 // fn(args...) between `module`'s forward hooks: the pre hooks on the tensor arguments, fn with
 // the tensors they returned, the post hooks on the output tensors (abort on a throw). The one body
 // of fsdp::call (fn: forward) and fsdp::call_method (fn: another method).
@@ -77,7 +117,8 @@ auto call_with_hooks(const torch::nn::Module* module, Fn&& fn, Args&&... args) {
   auto hooks = hooks::find_forward_hooks(module);
   if (hooks == nullptr || hooks->empty()) return fn(std::forward<Args>(args)...);
 
-  std::vector<at::Tensor> tensors;
+  ArgumentVector kept;  // [Note: the argument vectors kept between calls]
+  std::vector<at::Tensor>& tensors = kept.tensors;
   (detail::collect_tensor(args, tensors), ...);
   tensors = hooks::detail::run_pre(*hooks, std::move(tensors));
   auto next = tensors.begin();
@@ -89,7 +130,7 @@ auto call_with_hooks(const torch::nn::Module* module, Fn&& fn, Args&&... args) {
     OutputSlots outputs;
     detail::collect_outputs(output, outputs);
     // The arguments' vector (the call holds its own copies) carries the outputs: its capacity is
-    // reused, so a call with as many outputs as tensor arguments allocates one vector in all.
+    // reused, so a call with no more outputs than tensor arguments allocates no vector of its own.
     std::vector<at::Tensor>& out_tensors = tensors;
     out_tensors.clear();
     for (auto* t : outputs) out_tensors.push_back(*t);

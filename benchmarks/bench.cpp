@@ -40,11 +40,13 @@
 // into the buckets and its all-reduce calls as FSDP's copies and collective calls. The phase
 // timers cost two thread-clock reads per timed phase (87 phases a step on bench's GPT; a read is
 // a system call, ~0.5 us: ~0.1 ms a step); --cpu-split off leaves them off.
+#include <sched.h>
 #include <unistd.h>
 
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
+#include <cstdlib>
 #include <fstream>
 #include <map>
 #include <sstream>
@@ -221,6 +223,29 @@ std::string split_line(double wall_s, const CpuReading& a, const CpuReading& b) 
 }
 
 // One worker: trains `local_batch` sequences per step, sharded or not; writes one result line.
+// FSDP_BENCH_PIN (an experiment, off by default; no library default pins anything): process pins
+// a distributed worker, before it joins the world, to core LOCAL_RANK % cores, so the transport
+// threads it starts share that core with it alone; main pins only the main (compute) thread, after
+// joining, and lets the transport threads go where the scheduler puts them. It tells whether the
+// time neither of a rank's threads runs is the scheduler placing one rank's transport threads on
+// the other rank's core (docs/benchmarks.md, "Where the CPU goes").
+void pin_to_local_core() {
+  const char* local = std::getenv("LOCAL_RANK");
+  const long cores = sysconf(_SC_NPROCESSORS_ONLN);
+  if (local == nullptr || cores <= 0) return;
+  cpu_set_t set;
+  CPU_ZERO(&set);
+  CPU_SET(static_cast<int>(std::atol(local) % cores), &set);
+  if (sched_setaffinity(0, sizeof set, &set) != 0) std::perror("bench: sched_setaffinity");
+}
+
+std::string pin_mode() {
+  const char* v = std::getenv("FSDP_BENCH_PIN");
+  const std::string mode = v ? v : "";
+  if (!mode.empty() && mode != "process" && mode != "main") bad_input("FSDP_BENCH_PIN takes process or main");
+  return mode;
+}
+
 int run_worker(const Options& o, bool sharded) {
   // --malloc, in the one-process run and the distributed ones alike (speed: glibc's heap keeps
   // freed tensors, no page faulted in again each step; fsdp/debug/malloc_tuning.h).
@@ -231,9 +256,12 @@ int run_worker(const Options& o, bool sharded) {
     fsdp::set_buffer_pool_options(pool);
   }
   fsdp_bench::ThreadRoles roles;  // the threads joining the world starts carry the transport
+  const std::string pin = sharded ? pin_mode() : "";
+  if (pin == "process") pin_to_local_core();
   roles.before_transport();
   const auto [rank, world] = fsdp_bench::join_world(sharded);
   roles.after_transport();
+  if (pin == "main") pin_to_local_core();
   // FSDP_PHASE_TIMERS=1 prints the phase table; the CPU split needs the timers' CPU times.
   const bool print_phases = sharded && fsdp::phase_timers_enabled();
   const bool split = o.cpu_split == "on";

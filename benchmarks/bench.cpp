@@ -222,7 +222,6 @@ std::string split_line(double wall_s, const CpuReading& a, const CpuReading& b) 
   return out.str();
 }
 
-// One worker: trains `local_batch` sequences per step, sharded or not; writes one result line.
 // FSDP_BENCH_PIN (an experiment, off by default; no library default pins anything): process pins
 // a distributed worker, before it joins the world, to core LOCAL_RANK % cores, so the transport
 // threads it starts share that core with it alone; main pins only the main (compute) thread, after
@@ -246,6 +245,7 @@ std::string pin_mode() {
   return mode;
 }
 
+// One worker: trains `local_batch` sequences per step, sharded or not; writes one result line.
 int run_worker(const Options& o, bool sharded) {
   // --malloc, in the one-process run and the distributed ones alike (speed: glibc's heap keeps
   // freed tensors, no page faulted in again each step; fsdp/debug/malloc_tuning.h).

@@ -84,7 +84,8 @@ Options parse(int argc, char** argv) {
                         "[--heads N] [--seq N] [--batch N] [--hsdp RxS] [--pool-trim on|off]\n"
                         "       [--malloc default|tuned|speed] [--cpu-split on|off]\n"
                         "       [--rows single,local,fsdp,keep-last,zero2,bf16,hsdp,replicate] (default all)\n"
-                        "FSDP_PHASE_TIMERS=1 makes every FSDP worker print where FSDP's own time went, by phase");
+                        "FSDP_PHASE_TIMERS=1 makes every FSDP worker print where FSDP's own time went, by phase; "
+                        "FSDP_BENCH_PIN=process|main pins each distributed worker (or its main thread) to one core");
   o.shape.add_options(args);
   args.option("--nproc", &o.nproc).option("--steps", &o.steps).option("--warmup", &o.warmup);
   args.option("--rounds", &o.rounds).option("--role", &o.role).option("--result", &o.result).option("--mp", &o.mp);

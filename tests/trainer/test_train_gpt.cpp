@@ -112,6 +112,31 @@ TEST(TrainGpt, NoneAndFsdpTwoRanksGiveTheSameLosses) {
   expect_close(losses(dir / "fsdp_accum.jsonl"), reference, 1e-5);
 }
 
+// FSDP in a world of one (the trainer skips its own collectives there: the loss and stop flag,
+// the memory gather, the validation sum, the sampled token) gives one process's losses and
+// validation losses, and still reports its memory and its sample.
+TEST(TrainGpt, FsdpWorldOfOneGivesTheLossesOfOneProcess) {
+  TempDir dir;
+  const std::vector<std::string> extra = {"--eval-every", "3", "--sample-tokens", "8"};
+  auto a = alone(tiny(dir / "none.jsonl", extra));
+  ASSERT_TRUE(a.ok()) << a.output;
+  auto b = ranks(1, tiny(dir / "one.jsonl", extra));
+  ASSERT_TRUE(b.ok()) << b.output;
+  EXPECT_NE(b.output.find("--parallel fsdp, 1 rank"), std::string::npos) << b.output;
+  EXPECT_NE(b.output.find("[rank0]: ---- sample"), std::string::npos) << b.output;
+  expect_close(losses(dir / "one.jsonl"), losses(dir / "none.jsonl"), 1e-5);
+  const auto none = read_metrics(dir / "none.jsonl"), one = read_metrics(dir / "one.jsonl");
+  ASSERT_EQ(one.size(), none.size());
+  for (size_t s = 0; s + 1 < one.size(); ++s) {
+    EXPECT_GT(one[s]["peak_rss_bytes"].get<int64_t>(), 0) << one[s].dump();
+    EXPECT_EQ(one[s]["max_peak_rss_bytes"].get<int64_t>(), one[s]["peak_rss_bytes"].get<int64_t>()) << one[s].dump();
+    ASSERT_EQ(one[s].contains("val_loss"), none[s].contains("val_loss")) << one[s].dump();
+    if (one[s].contains("val_loss")) {
+      expect_close({one[s]["val_loss"].get<double>()}, {none[s]["val_loss"].get<double>()}, 1e-5);
+    }
+  }
+}
+
 // HSDP (2 replicas x 1, and 1 x 2) and replicate (DDP), with and without accumulation, see the
 // same batches and give the same losses as one process.
 TEST(TrainGpt, HsdpAndReplicateGiveTheSameLossesAsOneProcess) {

@@ -3,9 +3,10 @@
 # cost"): PAIRS alternating pairs (the first of each pair alternates) of
 #   train_gpt --parallel none                                   (glibc's malloc defaults)
 #   fsdprun --nproc-per-node 1 -- train_gpt --parallel fsdp
-# on bench's GPT, one thread, no validation, sample or checkpoint; the figure of a run is the last
-# progress line's s/step. Prints each pair, then the median and min-max of world of one / plain
-# and the median s/step of each side, with the load average (wall time: use a quiet machine).
+# on bench's GPT, one thread, no validation, sample or checkpoint. Two figures per run: the last
+# progress line's s/step (one step: noisy) and the metrics summary's median step time over all
+# steps. Prints each pair, then for each figure the median and min-max of world of one / plain and
+# the median of each side, with the load average (wall time: use a quiet machine).
 #
 #   benchmarks/train_gpt_world_of_one.sh [BUILD_DIR] [PAIRS]      env: STEPS=15 ARGS="--layers 4 ..."
 set -euo pipefail
@@ -18,7 +19,7 @@ trap 'rm -rf "$TMP"' EXIT
 MODEL=(${ARGS:---layers 4 --dim 256 --heads 4 --seq-len 128 --batch-size 4})
 COMMON=("${MODEL[@]}" --data synthetic --eval-every 0 --sample-tokens 0 --steps "$STEPS" --checkpoint-dir ''
   --metrics "$TMP/metrics.jsonl")
-# step_time KIND: the last progress line's s/step of one run.
+# step_time KIND: "LAST MEDIAN" of one run: the last progress line's s/step, the median step time.
 step_time() {
   local cmd
   if [ "$1" = plain ]; then
@@ -27,7 +28,8 @@ step_time() {
     cmd=("$FSDPRUN" --nproc-per-node 1 --master-port 0 -- "$TRAIN" --parallel fsdp "${COMMON[@]}")
   fi
   OMP_NUM_THREADS=1 "${cmd[@]}" >"$TMP/log" 2>&1 || { tail -n 20 "$TMP/log" >&2; echo "train_gpt_world_of_one: the $1 run failed" >&2; exit 1; }
-  grep -o '[0-9.]* s/step' "$TMP/log" | tail -n 1 | cut -d' ' -f1
+  echo "$(grep -o '[0-9.]* s/step' "$TMP/log" | tail -n 1 | cut -d' ' -f1)" \
+    "$(python3 -c 'import json, sys; print(round(json.loads(open(sys.argv[1]).read().splitlines()[-1])["median_step_time_s"], 4))' "$TMP/metrics.jsonl")"
 }
 echo "train_gpt_world_of_one: $PAIRS pairs, $STEPS steps; load average at start $(cut -d' ' -f1-3 /proc/loadavg)"
 for ((i = 0; i < PAIRS; ++i)); do
@@ -37,13 +39,15 @@ for ((i = 0; i < PAIRS; ++i)); do
     f=$(step_time fsdp) p=$(step_time plain)
   fi
   echo "$p $f" >>"$TMP/pairs"
-  echo "pair $((i + 1)): plain $p s/step, world of one $f s/step, ratio $(python3 -c "print(f'{$f / $p:.3f}')")"
+  echo "pair $((i + 1)): plain $p s, world of one $f s (last step, median step)"
 done
 echo "train_gpt_world_of_one: load average at end $(cut -d' ' -f1-3 /proc/loadavg)"
 python3 - "$TMP/pairs" <<'PY'
 import statistics, sys
-pairs = [tuple(map(float, line.split())) for line in open(sys.argv[1])]
-ratios = [f / p for p, f in pairs]
-print(f"world of one / plain: {statistics.median(ratios):.3f}x median ({min(ratios):.3f}x-{max(ratios):.3f}x); "
-      f"median s/step plain {statistics.median(p for p, _ in pairs):.4f}, world of one {statistics.median(f for _, f in pairs):.4f}")
+rows = [list(map(float, line.split())) for line in open(sys.argv[1])]  # plain last, median, fsdp last, median
+for name, i in (("last progress line's s/step", 0), ("median step time", 1)):
+    p, f = [r[i] for r in rows], [r[2 + i] for r in rows]
+    ratios = [b / a for a, b in zip(p, f)]
+    print(f"{name}: world of one / plain {statistics.median(ratios):.3f}x median ({min(ratios):.3f}x-"
+          f"{max(ratios):.3f}x); median plain {statistics.median(p):.4f} s, world of one {statistics.median(f):.4f} s")
 PY

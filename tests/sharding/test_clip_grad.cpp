@@ -66,3 +66,23 @@ TEST(ClipGradNorm, MatchesSingleProcess) {
     if (r.all_ok()) std::cout << r.ranks[0].output;
   }
 }
+
+// The norm is computed in float64 from a copy of each gradient, worked in place: a float64 gradient
+// (where the cast would return the gradient itself) keeps its values when nothing is clipped, and
+// every norm type gives the exact float64 value.
+TEST(ClipGradNorm, LeavesGradientsAloneWhenNotClipping) {
+  for (auto dtype : {at::kFloat, at::kDouble}) {
+    for (double norm_type : {1.0, 2.0, 3.0, std::numeric_limits<double>::infinity()}) {
+      torch::manual_seed(7);
+      at::Tensor p = torch::randn({33, 5}, at::TensorOptions().dtype(dtype)).requires_grad_();
+      p.mutable_grad() = torch::randn({33, 5}, at::TensorOptions().dtype(dtype)) - 0.5;
+      const at::Tensor before = p.grad().clone();
+      const at::Tensor g = before.to(at::kDouble);
+      const double want = std::isinf(norm_type) ? g.abs().max().item<double>()
+                                                : std::pow(g.abs().pow(norm_type).sum().item<double>(), 1 / norm_type);
+      const double got = fsdp::clip_grad_norm_({p}, 1e9, norm_type);
+      EXPECT_DOUBLE_EQ(got, want) << "norm_type " << norm_type << ", dtype " << dtype;
+      EXPECT_TRUE(at::equal(p.grad(), before)) << "norm_type " << norm_type << ", dtype " << dtype;
+    }
+  }
+}

@@ -38,13 +38,18 @@ double clip_grad_norm_(const std::vector<at::Tensor>& parameters, double max_nor
   auto combine = [&](const at::Tensor& acc, const at::Tensor& v) { return inf ? at::maximum(acc, v) : acc + v; };
   auto local_part = [&](const at::Tensor& g) -> at::Tensor {
     if (!g.defined() || g.numel() == 0) return at::zeros({}, opts);
-    // One float64 temporary per gradient, worked in place: |g| and its powers in float64 (a float's
-    // square is exact there), so the value is the same as abs, cast and pow done one after another,
-    // which made three gradient-sized temporaries (65 MB a step on bench's GPT, and the heap pages
-    // they grew faulted in again by the next forward).
-    at::Tensor a = g.detach().to(at::kDouble, /*non_blocking=*/false, /*copy=*/true);  // never g itself
+    // A float or double gradient: its norm in its own dtype by one reduction that reads it in place,
+    // as LibTorch's and FSDP2's clip_grad_norm_ take each (local) gradient's norm, then raised to the
+    // power and summed across gradients and ranks in float64. No gradient-sized temporary: the three
+    // that abs, a cast and pow made (65 MB a step on bench's GPT) had their heap pages faulted in again
+    // by the next forward. Other dtypes (bf16, half): one float64 copy, worked in place.
+    const at::Tensor d = g.detach();
+    if (d.scalar_type() == at::kFloat || d.scalar_type() == at::kDouble) {
+      const at::Tensor n = at::linalg_vector_norm(d, norm_type).to(at::kDouble);
+      return (inf ? n : n.pow(norm_type)).to(*device);
+    }
+    at::Tensor a = d.to(at::kDouble, /*non_blocking=*/false, /*copy=*/true);  // never g itself
     if (inf) return a.abs_().max().to(*device);
-    if (norm_type == 2) return a.mul_(a).sum().to(*device);
     return a.abs_().pow_(norm_type).sum().to(*device);
   };
   for (const auto& p : parameters) {

@@ -76,6 +76,12 @@ struct Run {
   int dp_size = 1;                          //   the tp ranks of one dp group share it
   torch::Device device = torch::kCPU;       // --device: this rank's GPU, or the CPU
   bool distributed() const { return comm != nullptr; }
+  // One process or a world of one: the trainer's own reductions (the loss and stop flag, the memory
+  // gather, the validation sum, the sampled token) are skipped, the sum over one rank being its own
+  // value, so a world of one costs no more than --parallel none there (no copies to the device and
+  // back, checks or flight records of a collective). FSDP's own collectives (inside fully_shard and
+  // clip_grad_norm_) still run: a world of one is FSDP.
+  bool alone() const { return world == 1; }
   // fully_shard applies: every distributed run but replicate. Under TP over the whole world it
   // shards over the dp dimension of size 1 (as FSDP2 does: the shards are the whole parameters),
   // so the mixed-precision policy, clipping and checkpoints take the path of every other run.
@@ -119,15 +125,9 @@ struct Model {
   }
 };
 
-// Sum over ranks, in place. Through the device: NCCL takes CUDA tensors. A no-op in one process
-// and in a world of one: the sum over one rank is its own value, so the trainer's per-step
-// reductions (the loss and stop flag, the memory gather, the sampled token) cost a world of one
-// nothing more than --parallel none, not the copies to the device and back, the checks and the
-// flight record of a collective. FSDP's own collectives (inside fully_shard and clip_grad_norm_)
-// still run: a world of one is FSDP.
-bool alone(const Run& run) { return run.world == 1; }
+// Sum over ranks, in place (a no-op when alone(): Run). Through the device: NCCL takes CUDA tensors.
 void all_reduce_sum(const Run& run, at::Tensor& t) {
-  if (alone(run)) return;
+  if (run.alone()) return;
   at::Tensor on_device = t.to(run.device);
   run.comm->all_reduce(on_device, fsdp::comm::ReduceOp::Sum);
   t.copy_(on_device);
@@ -461,7 +461,7 @@ std::string sample_text(const Run& run, Model& m, const TokenSource& data) {
     auto logits = m.next_token_logits(window.to(run.device));
     auto probs = at::softmax(logits.to(at::kCPU, at::kFloat)[0] / 0.8, -1);
     at::Tensor next = at::multinomial(probs, 1, false, gen).to(at::kLong);
-    if (!alone(run)) {
+    if (!run.alone()) {
       at::Tensor on_device = next.to(run.device);  // NCCL takes CUDA tensors
       run.comm->broadcast(on_device, 0);
       next = on_device.cpu();
@@ -606,7 +606,7 @@ int run_training(const Options& options, const std::optional<LlamaConfig>& llama
     ++step;
 
     auto [loss, stop] = agree_loss_and_stop(run, r.local_loss);
-    const RankMemory memory_now = gather_memory(alone(run) ? nullptr : run.comm.get(), run.device);
+    const RankMemory memory_now = gather_memory(run.alone() ? nullptr : run.comm.get(), run.device);
     std::optional<double> val;
     if (!stop && o.eval_every > 0 && (step % o.eval_every == 0 || step == o.steps)) {
       val = evaluate(run, m, data);

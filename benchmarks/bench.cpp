@@ -3,7 +3,7 @@
 //   build/bin/bench [--nproc 2] [--steps 20] [--warmup 3] [--rounds 2]
 //                   [--layers 4] [--dim 256] [--heads 4] [--seq 128] [--batch 8] [--hsdp RxS]
 //                   [--malloc default|tuned|speed] [--cpu-split on|off]
-//                   [--rows single,local,fsdp,keep-last,zero2,bf16,hsdp,replicate]
+//                   [--rows single,concurrent,local,fsdp,keep-last,zero2,bf16,hsdp,replicate]
 //
 // The limit on a CPU is one process doing one rank's share of the work (the global batch / N,
 // with the cores / N threads a rank gets), with no communication. bench runs that and the N-rank
@@ -19,6 +19,13 @@
 // computes (ranks x threads >= cores) no FSDP can beat the limit plus that CPU on this transport;
 // the driver prints that ratio next to the measured one. The replicate worker does the same with
 // its bucket all-reduces: the floor of any DDP on this transport.
+//
+// The concurrent row runs N copies of the one-process run at once (under fsdprun, no world, no
+// byte sent): the limit when every core computes at the same time, as the N ranks do. The cores'
+// shared caches, memory bandwidth and clocks cost that row something the limit, which runs alone,
+// does not pay; the driver prints the floor again with it (concurrent + the transport's CPU), the
+// fastest any N-rank run can be on this machine and transport. The limit itself stays the
+// one-process run.
 //
 // Where the CPU goes (--cpu-split on, the default): every worker of every row splits each
 // measured step's CPU time, on every rank, into
@@ -79,13 +86,14 @@ struct Options {
 
 Options parse(int argc, char** argv) {
   Options o;
-  fsdp_bench::Args args("bench",
-                        "usage: bench [--nproc N] [--steps N] [--warmup N] [--rounds N] [--layers N] [--dim N] "
-                        "[--heads N] [--seq N] [--batch N] [--hsdp RxS] [--pool-trim on|off]\n"
-                        "       [--malloc default|tuned|speed] [--cpu-split on|off]\n"
-                        "       [--rows single,local,fsdp,keep-last,zero2,bf16,hsdp,replicate] (default all)\n"
-                        "FSDP_PHASE_TIMERS=1 makes every FSDP worker print where FSDP's own time went, by phase; "
-                        "FSDP_BENCH_PIN=process|main pins each distributed worker (or its main thread) to one core");
+  fsdp_bench::Args args(
+      "bench",
+      "usage: bench [--nproc N] [--steps N] [--warmup N] [--rounds N] [--layers N] [--dim N] "
+      "[--heads N] [--seq N] [--batch N] [--hsdp RxS] [--pool-trim on|off]\n"
+      "       [--malloc default|tuned|speed] [--cpu-split on|off]\n"
+      "       [--rows single,concurrent,local,fsdp,keep-last,zero2,bf16,hsdp,replicate] (default all)\n"
+      "FSDP_PHASE_TIMERS=1 makes every FSDP worker print where FSDP's own time went, by phase; "
+      "FSDP_BENCH_PIN=process|main pins each distributed worker (or its main thread) to one core");
   o.shape.add_options(args);
   args.option("--nproc", &o.nproc).option("--steps", &o.steps).option("--warmup", &o.warmup);
   args.option("--rounds", &o.rounds).option("--role", &o.role).option("--result", &o.result).option("--mp", &o.mp);
@@ -403,6 +411,9 @@ int run_driver(const Options& o) {
   auto b = [](long long v) { return " (batch " + std::to_string(v) + ")"; };
   std::vector<Row> all = {
       {"single", "one process, per-rank work" + b(local_batch), {"--role", "single"}, false},
+      {"concurrent",
+       std::to_string(o.nproc) + " one-process runs at once, per-rank work" + b(local_batch) + ", no communication",
+       {"--role", "single"}},
       // fully_shard in a world of one: every copy FSDP makes, no network. Splits the overhead
       // into bookkeeping (this row) and communication (the rest).
       {"local", "fully_shard, world of one" + b(local_batch) + ": copies, no network", {"--role", "fsdp"}, false},
@@ -540,6 +551,15 @@ int run_driver(const Options& o) {
         "limit: no FSDP can go below (limit + it) / limit = %.3f here with this transport\n"
         "FSDP / (limit x floor) = %.3f (target <= 1.03)\n",
         cores, o.nproc, threads, floor_ratio, f.step() / limit / floor_ratio);
+    auto conc = std::find_if(rows.begin(), rows.end(), [](const Row& r) { return r.key == "concurrent"; });
+    if (conc != rows.end()) {
+      const double shared = (conc->step() + floor_cpu) / limit;
+      std::printf(
+          "with the cores shared: %d one-process runs at once take %.3fx of the limit each (the concurrent row, "
+          "nothing sent); with the transport's CPU on top, no %d-rank run can go below %.3f here: FSDP / that = "
+          "%.3f\n",
+          o.nproc, conc->step() / limit, o.nproc, shared, f.step() / limit / shared);
+    }
   } else {
     std::printf(
         "; %ld cores for %d ranks x %d threads: the transport can run on idle cores (a floor of 1.00; "

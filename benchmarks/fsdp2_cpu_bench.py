@@ -10,7 +10,8 @@ rendezvous in a temporary folder: no launcher, no network port), fully_shard on 
 the root, global batch --batch. --role ddp: the same ranks with DistributedDataParallel (PyTorch's
 defaults: 25 MiB buckets, gradients copied into the buckets) instead, the row to set beside our
 replicate (bench --mode replicate). Appends one line to --result in bench's format:
-"median_step_s S first_loss L params P world N".
+"median_step_s S first_loss L params P world N faults_per_step F" (F: rank 0's minor page faults per
+measured step, as bench's faults_per_step).
 
 The model is bench's GPT (models/gpt.cpp) layer for layer: token + position embeddings, pre-LN
 blocks (LayerNorm eps 1e-5, attention as one c_attn Linear(d, 3d) then c_proj Linear(d, d),
@@ -23,6 +24,7 @@ zero_grad, forward, cross-entropy, backward, AdamW(lr 1e-3, LibTorch's defaults)
 """
 import argparse
 import os
+import resource
 import statistics
 import sys
 import tempfile
@@ -109,7 +111,7 @@ def train(a, rank, world, sharded, ddp=False):
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     gen = torch.Generator().manual_seed(1234 + rank)
     local_batch = a.batch // a.nproc
-    times, first_loss = [], None
+    times, first_loss, faults0 = [], None, 0
     for s in range(a.warmup + a.steps):
         data = torch.randint(256, (local_batch, a.seq + 1), generator=gen)
         t0 = time.perf_counter()
@@ -123,9 +125,13 @@ def train(a, rank, world, sharded, ddp=False):
             first_loss = value
         if s >= a.warmup:
             times.append(time.perf_counter() - t0)
+        if s == a.warmup - 1:
+            faults0 = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
     if rank == 0:
         with open(a.result, "a") as out:
-            out.write(f"median_step_s {statistics.median(times)} first_loss {first_loss} params {params} world {world}\n")
+            faults = (resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults0) / a.steps
+            out.write(f"median_step_s {statistics.median(times)} first_loss {first_loss} params {params} world {world} "
+                      f"faults_per_step {faults}\n")
 
 
 def main():

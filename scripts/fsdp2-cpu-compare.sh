@@ -4,6 +4,7 @@
 # alternating repetitions, inside the sid chroot that scripts/libtorch2-check.sh makes.
 #
 #   scripts/fsdp2-cpu-compare.sh [--rounds 2] [--steps 8] [--warmup 2] [--rows ROWS] [--ddp]
+#                                [--malloc default|speed]
 #
 # ROWS: space-separated NAME:LAYERS:DIM:HEADS:SEQ:BATCH_PER_RANK:RANKS entries (default: bench's
 # GPT at 2 ranks, "3M:4:256:4:128:4:2"); --rows all adds ~3M at 3 and 4 ranks, ~25M and ~85M at 2.
@@ -14,6 +15,12 @@
 # and a second table with them and replicate's transport floor (bench's transport_floor: its
 # all-reduces of a step replayed alone; the best ours / theirs that transport allows). It also builds and runs
 # tests/models/test_attention (fused attention against the written-out one) against that LibTorch.
+# --malloc speed gives every run, ours and theirs, the same fixed glibc malloc settings through
+# GLIBC_TUNABLES (mmap threshold 32 MiB, trim threshold 256 MiB: fsdp::tune_malloc_for_speed's
+# values). With glibc's defaults (--malloc default) the thresholds move with what each process has
+# freed since it started, so the two sides do not run the same allocator: Python's imports leave
+# it a high threshold, and our one-process step faults ~7,300 pages in again where Python's faults
+# ~1,000 (docs/benchmarks.md, "Against PyTorch's FSDP2 and DDP").
 #
 #   FSDP_SID_CHROOT   the chroot (default /var/cache/fsdp/chroot-sid; run libtorch2-check.sh once to
 #                     make it). python3-torch is installed into it when missing.
@@ -23,7 +30,7 @@ main() {
 REPO="$(cd "$(dirname "$0")/.." && pwd)"
 CHROOT="${FSDP_SID_CHROOT:-/var/cache/fsdp/chroot-sid}"
 CHROOT="${CHROOT%/}"
-ROUNDS=2 STEPS=8 WARMUP=2 ROWS="3M:4:256:4:128:4:2" DDP=0
+ROUNDS=2 STEPS=8 WARMUP=2 ROWS="3M:4:256:4:128:4:2" DDP=0 MALLOC=default
 while (($#)); do
   case "$1" in
     --rounds) ROUNDS="$2"; shift 2 ;;
@@ -31,10 +38,16 @@ while (($#)); do
     --warmup) WARMUP="$2"; shift 2 ;;
     --rows) ROWS="$2"; shift 2 ;;
     --ddp) DDP=1; shift ;;
-    -h|--help) sed -n '2,20p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+    --malloc) MALLOC="$2"; shift 2 ;;
+    -h|--help) sed -n '2,27p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
     *) echo "fsdp2-cpu-compare: unknown argument '$1' (see --help)" >&2; exit 2 ;;
   esac
 done
+case "$MALLOC" in
+  default) MALLOC_ENV=() ;;
+  speed) MALLOC_ENV=(GLIBC_TUNABLES=glibc.malloc.mmap_threshold=33554432:glibc.malloc.trim_threshold=268435456) ;;
+  *) echo "fsdp2-cpu-compare: --malloc must be default or speed, not '$MALLOC'" >&2; exit 2 ;;
+esac
 [ "$ROWS" = all ] && ROWS="3M:4:256:4:128:4:2 3M:4:256:4:128:4:3 3M:4:256:4:128:4:4 25M:8:512:8:128:4:2 85M:12:768:12:256:2:2"
 log() { printf 'fsdp2-cpu-compare: %s\n' "$*"; }
 die() { printf 'fsdp2-cpu-compare: %s\n' "$*" >&2; exit 1; }
@@ -50,6 +63,7 @@ chroot_unmount_all
 [ -z "$(chroot_mounts_under "$CHROOT")" ] || die "mounts remain under $CHROOT; unmount them first"
 chroot_mount "$REPO" /src
 in_chroot() { chroot_run USE_LIBUV=0 -- "$@"; }
+run_side() { chroot_run USE_LIBUV=0 "${MALLOC_ENV[@]}" -- "$@"; }  # a timed run: both sides, the same malloc
 if ! in_chroot python3 -c 'import torch.distributed.fsdp' 2>/dev/null; then
   log "installing python3-torch into $CHROOT"
   in_chroot apt-get update -q >/dev/null || die "apt-get update failed in $CHROOT"
@@ -65,10 +79,10 @@ in_chroot cmake --build "$BUILD" --target bench fsdprun test_attention -- -j2 | 
 in_chroot timeout 300 "$BUILD/bin/test_attention" --gtest_brief=1 || die "test_attention failed against this LibTorch"
 
 CORES=$(nproc)
-printf '\nfsdp2-cpu-compare: %s rounds x %s steps after %s warm-up; %s cores; load average at start: %s\n' \
-  "$ROUNDS" "$STEPS" "$WARMUP" "$CORES" "$(cut -d' ' -f1-3 /proc/loadavg)"
-printf '\n| model | params | ranks | threads/rank | ours 1 proc | ours FSDP | ours / limit | theirs 1 proc | theirs FSDP2 | theirs / limit | ours FSDP / theirs FSDP2 | first loss ours / theirs |\n'
-printf '|---|---|---|---|---|---|---|---|---|---|---|---|\n'
+printf '\nfsdp2-cpu-compare: %s rounds x %s steps after %s warm-up; %s cores; malloc %s; load average at start: %s\n' \
+  "$ROUNDS" "$STEPS" "$WARMUP" "$CORES" "$MALLOC${MALLOC_ENV[*]:+ (${MALLOC_ENV[*]})}" "$(cut -d' ' -f1-3 /proc/loadavg)"
+printf '\n| model | params | ranks | threads/rank | ours 1 proc | ours FSDP | ours / limit | theirs 1 proc | theirs FSDP2 | theirs / limit | ours FSDP / theirs FSDP2 | first loss ours / theirs | faults / step, 1 proc ours / theirs |\n'
+printf '|---|---|---|---|---|---|---|---|---|---|---|---|---|\n'
 for row in $ROWS; do
   IFS=: read -r name layers dim heads seq per_rank nproc <<<"$row"
   batch=$((per_rank * nproc)) threads=$((CORES / nproc)); ((threads >= 1)) || threads=1
@@ -77,17 +91,17 @@ for row in $ROWS; do
   shape=(--layers "$layers" --dim "$dim" --heads "$heads" --seq "$seq" --batch "$batch" --nproc "$nproc"
          --steps "$STEPS" --warmup "$WARMUP")
   for ((r = 0; r < ROUNDS; ++r)); do
-    in_chroot env OMP_NUM_THREADS="$threads" timeout 3600 "$BUILD/bin/bench" --role single --result "$out/ours_single" "${shape[@]}"
-    in_chroot env OMP_NUM_THREADS="$threads" timeout 3600 "$BUILD/bin/fsdprun" --nproc-per-node "$nproc" --master-port 0 -- \
+    run_side env OMP_NUM_THREADS="$threads" timeout 3600 "$BUILD/bin/bench" --role single --result "$out/ours_single" "${shape[@]}"
+    run_side env OMP_NUM_THREADS="$threads" timeout 3600 "$BUILD/bin/fsdprun" --nproc-per-node "$nproc" --master-port 0 -- \
       "$BUILD/bin/bench" --role fsdp --result "$out/ours_fsdp" "${shape[@]}" >/dev/null
-    in_chroot env OMP_NUM_THREADS="$threads" timeout 3600 python3 /src/benchmarks/fsdp2_cpu_bench.py --role single \
+    run_side env OMP_NUM_THREADS="$threads" timeout 3600 python3 /src/benchmarks/fsdp2_cpu_bench.py --role single \
       --threads "$threads" --result "$out/theirs_single" "${shape[@]}"
-    in_chroot env OMP_NUM_THREADS="$threads" timeout 3600 python3 /src/benchmarks/fsdp2_cpu_bench.py --role fsdp2 \
+    run_side env OMP_NUM_THREADS="$threads" timeout 3600 python3 /src/benchmarks/fsdp2_cpu_bench.py --role fsdp2 \
       --threads "$threads" --result "$out/theirs_fsdp" "${shape[@]}"
     if ((DDP)); then
-      in_chroot env OMP_NUM_THREADS="$threads" timeout 3600 "$BUILD/bin/fsdprun" --nproc-per-node "$nproc" --master-port 0 -- \
+      run_side env OMP_NUM_THREADS="$threads" timeout 3600 "$BUILD/bin/fsdprun" --nproc-per-node "$nproc" --master-port 0 -- \
         "$BUILD/bin/bench" --role fsdp --mode replicate --floor-steps "$STEPS" --result "$out/ours_ddp" "${shape[@]}" >/dev/null
-      in_chroot env OMP_NUM_THREADS="$threads" timeout 3600 python3 /src/benchmarks/fsdp2_cpu_bench.py --role ddp \
+      run_side env OMP_NUM_THREADS="$threads" timeout 3600 python3 /src/benchmarks/fsdp2_cpu_bench.py --role ddp \
         --threads "$threads" --result "$out/theirs_ddp" "${shape[@]}"
     fi
   done
@@ -104,7 +118,8 @@ ours_params = int(ofr["param_bytes"] / 4)  # bench prints 6 significant digits
 if abs(ours_params - params) > 1e-5 * params:
     sys.exit(f"fsdp2-cpu-compare: the models differ: ours {ours_params} parameters, theirs {params}")
 print(f"| {name} | {params / 1e6:.2f}M | {nproc} | {threads} | {os_ * 1e3:.1f} ms | {of * 1e3:.1f} ms | {of / os_:.2f}x "
-      f"| {ts * 1e3:.1f} ms | {tf * 1e3:.1f} ms | {tf / ts:.2f}x | {of / tf:.2f}x | {ofr['first_loss']:.4f} / {tfr['first_loss']:.4f} |")
+      f"| {ts * 1e3:.1f} ms | {tf * 1e3:.1f} ms | {tf / ts:.2f}x | {of / tf:.2f}x | {ofr['first_loss']:.4f} / {tfr['first_loss']:.4f} "
+      f"| {osr['faults_per_step']:.0f} / {tsr['faults_per_step']:.0f} |")
 EOF
   if ((DDP)); then
     in_chroot python3 - "$out" "$name" "$nproc" >>"$DDP_ROWS" <<'EOF'

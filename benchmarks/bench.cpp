@@ -371,6 +371,11 @@ struct Row {
   double step() const { return median(medians); }
 };
 
+// The row `key` names among those run, or rows.end().
+std::vector<Row>::iterator find_row(std::vector<Row>& rows, const std::string& key) {
+  return std::find_if(rows.begin(), rows.end(), [&key](const Row& r) { return r.key == key; });
+}
+
 // The CPU split (see the header): per row and rank, the medians over every measured step of every
 // round.
 void print_cpu_split(const std::vector<Row>& rows, int nproc) {
@@ -511,7 +516,7 @@ int run_driver(const Options& o) {
   }
   if (o.cpu_split == "on") print_cpu_split(rows, o.nproc);
   // replicate's floor: its bucket all-reduces of the last step, replayed alone (transport_floor).
-  auto rep = std::find_if(rows.begin(), rows.end(), [](const Row& r) { return r.key == "replicate"; });
+  auto rep = find_row(rows, "replicate");
   if (rep != rows.end() && rep->last["floor_collectives"] > 0) {
     const double cpu = rep->last["floor_cpu_s"];
     std::printf(
@@ -520,7 +525,7 @@ int run_driver(const Options& o) {
         static_cast<int>(rep->last["floor_collectives"]), rep->last["comm_bytes_per_step"] / 1e6, 1e3 * cpu,
         1e3 * rep->last["floor_wall_s"], (limit + cpu) / limit, rep->step() / limit);
   }
-  auto fsdp_row = std::find_if(rows.begin(), rows.end(), [](const Row& r) { return r.key == "fsdp"; });
+  auto fsdp_row = find_row(rows, "fsdp");
   if (fsdp_row == rows.end()) return 0;
   Row& f = *fsdp_row;
   std::printf("\nratio FSDP / limit = %.3f; per-round medians: single", f.step() / limit);
@@ -551,7 +556,7 @@ int run_driver(const Options& o) {
         "limit: no FSDP can go below (limit + it) / limit = %.3f here with this transport\n"
         "FSDP / (limit x floor) = %.3f (target <= 1.03)\n",
         cores, o.nproc, threads, floor_ratio, f.step() / limit / floor_ratio);
-    auto conc = std::find_if(rows.begin(), rows.end(), [](const Row& r) { return r.key == "concurrent"; });
+    auto conc = find_row(rows, "concurrent");
     if (conc != rows.end()) {
       const double shared = (conc->step() + floor_cpu) / limit;
       std::printf(

@@ -168,15 +168,18 @@ TEST(TrainGpt, MetricsFileHasEveryFieldAndASummary) {
     const auto& j = lines[s];
     EXPECT_EQ(j["step"].get<int>(), s + 1);
     for (const char* key : {"loss", "lr", "grad_norm", "step_time_s", "tokens_per_s", "comm_bytes", "param_bytes",
-                            "grad_bytes", "optim_bytes", "peak_rss_bytes", "max_peak_rss_bytes"}) {
+                            "grad_bytes", "optim_bytes", "peak_rss_bytes", "max_peak_rss_bytes", "minor_faults"}) {
       EXPECT_TRUE(j.contains(key)) << key << " missing: " << j.dump();
     }
     EXPECT_GT(j["comm_bytes"].get<int64_t>(), 0);
+    EXPECT_GE(j["minor_faults"].get<int64_t>(), 0) << j.dump();
     EXPECT_GE(j["max_peak_rss_bytes"].get<int64_t>(), j["peak_rss_bytes"].get<int64_t>());
     EXPECT_EQ(j.contains("val_loss"), s == 2 || s == 5) << j.dump();
   }
   EXPECT_TRUE(lines[6]["summary"].get<bool>());
   EXPECT_GT(lines[6]["median_step_time_s"].get<double>(), 0.0);
+  // Each step allocates fresh activations and gradients: some pages are mapped in every step.
+  EXPECT_GT(lines[6]["median_minor_faults_per_step"].get<double>(), 0.0) << lines[6].dump();
   EXPECT_NE(r.output.find("[rank0]: ---- sample"), std::string::npos) << r.output;
   EXPECT_NE(r.output.find("[rank0]: step     6/6"), std::string::npos) << r.output;
 }

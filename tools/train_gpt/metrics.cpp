@@ -22,6 +22,12 @@ int64_t current_rss_bytes() {
   return resident * static_cast<int64_t>(sysconf(_SC_PAGESIZE));
 }
 
+int64_t minor_page_faults() {
+  struct rusage ru {};
+  getrusage(RUSAGE_SELF, &ru);
+  return static_cast<int64_t>(ru.ru_minflt);
+}
+
 double median(std::vector<double> v) {
   if (v.empty()) return 0.0;
   std::sort(v.begin(), v.end());
@@ -42,6 +48,8 @@ void MetricsWriter::open(const std::string& path, bool resume, int64_t resumed_s
       if (j.value("step", int64_t{0}) > resumed_step) continue;
       if (j.contains("step_time_s") && j.value("step", int64_t{0}) > 0)
         step_times_.push_back(j["step_time_s"].get<double>());
+      if (j.contains("minor_faults") && j.value("step", int64_t{0}) > 0)
+        step_faults_.push_back(j["minor_faults"].get<double>());
       kept.push_back(line);
     }
   }
@@ -49,6 +57,7 @@ void MetricsWriter::open(const std::string& path, bool resume, int64_t resumed_s
   if (!out_) throw std::runtime_error("cannot write the metrics file '" + path + "'");
   for (const auto& l : kept) out_ << l << '\n';
   out_.flush();
+  faults_mark_ = minor_page_faults();
 }
 
 void MetricsWriter::write(const nlohmann::json& line) {
@@ -57,18 +66,26 @@ void MetricsWriter::write(const nlohmann::json& line) {
   out_.flush();
 }
 
-void MetricsWriter::step(const nlohmann::json& line) {
+void MetricsWriter::step(nlohmann::json line) {
+  const int64_t now = minor_page_faults(), faults = now - faults_mark_;
+  faults_mark_ = now;
+  line["minor_faults"] = faults;
   step_times_.push_back(line.at("step_time_s").get<double>());
+  step_faults_.push_back(static_cast<double>(faults));
   write(line);
 }
 
 void MetricsWriter::summary(nlohmann::json extra) {
-  std::vector<double> after_first(step_times_.size() > 1 ? step_times_.begin() + 1 : step_times_.end(),
-                                  step_times_.end());
+  // The first step warms up (the optimizer's state, the allocator's free lists): the steady figures leave it out.
+  const auto after_first = [](const std::vector<double>& v) {
+    return std::vector<double>(v.size() > 1 ? v.begin() + 1 : v.end(), v.end());
+  };
+  const double step_time = median(after_first(step_times_));
   extra["summary"] = true;
-  extra["median_step_time_s"] = median(after_first);
-  if (extra.contains("tokens_per_step") && median(after_first) > 0) {
-    extra["median_tokens_per_s"] = extra["tokens_per_step"].get<double>() / median(after_first);
+  extra["median_step_time_s"] = step_time;
+  extra["median_minor_faults_per_step"] = median(after_first(step_faults_));
+  if (extra.contains("tokens_per_step") && step_time > 0) {
+    extra["median_tokens_per_s"] = extra["tokens_per_step"].get<double>() / step_time;
   }
   write(extra);
 }

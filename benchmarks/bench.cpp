@@ -18,7 +18,8 @@
 // last step with no compute and measures the CPU they take (transport_floor). Where every core
 // computes (ranks x threads >= cores) no FSDP can beat the limit plus that CPU on this transport;
 // the driver prints that ratio next to the measured one. The replicate worker does the same with
-// its bucket all-reduces: the floor of any DDP on this transport.
+// its bucket all-reduces: the floor of any DDP on this transport. The driver prints both rows'
+// floors alike (print_floor).
 //
 // The concurrent row runs N copies of the one-process run at once (under fsdprun, no world, no
 // byte sent): the limit when every core computes at the same time, as the N ranks do. The cores'
@@ -406,6 +407,55 @@ void print_cpu_split(const std::vector<Row>& rows, int nproc) {
   }
 }
 
+// How a row's transport floor reads: "transport floor: <owner> <n> <collectives> of a step ...",
+// "no <any> can go below ...", "<name> / (limit x floor) = ...<target>".
+struct FloorText {
+  const char* owner;        // whose collectives: "FSDP fp32's"
+  const char* collectives;  // what they are: "collectives", "all-reduces"
+  const char* name;         // the row in the ratios
+  const char* any;          // in "no <any> can go below": "FSDP", "DDP"
+  const char* target;       // after its ratio to the floor; "" where the row's target is against something else
+};
+
+// A row's transport floor (transport_floor, measured by its worker after its timed steps), against
+// the limit and, when the concurrent row ran, against the limit with the cores shared. Rows whose
+// worker replayed nothing (a world of one, no --floor-steps) print nothing.
+void print_floor(const Row& r, const FloorText& t, double limit, const Row* concurrent, int nproc, int threads) {
+  const double collectives = r.last.at("floor_collectives");
+  if (collectives == 0) return;
+  if (collectives < 0) {
+    std::printf(
+        "\ntransport floor: %s %s: not measured (it replays flat collectives only; FSDP_CPU_COLLECTIVES is set)\n",
+        t.owner, t.collectives);
+    return;
+  }
+  const double floor_cpu = r.last.at("floor_cpu_s"), floor_ratio = (limit + floor_cpu) / limit;
+  std::printf(
+      "\ntransport floor: %s %d %s of a step replayed alone (%.2f MB sent per rank): %.1f ms of CPU per rank (wall "
+      "%.1f ms)",
+      t.owner, static_cast<int>(collectives), t.collectives, r.last.at("comm_bytes_per_step") / 1e6, 1e3 * floor_cpu,
+      1e3 * r.last.at("floor_wall_s"));
+  const long cores = sysconf(_SC_NPROCESSORS_ONLN);
+  if (static_cast<long>(nproc) * threads < cores) {
+    std::printf(
+        "; %ld cores for %d ranks x %d threads: the transport can run on idle cores (a floor of 1.00; "
+        "(limit + it) / limit = %.3f if it could not)\n",
+        cores, nproc, threads, floor_ratio);
+    return;
+  }
+  std::printf(
+      "; every one of the %ld cores computes (%d ranks x %d threads), so that CPU comes on top of the "
+      "limit: no %s can go below (limit + it) / limit = %.3f here with this transport\n"
+      "%s / (limit x floor) = %.3f%s\n",
+      cores, nproc, threads, t.any, floor_ratio, t.name, r.step() / limit / floor_ratio, t.target);
+  if (concurrent == nullptr) return;
+  const double shared = (concurrent->step() + floor_cpu) / limit;
+  std::printf(
+      "with the cores shared: %d one-process runs at once take %.3fx of the limit each (the concurrent row, "
+      "nothing sent); with the transport's CPU on top, no %d-rank run can go below %.3f here: %s / that = %.3f\n",
+      nproc, concurrent->step() / limit, nproc, shared, t.name, r.step() / limit / shared);
+}
+
 int run_driver(const Options& o) {
   fsdp_bench::WorkerLauncher launcher("bench");
   std::vector<std::string> common = o.shape.worker_args();
@@ -515,62 +565,28 @@ int run_driver(const Options& o) {
                 median(r.faults), r.last["state_bytes"] / 1e6, r.last["max_rss"] / 1e6, sent);
   }
   if (o.cpu_split == "on") print_cpu_split(rows, o.nproc);
-  // replicate's floor: its bucket all-reduces of the last step, replayed alone (transport_floor).
-  auto rep = find_row(rows, "replicate");
-  if (rep != rows.end() && rep->last["floor_collectives"] > 0) {
-    const double cpu = rep->last["floor_cpu_s"];
-    std::printf(
-        "\nreplicate's transport floor: its %d all-reduces of a step replayed alone (%.2f MB sent per rank): %.1f ms "
-        "of CPU per rank (wall %.1f ms); (limit + it) / limit = %.3f against replicate / limit = %.3f\n",
-        static_cast<int>(rep->last["floor_collectives"]), rep->last["comm_bytes_per_step"] / 1e6, 1e3 * cpu,
-        1e3 * rep->last["floor_wall_s"], (limit + cpu) / limit, rep->step() / limit);
-  }
+  auto conc = find_row(rows, "concurrent");
+  const Row* concurrent = conc == rows.end() ? nullptr : &*conc;
   auto fsdp_row = find_row(rows, "fsdp");
-  if (fsdp_row == rows.end()) return 0;
-  Row& f = *fsdp_row;
-  std::printf("\nratio FSDP / limit = %.3f; per-round medians: single", f.step() / limit);
-  for (double m : rows.front().medians) std::printf(" %.1f", 1e3 * m);
-  std::printf(" ms, fsdp");
-  for (double m : f.medians) std::printf(" %.1f", 1e3 * m);
-  std::printf(" ms\n");
-  auto cpu = rows.front().last["cpu_per_step_s"], fsdp_cpu = f.last["cpu_per_step_s"];
-  std::printf(
-      "CPU per rank per step (last round): one process %.1f ms, FSDP fp32 %.1f ms (+%.1f ms); FSDP's wall step "
-      "%.1f ms of which the process ran %.0f%%\n",
-      1e3 * cpu, 1e3 * fsdp_cpu, 1e3 * (fsdp_cpu - cpu), 1e3 * f.medians.back(), 100 * fsdp_cpu / f.medians.back());
-  // The transport floor (transport_floor above): the same collectives with nothing else running.
-  const long cores = sysconf(_SC_NPROCESSORS_ONLN);
-  if (f.last["floor_collectives"] < 0) {
-    std::printf("transport floor: not measured (it replays flat collectives only; FSDP_CPU_COLLECTIVES is set)\n");
-    return 0;
-  }
-  const double floor_cpu = f.last["floor_cpu_s"], floor_ratio = (limit + floor_cpu) / limit;
-  std::printf(
-      "transport floor: FSDP fp32's %d collectives of a step replayed alone (%.2f MB sent per rank): %.1f ms "
-      "of CPU per rank (wall %.1f ms)",
-      static_cast<int>(f.last["floor_collectives"]), f.last["comm_bytes_per_step"] / 1e6, 1e3 * floor_cpu,
-      1e3 * f.last["floor_wall_s"]);
-  if (static_cast<long>(o.nproc) * threads >= cores) {
+  if (fsdp_row != rows.end()) {
+    Row& f = *fsdp_row;
+    std::printf("\nratio FSDP / limit = %.3f; per-round medians: single", f.step() / limit);
+    for (double m : rows.front().medians) std::printf(" %.1f", 1e3 * m);
+    std::printf(" ms, fsdp");
+    for (double m : f.medians) std::printf(" %.1f", 1e3 * m);
+    std::printf(" ms\n");
+    auto cpu = rows.front().last["cpu_per_step_s"], fsdp_cpu = f.last["cpu_per_step_s"];
     std::printf(
-        "; every one of the %ld cores computes (%d ranks x %d threads), so that CPU comes on top of the "
-        "limit: no FSDP can go below (limit + it) / limit = %.3f here with this transport\n"
-        "FSDP / (limit x floor) = %.3f (target <= 1.03)\n",
-        cores, o.nproc, threads, floor_ratio, f.step() / limit / floor_ratio);
-    auto conc = find_row(rows, "concurrent");
-    if (conc != rows.end()) {
-      const double shared = (conc->step() + floor_cpu) / limit;
-      std::printf(
-          "with the cores shared: %d one-process runs at once take %.3fx of the limit each (the concurrent row, "
-          "nothing sent); with the transport's CPU on top, no %d-rank run can go below %.3f here: FSDP / that = "
-          "%.3f\n",
-          o.nproc, conc->step() / limit, o.nproc, shared, f.step() / limit / shared);
-    }
-  } else {
-    std::printf(
-        "; %ld cores for %d ranks x %d threads: the transport can run on idle cores (a floor of 1.00; "
-        "(limit + it) / limit = %.3f if it could not)\n",
-        cores, o.nproc, threads, floor_ratio);
+        "CPU per rank per step (last round): one process %.1f ms, FSDP fp32 %.1f ms (+%.1f ms); FSDP's wall step "
+        "%.1f ms of which the process ran %.0f%%\n",
+        1e3 * cpu, 1e3 * fsdp_cpu, 1e3 * (fsdp_cpu - cpu), 1e3 * f.medians.back(), 100 * fsdp_cpu / f.medians.back());
+    print_floor(f, {"FSDP fp32's", "collectives", "FSDP", "FSDP", " (target <= 1.03)"}, limit, concurrent, o.nproc,
+                threads);
   }
+  // replicate's target is against DDP (fsdp2-cpu-compare.sh), not against its floor.
+  auto rep = find_row(rows, "replicate");
+  if (rep != rows.end())
+    print_floor(*rep, {"replicate's", "all-reduces", "replicate", "DDP", ""}, limit, concurrent, o.nproc, threads);
   return 0;
 }
 

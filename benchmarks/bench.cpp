@@ -331,14 +331,15 @@ int run_worker(const Options& o, bool sharded) {
   const double cpu_per_step = (fsdp_bench::cpu_seconds() - cpu0) / o.steps;
   const double faults_per_step = static_cast<double>(fsdp_bench::minor_faults() - faults0) / o.steps;
   auto comm = fsdp::comm::process_comm_stats().snapshot() - stats0;
+  // The training's peak, read before the floor's replay allocates its own buffers.
+  const double max_rss = fsdp_bench::peak_rss_bytes();
   Floor floor;
   if (sharded && o.floor_steps > 0 && world > 1) floor = transport_floor(last_step_first_record, o.floor_steps);
   if (rank == 0 && !o.result.empty()) {
     std::ofstream out(o.result, std::ios::app);
     out << "median_step_s " << median(times) << " state_bytes " << fsdp_bench::state_bytes(*model, opt).total()
-        << " max_rss " << fsdp_bench::peak_rss_bytes() << " comm_bytes_per_step "
-        << comm.total_bytes() / static_cast<double>(o.steps) << " param_bytes " << param_bytes << " world " << world
-        << " all_reduce_bytes_per_step "
+        << " max_rss " << max_rss << " comm_bytes_per_step " << comm.total_bytes() / static_cast<double>(o.steps)
+        << " param_bytes " << param_bytes << " world " << world << " all_reduce_bytes_per_step "
         << comm[fsdp::comm::OpKind::AllReduce].bytes_sent / static_cast<double>(o.steps) << " first_loss " << first_loss
         << " cpu_per_step_s " << cpu_per_step << " faults_per_step " << faults_per_step << " floor_cpu_s "
         << floor.cpu_s << " floor_wall_s " << floor.wall_s << " floor_collectives " << floor.collectives << "\n";

@@ -42,6 +42,19 @@ BackendKind backend_for_device(const std::string& device_type) {
   throw std::invalid_argument("fsdp: unknown device type '" + device_type + "'; use \"cpu\" (Gloo) or \"cuda\" (NCCL)");
 }
 
+int gloo_threads() {
+  const char* v = std::getenv("FSDP_GLOO_THREADS");
+  if (v == nullptr || *v == '\0') return 2;
+  char* end = nullptr;
+  const long n = std::strtol(v, &end, 10);
+  if (*end != '\0' || n < 1 || n > 64) {
+    throw std::invalid_argument("FSDP_GLOO_THREADS='" + std::string(v) +
+                                "' is not a number of Gloo worker threads per process group: use 1 to 64, or unset it "
+                                "for 2");
+  }
+  return static_cast<int>(n);
+}
+
 namespace {
 
 bool is_loopback(const std::string& host) { return host == "localhost" || host == "::1" || host.rfind("127.", 0) == 0; }
@@ -88,8 +101,7 @@ compat::BackendPtr make_gloo(const compat::StorePtr& store, int rank, int size, 
   } else {
     opts->devices.push_back(c10d::ProcessGroupGloo::createDefaultDevice());
   }
-  // Two threads: the async collectives of FSDP overlap with compute, not with each other.
-  opts->threads = 2;
+  opts->threads = gloo_threads();
   return c10::make_intrusive<c10d::ProcessGroupGloo>(store, rank, size, opts);
 }
 

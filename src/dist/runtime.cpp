@@ -162,6 +162,13 @@ void init_distributed(const InitOptions& options) {
   rt->backend = comm::backend_for_device(options.device_type);  // checks the device type either way
   if (options.backend) rt->backend = *options.backend;
   const LaunchEnv& env = rt->env;
+  if (rt->backend == comm::BackendKind::Gloo && env.world_size > 1) {
+    try {
+      (void)comm::gloo_threads();  // a bad FSDP_GLOO_THREADS is named before any rank waits for this one
+    } catch (const std::invalid_argument& e) {
+      throw DistError(std::string("fsdp: ") + e.what());
+    }
+  }
   // One line from rank 0: whose variables were read and what was taken from them (with mpirun or
   // srun, the first thing to check when ranks do not meet).
   if (env.from_launcher && env.rank == 0) std::fprintf(stderr, "fsdp: %s\n", describe(env).c_str());

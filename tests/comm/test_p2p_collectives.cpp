@@ -129,3 +129,12 @@ TEST(P2PSetting, BadValueIsNamed) {
   opts.env["FSDP_GLOO_FALLBACK"] = "ring";
   EXPECT_RANKS_PASS(2, "p2p_bad_setting_is_named", opts);
 }
+
+// Gloo's worker threads (FSDP_GLOO_THREADS, default 2): with one, collectives issued back to back
+// run one after another; the results and any-order waits must not change.
+TEST(P2PSetting, OneGlooThread) {
+  fsdp::testing::RanksOptions opts;
+  opts.env["FSDP_GLOO_THREADS"] = "1";
+  EXPECT_RANKS_PASS(2, "p2p_equals_collective", opts);
+  EXPECT_RANKS_PASS(2, "p2p_two_in_flight_any_order", opts);
+}

@@ -143,6 +143,14 @@ TEST(Runtime, MissingRankFailsGroupFormation) {
   EXPECT_TRUE(r.ok()) << r.output;
 }
 
+TEST(Runtime, BadGlooThreadsIsNamedBeforeTheStore) {
+  // Port 9 (discard): nothing listens, so only a check made before the store can report the value.
+  auto r = run_one_rank(1, 2, 9, "FSDP_GLOO_THREADS='0' is not a number of Gloo worker threads",
+                        {{"FSDP_GLOO_THREADS", "0"}});
+  EXPECT_TRUE(r.ok()) << r.output;
+  EXPECT_NE(r.output.find("use 1 to 64"), std::string::npos) << r.output;
+}
+
 TEST(Runtime, BadEnvironmentIsReportedByInit) {
   auto r = run_one_rank(0, 2, 29500, "RANK=5 is not below WORLD_SIZE=2", {{"RANK", "5"}});
   EXPECT_TRUE(r.ok()) << r.output;

@@ -21,6 +21,13 @@ BackendKind backend_for_device(const std::string& device_type);
 // down (0 in builds without NCCL, or where LibTorch has no clean shutdown: compat/nccl.h).
 size_t shutdown_nccl_groups();
 
+// Gloo's worker threads per process group: FSDP_GLOO_THREADS, else 2 (PyTorch's default): a
+// prefetched all-gather and a pending reduce-scatter can move at once. One runs a group's
+// collectives one after another, in the order every rank issues them; on 2 cores that also compute
+// it measured within the runs' noise of two (docs/benchmarks.md, "FSDP's own cost"). A value that
+// is not 1 to 64 throws std::invalid_argument naming the variable.
+int gloo_threads();
+
 // Creates the backend for a group whose members rendezvous through `store` (already prefixed so
 // that groups do not collide). Collective among the members only. `hostname_hint` picks Gloo's
 // network interface: the loopback when every rank is on this host, else the address on this

@@ -4,6 +4,7 @@
 #include <signal.h>
 #include <stdlib.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cmath>
 #include <filesystem>
@@ -178,8 +179,14 @@ TEST(TrainGpt, MetricsFileHasEveryFieldAndASummary) {
   }
   EXPECT_TRUE(lines[6]["summary"].get<bool>());
   EXPECT_GT(lines[6]["median_step_time_s"].get<double>(), 0.0);
-  // Each step allocates fresh activations and gradients: some pages are mapped in every step.
-  EXPECT_GT(lines[6]["median_minor_faults_per_step"].get<double>(), 0.0) << lines[6].dump();
+  // The first step maps the optimizer's state and the first activations in: it faults. A steady step
+  // may fault no page at all (glibc reuses what the previous step freed), so the summary is checked
+  // as what it is: the median of steps 2..6's counts.
+  EXPECT_GT(lines[0]["minor_faults"].get<int64_t>(), 0) << lines[0].dump();
+  std::vector<double> steady;
+  for (int s = 1; s < 6; ++s) steady.push_back(static_cast<double>(lines[s]["minor_faults"].get<int64_t>()));
+  std::sort(steady.begin(), steady.end());
+  EXPECT_EQ(lines[6]["median_minor_faults_per_step"].get<double>(), steady[2]) << lines[6].dump();
   EXPECT_NE(r.output.find("[rank0]: ---- sample"), std::string::npos) << r.output;
   EXPECT_NE(r.output.find("[rank0]: step     6/6"), std::string::npos) << r.output;
 }

@@ -94,7 +94,8 @@ Options parse(int argc, char** argv) {
       "       [--malloc default|tuned|speed] [--cpu-split on|off]\n"
       "       [--rows single,concurrent,local,fsdp,keep-last,zero2,bf16,hsdp,replicate] (default all)\n"
       "FSDP_PHASE_TIMERS=1 makes every FSDP worker print where FSDP's own time went, by phase; "
-      "FSDP_BENCH_PIN=process|main pins each distributed worker (or its main thread) to one core");
+      "FSDP_BENCH_PIN=process|main pins each distributed worker (or its main thread) to one core; "
+      "FSDP_CPU_BIND=cores binds the ranks as the library does (fsdp/debug/cpu_tuning.h)");
   o.shape.add_options(args);
   args.option("--nproc", &o.nproc).option("--steps", &o.steps).option("--warmup", &o.warmup);
   args.option("--rounds", &o.rounds).option("--role", &o.role).option("--result", &o.result).option("--mp", &o.mp);
@@ -505,9 +506,10 @@ int run_driver(const Options& o) {
   const int threads = fsdp::dist::default_omp_threads(o.nproc);
   std::printf(
       "bench: %s, global batch %lld, float32; %d ranks x %d thread(s); %d steps after %d warm-up, %d rounds; "
-      "malloc %s\n",
+      "malloc %s; FSDP_CPU_BIND %s\n",
       o.shape.describe().c_str(), batch, o.nproc, threads, o.steps, o.warmup, o.rounds,
-      fsdp_bench::malloc_policy_name(o.malloc));
+      fsdp_bench::malloc_policy_name(o.malloc),
+      std::getenv("FSDP_CPU_BIND") && *std::getenv("FSDP_CPU_BIND") ? std::getenv("FSDP_CPU_BIND") : "unset");
   std::fflush(stdout);
   for (auto& r : rows) r.result = launcher.result_path(r.key);
   for (int round = 0; round < o.rounds; ++round) {

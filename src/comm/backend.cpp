@@ -1,9 +1,14 @@
 #include "fsdp/comm/backend.h"
 
+#include <dirent.h>
 #include <netdb.h>
 #include <sys/socket.h>
+#include <sys/syscall.h>
 #include <unistd.h>
 
+#include <algorithm>
+#include <atomic>
+#include <cstdint>
 #include <cstdlib>
 #include <stdexcept>
 
@@ -56,6 +61,65 @@ int gloo_threads() {
 }
 
 namespace {
+std::atomic<int> g_default_slice_us{0};
+}  // namespace
+
+void set_default_transport_slice_us(int us) { g_default_slice_us = us; }
+
+int transport_slice_us() {
+  const char* v = std::getenv("FSDP_TRANSPORT_SLICE_US");
+  if (v == nullptr || *v == '\0') return g_default_slice_us;
+  char* end = nullptr;
+  const long n = std::strtol(v, &end, 10);
+  if (*end != '\0' || (n != 0 && (n < 100 || n > 100000))) {
+    throw std::invalid_argument("FSDP_TRANSPORT_SLICE_US='" + std::string(v) +
+                                "' is not a scheduler slice for Gloo's threads: use 100 to 100000 (microseconds, "
+                                "the kernel's bounds), 0 for the kernel's default, or unset it");
+  }
+  return static_cast<int>(n);
+}
+
+namespace {
+
+// This process's thread ids (Linux: /proc/self/task), sorted.
+std::vector<long> thread_ids() {
+  std::vector<long> out;
+  if (DIR* d = opendir("/proc/self/task")) {
+    while (dirent* e = readdir(d)) {
+      if (e->d_name[0] != '.') out.push_back(std::strtol(e->d_name, nullptr, 10));
+    }
+    closedir(d);
+  }
+  std::sort(out.begin(), out.end());
+  return out;
+}
+
+// sched_setattr's argument (linux/sched/types.h; glibc 2.36 has no wrapper).
+struct SchedAttr {
+  uint32_t size;
+  uint32_t sched_policy;
+  uint64_t sched_flags;
+  int32_t sched_nice;
+  uint32_t sched_priority;
+  uint64_t sched_runtime, sched_deadline, sched_period;
+  uint32_t sched_util_min, sched_util_max;
+};
+
+// The threads in `after` and not in `before` (Gloo's, started while a group was made) ask for a
+// slice of `us` microseconds; their nice value stays. Best effort: a kernel that refuses leaves
+// them as they were.
+void set_slice_of_new_threads(const std::vector<long>& before, const std::vector<long>& after, int us) {
+  for (long t : after) {
+    if (std::binary_search(before.begin(), before.end(), t)) continue;
+    SchedAttr a{};
+    a.size = sizeof a;
+    if (syscall(SYS_sched_getattr, t, &a, sizeof a, 0u) != 0) continue;
+    a.size = sizeof a;
+    a.sched_flags = 0;
+    a.sched_runtime = static_cast<uint64_t>(us) * 1000;
+    (void)syscall(SYS_sched_setattr, t, &a, 0u);
+  }
+}
 
 bool is_loopback(const std::string& host) { return host == "localhost" || host == "::1" || host.rfind("127.", 0) == 0; }
 
@@ -88,6 +152,8 @@ std::string local_address_towards(const std::string& host) {
 
 compat::BackendPtr make_gloo(const compat::StorePtr& store, int rank, int size, std::chrono::milliseconds timeout,
                              const std::string& hostname_hint) {
+  // The threads alive before the device (its loop thread) and the group (its workers) exist.
+  const std::vector<long> before = transport_slice_us() > 0 ? thread_ids() : std::vector<long>();
   auto opts = c10d::ProcessGroupGloo::Options::create();
   opts->timeout = timeout;
   // GLOO_SOCKET_IFNAME wins, as in PyTorch; a single-host job stays on the loopback interface; a
@@ -102,7 +168,9 @@ compat::BackendPtr make_gloo(const compat::StorePtr& store, int rank, int size, 
     opts->devices.push_back(c10d::ProcessGroupGloo::createDefaultDevice());
   }
   opts->threads = gloo_threads();
-  return c10::make_intrusive<c10d::ProcessGroupGloo>(store, rank, size, opts);
+  auto pg = c10::make_intrusive<c10d::ProcessGroupGloo>(store, rank, size, opts);
+  if (const int us = transport_slice_us(); us > 0) set_slice_of_new_threads(before, thread_ids(), us);
+  return pg;
 }
 
 #ifdef FSDP_HAS_NCCL

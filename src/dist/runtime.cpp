@@ -15,6 +15,7 @@
 #include <thread>
 
 #include "fsdp/comm/backend.h"
+#include "fsdp/debug/cpu_tuning.h"
 #include "fsdp/compat/store.h"
 
 namespace fsdp::dist {
@@ -164,9 +165,24 @@ void init_distributed(const InitOptions& options) {
   const LaunchEnv& env = rt->env;
   if (rt->backend == comm::BackendKind::Gloo && env.world_size > 1) {
     try {
-      (void)comm::gloo_threads();  // a bad FSDP_GLOO_THREADS is named before any rank waits for this one
+      // Bad values are named before any rank waits for this one.
+      (void)comm::gloo_threads();
+      (void)comm::transport_slice_us();
     } catch (const std::invalid_argument& e) {
       throw DistError(std::string("fsdp: ") + e.what());
+    }
+  }
+  if (env.world_size > 1) {
+    CpuBind bind = CpuBind::None;
+    try {
+      bind = cpu_bind_from_env();
+    } catch (const std::invalid_argument& e) {
+      throw DistError(std::string("fsdp: ") + e.what());
+    }
+    if (bind == CpuBind::Cores) {
+      // Before the store and the groups: the threads they start inherit the binding, and Gloo's
+      // ask for a short slice ([Note: ranks bound to cores] in src/dist/cpu_binding.cpp).
+      if (!bind_to_local_cpus(env.local_rank, env.local_world_size).empty()) comm::set_default_transport_slice_us(100);
     }
   }
   // One line from rank 0: whose variables were read and what was taken from them (with mpirun or

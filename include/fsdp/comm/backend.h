@@ -28,6 +28,16 @@ size_t shutdown_nccl_groups();
 // is not 1 to 64 throws std::invalid_argument naming the variable.
 int gloo_threads();
 
+// The scheduler slice, in microseconds, that Gloo's threads of every group made from now on ask
+// for (Linux 6.12+'s EEVDF custom slice, sched_setattr's sched_runtime): FSDP_TRANSPORT_SLICE_US,
+// else what set_default_transport_slice_us() set (init_distributed: 100 under FSDP_CPU_BIND=cores),
+// else 0: the kernel's default. A short slice gives a woken transport thread an early deadline, so
+// it runs at once on a core that a compute thread keeps busy, instead of after that thread's slice
+// ([Note: ranks bound to cores] in src/dist/cpu_binding.cpp). Older kernels ignore it. A value that
+// is not 0 or 100 to 100000 throws std::invalid_argument naming the variable.
+int transport_slice_us();
+void set_default_transport_slice_us(int us);
+
 // Creates the backend for a group whose members rendezvous through `store` (already prefixed so
 // that groups do not collide). Collective among the members only. `hostname_hint` picks Gloo's
 // network interface: the loopback when every rank is on this host, else the address on this

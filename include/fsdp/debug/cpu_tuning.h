@@ -7,6 +7,7 @@
 // started without the launcher calls `tune_cpu_or_reexec(argc, argv)` first thing in main().
 #include <string>
 #include <string_view>
+#include <vector>
 
 namespace fsdp::dist {
 
@@ -41,5 +42,29 @@ int openblas_num_threads();
 // to generic kernels, set it and re-execute this program once (argv unchanged). Returns normally
 // when nothing needs to change. FSDP_NO_REEXEC=1 disables it.
 void tune_cpu_or_reexec(int argc, char** argv);
+
+// FSDP_CPU_BIND, read by init_distributed (world > 1) before it reaches the store:
+//   unset or "none"  the ranks' threads go where the scheduler puts them (the default);
+//   "cores"          each rank of this host is bound to its own share of the CPUs the process may
+//                    run on (cpus_for_local_rank), its transport threads included, and Gloo's
+//                    threads ask for a 100 us slice (fsdp::comm::transport_slice_us) so that they run
+//                    as soon as data arrives instead of after the compute thread's slice.
+// Where the ranks of a host fill its cores (2 ranks of one thread on 2 cores) it removes the time
+// in which a rank waits for another whose core ran the first one's transport ([Note: ranks bound
+// to cores] in src/dist/cpu_binding.cpp; docs/benchmarks.md, "FSDP's own cost"). Leave it unset
+// where other jobs share the host's cores. Anything else throws std::invalid_argument naming it.
+enum class CpuBind { None, Cores };
+CpuBind cpu_bind_from_env();
+
+// Pure decision: the CPUs that local rank `local_rank` of `local_world` gets out of `allowed` (the
+// process's CPUs, ascending): with at least as many CPUs as ranks, rank r takes the r-th of
+// local_world equal consecutive blocks (the remainder stays unused); with fewer, CPU
+// allowed[r % size] alone. Example: cpus_for_local_rank({0, 1, 2, 3}, 1, 2) == {2, 3}.
+std::vector<int> cpus_for_local_rank(const std::vector<int>& allowed, int local_rank, int local_world);
+
+// Binds every thread of this process (and so every thread it starts later) to
+// cpus_for_local_rank(its allowed CPUs, local_rank, local_world); returns those CPUs (empty when
+// the kernel refused: nothing changed).
+std::vector<int> bind_to_local_cpus(int local_rank, int local_world);
 
 }  // namespace fsdp::dist

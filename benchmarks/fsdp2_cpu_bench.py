@@ -143,6 +143,9 @@ def main():
     ap.add_argument("--mode", choices=["fsdp2", "ddp"], default="fsdp2")  # what a "rank" runs
     ap.add_argument("--result", required=True)
     ap.add_argument("--store", default="")
+    # Each rank on its own block of the CPUs (as FSDP_CPU_BIND=cores binds ours; Python cannot ask
+    # for the short slice our Gloo threads get), set before the group starts its threads.
+    ap.add_argument("--bind", action="store_true")
     a = ap.parse_args()
     if a.batch % a.nproc:
         sys.exit("fsdp2_cpu_bench: --batch must be a multiple of --nproc")
@@ -154,6 +157,11 @@ def main():
     if a.role == "rank":
         import torch.distributed as dist
         rank = int(os.environ["RANK"])
+        if a.bind:
+            cpus = sorted(os.sched_getaffinity(0))
+            k = max(1, len(cpus) // a.nproc)
+            mine = cpus[rank * k:rank * k + k] if len(cpus) >= a.nproc else [cpus[rank % len(cpus)]]
+            os.sched_setaffinity(0, mine)
         dist.init_process_group("gloo", store=dist.FileStore(a.store, a.nproc), rank=rank, world_size=a.nproc)
         train(a, rank, a.nproc, sharded=a.mode == "fsdp2", ddp=a.mode == "ddp")
         dist.destroy_process_group()
@@ -164,7 +172,7 @@ def main():
                 os.path.join(tmp, "store")]
         for name in ("nproc", "layers", "dim", "heads", "seq", "batch", "steps", "warmup", "threads"):
             args += ["--" + name, str(getattr(a, name))]
-        args += ["--result", a.result]
+        args += ["--result", a.result] + (["--bind"] if a.bind else [])
         run_ranks(args, a.nproc, a.threads, "fsdp2_cpu_bench")
     return 0
 

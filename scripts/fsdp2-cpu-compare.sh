@@ -4,7 +4,7 @@
 # alternating repetitions, inside the sid chroot that scripts/libtorch2-check.sh makes.
 #
 #   scripts/fsdp2-cpu-compare.sh [--rounds 2] [--steps 8] [--warmup 2] [--rows ROWS] [--ddp]
-#                                [--malloc default|speed]
+#                                [--malloc default|speed] [--bind none|cores|both]
 #
 # ROWS: space-separated NAME:LAYERS:DIM:HEADS:SEQ:BATCH_PER_RANK:RANKS entries (default: bench's
 # GPT at 2 ranks, "3M:4:256:4:128:4:2"); --rows all adds ~3M at 3 and 4 ranks, ~25M and ~85M at 2.
@@ -22,6 +22,12 @@
 # it a high threshold, and our one-process step faults ~7,300 pages in again where Python's faults
 # ~1,000 (docs/benchmarks.md, "Against PyTorch's FSDP2 and DDP").
 #
+# --bind cores runs our FSDP and replicate with FSDP_CPU_BIND=cores (each rank and its transport
+# threads on its own core, Gloo's threads with a short scheduler slice: fsdp/debug/cpu_tuning.h) and
+# theirs as PyTorch leaves them; --bind both binds theirs too (each rank to its own core with
+# os.sched_setaffinity before it joins the group: the binding without the slice, which Python
+# cannot ask for), so neither side gains from a setting the other was denied.
+#
 #   FSDP_SID_CHROOT   the chroot (default /var/cache/fsdp/chroot-sid; run libtorch2-check.sh once to
 #                     make it). python3-torch is installed into it when missing.
 # Needs root (mount, chroot). Holds the chroot's lock (the one libtorch2-check.sh takes) throughout.
@@ -30,7 +36,7 @@ main() {
 REPO="$(cd "$(dirname "$0")/.." && pwd)"
 CHROOT="${FSDP_SID_CHROOT:-/var/cache/fsdp/chroot-sid}"
 CHROOT="${CHROOT%/}"
-ROUNDS=2 STEPS=8 WARMUP=2 ROWS="3M:4:256:4:128:4:2" DDP=0 MALLOC=default
+ROUNDS=2 STEPS=8 WARMUP=2 ROWS="3M:4:256:4:128:4:2" DDP=0 MALLOC=default BIND=none
 while (($#)); do
   case "$1" in
     --rounds) ROUNDS="$2"; shift 2 ;;
@@ -39,6 +45,7 @@ while (($#)); do
     --rows) ROWS="$2"; shift 2 ;;
     --ddp) DDP=1; shift ;;
     --malloc) MALLOC="$2"; shift 2 ;;
+    --bind) BIND="$2"; shift 2 ;;
     -h|--help) sed -n '2,27p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
     *) echo "fsdp2-cpu-compare: unknown argument '$1' (see --help)" >&2; exit 2 ;;
   esac
@@ -47,6 +54,12 @@ case "$MALLOC" in
   default) MALLOC_ENV=() ;;
   speed) MALLOC_ENV=(GLIBC_TUNABLES=glibc.malloc.mmap_threshold=33554432:glibc.malloc.trim_threshold=268435456) ;;
   *) echo "fsdp2-cpu-compare: --malloc must be default or speed, not '$MALLOC'" >&2; exit 2 ;;
+esac
+case "$BIND" in
+  none) OURS_BIND=(FSDP_CPU_BIND=none) THEIRS_BIND=() ;;
+  cores) OURS_BIND=(FSDP_CPU_BIND=cores) THEIRS_BIND=() ;;
+  both) OURS_BIND=(FSDP_CPU_BIND=cores) THEIRS_BIND=(--bind) ;;
+  *) echo "fsdp2-cpu-compare: --bind must be none, cores or both, not '$BIND'" >&2; exit 2 ;;
 esac
 [ "$ROWS" = all ] && ROWS="3M:4:256:4:128:4:2 3M:4:256:4:128:4:3 3M:4:256:4:128:4:4 25M:8:512:8:128:4:2 85M:12:768:12:256:2:2"
 log() { printf 'fsdp2-cpu-compare: %s\n' "$*"; }
@@ -92,17 +105,17 @@ for row in $ROWS; do
          --steps "$STEPS" --warmup "$WARMUP")
   for ((r = 0; r < ROUNDS; ++r)); do
     run_side env OMP_NUM_THREADS="$threads" timeout 3600 "$BUILD/bin/bench" --role single --result "$out/ours_single" "${shape[@]}"
-    run_side env OMP_NUM_THREADS="$threads" timeout 3600 "$BUILD/bin/fsdprun" --nproc-per-node "$nproc" --master-port 0 -- \
+    run_side env OMP_NUM_THREADS="$threads" "${OURS_BIND[@]}" timeout 3600 "$BUILD/bin/fsdprun" --nproc-per-node "$nproc" --master-port 0 -- \
       "$BUILD/bin/bench" --role fsdp --result "$out/ours_fsdp" "${shape[@]}" >/dev/null
     run_side env OMP_NUM_THREADS="$threads" timeout 3600 python3 /src/benchmarks/fsdp2_cpu_bench.py --role single \
       --threads "$threads" --result "$out/theirs_single" "${shape[@]}"
     run_side env OMP_NUM_THREADS="$threads" timeout 3600 python3 /src/benchmarks/fsdp2_cpu_bench.py --role fsdp2 \
-      --threads "$threads" --result "$out/theirs_fsdp" "${shape[@]}"
+      --threads "$threads" "${THEIRS_BIND[@]}" --result "$out/theirs_fsdp" "${shape[@]}"
     if ((DDP)); then
-      run_side env OMP_NUM_THREADS="$threads" timeout 3600 "$BUILD/bin/fsdprun" --nproc-per-node "$nproc" --master-port 0 -- \
+      run_side env OMP_NUM_THREADS="$threads" "${OURS_BIND[@]}" timeout 3600 "$BUILD/bin/fsdprun" --nproc-per-node "$nproc" --master-port 0 -- \
         "$BUILD/bin/bench" --role fsdp --mode replicate --floor-steps "$STEPS" --result "$out/ours_ddp" "${shape[@]}" >/dev/null
       run_side env OMP_NUM_THREADS="$threads" timeout 3600 python3 /src/benchmarks/fsdp2_cpu_bench.py --role ddp \
-        --threads "$threads" --result "$out/theirs_ddp" "${shape[@]}"
+        --threads "$threads" "${THEIRS_BIND[@]}" --result "$out/theirs_ddp" "${shape[@]}"
     fi
   done
   # Median over rounds of each run's median step; first losses and parameter counts from the files.

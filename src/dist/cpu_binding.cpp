@@ -10,13 +10,15 @@
 // 2026-12-03) against a transport of ~15 ms of CPU per rank in all. Binding each rank, its
 // transport threads with it, to its own core makes every rank pay for its own transport only, so
 // the ranks stay level; but a transport thread woken on a core whose compute thread is running
-// then waits for that thread's slice (EEVDF's default, ~3 ms), once per message: binding alone
+// then waits for that thread's slice (EEVDF's base slice, scaled by the core count: 1.4 ms on the
+// 2-core VM), once per message: binding alone
 // doubled the collectives' time (2026-12-02). Gloo's threads therefore ask for the shortest
 // slice (100 us, sched_setattr's sched_runtime, Linux 6.12+): a shorter slice is an earlier
 // deadline, so a woken transport thread preempts the compute thread at once and gives the core
-// back after its short burst. Both together: idle 3-11 ms per rank and step, FSDP / (limit x
-// floor) median 1.082 against 1.156 unbound (8 alternating pairs). Not the default: binding is
-// only right when this job owns the host's cores.
+// back after its short burst. Both together (bench's GPT, 8 alternating pairs, 2026-12-03): the
+// ranks' idle 4-8 ms per step instead of 9-22 ms, FSDP / limit median 1.181 against 1.252 unbound
+// (7 pairs of 8 faster). Not the default: binding is only right when this job owns the host's
+// cores.
 #include "fsdp/debug/cpu_tuning.h"
 
 #include <dirent.h>

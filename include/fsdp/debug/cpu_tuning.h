@@ -52,7 +52,9 @@ void tune_cpu_or_reexec(int argc, char** argv);
 // Where the ranks of a host fill its cores (2 ranks of one thread on 2 cores) it removes the time
 // in which a rank waits for another whose core ran the first one's transport ([Note: ranks bound
 // to cores] in src/dist/cpu_binding.cpp; docs/benchmarks.md, "FSDP's own cost"). Leave it unset
-// where other jobs share the host's cores. Anything else throws std::invalid_argument naming it.
+// where other jobs share the host's cores, and where the launcher binds each rank already (srun
+// --cpu-bind, mpirun --bind-to): each rank would split its own CPUs again. Anything else throws
+// std::invalid_argument naming it.
 enum class CpuBind { None, Cores };
 CpuBind cpu_bind_from_env();
 

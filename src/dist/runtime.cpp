@@ -15,8 +15,8 @@
 #include <thread>
 
 #include "fsdp/comm/backend.h"
-#include "fsdp/debug/cpu_tuning.h"
 #include "fsdp/compat/store.h"
+#include "fsdp/debug/cpu_tuning.h"
 
 namespace fsdp::dist {
 

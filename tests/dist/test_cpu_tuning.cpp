@@ -216,7 +216,8 @@ TEST(CpuBinding, RanksAreBoundWithTheirTransportThreads) {
   // Unbound (the default): no thread asks for the short slice.
   auto unbound = fsdp::testing::run_ranks(2, "report_binding");
   ASSERT_TRUE(unbound.all_ok()) << unbound.report();
-  for (const auto& rank : unbound.ranks) EXPECT_NE(rank.output.find(" short_slice=0 "), std::string::npos) << rank.output;
+  for (const auto& rank : unbound.ranks)
+    EXPECT_NE(rank.output.find(" short_slice=0 "), std::string::npos) << rank.output;
 }
 
 TEST(CpuBinding, BadBindingIsNamedBeforeTheStore) {

@@ -1,6 +1,5 @@
 #include "fsdp/comm/backend.h"
 
-#include <dirent.h>
 #include <netdb.h>
 #include <sys/socket.h>
 #include <sys/syscall.h>
@@ -20,6 +19,7 @@
 #include <thread>
 
 #include "comm/async_watch.h"
+#include "comm/process_threads.h"
 #include "fsdp/compat/nccl.h"
 
 namespace fsdp::comm {
@@ -81,19 +81,6 @@ int transport_slice_us() {
 
 namespace {
 
-// This process's thread ids (Linux: /proc/self/task), sorted.
-std::vector<long> thread_ids() {
-  std::vector<long> out;
-  if (DIR* d = opendir("/proc/self/task")) {
-    while (dirent* e = readdir(d)) {
-      if (e->d_name[0] != '.') out.push_back(std::strtol(e->d_name, nullptr, 10));
-    }
-    closedir(d);
-  }
-  std::sort(out.begin(), out.end());
-  return out;
-}
-
 // sched_setattr's argument (linux/sched/types.h; glibc 2.36 has no wrapper).
 struct SchedAttr {
   uint32_t size;
@@ -153,7 +140,8 @@ std::string local_address_towards(const std::string& host) {
 compat::BackendPtr make_gloo(const compat::StorePtr& store, int rank, int size, std::chrono::milliseconds timeout,
                              const std::string& hostname_hint) {
   // The threads alive before the device (its loop thread) and the group (its workers) exist.
-  const std::vector<long> before = transport_slice_us() > 0 ? thread_ids() : std::vector<long>();
+  const int slice_us = transport_slice_us();
+  const std::vector<long> before = slice_us > 0 ? detail::process_thread_ids() : std::vector<long>();
   auto opts = c10d::ProcessGroupGloo::Options::create();
   opts->timeout = timeout;
   // GLOO_SOCKET_IFNAME wins, as in PyTorch; a single-host job stays on the loopback interface; a
@@ -169,7 +157,7 @@ compat::BackendPtr make_gloo(const compat::StorePtr& store, int rank, int size, 
   }
   opts->threads = gloo_threads();
   auto pg = c10::make_intrusive<c10d::ProcessGroupGloo>(store, rank, size, opts);
-  if (const int us = transport_slice_us(); us > 0) set_slice_of_new_threads(before, thread_ids(), us);
+  if (slice_us > 0) set_slice_of_new_threads(before, detail::process_thread_ids(), slice_us);
   return pg;
 }
 

@@ -11,23 +11,23 @@
 // transport threads with it, to its own core makes every rank pay for its own transport only, so
 // the ranks stay level; but a transport thread woken on a core whose compute thread is running
 // then waits for that thread's slice (EEVDF's base slice, scaled by the core count: 1.4 ms on the
-// 2-core VM), once per message: binding alone
-// doubled the collectives' time (2026-12-02). Gloo's threads therefore ask for the shortest
-// slice (100 us, sched_setattr's sched_runtime, Linux 6.12+): a shorter slice is an earlier
-// deadline, so a woken transport thread preempts the compute thread at once and gives the core
-// back after its short burst. Both together (bench's GPT, 8 alternating pairs, 2026-12-03): the
-// ranks' idle 4-8 ms per step instead of 9-22 ms, FSDP / limit median 1.181 against 1.252 unbound
-// (7 pairs of 8 faster). Not the default: binding is only right when this job owns the host's
-// cores.
+// 2-core VM), once per message: binding alone doubled the collectives' time (2026-12-02). Gloo's
+// threads therefore ask for the shortest slice (100 us, sched_setattr's sched_runtime, Linux
+// 6.12+): a shorter slice is an earlier deadline, so a woken transport thread preempts the
+// compute thread at once and gives the core back after its short burst. Both together (bench's
+// GPT, 8 alternating pairs, 2026-12-03): the ranks' idle 4-8 ms per step instead of 9-22 ms, FSDP /
+// limit median 1.181 against 1.252 unbound (7 pairs of 8 faster). Not the default: binding is only right when this job
+// owns the host's cores.
 #include "fsdp/debug/cpu_tuning.h"
 
-#include <dirent.h>
 #include <sched.h>
 
 #include <cstdlib>
 #include <stdexcept>
 #include <string>
 #include <vector>
+
+#include "comm/process_threads.h"
 
 namespace fsdp::dist {
 
@@ -64,16 +64,12 @@ std::vector<int> bind_to_local_cpus(int local_rank, int local_world) {
   cpu_set_t set;
   CPU_ZERO(&set);
   for (int c : cpus) CPU_SET(c, &set);
-  // Every thread alive now (sched_setaffinity binds one thread); threads started later inherit it.
+  // Every thread alive now, this one included (sched_setaffinity binds one thread); threads
+  // started later inherit it.
   bool any = false;
-  if (DIR* d = opendir("/proc/self/task")) {
-    while (dirent* e = readdir(d)) {
-      if (e->d_name[0] == '.') continue;
-      any = sched_setaffinity(static_cast<pid_t>(std::strtol(e->d_name, nullptr, 10)), sizeof set, &set) == 0 || any;
-    }
-    closedir(d);
+  for (long t : comm::detail::process_thread_ids()) {
+    any = sched_setaffinity(static_cast<pid_t>(t), sizeof set, &set) == 0 || any;
   }
-  if (sched_setaffinity(0, sizeof set, &set) == 0) any = true;
   return any ? cpus : std::vector<int>();
 }
 

@@ -2,7 +2,7 @@
 //
 //   build/bin/bench [--nproc 2] [--steps 20] [--warmup 3] [--rounds 2]
 //                   [--layers 4] [--dim 256] [--heads 4] [--seq 128] [--batch 8] [--hsdp RxS]
-//                   [--malloc default|tuned|speed] [--cpu-split on|off]
+//                   [--malloc default|tuned|speed|warm] [--cpu-split on|off]
 //                   [--rows single,concurrent,local,fsdp,keep-last,zero2,bf16,hsdp,replicate]
 //
 // The limit on a CPU is one process doing one rank's share of the work (the global batch / N,
@@ -91,7 +91,7 @@ Options parse(int argc, char** argv) {
       "bench",
       "usage: bench [--nproc N] [--steps N] [--warmup N] [--rounds N] [--layers N] [--dim N] "
       "[--heads N] [--seq N] [--batch N] [--hsdp RxS] [--pool-trim on|off]\n"
-      "       [--malloc default|tuned|speed] [--cpu-split on|off]\n"
+      "       [--malloc default|tuned|speed|warm] [--cpu-split on|off]\n"
       "       [--rows single,concurrent,local,fsdp,keep-last,zero2,bf16,hsdp,replicate] (default all)\n"
       "FSDP_PHASE_TIMERS=1 makes every FSDP worker print where FSDP's own time went, by phase; "
       "FSDP_BENCH_PIN=process|main pins each distributed worker (or its main thread) to one core; "

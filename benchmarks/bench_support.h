@@ -310,12 +310,15 @@ enum class MallocPolicy {
   Tuned,    // "tuned": fsdp::tune_malloc(), train_gpt's policy for memory (blocks of 1 MiB+ mapped)
   Speed,    // "speed": fsdp::tune_malloc_for_speed() (freed tensors stay in the heap: no page
             // faulted in again each step; the peak RSS is the heap's high-water mark)
+  Warm,     // "warm": fsdp::raise_malloc_thresholds() (glibc's dynamic thresholds where a Python
+            // process that imported torch has them: 32 MiB / 64 MiB, still moving)
 };
 
 inline const char* malloc_policy_name(MallocPolicy p) {
   switch (p) {
     case MallocPolicy::Tuned: return "tuned";
     case MallocPolicy::Speed: return "speed";
+    case MallocPolicy::Warm: return "warm";
     case MallocPolicy::Default: break;
   }
   return "default";
@@ -326,9 +329,11 @@ inline MallocPolicy malloc_policy(const std::string& name) {
   if (name == "default" || name == "glibc") return MallocPolicy::Default;
   if (name == "tuned") return MallocPolicy::Tuned;
   if (name == "speed") return MallocPolicy::Speed;
+  if (name == "warm") return MallocPolicy::Warm;
   bad_input(
-      "--malloc takes default (glibc's own; also glibc), tuned (fsdp::tune_malloc: memory) or speed "
-      "(fsdp::tune_malloc_for_speed: step time), got '" +
+      "--malloc takes default (glibc's own; also glibc), tuned (fsdp::tune_malloc: memory), speed "
+      "(fsdp::tune_malloc_for_speed: step time) or warm (fsdp::raise_malloc_thresholds: glibc's thresholds "
+      "as in a Python process), got '" +
       name + "'");
 }
 
@@ -338,6 +343,7 @@ inline MallocPolicy malloc_policy(const std::string& name) {
 inline bool apply_malloc_policy(MallocPolicy p) {
   if (p == MallocPolicy::Tuned) return fsdp::tune_malloc();
   if (p == MallocPolicy::Speed) return fsdp::tune_malloc_for_speed();
+  if (p == MallocPolicy::Warm) return fsdp::raise_malloc_thresholds();
   return false;
 }
 

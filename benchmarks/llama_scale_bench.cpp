@@ -86,7 +86,7 @@ Options parse(int argc, char** argv) {
       "usage: llama_scale_bench --role load|train [--hf DIR] [--plain] [--ac] [--fixed-batch] [--lr 1e-3]\n"
       "         [--layers 12 --hidden 768 --heads 12 --kv-heads 4 --ffn 2048 --vocab 32000]\n"
       "         [--seq 256 --batch 2 (per rank) --steps 4 --warmup 1] [--result FILE]\n"
-      "         [--memory] [--timeline FILE] [--malloc default|tuned|speed] [--trim-after-backward] [--wrap "
+      "         [--memory] [--timeline FILE] [--malloc default|tuned|speed|warm] [--trim-after-backward] [--wrap "
       "layers|split]\n"
       "       (sharded roles under fsdprun; --role load needs --hf)");
   args.option("--role", &o.role).option("--hf", &o.hf).option("--result", &o.result).option("--lr", &o.lr);

@@ -4,7 +4,7 @@
 # alternating repetitions, inside the sid chroot that scripts/libtorch2-check.sh makes.
 #
 #   scripts/fsdp2-cpu-compare.sh [--rounds 2] [--steps 8] [--warmup 2] [--rows ROWS] [--ddp]
-#                                [--malloc default|speed] [--bind none|cores|both]
+#                                [--malloc default|speed|warm] [--bind none|cores|both]
 #
 # ROWS: space-separated NAME:LAYERS:DIM:HEADS:SEQ:BATCH_PER_RANK:RANKS entries (default: bench's
 # GPT at 2 ranks, "3M:4:256:4:128:4:2"); --rows all adds ~3M at 3 and 4 ranks, ~25M and ~85M at 2.
@@ -20,7 +20,9 @@
 # values). With glibc's defaults (--malloc default) the thresholds move with what each process has
 # freed since it started, so the two sides do not run the same allocator: Python's imports leave
 # it a high threshold, and our one-process step faults ~7,300 pages in again where Python's faults
-# ~1,000 (docs/benchmarks.md, "Against PyTorch's FSDP2 and DDP").
+# ~1,000 (docs/benchmarks.md, "Against PyTorch's FSDP2 and DDP"). --malloc warm gives ours that
+# state: our runs call fsdp::raise_malloc_thresholds() first (bench --malloc warm: glibc's dynamic
+# thresholds at 32 MiB / 64 MiB, where Python's imports leave them); theirs are left as they are.
 #
 # --bind cores runs our FSDP and replicate with FSDP_CPU_BIND=cores (each rank and its transport
 # threads on its own core, Gloo's threads with a short scheduler slice: fsdp/debug/cpu_tuning.h) and
@@ -46,15 +48,17 @@ while (($#)); do
     --ddp) DDP=1; shift ;;
     --malloc) MALLOC="$2"; shift 2 ;;
     --bind) BIND="$2"; shift 2 ;;
-    -h|--help) sed -n '2,27p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+    -h|--help) sed -n '2,35p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
     *) echo "fsdp2-cpu-compare: unknown argument '$1' (see --help)" >&2; exit 2 ;;
   esac
 done
 case "$MALLOC" in
-  default) MALLOC_ENV=() ;;
+  default | warm) MALLOC_ENV=() ;;
   speed) MALLOC_ENV=(GLIBC_TUNABLES=glibc.malloc.mmap_threshold=33554432:glibc.malloc.trim_threshold=268435456) ;;
-  *) echo "fsdp2-cpu-compare: --malloc must be default or speed, not '$MALLOC'" >&2; exit 2 ;;
+  *) echo "fsdp2-cpu-compare: --malloc must be default, speed or warm, not '$MALLOC'" >&2; exit 2 ;;
 esac
+OURS_MALLOC=(--malloc default)
+[ "$MALLOC" = warm ] && OURS_MALLOC=(--malloc warm)
 case "$BIND" in
   none) OURS_BIND=(FSDP_CPU_BIND=none) THEIRS_BIND=() ;;
   cores) OURS_BIND=(FSDP_CPU_BIND=cores) THEIRS_BIND=() ;;
@@ -103,17 +107,18 @@ for row in $ROWS; do
   in_chroot rm -rf "$out" && in_chroot mkdir -p "$out"
   shape=(--layers "$layers" --dim "$dim" --heads "$heads" --seq "$seq" --batch "$batch" --nproc "$nproc"
          --steps "$STEPS" --warmup "$WARMUP")
+  ours_shape=("${shape[@]}" "${OURS_MALLOC[@]}")
   for ((r = 0; r < ROUNDS; ++r)); do
-    run_side env OMP_NUM_THREADS="$threads" timeout 3600 "$BUILD/bin/bench" --role single --result "$out/ours_single" "${shape[@]}"
+    run_side env OMP_NUM_THREADS="$threads" timeout 3600 "$BUILD/bin/bench" --role single --result "$out/ours_single" "${ours_shape[@]}"
     run_side env OMP_NUM_THREADS="$threads" "${OURS_BIND[@]}" timeout 3600 "$BUILD/bin/fsdprun" --nproc-per-node "$nproc" --master-port 0 -- \
-      "$BUILD/bin/bench" --role fsdp --result "$out/ours_fsdp" "${shape[@]}" >/dev/null
+      "$BUILD/bin/bench" --role fsdp --result "$out/ours_fsdp" "${ours_shape[@]}" >/dev/null
     run_side env OMP_NUM_THREADS="$threads" timeout 3600 python3 /src/benchmarks/fsdp2_cpu_bench.py --role single \
       --threads "$threads" --result "$out/theirs_single" "${shape[@]}"
     run_side env OMP_NUM_THREADS="$threads" timeout 3600 python3 /src/benchmarks/fsdp2_cpu_bench.py --role fsdp2 \
       --threads "$threads" "${THEIRS_BIND[@]}" --result "$out/theirs_fsdp" "${shape[@]}"
     if ((DDP)); then
       run_side env OMP_NUM_THREADS="$threads" "${OURS_BIND[@]}" timeout 3600 "$BUILD/bin/fsdprun" --nproc-per-node "$nproc" --master-port 0 -- \
-        "$BUILD/bin/bench" --role fsdp --mode replicate --floor-steps "$STEPS" --result "$out/ours_ddp" "${shape[@]}" >/dev/null
+        "$BUILD/bin/bench" --role fsdp --mode replicate --floor-steps "$STEPS" --result "$out/ours_ddp" "${ours_shape[@]}" >/dev/null
       run_side env OMP_NUM_THREADS="$threads" timeout 3600 python3 /src/benchmarks/fsdp2_cpu_bench.py --role ddp \
         --threads "$threads" "${THEIRS_BIND[@]}" --result "$out/theirs_ddp" "${shape[@]}"
     fi

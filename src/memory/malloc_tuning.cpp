@@ -6,6 +6,7 @@
 
 #ifdef __GLIBC__
 #include <malloc.h>
+#include <unistd.h>
 #endif
 
 namespace fsdp {
@@ -50,6 +51,24 @@ bool tune_malloc_for_speed(size_t mmap_threshold, size_t trim_threshold) {
 #else
   (void)mmap_threshold;
   (void)trim_threshold;
+  return false;
+#endif
+}
+
+bool raise_malloc_thresholds() {
+  if (!tuning_allowed()) return false;
+#ifdef __GLIBC__
+  // A mapped chunk of at most 32 MiB (glibc's DEFAULT_MMAP_THRESHOLD_MAX on 64-bit) lifts the
+  // thresholds when freed, its size compared with its flag bits: request two pages less, so that the
+  // chunk with its header is one page under 32 MiB.
+  constexpr size_t kCeiling = size_t{32} << 20;
+  const long page = sysconf(_SC_PAGESIZE);
+  void* block = std::malloc(kCeiling - 2 * static_cast<size_t>(page > 0 ? page : 4096));
+  if (block == nullptr) return false;
+  static_cast<volatile char*>(block)[0] = 0;  // not optimised away with the free below
+  std::free(block);
+  return true;
+#else
   return false;
 #endif
 }

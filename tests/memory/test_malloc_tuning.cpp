@@ -2,6 +2,8 @@
 // glibc's heap (no page faulted in again), where glibc's default maps and faults it every time;
 // FSDP_MALLOC_TUNING=0 leaves malloc alone. fsdp::tune_malloc: blocks below its mmap threshold
 // (activations of 512 KiB) freed and allocated again stay resident: the heap is not trimmed.
+// fsdp::raise_malloc_thresholds (first: the others fix glibc's thresholds for the whole process):
+// the same heap is kept after it, where glibc's start trims and faults it in every cycle.
 #include <gtest/gtest.h>
 #include <sys/resource.h>
 
@@ -48,6 +50,28 @@ long faults_per_heap_cycle(size_t bytes, int count, int cycles) {
 }
 
 }  // namespace
+
+// Runs first (gtest keeps declaration order): glibc's thresholds are still its own, dynamic ones.
+TEST(MallocTuning, RaisedThresholdsKeepTheHeapResident) {
+#ifndef __GLIBC__
+  GTEST_SKIP() << "not glibc";
+#endif
+  if (std::getenv("GLIBC_TUNABLES") != nullptr) GTEST_SKIP() << "GLIBC_TUNABLES fixes malloc's thresholds";
+  // 64 blocks of 512 KiB: the first free lifts glibc's thresholds to ~512 KiB / ~1 MiB, so the
+  // blocks come from the heap and its top is trimmed (more than 1 MiB free) at the end of each cycle.
+  faults_per_heap_cycle(512 * 1024, 64, 1);
+  const long trimmed = faults_per_heap_cycle(512 * 1024, 64, 3);
+  EXPECT_GT(trimmed, 5000) << "with glibc's own thresholds the heap's top should be faulted in every cycle";
+  ::setenv("FSDP_MALLOC_TUNING", "0", 1);
+  EXPECT_FALSE(fsdp::raise_malloc_thresholds());
+  ::unsetenv("FSDP_MALLOC_TUNING");
+  EXPECT_GT(faults_per_heap_cycle(512 * 1024, 64, 2), 5000) << "FSDP_MALLOC_TUNING=0 should leave malloc as it is";
+  ASSERT_TRUE(fsdp::raise_malloc_thresholds());
+  faults_per_heap_cycle(512 * 1024, 64, 1);  // the heap grows once
+  const long raised = faults_per_heap_cycle(512 * 1024, 64, 3);
+  EXPECT_LT(raised, 500) << "after raise_malloc_thresholds 32 MiB of free heap should stay resident (before: "
+                         << trimmed << " faults per cycle)";
+}
 
 TEST(MallocTuning, SpeedKeepsLargeBlocksResident) {
 #ifndef __GLIBC__

@@ -43,4 +43,22 @@ bool tune_malloc(size_t mmap_threshold = size_t{1} << 20, size_t trim_threshold 
 //   fsdp::tune_malloc_for_speed();  // first thing in main(), instead of tune_malloc()
 bool tune_malloc_for_speed(size_t mmap_threshold = size_t{32} << 20, size_t trim_threshold = size_t{256} << 20);
 
+// The state a long-running process's allocator is already in, from the first step: glibc raises its
+// mmap threshold to the size of each mapped block that is freed, up to 32 MiB, and its trim
+// threshold to twice that. A Python process that has imported torch has freed such a block, so its
+// allocator starts at 32 MiB / 64 MiB; a C++ trainer starts at glibc's 128 KiB / 128 KiB and stays
+// at the size of the largest tensor it has freed, so the heap's top is trimmed and faulted in again
+// every step (bench's GPT: ~1,200 faults per one-process step against ~50 after this call). This
+// maps and frees one block of just under 32 MiB: glibc moves both thresholds itself and keeps
+// adapting them (unlike the two functions above, which fix them). It leaves thresholds that are
+// already fixed (mallopt, GLIBC_TUNABLES, the functions above) as they are. The cost is memory: up
+// to 64 MiB of free heap kept per process, and blocks below 32 MiB reused from the heap instead of
+// unmapped (time and peak RSS side by side in docs/benchmarks.md, "The malloc policy").
+// Returns true when the block was freed with glibc; false where the C library is not glibc, or
+// under FSDP_MALLOC_TUNING=0.
+//
+// Example:
+//   fsdp::raise_malloc_thresholds();  // first thing in main(), before tensors are allocated
+bool raise_malloc_thresholds();
+
 }  // namespace fsdp

@@ -3,9 +3,9 @@
 //   build/bin/memory_bench                       # GPT 12 x 768, 12 heads, seq 256 (85.6M), 1 vs 2 and 4 ranks
 //   build/bin/memory_bench --small               # GPT 4 x 256, 4 heads, seq 128 (3.2M)
 //   build/bin/memory_bench --ranks 2 --steps 3 --batch 2 --layers 12 --dim 768 --heads 12 --seq 256
-//   [--malloc default|tuned|speed|warm] [--pool on|off] [--pool-trim on|off] [--threads 1] [--gloo-fallback
-//   p2p|collective] fsdprun --nproc-per-node 2 -- memory_bench --role fsdp --result R --timeline T --steps 3 --malloc
-//   tuned
+//     [--malloc default|tuned|speed|warm] [--pool on|off] [--pool-trim on|off] [--threads 1]
+//     [--gloo-fallback p2p|collective]
+//   fsdprun --nproc-per-node 2 -- memory_bench --role fsdp --result R --timeline T --steps 3 --malloc tuned
 //                                                # one configuration; T.<rank>: the RSS over time, by phase
 //
 // Every configuration runs in a fresh process (under fsdprun for FSDP), with the same per-rank

@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # train_gpt's FSDP world of one against its plain LibTorch run (docs/benchmarks.md, "FSDP's own
 # cost"): PAIRS alternating pairs (the first of each pair alternates) of
-#   train_gpt --parallel none                                   (glibc's malloc defaults)
-#   fsdprun --nproc-per-node 1 -- train_gpt --parallel fsdp
+#   train_gpt --parallel none --malloc glibc                    (glibc's malloc as it starts: the limit)
+#   fsdprun --nproc-per-node 1 -- train_gpt --parallel fsdp --malloc glibc
+# (MALLOC=warm runs both sides with train_gpt's default, fsdp::raise_malloc_thresholds)
 # on bench's GPT, one thread, no validation, sample or checkpoint. Three figures per run: the last
 # progress line's s/step (one step: noisy), the metrics summary's median step time and its median
 # minor page faults per step (rank 0's getrusage, each step from the previous one's end; both
@@ -20,7 +21,7 @@
 # with Sandybridge's AVX ones), and a re-executed train_gpt (tune_cpu_or_reexec) would leave
 # valgrind behind. The counts are of those kernels, not of what a native run executes.
 #
-#   benchmarks/train_gpt_world_of_one.sh [BUILD_DIR] [PAIRS]      env: STEPS=15 ARGS="--layers 4 ..." INSTR=1
+#   benchmarks/train_gpt_world_of_one.sh [BUILD_DIR] [PAIRS]      env: STEPS=15 ARGS="--layers 4 ..." INSTR=1 MALLOC=glibc
 set -euo pipefail
 BUILD="${1:-build}" PAIRS="${2:-7}" STEPS="${STEPS:-15}"
 TRAIN="$BUILD/bin/train_gpt" FSDPRUN="$BUILD/bin/fsdprun"
@@ -29,7 +30,9 @@ TMP="$(mktemp -d /tmp/train-gpt-world-of-one-XXXXXX)"
 trap 'rm -rf "$TMP"' EXIT
 # shellcheck disable=SC2206  # word splitting of ARGS is the point
 MODEL=(${ARGS:---layers 4 --dim 256 --heads 4 --seq-len 128 --batch-size 4})
-COMMON=("${MODEL[@]}" --data synthetic --eval-every 0 --sample-tokens 0 --checkpoint-dir '' --metrics "$TMP/metrics.jsonl")
+MALLOC="${MALLOC:-glibc}"
+COMMON=("${MODEL[@]}" --malloc "$MALLOC" --data synthetic --eval-every 0 --sample-tokens 0 --checkpoint-dir ''
+        --metrics "$TMP/metrics.jsonl")
 # command_for KIND N [WRAPPER...]: sets cmd to KIND's run of N steps, WRAPPER (valgrind ...) around train_gpt itself.
 command_for() {
   local kind="$1" steps="$2"

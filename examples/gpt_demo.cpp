@@ -29,6 +29,7 @@ at::Tensor make_batch(int64_t batch, int64_t len, int64_t vocab, int step) {
 
 int main(int argc, char** argv) {
   fsdp::dist::tune_cpu_or_reexec(argc, argv);
+  fsdp::raise_malloc_thresholds();  // glibc's thresholds where a Python process has them (malloc_tuning.h)
   int steps = 40;
   for (int i = 1; i < argc; ++i) {
     std::string a = argv[i];

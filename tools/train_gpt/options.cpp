@@ -166,11 +166,11 @@ std::optional<Options> parse_options(int argc, char** argv, int& exit_code) {
                  "forward) | every:K (every K-th block)");
   app.add_option(
          "--malloc", o.malloc_policy,
-         "default (glibc's malloc as it is) | warm (fsdp::raise_malloc_thresholds: glibc's thresholds where a "
-         "Python process has them, fewer pages faulted in each step for up to 64 MiB more heap) | tuned "
-         "(fsdp::tune_malloc: freed tensors of 1 MiB+ go back to the kernel, so peak RSS follows what is alive; "
-         "about 20% lower peak, 13-42% slower steps on the CPU); docs/benchmarks.md, \"The malloc policy\"")
-      ->check(CLI::IsMember({"default", "warm", "tuned"}));
+         "warm (the default: fsdp::raise_malloc_thresholds, glibc's thresholds where a Python process has them: "
+         "fewer pages faulted in each step for about the same peak RSS) | glibc (malloc as it starts; also: default) | "
+         "tuned (fsdp::tune_malloc: freed tensors of 1 MiB+ go back to the kernel, so peak RSS follows what is "
+         "alive; about 20% lower peak, 13-42% slower steps on the CPU); docs/benchmarks.md, \"The malloc policy\"")
+      ->check(CLI::IsMember({"warm", "glibc", "default", "tuned"}));
   app.add_option("--checkpoint-dir", o.checkpoint_dir,
                  "Checkpoints go to DIR/step_NNNNNN ('' : none); needs a filesystem every rank sees");
   app.add_option("--checkpoint-every", o.checkpoint_every,

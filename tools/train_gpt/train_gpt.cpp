@@ -664,8 +664,8 @@ int main(int argc, char** argv) {
   int exit_code = 0;
   auto options = parse_options(argc, argv, exit_code);
   if (!options) return exit_code;
-  // --malloc tuned: tensors of 1 MiB+ go back to the kernel when freed; warm: glibc's thresholds raised
-  // as a long-running process has them (FSDP_MALLOC_TUNING=0 still vetoes both).
+  // --malloc warm (the default): glibc's thresholds raised as a long-running process has them; tuned:
+  // tensors of 1 MiB+ go back to the kernel when freed (FSDP_MALLOC_TUNING=0 still vetoes both).
   if (options->malloc_policy == "tuned") fsdp::tune_malloc();
   if (options->malloc_policy == "warm") fsdp::raise_malloc_thresholds();
   try {

@@ -2,7 +2,7 @@
 //
 //   build/bin/bench [--nproc 2] [--steps 20] [--warmup 3] [--rounds 2]
 //                   [--layers 4] [--dim 256] [--heads 4] [--seq 128] [--batch 8] [--hsdp RxS]
-//                   [--malloc default|tuned|speed|warm] [--cpu-split on|off]
+//                   [--malloc default|tuned|speed|warm] [--cpu-split on|off] [--bucket-mb 25 (replicate)]
 //                   [--rows single,concurrent,local,fsdp,keep-last,zero2,bf16,hsdp,replicate]
 //
 // The limit on a CPU is one process doing one rank's share of the work (the global batch / N,
@@ -77,6 +77,7 @@ struct Options {
   std::string hsdp;              // "RxS" for the HSDP row (default: see parse)
   std::string result;            // where a worker writes its result line
   std::string pool_trim = "on";  // BufferPoolOptions::trim_after_forward (worker; for comparison)
+  int64_t bucket_mb = 25;         // --bucket-mb: replicate's bucket_cap_bytes in MiB (DDP's bucket_cap_mb)
   fsdp_bench::MallocPolicy malloc = fsdp_bench::MallocPolicy::Default;  // --malloc (every worker)
   std::string cpu_split = "on";     // on | off: every worker times compute / transport / ours per step
   std::string rows = "all";         // the driver's rows, comma-separated keys (see run_driver)
@@ -90,7 +91,7 @@ Options parse(int argc, char** argv) {
   fsdp_bench::Args args(
       "bench",
       "usage: bench [--nproc N] [--steps N] [--warmup N] [--rounds N] [--layers N] [--dim N] "
-      "[--heads N] [--seq N] [--batch N] [--hsdp RxS] [--pool-trim on|off]\n"
+      "[--heads N] [--seq N] [--batch N] [--hsdp RxS] [--pool-trim on|off] [--bucket-mb 25]\n"
       "       [--malloc default|tuned|speed|warm] [--cpu-split on|off]\n"
       "       [--rows single,concurrent,local,fsdp,keep-last,zero2,bf16,hsdp,replicate] (default all)\n"
       "FSDP_PHASE_TIMERS=1 makes every FSDP worker print where FSDP's own time went, by phase; "
@@ -100,6 +101,7 @@ Options parse(int argc, char** argv) {
   args.option("--nproc", &o.nproc).option("--steps", &o.steps).option("--warmup", &o.warmup);
   args.option("--rounds", &o.rounds).option("--role", &o.role).option("--result", &o.result).option("--mp", &o.mp);
   args.option("--mode", &o.mode).option("--hsdp", &o.hsdp).option("--pool-trim", &o.pool_trim);
+  args.option("--bucket-mb", &o.bucket_mb);
   fsdp_bench::add_malloc_option(args, &o.malloc);
   args.option("--reshard", &o.reshard).option("--rows", &o.rows).option("--cpu-split", &o.cpu_split);
   args.option("--floor-steps", &o.floor_steps);
@@ -107,6 +109,7 @@ Options parse(int argc, char** argv) {
   if (o.nproc < 1 || o.shape.batch % o.nproc != 0) bad_input("--batch must be a positive multiple of --nproc");
   if (o.steps < 1) bad_input("--steps must be positive");
   if (o.pool_trim != "on" && o.pool_trim != "off") bad_input("--pool-trim takes on or off");
+  if (o.bucket_mb < 1) bad_input("--bucket-mb takes a whole number of MiB, at least 1");
   if (o.cpu_split != "on" && o.cpu_split != "off") bad_input("--cpu-split takes on or off");
   if (o.reshard != "default" && o.reshard != "keep-last" && o.reshard != "false") {
     bad_input("--reshard takes default, keep-last or false");
@@ -282,7 +285,9 @@ int run_worker(const Options& o, bool sharded) {
   double param_bytes = 0;
   for (const auto& p : model->parameters()) param_bytes += p.nbytes();
   if (sharded && o.mode == "replicate") {
-    fsdp::replicate(model);
+    fsdp::ReplicateOptions ropts;
+    ropts.bucket_cap_bytes = o.bucket_mb << 20;
+    fsdp::replicate(model, ropts);
   } else if (sharded) {
     fsdp::FullyShardOptions opts;
     if (o.mode == "hsdp") {
@@ -463,7 +468,7 @@ int run_driver(const Options& o) {
   std::vector<std::string> common = o.shape.worker_args();
   common.insert(common.end(), {"--steps", std::to_string(o.steps), "--warmup", std::to_string(o.warmup), "--nproc",
                                std::to_string(o.nproc), "--malloc", fsdp_bench::malloc_policy_name(o.malloc),
-                               "--cpu-split", o.cpu_split});
+                               "--cpu-split", o.cpu_split, "--bucket-mb", std::to_string(o.bucket_mb)});
   const long long local_batch = o.shape.batch / o.nproc, batch = o.shape.batch;
   auto b = [](long long v) { return " (batch " + std::to_string(v) + ")"; };
   std::vector<Row> all = {
@@ -484,7 +489,7 @@ int run_driver(const Options& o) {
        "HSDP " + o.hsdp + ", replicate x shard" + b(batch),
        {"--role", "fsdp", "--mode", "hsdp", "--hsdp", o.hsdp}},
       {"replicate",
-       "replicate (DDP: 1 MiB first bucket, then 25 MiB)" + b(batch),
+       "replicate (DDP: 1 MiB first bucket, then " + std::to_string(o.bucket_mb) + " MiB)" + b(batch),
        {"--role", "fsdp", "--mode", "replicate", "--floor-steps", std::to_string(o.steps)}},
   };
   std::vector<Row> rows;

@@ -107,7 +107,7 @@ def train(a, rank, world, sharded, ddp=False):
             fully_shard(b)
         fully_shard(model)
     if ddp:
-        model = nn.parallel.DistributedDataParallel(model)
+        model = nn.parallel.DistributedDataParallel(model, bucket_cap_mb=a.bucket_mb)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     gen = torch.Generator().manual_seed(1234 + rank)
     local_batch = a.batch // a.nproc
@@ -137,7 +137,7 @@ def train(a, rank, world, sharded, ddp=False):
 def main():
     ap = argparse.ArgumentParser()
     for name, default in [("nproc", 2), ("layers", 4), ("dim", 256), ("heads", 4), ("seq", 128), ("batch", 8),
-                          ("steps", 10), ("warmup", 2), ("threads", 0)]:
+                          ("steps", 10), ("warmup", 2), ("threads", 0), ("bucket-mb", 25)]:
         ap.add_argument("--" + name, type=int, default=default)
     ap.add_argument("--role", choices=["single", "fsdp2", "ddp", "rank"], required=True)
     ap.add_argument("--mode", choices=["fsdp2", "ddp"], default="fsdp2")  # what a "rank" runs
@@ -170,8 +170,8 @@ def main():
     with tempfile.TemporaryDirectory(prefix="fsdp2-cpu-bench-") as tmp:
         args = [sys.executable, os.path.abspath(__file__), "--role", "rank", "--mode", a.role, "--store",
                 os.path.join(tmp, "store")]
-        for name in ("nproc", "layers", "dim", "heads", "seq", "batch", "steps", "warmup", "threads"):
-            args += ["--" + name, str(getattr(a, name))]
+        for name in ("nproc", "layers", "dim", "heads", "seq", "batch", "steps", "warmup", "threads", "bucket-mb"):
+            args += ["--" + name, str(getattr(a, name.replace("-", "_")))]
         args += ["--result", a.result] + (["--bind"] if a.bind else [])
         run_ranks(args, a.nproc, a.threads, "fsdp2_cpu_bench")
     return 0

@@ -4,7 +4,7 @@
 # alternating repetitions, inside the sid chroot that scripts/libtorch2-check.sh makes.
 #
 #   scripts/fsdp2-cpu-compare.sh [--rounds 2] [--steps 8] [--warmup 2] [--rows ROWS] [--ddp]
-#                                [--malloc default|speed|warm] [--bind none|cores|both]
+#                                [--malloc default|speed|warm] [--bind none|cores|both] [--bucket-mb 25]
 #
 # ROWS: space-separated NAME:LAYERS:DIM:HEADS:SEQ:BATCH_PER_RANK:RANKS entries (default: bench's
 # GPT at 2 ranks, "3M:4:256:4:128:4:2"); --rows all adds ~3M at 3 and 4 ranks, ~25M and ~85M at 2.
@@ -24,6 +24,9 @@
 # state: our runs call fsdp::raise_malloc_thresholds() first (bench --malloc warm: glibc's dynamic
 # thresholds at 32 MiB / 64 MiB, where Python's imports leave them); theirs are left as they are.
 #
+# --bucket-mb N: both sides' replicate / DDP all-reduce in buckets of N MiB (DDP's bucket_cap_mb,
+# our ReplicateOptions::bucket_cap_bytes; 25 by default, as DDP's).
+#
 # --bind cores runs our FSDP and replicate with FSDP_CPU_BIND=cores (each rank and its transport
 # threads on its own core, Gloo's threads with a short scheduler slice: fsdp/debug/cpu_tuning.h) and
 # theirs as PyTorch leaves them; --bind both binds theirs too (each rank to its own core with
@@ -38,7 +41,7 @@ main() {
 REPO="$(cd "$(dirname "$0")/.." && pwd)"
 CHROOT="${FSDP_SID_CHROOT:-/var/cache/fsdp/chroot-sid}"
 CHROOT="${CHROOT%/}"
-ROUNDS=2 STEPS=8 WARMUP=2 ROWS="3M:4:256:4:128:4:2" DDP=0 MALLOC=default BIND=none
+ROUNDS=2 STEPS=8 WARMUP=2 ROWS="3M:4:256:4:128:4:2" DDP=0 MALLOC=default BIND=none BUCKET_MB=25
 while (($#)); do
   case "$1" in
     --rounds) ROUNDS="$2"; shift 2 ;;
@@ -48,7 +51,8 @@ while (($#)); do
     --ddp) DDP=1; shift ;;
     --malloc) MALLOC="$2"; shift 2 ;;
     --bind) BIND="$2"; shift 2 ;;
-    -h|--help) sed -n '2,35p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+    --bucket-mb) BUCKET_MB="$2"; shift 2 ;;
+    -h|--help) sed -n '2,38p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
     *) echo "fsdp2-cpu-compare: unknown argument '$1' (see --help)" >&2; exit 2 ;;
   esac
 done
@@ -96,8 +100,8 @@ in_chroot cmake --build "$BUILD" --target bench fsdprun test_attention -- -j2 | 
 in_chroot timeout 300 "$BUILD/bin/test_attention" --gtest_brief=1 || die "test_attention failed against this LibTorch"
 
 CORES=$(nproc)
-printf '\nfsdp2-cpu-compare: %s rounds x %s steps after %s warm-up; %s cores; malloc %s; load average at start: %s\n' \
-  "$ROUNDS" "$STEPS" "$WARMUP" "$CORES" "$MALLOC${MALLOC_ENV[*]:+ (${MALLOC_ENV[*]})}" "$(cut -d' ' -f1-3 /proc/loadavg)"
+printf '\nfsdp2-cpu-compare: %s rounds x %s steps after %s warm-up; %s cores; malloc %s; buckets %s MiB; load average at start: %s\n' \
+  "$ROUNDS" "$STEPS" "$WARMUP" "$CORES" "$MALLOC${MALLOC_ENV[*]:+ (${MALLOC_ENV[*]})}" "$BUCKET_MB" "$(cut -d' ' -f1-3 /proc/loadavg)"
 printf '\n| model | params | ranks | threads/rank | ours 1 proc | ours FSDP | ours / limit | theirs 1 proc | theirs FSDP2 | theirs / limit | ours FSDP / theirs FSDP2 | first loss ours / theirs | faults / step, 1 proc ours / theirs |\n'
 printf '|---|---|---|---|---|---|---|---|---|---|---|---|---|\n'
 for row in $ROWS; do
@@ -107,7 +111,7 @@ for row in $ROWS; do
   in_chroot rm -rf "$out" && in_chroot mkdir -p "$out"
   shape=(--layers "$layers" --dim "$dim" --heads "$heads" --seq "$seq" --batch "$batch" --nproc "$nproc"
          --steps "$STEPS" --warmup "$WARMUP")
-  ours_shape=("${shape[@]}" "${OURS_MALLOC[@]}")
+  ours_shape=("${shape[@]}" "${OURS_MALLOC[@]}" --bucket-mb "$BUCKET_MB")
   for ((r = 0; r < ROUNDS; ++r)); do
     run_side env OMP_NUM_THREADS="$threads" timeout 3600 "$BUILD/bin/bench" --role single --result "$out/ours_single" "${ours_shape[@]}"
     run_side env OMP_NUM_THREADS="$threads" "${OURS_BIND[@]}" timeout 3600 "$BUILD/bin/fsdprun" --nproc-per-node "$nproc" --master-port 0 -- \
@@ -120,7 +124,7 @@ for row in $ROWS; do
       run_side env OMP_NUM_THREADS="$threads" "${OURS_BIND[@]}" timeout 3600 "$BUILD/bin/fsdprun" --nproc-per-node "$nproc" --master-port 0 -- \
         "$BUILD/bin/bench" --role fsdp --mode replicate --floor-steps "$STEPS" --result "$out/ours_ddp" "${ours_shape[@]}" >/dev/null
       run_side env OMP_NUM_THREADS="$threads" timeout 3600 python3 /src/benchmarks/fsdp2_cpu_bench.py --role ddp \
-        --threads "$threads" "${THEIRS_BIND[@]}" --result "$out/theirs_ddp" "${shape[@]}"
+        --bucket-mb "$BUCKET_MB" --threads "$threads" "${THEIRS_BIND[@]}" --result "$out/theirs_ddp" "${shape[@]}"
     fi
   done
   # Median over rounds of each run's median step; first losses and parameter counts from the files.

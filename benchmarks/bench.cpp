@@ -77,7 +77,7 @@ struct Options {
   std::string hsdp;              // "RxS" for the HSDP row (default: see parse)
   std::string result;            // where a worker writes its result line
   std::string pool_trim = "on";  // BufferPoolOptions::trim_after_forward (worker; for comparison)
-  int64_t bucket_mb = 25;         // --bucket-mb: replicate's bucket_cap_bytes in MiB (DDP's bucket_cap_mb)
+  int64_t bucket_mb = 25;        // --bucket-mb: replicate's bucket_cap_bytes in MiB (DDP's bucket_cap_mb)
   fsdp_bench::MallocPolicy malloc = fsdp_bench::MallocPolicy::Default;  // --malloc (every worker)
   std::string cpu_split = "on";     // on | off: every worker times compute / transport / ours per step
   std::string rows = "all";         // the driver's rows, comma-separated keys (see run_driver)

@@ -48,7 +48,7 @@ bool tune_malloc_for_speed(size_t mmap_threshold = size_t{32} << 20, size_t trim
 // threshold to twice that. A Python process that has imported torch has freed such a block, so its
 // allocator starts at 32 MiB / 64 MiB; a C++ trainer starts at glibc's 128 KiB / 128 KiB and stays
 // at the size of the largest tensor it has freed, so the heap's top is trimmed and faulted in again
-// every step (bench's GPT: ~1,200 faults per one-process step against ~50 after this call). This
+// every step (bench's GPT: 1,200-1,800 faults per one-process step, 30-60 after this call). This
 // maps and frees one block of just under 32 MiB: glibc moves both thresholds itself and keeps
 // adapting them (unlike the two functions above, which fix them). It leaves thresholds that are
 // already fixed (mallopt, GLIBC_TUNABLES, the functions above) as they are. The cost is memory: up

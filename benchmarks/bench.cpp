@@ -466,9 +466,10 @@ void print_floor(const Row& r, const FloorText& t, double limit, const Row* conc
 int run_driver(const Options& o) {
   fsdp_bench::WorkerLauncher launcher("bench");
   std::vector<std::string> common = o.shape.worker_args();
-  common.insert(common.end(), {"--steps", std::to_string(o.steps), "--warmup", std::to_string(o.warmup), "--nproc",
-                               std::to_string(o.nproc), "--malloc", fsdp_bench::malloc_policy_name(o.malloc),
-                               "--cpu-split", o.cpu_split, "--bucket-mb", std::to_string(o.bucket_mb)});
+  common.insert(common.end(),
+                {"--steps", std::to_string(o.steps), "--warmup", std::to_string(o.warmup), "--nproc",
+                 std::to_string(o.nproc), "--malloc", fsdp_bench::malloc_policy_name(o.malloc), "--cpu-split",
+                 o.cpu_split, "--bucket-mb", std::to_string(o.bucket_mb), "--pool-trim", o.pool_trim});
   const long long local_batch = o.shape.batch / o.nproc, batch = o.shape.batch;
   auto b = [](long long v) { return " (batch " + std::to_string(v) + ")"; };
   std::vector<Row> all = {

@@ -68,8 +68,7 @@ struct Options {
   std::string mixed_precision = "fp32";           // fp32 | bf16
   std::string reshard_after_forward = "default";  // default | true | false
   std::string activation_checkpointing = "none";  // none | full | every:K (every K-th block)
-  std::string malloc_policy =
-      "default";  // default (glibc's) | warm (raise_malloc_thresholds) | tuned (tune_malloc: less memory, slower)
+  std::string malloc_policy = "warm";  // warm (raise_malloc_thresholds) | glibc (or default) | tuned (tune_malloc)
   // checkpoints, evaluation, output
   std::string checkpoint_dir = "runs/train_gpt/checkpoints";  // "": no checkpoints
   int64_t checkpoint_every = 100;                             // 0: only at the end and on SIGINT/SIGTERM

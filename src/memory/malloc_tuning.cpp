@@ -43,16 +43,9 @@ bool tune_malloc(size_t mmap_threshold, size_t trim_threshold) {
 #endif
 }
 
+// The same two mallopt calls as tune_malloc; only the defaults (the header) differ.
 bool tune_malloc_for_speed(size_t mmap_threshold, size_t trim_threshold) {
-  if (!tuning_allowed()) return false;
-#ifdef __GLIBC__
-  return mallopt(M_MMAP_THRESHOLD, static_cast<int>(mmap_threshold)) == 1 &&
-         mallopt(M_TRIM_THRESHOLD, static_cast<int>(trim_threshold)) == 1;
-#else
-  (void)mmap_threshold;
-  (void)trim_threshold;
-  return false;
-#endif
+  return tune_malloc(mmap_threshold, trim_threshold);
 }
 
 bool raise_malloc_thresholds() {

@@ -310,8 +310,8 @@ enum class MallocPolicy {
   Tuned,    // "tuned": fsdp::tune_malloc(), train_gpt's policy for memory (blocks of 1 MiB+ mapped)
   Speed,    // "speed": fsdp::tune_malloc_for_speed() (freed tensors stay in the heap: no page
             // faulted in again each step; the peak RSS is the heap's high-water mark)
-  Warm,     // "warm": fsdp::raise_malloc_thresholds() (glibc's dynamic thresholds where a Python
-            // process that imported torch has them: 32 MiB / 64 MiB, still moving)
+  Warm,     // "warm": fsdp::raise_malloc_thresholds() (glibc's mmap threshold where a Python
+            // process that imported torch has it, 32 MiB, and the trim threshold fixed at 256 MiB)
 };
 
 inline const char* malloc_policy_name(MallocPolicy p) {

@@ -27,6 +27,23 @@ bool tuning_allowed() {
   return true;
 }
 
+#ifdef __GLIBC__
+// Whether the environment fixes glibc's thresholds (GLIBC_TUNABLES or the older MALLOC_*_
+// variables): raise_malloc_thresholds then leaves the trim threshold as the user set it.
+bool thresholds_fixed_by_environment() {
+  for (const char* name : {"MALLOC_TRIM_THRESHOLD_", "MALLOC_MMAP_THRESHOLD_", "MALLOC_TOP_PAD_"}) {
+    if (std::getenv(name) != nullptr) return true;
+  }
+  const char* tunables = std::getenv("GLIBC_TUNABLES");
+  if (tunables == nullptr) return false;
+  const std::string t = tunables;
+  for (const char* key : {"glibc.malloc.trim_threshold", "glibc.malloc.mmap_threshold", "glibc.malloc.top_pad"}) {
+    if (t.find(key) != std::string::npos) return true;
+  }
+  return false;
+}
+#endif
+
 }  // namespace
 
 bool tune_malloc(size_t mmap_threshold, size_t trim_threshold) {
@@ -55,11 +72,18 @@ bool raise_malloc_thresholds() {
   // thresholds when freed, its size compared with its flag bits: request two pages less, so that the
   // chunk with its header is one page under 32 MiB.
   constexpr size_t kCeiling = size_t{32} << 20;
+  constexpr size_t kTrimThreshold = size_t{256} << 20;
   const long page = sysconf(_SC_PAGESIZE);
   void* block = std::malloc(kCeiling - 2 * static_cast<size_t>(page > 0 ? page : 4096));
   if (block == nullptr) return false;
   static_cast<volatile char*>(block)[0] = 0;  // not optimised away with the free below
   std::free(block);
+  // glibc now trims the heap's top when 64 MiB are free there. A step that frees more than that
+  // at the top (backward releasing activations: ~130 MB on the 85.6M GPT's FSDP ranks) gives it
+  // back and faults it in again in the next forward, every step, with the peak RSS unchanged (the
+  // same pages are in use again at the peak). Fixing the trim threshold higher keeps them; the
+  // mmap threshold stays where the block left it (32 MiB), as mallopt fixes it too.
+  if (!thresholds_fixed_by_environment()) mallopt(M_TRIM_THRESHOLD, static_cast<int>(kTrimThreshold));
   return true;
 #else
   return false;

@@ -3,7 +3,8 @@
 // FSDP_MALLOC_TUNING=0 leaves malloc alone. fsdp::tune_malloc: blocks below its mmap threshold
 // (activations of 512 KiB) freed and allocated again stay resident: the heap is not trimmed.
 // fsdp::raise_malloc_thresholds (first: the others fix glibc's thresholds for the whole process):
-// the same heap is kept after it, where glibc's start trims and faults it in every cycle.
+// the same heap is kept after it, where glibc's start trims and faults it in every cycle, and so is
+// a swing of 96 MiB at the heap's top (above the 64 MiB trim threshold glibc's own rise reaches).
 #include <gtest/gtest.h>
 #include <sys/resource.h>
 
@@ -71,12 +72,22 @@ TEST(MallocTuning, RaisedThresholdsKeepTheHeapResident) {
   const long raised = faults_per_heap_cycle(512 * 1024, 64, 3);
   EXPECT_LT(raised, 500) << "after raise_malloc_thresholds 32 MiB of free heap should stay resident (before: "
                          << trimmed << " faults per cycle)";
+  // 96 MiB freed at the heap's top (4 blocks of 24 MiB, below the raised mmap threshold): more than
+  // glibc's own 64 MiB trim threshold, so without the fixed 256 MiB it is trimmed and its ~24,000
+  // pages faulted in again every cycle.
+  faults_per_heap_cycle(size_t{24} << 20, 4, 1);
+  const long swing = faults_per_heap_cycle(size_t{24} << 20, 4, 3);
+  EXPECT_LT(swing, 500) << "after raise_malloc_thresholds 96 MiB freed at the heap's top should stay resident";
 }
 
 TEST(MallocTuning, SpeedKeepsLargeBlocksResident) {
 #ifndef __GLIBC__
   GTEST_SKIP() << "not glibc";
 #endif
+  // The test above left 96 MiB free at the heap's top, kept by a 256 MiB trim threshold, where a
+  // 40 MB block would fit: trim it away, as glibc's start would.
+  ASSERT_EQ(mallopt(M_TRIM_THRESHOLD, 128 * 1024), 1);
+  malloc_trim(0);
   // 40 MB: above glibc's largest dynamic mmap threshold (32 MiB), so mapped and faulted every time.
   const size_t bytes = size_t{40} << 20;
   const long untuned = faults_per_cycle(bytes, 5);

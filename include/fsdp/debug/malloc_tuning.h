@@ -49,10 +49,14 @@ bool tune_malloc_for_speed(size_t mmap_threshold = size_t{32} << 20, size_t trim
 // allocator starts at 32 MiB / 64 MiB; a C++ trainer starts at glibc's 128 KiB / 128 KiB and stays
 // at the size of the largest tensor it has freed, so the heap's top is trimmed and faulted in again
 // every step (bench's GPT: 1,200-1,800 faults per one-process step, 30-60 after this call). This
-// maps and frees one block of just under 32 MiB: glibc moves both thresholds itself and keeps
-// adapting them (unlike the two functions above, which fix them). It leaves thresholds that are
-// already fixed (mallopt, GLIBC_TUNABLES, the functions above) as they are. The cost is memory: up
-// to 64 MiB of free heap kept per process, and blocks below 32 MiB reused from the heap instead of
+// maps and frees one block of just under 32 MiB, so that glibc moves both thresholds itself (to
+// 32 MiB / 64 MiB, where the mmap threshold's rise ends), then fixes the trim threshold at 256 MiB:
+// a step that frees more than 64 MiB at the heap's top (backward releasing the activations: ~130 MB
+// on the 85.6M GPT's FSDP ranks) would otherwise give it back and fault it in again every step,
+// ~30,000 faults, for no lower peak (the same pages are in use again at the peak). Thresholds
+// the environment fixes (GLIBC_TUNABLES, MALLOC_TRIM_THRESHOLD_ and the like) stay as they are;
+// a program's own mallopt calls belong after this one. The cost is memory between peaks: up to
+// 256 MiB of free heap kept per process, and blocks below 32 MiB reused from the heap instead of
 // unmapped (time and peak RSS side by side in docs/benchmarks.md, "The malloc policy").
 // Returns true when the block was freed with glibc; false where the C library is not glibc, or
 // under FSDP_MALLOC_TUNING=0.

@@ -5,6 +5,7 @@
 #
 #   scripts/fsdp2-cpu-compare.sh [--rounds 2] [--steps 8] [--warmup 2] [--rows ROWS] [--ddp]
 #                                [--malloc default|speed|warm] [--bind none|cores|both] [--bucket-mb 25]
+#                                [--ours-bucket-mb N]
 #
 # ROWS: space-separated NAME:LAYERS:DIM:HEADS:SEQ:BATCH_PER_RANK:RANKS entries (default: bench's
 # GPT at 2 ranks, "3M:4:256:4:128:4:2"); --rows all adds ~3M at 3 and 4 ranks, ~25M and ~85M at 2.
@@ -25,7 +26,8 @@
 # thresholds at 32 MiB / 64 MiB, where Python's imports leave them); theirs are left as they are.
 #
 # --bucket-mb N: both sides' replicate / DDP all-reduce in buckets of N MiB (DDP's bucket_cap_mb,
-# our ReplicateOptions::bucket_cap_bytes; 25 by default, as DDP's).
+# our ReplicateOptions::bucket_cap_bytes; 25 by default, as DDP's). --ours-bucket-mb N gives ours
+# N MiB and leaves DDP at --bucket-mb's (another bucket size of ours against DDP's default).
 #
 # --bind cores runs our FSDP and replicate with FSDP_CPU_BIND=cores (each rank and its transport
 # threads on its own core, Gloo's threads with a short scheduler slice: fsdp/debug/cpu_tuning.h) and
@@ -41,7 +43,7 @@ main() {
 REPO="$(cd "$(dirname "$0")/.." && pwd)"
 CHROOT="${FSDP_SID_CHROOT:-/var/cache/fsdp/chroot-sid}"
 CHROOT="${CHROOT%/}"
-ROUNDS=2 STEPS=8 WARMUP=2 ROWS="3M:4:256:4:128:4:2" DDP=0 MALLOC=default BIND=none BUCKET_MB=25
+ROUNDS=2 STEPS=8 WARMUP=2 ROWS="3M:4:256:4:128:4:2" DDP=0 MALLOC=default BIND=none BUCKET_MB=25 OURS_BUCKET_MB=
 while (($#)); do
   case "$1" in
     --rounds) ROUNDS="$2"; shift 2 ;;
@@ -52,7 +54,8 @@ while (($#)); do
     --malloc) MALLOC="$2"; shift 2 ;;
     --bind) BIND="$2"; shift 2 ;;
     --bucket-mb) BUCKET_MB="$2"; shift 2 ;;
-    -h|--help) sed -n '2,38p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+    --ours-bucket-mb) OURS_BUCKET_MB="$2"; shift 2 ;;
+    -h|--help) sed -n '2,40p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
     *) echo "fsdp2-cpu-compare: unknown argument '$1' (see --help)" >&2; exit 2 ;;
   esac
 done
@@ -100,8 +103,8 @@ in_chroot cmake --build "$BUILD" --target bench fsdprun test_attention -- -j2 | 
 in_chroot timeout 300 "$BUILD/bin/test_attention" --gtest_brief=1 || die "test_attention failed against this LibTorch"
 
 CORES=$(nproc)
-printf '\nfsdp2-cpu-compare: %s rounds x %s steps after %s warm-up; %s cores; malloc %s; buckets %s MiB; load average at start: %s\n' \
-  "$ROUNDS" "$STEPS" "$WARMUP" "$CORES" "$MALLOC${MALLOC_ENV[*]:+ (${MALLOC_ENV[*]})}" "$BUCKET_MB" "$(cut -d' ' -f1-3 /proc/loadavg)"
+printf '\nfsdp2-cpu-compare: %s rounds x %s steps after %s warm-up; %s cores; malloc %s; buckets %s MiB (ours %s); load average at start: %s\n' \
+  "$ROUNDS" "$STEPS" "$WARMUP" "$CORES" "$MALLOC${MALLOC_ENV[*]:+ (${MALLOC_ENV[*]})}" "$BUCKET_MB" "${OURS_BUCKET_MB:-$BUCKET_MB}" "$(cut -d' ' -f1-3 /proc/loadavg)"
 printf '\n| model | params | ranks | threads/rank | ours 1 proc | ours FSDP | ours / limit | theirs 1 proc | theirs FSDP2 | theirs / limit | ours FSDP / theirs FSDP2 | first loss ours / theirs | faults / step, 1 proc ours / theirs |\n'
 printf '|---|---|---|---|---|---|---|---|---|---|---|---|---|\n'
 for row in $ROWS; do
@@ -111,7 +114,7 @@ for row in $ROWS; do
   in_chroot rm -rf "$out" && in_chroot mkdir -p "$out"
   shape=(--layers "$layers" --dim "$dim" --heads "$heads" --seq "$seq" --batch "$batch" --nproc "$nproc"
          --steps "$STEPS" --warmup "$WARMUP")
-  ours_shape=("${shape[@]}" "${OURS_MALLOC[@]}" --bucket-mb "$BUCKET_MB")
+  ours_shape=("${shape[@]}" "${OURS_MALLOC[@]}" --bucket-mb "${OURS_BUCKET_MB:-$BUCKET_MB}")
   for ((r = 0; r < ROUNDS; ++r)); do
     run_side env OMP_NUM_THREADS="$threads" timeout 3600 "$BUILD/bin/bench" --role single --result "$out/ours_single" "${ours_shape[@]}"
     run_side env OMP_NUM_THREADS="$threads" "${OURS_BIND[@]}" timeout 3600 "$BUILD/bin/fsdprun" --nproc-per-node "$nproc" --master-port 0 -- \

@@ -56,10 +56,12 @@ bool tune_malloc_for_speed(size_t mmap_threshold = size_t{32} << 20, size_t trim
 // ~30,000 faults, for no lower peak (the same pages are in use again at the peak). Thresholds
 // the environment fixes (GLIBC_TUNABLES, MALLOC_TRIM_THRESHOLD_ and the like) stay as they are;
 // a program's own mallopt calls belong after this one. The cost is memory between peaks: up to
-// 256 MiB of free heap kept per process, and blocks below 32 MiB reused from the heap instead of
-// unmapped (time and peak RSS side by side in docs/benchmarks.md, "The malloc policy").
-// Returns true when the block was freed with glibc; false where the C library is not glibc, or
-// under FSDP_MALLOC_TUNING=0.
+// 256 MiB of free heap kept per process, blocks below 32 MiB reused from the heap instead of
+// unmapped, and larger blocks too served from the heap's free top when it holds enough (glibc
+// takes any size from the top before it maps; time and peak RSS side by side in
+// docs/benchmarks.md, "The malloc policy"). Returns true when the block was freed with glibc
+// (whether glibc accepted the trim threshold is not checked: mallopt's result is ignored); false
+// where the C library is not glibc, or under FSDP_MALLOC_TUNING=0.
 //
 // Example:
 //   fsdp::raise_malloc_thresholds();  // first thing in main(), before tensors are allocated

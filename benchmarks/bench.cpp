@@ -149,19 +149,29 @@ Floor transport_floor(uint64_t first, int reps) {
     at::Tensor out, in;  // allocated once
   };
   std::vector<Replay> replays;
+  const int64_t n = world->size();
   for (const auto& r : step) {
     const std::string op = r.op;
-    Kind kind;
-    if (op == "all_gather_into_tensor")
-      kind = Kind::AllGather;
-    else if (op == "reduce_scatter_tensor")
-      kind = Kind::ReduceScatter;
-    else if (op == "all_reduce")
-      kind = Kind::AllReduce;
-    else
-      return Floor{0, 0, -1};  // per-parameter collectives (FSDP_CPU_COLLECTIVES): not replayed
     auto opts = at::TensorOptions().dtype(r.dtype);
-    replays.push_back({kind, at::ones({r.out_numel}, opts), at::ones({r.in_numel}, opts)});
+    auto ones = [&](int64_t numel) { return at::ones({numel}, opts); };
+    if (op == "all_gather_into_tensor") {
+      replays.push_back({Kind::AllGather, ones(r.out_numel), ones(r.in_numel)});
+    } else if (op == "reduce_scatter_tensor") {
+      replays.push_back({Kind::ReduceScatter, ones(r.out_numel), ones(r.in_numel)});
+    } else if (op == "all_reduce") {
+      replays.push_back({Kind::AllReduce, ones(r.out_numel), ones(r.in_numel)});
+    } else if (op == "all_gather_pieces" || op == "reduce_scatter_pieces") {
+      // The per-parameter layout (fsdp/debug/cpu_collectives.h): its bytes replayed as Gloo's
+      // one-message collective, which moves them in fewer messages. The full parameters' numel
+      // (the gather's output, the reduction's input) is the same on every rank; a rank's share
+      // is rounded up as FSDP's padding does.
+      const bool gather = op == "all_gather_pieces";
+      const int64_t share = ((gather ? r.out_numel : r.in_numel) + n - 1) / n;
+      replays.push_back(gather ? Replay{Kind::AllGather, ones(n * share), ones(share)}
+                               : Replay{Kind::ReduceScatter, ones(share), ones(n * share)});
+    } else {
+      return Floor{0, 0, -1};  // not a collective the floor knows
+    }
   }
   Floor f;
   f.collectives = static_cast<int>(replays.size());
@@ -431,9 +441,8 @@ void print_floor(const Row& r, const FloorText& t, double limit, const Row* conc
   const double collectives = r.last.at("floor_collectives");
   if (collectives == 0) return;
   if (collectives < 0) {
-    std::printf(
-        "\ntransport floor: %s %s: not measured (it replays flat collectives only; FSDP_CPU_COLLECTIVES is set)\n",
-        t.owner, t.collectives);
+    std::printf("\ntransport floor: %s %s: not measured (the step issued a collective the floor does not replay)\n",
+                t.owner, t.collectives);
     return;
   }
   const double floor_cpu = r.last.at("floor_cpu_s"), floor_ratio = (limit + floor_cpu) / limit;

@@ -86,15 +86,18 @@ CpuCollectiveOptions options_from_env() {
   CpuCollectiveOptions o;
   const char* v = std::getenv("FSDP_CPU_COLLECTIVES");
   const std::string s = v ? v : "";
-  if (s.empty() || s == "flat") return o;
-  if (s == "pieces" || s == "gather-pieces" || s == "reduce-pieces") {
+  if (s == "flat") {
+    o.gather_per_parameter = o.reduce_per_parameter = false;
+    return o;
+  }
+  if (s.empty() || s == "pieces" || s == "gather-pieces" || s == "reduce-pieces") {
     o.gather_per_parameter = s != "reduce-pieces";
     o.reduce_per_parameter = s != "gather-pieces";
     return o;
   }
   throw std::invalid_argument("fsdp: FSDP_CPU_COLLECTIVES='" + s +
-                              "' is not a layout; use flat (the default), pieces (both per parameter), "
-                              "gather-pieces or reduce-pieces");
+                              "' is not a layout; use pieces (the default: per parameter where a unit holds a "
+                              "shard of 1 MiB or more), flat, gather-pieces or reduce-pieces");
 }
 
 std::mutex g_options_mu;
@@ -127,7 +130,12 @@ CpuCollectiveOptions cpu_collective_options() {
 namespace fsdp::detail {
 
 bool gathers_per_parameter(const FSDPParams& params) {
-  if (params.empty() || !cpu_collective_options().gather_per_parameter) return false;
+  const CpuCollectiveOptions o = cpu_collective_options();
+  if (params.empty() || !o.gather_per_parameter) return false;
+  // A unit of small shards only: one flat message (cpu_collectives.h).
+  if (std::all_of(params.begin(), params.end(), [&](const auto& p) { return small_shard(*p, o.min_piece_bytes); })) {
+    return false;
+  }
   for (const auto& p : params) {
     if (p->compute_dtype() != p->dtype() || !p->device().is_cpu() || !p->shard_device().is_cpu() ||
         p->padded_shard().is_meta()) {
@@ -179,7 +187,12 @@ void copy_out_gather_pieces(const GatherPieces& pieces) {
 }
 
 bool reduces_per_parameter(const std::vector<std::pair<FSDPParam*, at::Tensor>>& grads) {
-  if (grads.empty() || !cpu_collective_options().reduce_per_parameter) return false;
+  const CpuCollectiveOptions o = cpu_collective_options();
+  if (grads.empty() || !o.reduce_per_parameter) return false;
+  if (std::all_of(grads.begin(), grads.end(),
+                  [&](const auto& pg) { return small_shard(*pg.first, o.min_piece_bytes); })) {
+    return false;
+  }
   for (const auto& [p, g] : grads) {
     const auto dtype = p->reduce_dtype();
     if (g.scalar_type() != dtype || (dtype != at::kFloat && dtype != at::kDouble) || !g.is_cpu()) return false;

@@ -50,7 +50,8 @@ void copy_in_post_forward(const FSDPParams& params, const std::vector<int64_t>& 
 //                   rows of the gradient, which then become the sharded gradient (no flat input:
 //                   the gradients live until the sends are done, as the input did).
 // Shards below CpuCollectiveOptions::min_piece_bytes (biases, norms) are not worth a message
-// each: they travel packed in one small flat buffer per unit, copied in and out as before. Rows
+// each: they travel packed in one small flat buffer per unit, copied in and out as before, and a
+// unit whose shards are all that small keeps the flat layout (Gloo's own collectives). Rows
 // past a parameter's end (padding) are not sent: a piece is only the rows that exist, so its size
 // can differ between ranks, the same on every rank. Every rank builds the same pieces in the same
 // order (the parameter order of the group), which is what matches the messages (one tag each).
@@ -75,7 +76,7 @@ struct ReducePieces {
 };
 
 // Whether this group's parameters can gather per parameter (same dtype for shard and compute,
-// shard on the compute device), given the options.
+// shard on the compute device, at least one shard of min_piece_bytes or more), given the options.
 bool gathers_per_parameter(const FSDPParams& params);
 // Allocates every unsharded parameter and lays out the pieces ([Note: FSDP's CPU collectives, per
 // parameter]); this rank's packed shards are copied into the packed buffer's row.
@@ -83,7 +84,7 @@ GatherPieces build_gather_pieces(const FSDPParams& params, int rank, int n);
 // After the wait: the packed shards into their unsharded parameters.
 void copy_out_gather_pieces(const GatherPieces& pieces);
 // Whether these gradients can be reduced per parameter (each already in its reduce dtype, which
-// is a 32- or 64-bit float).
+// is a 32- or 64-bit float; at least one shard of min_piece_bytes or more).
 bool reduces_per_parameter(const std::vector<std::pair<FSDPParam*, at::Tensor>>& grads);
 // The pieces of `grads` (consumed: held by the result until the reduction ends).
 ReducePieces build_reduce_pieces(std::vector<std::pair<FSDPParam*, at::Tensor>>& grads, int rank, int n);

@@ -169,7 +169,7 @@ TEST(Pieces, BadLayoutSettingIsNamed) {
   // FSDP_CPU_COLLECTIVES is read at the first use (fsdp/debug/cpu_collectives.h).
   ::setenv("FSDP_CPU_COLLECTIVES", "ring", 1);
   fsdp::testing::expect_error([] { fsdp::cpu_collective_options(); },
-                              "FSDP_CPU_COLLECTIVES='ring' is not a layout; use flat (the default), pieces");
+                              "FSDP_CPU_COLLECTIVES='ring' is not a layout; use pieces (the default");
   ::setenv("FSDP_CPU_COLLECTIVES", "gather-pieces", 1);
   const auto o = fsdp::cpu_collective_options();
   EXPECT_TRUE(o.gather_per_parameter);

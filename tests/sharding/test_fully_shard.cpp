@@ -113,16 +113,19 @@ FSDP_RANK_WORKER(gpt_parity) {
         if (i > 0) blocks[i].set_modules_to_backward_prefetch({blocks[i - 1]});
       }
     };
-  } else if (m == "packed_pieces") {
-    // Per parameter with the default min_piece_bytes: this model's shards are all below it, so
-    // every unit's shards travel packed (one message of pieces per peer).
+  } else if (m == "packed_pieces" || m == "per_unit") {
+    // Per parameter (the default layout, fsdp/debug/cpu_collectives.h) with a min_piece_bytes this
+    // model's shards straddle. packed_pieces, 1 KiB: every unit has weights of 2400 bytes or more
+    // a rank (messages of their own) and biases and norms below (packed in one more message).
+    // per_unit, 3000 bytes: the blocks' MLP weights (3200 bytes a rank) are above it, the root's
+    // shards (2720 bytes at most) all below: blocks per parameter, the root flat.
     fsdp::CpuCollectiveOptions o;
-    o.gather_per_parameter = o.reduce_per_parameter = true;
+    o.min_piece_bytes = m == "packed_pieces" ? 1024 : 3000;
     fsdp::set_cpu_collective_options(o);
     run.shard = [](GPT& model) { shard_blocks_then_root(model); };
   } else if (m == "flat" || m == "every_piece") {
-    // The CPU collectives' two layouts (fsdp/debug/cpu_collectives.h): flat buffers (the
-    // default, asked for explicitly here), or every parameter its own message.
+    // The CPU collectives' two layouts (fsdp/debug/cpu_collectives.h): flat buffers for every
+    // unit, or every parameter its own message.
     fsdp::CpuCollectiveOptions o;
     o.gather_per_parameter = o.reduce_per_parameter = (m == "every_piece");
     o.min_piece_bytes = 0;
@@ -143,9 +146,10 @@ FSDP_RANK_WORKER(gpt_parity) {
   for (const auto& p : got.model->parameters()) {
     TORCH_CHECK(p.device().is_cpu() && p.grad().device().is_cpu(), "shards and their gradients live on the CPU");
   }
-  if (fsdp::dist::world_size() > 1 && (m == "default" || m == "flat" || m == "every_piece" || m == "packed_pieces")) {
-    // Which collectives moved the data (the flight recorder keeps their names): flat unless per
-    // parameter is asked for.
+  if (fsdp::dist::world_size() > 1 &&
+      (m == "default" || m == "flat" || m == "every_piece" || m == "packed_pieces" || m == "per_unit")) {
+    // Which collectives moved the data (the flight recorder keeps their names). By default this
+    // model's shards are all below min_piece_bytes (1 MiB), so every unit is flat.
     int pieces = 0, flat = 0;
     for (const auto& r : fsdp::comm::FlightRecorder::process().snapshot()) {
       const std::string op = r.op;
@@ -153,7 +157,9 @@ FSDP_RANK_WORKER(gpt_parity) {
       if (op == "all_gather_into_tensor" || op == "reduce_scatter_tensor") ++flat;
     }
     const bool per_parameter = m == "every_piece" || m == "packed_pieces";
-    const bool ok = per_parameter ? (pieces > 0 && flat == 0) : (pieces == 0 && flat > 0);
+    const bool ok = m == "per_unit" ? (pieces > 0 && flat > 0)
+                    : per_parameter ? (pieces > 0 && flat == 0)
+                                    : (pieces == 0 && flat > 0);
     TORCH_CHECK(ok, m, ": ", pieces, " collectives of pieces and ", flat, " flat ones moved the data");
   }
   report(m, got, want, worst);
@@ -182,7 +188,8 @@ INSTANTIATE_TEST_SUITE_P(Sharded, GptParity,
                                            ParityCase{"sync_every_micro_batch", 2}, ParityCase{"cpu_offload", 2},
                                            ParityCase{"explicit_unshard", 2}, ParityCase{"explicit_prefetch", 3},
                                            ParityCase{"tied", 2}, ParityCase{"flat", 2}, ParityCase{"every_piece", 2},
-                                           ParityCase{"every_piece", 3}, ParityCase{"packed_pieces", 2}),
+                                           ParityCase{"every_piece", 3}, ParityCase{"packed_pieces", 2},
+                                           ParityCase{"per_unit", 2}),
                          [](const auto& info) {
                            return info.param.mode + "_" + std::to_string(info.param.world) + "ranks";
                          });
@@ -250,7 +257,9 @@ TEST(FullyShardSettings, GradientDivideFactorOneSums) {
 // zero_grad detach_()s them), equal the one-process gradient's rows, stay independent when one is
 // zeroed in place, and accumulate over a second backward.
 FSDP_RANK_WORKER(grads_share_unit_buffer) {
-  fsdp::set_cpu_collective_options({});  // the flat layout (FSDP_CPU_COLLECTIVES may say otherwise)
+  fsdp::CpuCollectiveOptions flat;  // the flat layout (FSDP_CPU_COLLECTIVES may say otherwise)
+  flat.gather_per_parameter = flat.reduce_per_parameter = false;
+  fsdp::set_cpu_collective_options(flat);
   const auto c = uneven_config();
   const int rank = fsdp::dist::rank();
   const auto data = global_batch(c, 6, 0, 0);

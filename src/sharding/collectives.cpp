@@ -82,8 +82,20 @@ std::vector<at::Tensor> rows_by_rank(const at::Tensor& packed) {
   return rows;
 }
 
+// FSDP_CPU_PIECE_BYTES: min_piece_bytes as a decimal byte count (0: every unit per parameter).
+size_t min_piece_bytes_from_env(size_t fallback) {
+  const char* v = std::getenv("FSDP_CPU_PIECE_BYTES");
+  if (!v || !*v) return fallback;
+  const std::string s = v;
+  if (s.find_first_not_of("0123456789") == std::string::npos && s.size() <= 15) return std::stoull(s);
+  throw std::invalid_argument("fsdp: FSDP_CPU_PIECE_BYTES='" + s +
+                              "' is not a byte count; give a whole number of bytes (e.g. 1048576, the default; 0 "
+                              "sends every unit per parameter) or unset it");
+}
+
 CpuCollectiveOptions options_from_env() {
   CpuCollectiveOptions o;
+  o.min_piece_bytes = min_piece_bytes_from_env(o.min_piece_bytes);
   const char* v = std::getenv("FSDP_CPU_COLLECTIVES");
   const std::string s = v ? v : "";
   if (s == "flat") {

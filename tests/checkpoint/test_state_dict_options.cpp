@@ -6,6 +6,7 @@
 #include <cstdlib>
 #include <iostream>
 
+#include "cpu_layout.h"
 #include "fsdp/checkpoint/checkpoint.h"
 #include "fsdp/checkpoint/state_dict.h"
 #include "fsdp/compat/optim.h"
@@ -80,6 +81,7 @@ bool is_frozen_name(const std::string& fqn) { return fqn.rfind("h.0.", 0) == 0 |
 // their values, get no gradient, no optimizer state and no reduce-scatter; they are saved and
 // loaded like any other parameter; ignore_frozen_params leaves them out of state dicts.
 FSDP_RANK_WORKER(frozen_params) {
+  const fsdp::testing::FlatCpuCollectives flat;  // the byte count below is the flat layout's padded rows
   const int world = fsdp::dist::world_size();
   auto baseline = sharded(42);
   auto baseline_opt = make_opt(baseline);

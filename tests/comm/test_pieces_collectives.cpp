@@ -6,6 +6,7 @@
 #include <torch/torch.h>
 
 #include <cstdlib>
+#include <string>
 #include <vector>
 
 #include "fsdp/debug/buffer_pool.h"
@@ -175,4 +176,25 @@ TEST(Pieces, BadLayoutSettingIsNamed) {
   EXPECT_TRUE(o.gather_per_parameter);
   EXPECT_FALSE(o.reduce_per_parameter);
   ::unsetenv("FSDP_CPU_COLLECTIVES");
+}
+
+// FSDP_CPU_PIECE_BYTES is read once per process, at the first use: each case is a fresh process.
+FSDP_RANK_WORKER(piece_bytes_setting) {
+  const std::string v = std::getenv("FSDP_CPU_PIECE_BYTES");
+  if (v == "1M") {
+    fsdp::testing::expect_error([] { fsdp::cpu_collective_options(); },
+                                "FSDP_CPU_PIECE_BYTES='1M' is not a byte count; give a whole number of bytes");
+    return;
+  }
+  const auto o = fsdp::cpu_collective_options();
+  TORCH_CHECK(o.min_piece_bytes == std::stoull(v), "min_piece_bytes ", o.min_piece_bytes, " for ", v);
+  TORCH_CHECK(o.gather_per_parameter && o.reduce_per_parameter, "per parameter both ways by default");
+}
+
+TEST(Pieces, PieceBytesSetting) {
+  for (const char* v : {"0", "4096", "1M"}) {
+    fsdp::testing::RanksOptions o;
+    o.env = {{"FSDP_CPU_PIECE_BYTES", v}};
+    EXPECT_RANKS_PASS(1, "piece_bytes_setting", o);
+  }
 }

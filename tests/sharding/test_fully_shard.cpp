@@ -9,6 +9,7 @@
 #include <string>
 #include <vector>
 
+#include "cpu_layout.h"
 #include "fsdp/debug.h"
 #include "fsdp/fsdp.h"
 #include "multiprocess.h"
@@ -257,9 +258,7 @@ TEST(FullyShardSettings, GradientDivideFactorOneSums) {
 // zero_grad detach_()s them), equal the one-process gradient's rows, stay independent when one is
 // zeroed in place, and accumulate over a second backward.
 FSDP_RANK_WORKER(grads_share_unit_buffer) {
-  fsdp::CpuCollectiveOptions flat;  // the flat layout (FSDP_CPU_COLLECTIVES may say otherwise)
-  flat.gather_per_parameter = flat.reduce_per_parameter = false;
-  fsdp::set_cpu_collective_options(flat);
+  const fsdp::testing::FlatCpuCollectives flat;  // whatever the environment says
   const auto c = uneven_config();
   const int rank = fsdp::dist::rank();
   const auto data = global_batch(c, 6, 0, 0);

@@ -6,6 +6,7 @@
 #include <cstdlib>
 #include <iostream>
 
+#include "cpu_layout.h"
 #include "fsdp/debug.h"
 #include "fsdp/fsdp.h"
 #include "multiprocess.h"
@@ -167,7 +168,9 @@ FSDP_RANK_WORKER(fp16_params_fp32_reduce) {
 }
 
 // With bf16 parameters the all-gathers move half the bytes; gradients reduce in fp32 either way.
+// Both runs flat (casting mixed precision always is): per parameter, fp32 would send no padding.
 FSDP_RANK_WORKER(bf16_halves_all_gather) {
+  const fsdp::testing::FlatCpuCollectives flat;
   const auto c = uneven_config();
   auto bytes_of_one_step = [&](const fsdp::FullyShardOptions& o) {
     torch::manual_seed(42);

@@ -27,7 +27,8 @@
 //
 // FSDP_CPU_COLLECTIVES=pieces|flat|gather-pieces|reduce-pieces in the environment sets the
 // default (read once): both per parameter (the default, as above), flat for every unit, or per
-// parameter only for the all-gather / only for the reduce-scatter.
+// parameter only for the all-gather / only for the reduce-scatter. FSDP_CPU_PIECE_BYTES=N sets
+// min_piece_bytes (0: every unit per parameter, however small its shards).
 #include <cstddef>
 
 namespace fsdp {

@@ -10,6 +10,7 @@
 
 #include "fsdp/fsdp.h"
 #include "models/gpt.h"
+#include "test_helpers.h"
 
 using fsdp::models::BlockImpl;
 using fsdp::models::CausalSelfAttentionImpl;
@@ -47,16 +48,6 @@ fsdp::FSDPOptions with_policy(fsdp::AutoWrapPolicy policy) {
   fsdp::FSDPOptions o;
   o.auto_wrap_policy = std::move(policy);
   return o;
-}
-
-void expect_error(const std::function<void()>& f, const std::string& needle) {
-  try {
-    f();
-  } catch (const std::exception& e) {
-    EXPECT_NE(std::string(e.what()).find(needle), std::string::npos) << e.what();
-    return;
-  }
-  ADD_FAILURE() << "no error; expected one mentioning '" << needle << "'";
 }
 
 // A tree with hand-counted sizes: Linear(10, 10) holds 110 parameters, Linear(20, 20) 420,
@@ -239,13 +230,13 @@ TEST(Fsdp1Wrap, ParamInitFnInitialisesMetaModel) {
   EXPECT_TRUE(at::allclose(wrapped(tokens), plain(tokens), 1e-6, 1e-7));
   // Without param_init_fn the meta tensors are refused.
   GPT meta(meta_config);
-  expect_error([&] { fsdp::FSDP w(meta, fsdp::FSDPOptions{}); }, "no param_init_fn");
+  EXPECT_ERROR_CONTAINS(fsdp::FSDP w(meta, fsdp::FSDPOptions{}), "no param_init_fn");
 }
 
 TEST(Fsdp1Wrap, RefusesWhatItCannotHonour) {
   auto refused = [](fsdp::FSDPOptions o, const std::string& needle) {
     GPT model(small());
-    expect_error([&] { fsdp::FSDP w(model, o); }, needle);
+    EXPECT_ERROR_CONTAINS(fsdp::FSDP w(model, o), needle);
   };
   refused({.mixed_precision = fsdp::MixedPrecision{.buffer_dtype = at::kHalf}}, "buffer_dtype is not supported");
   refused({.mixed_precision = fsdp::MixedPrecision{.keep_low_precision_grads = true}},
@@ -258,6 +249,6 @@ TEST(Fsdp1Wrap, RefusesWhatItCannotHonour) {
           "HYBRID_SHARD takes a 2-D device_mesh");
   refused({.device_mesh = fsdp::init_device_mesh({1, 1}, {"replicate", "shard"})},
           "a 2-D {\"replicate\", \"shard\"} mesh is HYBRID_SHARD");
-  expect_error([] { fsdp::size_based_auto_wrap_policy(-1); }, "min_num_params is -1");
-  expect_error([] { fsdp::transformer_auto_wrap_policy(std::vector<fsdp::ModuleType>{}); }, "no layer types");
+  EXPECT_ERROR_CONTAINS(fsdp::size_based_auto_wrap_policy(-1), "min_num_params is -1");
+  EXPECT_ERROR_CONTAINS(fsdp::transformer_auto_wrap_policy(std::vector<fsdp::ModuleType>{}), "no layer types");
 }

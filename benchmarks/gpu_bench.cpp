@@ -52,6 +52,9 @@ const torch::Device kGpu(torch::kCUDA, 0);
 
 void reset_peak() {
 #ifdef FSDP_HAS_CUDA
+  // The caching allocator refuses its statistics ("Invalid device argument") until it has served a
+  // first allocation on the device (seen on the first GPU run): make one.
+  (void)at::empty({1}, at::TensorOptions().device(kGpu));
   c10::cuda::CUDACachingAllocator::emptyCache();
   c10::cuda::CUDACachingAllocator::resetPeakStats(0);
 #endif

@@ -57,6 +57,7 @@ struct Watch {
   std::list<Watched> items;
   size_t pending = 0;  // watched and not yet seen completed (items, plus the batch being polled)
   bool started = false;
+  bool polling = false;  // the thread is between taking a batch and putting it back (on_exit waits)
 };
 
 Watch& watch() {
@@ -65,9 +66,22 @@ Watch& watch() {
 }
 
 // Set when the process exits normally: from then on CUDA may be torn down under the watch, so it
-// reports nothing (a collective still queued at exit is not a failure of the collective).
+// reports nothing (a collective still queued at exit is not a failure of the collective), and
+// destroys no Work: a WorkNCCL destroyed after CUDA's exit handler aborts the process ("CUDA
+// error: driver shutting down", seen on the first GPU run). on_exit runs before CUDA's handler
+// (registered later) and waits, briefly, for a poll under way to finish, so the thread touches
+// CUDA no more once it returns.
 std::atomic<bool> g_exiting{false};
-void on_exit() { g_exiting = true; }
+Watch& watch();
+void on_exit() {
+  g_exiting = true;
+  Watch& w = watch();
+  std::unique_lock<std::mutex> lock(w.mu);
+  w.cv.wait_for(lock, std::chrono::seconds(2), [&] { return !w.polling; });
+}
+
+// At exit the Works are left alive (see g_exiting).
+void abandon(std::list<Watched>&& batch) { (void)new std::list<Watched>(std::move(batch)); }
 
 [[noreturn]] void stop_process(const std::string& message) {
   std::fprintf(stderr, "%s\n", message.c_str());
@@ -85,8 +99,9 @@ void poll_loop() {
     // Poll outside the lock: isCompleted() queries CUDA events.
     std::list<Watched> batch;
     batch.swap(w.items);
+    if (g_exiting) return abandon(std::move(batch));
+    w.polling = true;
     lock.unlock();
-    if (g_exiting) return;
     const auto now = std::chrono::steady_clock::now();
     for (auto it = batch.begin(); it != batch.end();) {
       bool done = false;
@@ -105,11 +120,10 @@ void poll_loop() {
         } catch (const std::exception& e) {
           cause = e.what();
         } catch (...) {}
-        if (g_exiting) return;
+        if (g_exiting) break;
         stop_process(collective_failure(it->description, cause, it->ticket, looks_timed_out(cause)));
-        return;
       }
-      if (done) {
+      if (done && !g_exiting) {
         FlightRecorder::process().finished(it->ticket, FlightState::Completed);
         it = batch.erase(it);  // drops the Work (and the tensors it holds) here
         std::lock_guard<std::mutex> relock(w.mu);
@@ -120,14 +134,18 @@ void poll_loop() {
         const double s = static_cast<double>(it->timeout.count()) / 1000.0;
         char cause[96];
         std::snprintf(cause, sizeof(cause), "timed out after %.1f s (not completed on the device)", s);
-        if (g_exiting) return;
+        if (g_exiting) break;
         stop_process(collective_failure(it->description, cause, it->ticket, /*timed_out=*/true));
-        return;
       }
       ++it;
     }
     lock.lock();
     w.items.splice(w.items.begin(), batch);  // the still-running ones, oldest first
+    w.polling = false;
+    if (g_exiting) {
+      w.cv.notify_all();  // on_exit may be waiting
+      return abandon(std::move(w.items));
+    }
     if (!w.items.empty()) {
       lock.unlock();
       std::this_thread::sleep_for(kPoll);
@@ -158,6 +176,8 @@ void watch_async_collective(compat::WorkPtr work, uint64_t flight_ticket, std::c
   }
   w.cv.notify_one();
 }
+
+bool watch_stopped() { return g_exiting; }
 
 size_t watched_collectives() {
   Watch& w = watch();

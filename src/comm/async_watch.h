@@ -28,6 +28,9 @@ void watch_async_collective(compat::WorkPtr work, uint64_t flight_ticket, std::c
 // Collectives still watched (not yet seen completed).
 size_t watched_collectives();
 
+// True once the process has begun to exit: the watch has stopped and completes nothing more.
+bool watch_stopped();
+
 // The timeout c10d's own watchdog gets for a group whose collectives are watched here: long enough
 // after ours that our message and dump come first, short enough that a process whose watch thread
 // could not run still ends.

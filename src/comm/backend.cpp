@@ -179,11 +179,15 @@ void remember_nccl_group(const c10::intrusive_ptr<c10d::ProcessGroupNCCL>& pg) {
 
 }  // namespace
 
-size_t shutdown_nccl_groups() {
+size_t shutdown_nccl_groups(std::chrono::milliseconds wait_limit) {
   size_t n = 0;
 #ifdef FSDP_HAS_NCCL
   // Whatever is still queued finishes first (the watch ends the process if it never does).
-  while (detail::watched_collectives() > 0) std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  const auto start = std::chrono::steady_clock::now();
+  while (detail::watched_collectives() > 0) {
+    if (detail::watch_stopped() || std::chrono::steady_clock::now() - start >= wait_limit) return 0;
+    std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  }
   auto& g = nccl_groups();
   std::lock_guard<std::mutex> lock(g.mu);
   for (auto& weak : g.groups) {

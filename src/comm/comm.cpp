@@ -1,5 +1,7 @@
 #include "fsdp/comm/comm.h"
 
+#include <c10/core/impl/VirtualGuardImpl.h>
+
 #include <cstdlib>
 #include <sstream>
 #include <stdexcept>
@@ -66,6 +68,26 @@ void check_tensor(const std::string& op, const char* what, const at::Tensor& t, 
   if (kind == BackendKind::Nccl && !t.device().is_cuda()) {
     bad_argument(op, std::string(what) + " is on " + t.device().str() + "; the NCCL backend takes CUDA tensors");
   }
+}
+
+// [Note: host tensors on NCCL] Control messages are host tensors: a checkpoint's save id and
+// outcome, train_gpt's error texts, a state dict's rank-0 values. NCCL moves device memory only,
+// so on an NCCL group broadcast, all_reduce and all_gather_into_tensor stage host tensors through
+// the current CUDA device (the one the group is bound to: comm/backend.cpp) and wait, as c10d's
+// Gloo stages CUDA tensors through the host. Without it train_gpt on a GPU failed at its first
+// control message ("tensor is on cpu; the NCCL backend takes CUDA tensors"), found on the first
+// GPU run. Data-path collectives (reduce_scatter, all_to_all, the piece forms) still refuse them.
+bool stages_on_device(BackendKind kind, std::initializer_list<const at::Tensor*> tensors) {
+  if (kind != BackendKind::Nccl) return false;
+  for (const at::Tensor* t : tensors) {
+    if (!t->defined() || !t->device().is_cpu() || !t->is_contiguous()) return false;
+  }
+  return true;
+}
+
+at::Tensor on_current_cuda_device(const at::Tensor& host) {
+  const c10::impl::VirtualGuardImpl cuda(c10::DeviceType::CUDA);
+  return host.to(cuda.getDevice());
 }
 
 void check_same_dtype(const std::string& op, const at::Tensor& a, const at::Tensor& b) {
@@ -239,6 +261,12 @@ compat::WorkPtr Comm::backend_all_to_all(const at::Tensor& out, const at::Tensor
 
 Work Comm::all_gather_into_tensor(const at::Tensor& out, const at::Tensor& in, bool async_op) {
   const std::string op = "all_gather_into_tensor";
+  if (stages_on_device(kind_, {&out, &in})) {  // [Note: host tensors on NCCL]
+    at::Tensor device_out = on_current_cuda_device(out);
+    all_gather_into_tensor(device_out, on_current_cuda_device(in), /*async_op=*/false);
+    out.copy_(device_out);
+    return Work();
+  }
   check_tensor(op, "out", out, kind_);
   check_tensor(op, "in", in, kind_);
   check_same_dtype(op, out, in);
@@ -427,6 +455,12 @@ Work Comm::reduce_scatter_pieces(const std::vector<at::Tensor>& outs, const std:
 
 Work Comm::all_reduce(const at::Tensor& tensor, ReduceOp rop, bool async_op) {
   const std::string op = "all_reduce";
+  if (stages_on_device(kind_, {&tensor})) {  // [Note: host tensors on NCCL]
+    at::Tensor on_device = on_current_cuda_device(tensor);
+    all_reduce(on_device, rop, /*async_op=*/false);
+    tensor.copy_(on_device);
+    return Work();
+  }
   check_tensor(op, "tensor", tensor, kind_);
   check_avg_dtype(op, rop, tensor);
   detail::check_collective_matches(*this, ++seq_, OpKind::AllReduce, tensor, at::Tensor(), static_cast<int>(rop));
@@ -465,6 +499,12 @@ Work Comm::all_reduce(const at::Tensor& tensor, ReduceOp rop, bool async_op) {
 
 Work Comm::broadcast(const at::Tensor& tensor, int root, bool async_op) {
   const std::string op = "broadcast";
+  if (stages_on_device(kind_, {&tensor})) {  // [Note: host tensors on NCCL]
+    at::Tensor on_device = on_current_cuda_device(tensor);
+    broadcast(on_device, root, /*async_op=*/false);
+    tensor.copy_(on_device);
+    return Work();
+  }
   check_tensor(op, "tensor", tensor, kind_);
   if (root < 0 || root >= size()) {
     bad_argument(op, "root " + std::to_string(root) + " is not a group rank (0.." + std::to_string(size() - 1) + ")");

@@ -53,6 +53,25 @@ struct Runtime {
 std::mutex g_mu;
 std::unique_ptr<Runtime> g_runtime;
 
+// [Note: NCCL at exit] A static is destroyed after the CUDA runtime has unloaded when it was made
+// before CUDA's first use (CUDA registers its exit handler then): g_runtime's NCCL groups, aborted
+// by ProcessGroupNCCL's destructor at that point, would call into a runtime that is gone. So a job
+// on NCCL that never calls destroy_distributed() gets it from an exit handler registered after the
+// world's communicator is made (handlers run in reverse order: ours before CUDA's). Collectives
+// still queued then are not waited for (the collective watch has stopped: comm/async_watch.cpp):
+// the groups are destroyed unshut, which aborts their communicators while CUDA is still there.
+void release_at_exit() {
+  std::lock_guard<std::mutex> lock(g_mu);
+  if (!g_runtime) return;
+  comm::shutdown_nccl_groups(std::chrono::seconds(2));
+  g_runtime.reset();
+}
+
+void release_at_exit_once() {
+  static const bool registered = std::atexit(release_at_exit) == 0;
+  (void)registered;
+}
+
 Runtime& runtime() {
   if (!g_runtime) {
     throw DistError("fsdp: the distributed runtime is not initialised; call fsdp::dist::init_distributed() first");
@@ -196,6 +215,7 @@ void init_distributed(const InitOptions& options) {
                     ? comm::make_comm(rt->backend, c10::make_intrusive<c10d::PrefixStore>("fsdp/world", rt->store), {0},
                                       0, options.timeout, "world", "localhost")
                     : comm::Comm::single_process("world");
+    if (rt->backend == comm::BackendKind::Nccl) release_at_exit_once();
     g_runtime = std::move(rt);
     return;
   }
@@ -206,6 +226,7 @@ void init_distributed(const InitOptions& options) {
   try {
     auto group_store = c10::make_intrusive<c10d::PrefixStore>("fsdp/world", rt->store);
     rt->world = comm::make_comm(rt->backend, group_store, all, env.rank, options.timeout, "world", gloo_host(*rt));
+    if (rt->backend == comm::BackendKind::Nccl) release_at_exit_once();
   } catch (const std::exception& e) {
     std::string message =
         "fsdp: rank " + std::to_string(env.rank) + " could not form the world group of " +

@@ -21,30 +21,44 @@ struct ParamEntry {
   FSDPState* owner;
 };
 
-std::mutex g_mu;
-// Destroyed in reverse order at exit: g_states first, whose FSDPStates unregister from the others.
-std::unordered_map<const c10::TensorImpl*, ParamEntry> g_shards;
-std::unordered_map<const c10::TensorImpl*, ParamEntry> g_unsharded;
-std::unordered_map<const torch::nn::Module*, StateEntry> g_states;
-
 struct ReplicatedEntry {
   std::weak_ptr<torch::nn::Module> module;
   std::shared_ptr<Reducer> reducer;
 };
-std::unordered_map<const torch::nn::Module*, ReplicatedEntry> g_replicated;
+
+struct Registry {
+  std::mutex mu;
+  std::unordered_map<const c10::TensorImpl*, ParamEntry> shards;
+  std::unordered_map<const c10::TensorImpl*, ParamEntry> unsharded;
+  std::unordered_map<const torch::nn::Module*, StateEntry> states;
+  std::unordered_map<const torch::nn::Module*, ReplicatedEntry> replicated;
+};
+
+// Never destroyed. The states it holds may own CUDA events and tensors, and a static destroyed at
+// exit runs after the CUDA runtime has unloaded (its exit handler is registered at CUDA's first
+// use, after this library's statics are made): an FSDPParamGroup's event destroyed then aborts the
+// process ("CUDA error: driver shutting down", seen on the first GPU run). States of destroyed
+// modules are freed while the program runs (purge_dead_states); those alive at exit stay, as the
+// process ends.
+Registry& registry() {
+  static Registry* r = new Registry();
+  return *r;
+}
 
 }  // namespace
 
 void register_state(const std::vector<std::shared_ptr<torch::nn::Module>>& modules,
                     const std::shared_ptr<FSDPState>& state) {
-  std::lock_guard<std::mutex> lock(g_mu);
-  for (const auto& m : modules) g_states[m.get()] = StateEntry{m, state};
+  Registry& r = registry();
+  std::lock_guard<std::mutex> lock(r.mu);
+  for (const auto& m : modules) r.states[m.get()] = StateEntry{m, state};
 }
 
 std::shared_ptr<FSDPState> lookup_state(const torch::nn::Module* module) {
-  std::lock_guard<std::mutex> lock(g_mu);
-  auto it = g_states.find(module);
-  if (it == g_states.end()) return nullptr;
+  Registry& r = registry();
+  std::lock_guard<std::mutex> lock(r.mu);
+  auto it = r.states.find(module);
+  if (it == r.states.end()) return nullptr;
   auto alive = it->second.module.lock();
   if (!alive || alive.get() != module) return nullptr;
   return it->second.state;
@@ -53,11 +67,12 @@ std::shared_ptr<FSDPState> lookup_state(const torch::nn::Module* module) {
 void purge_dead_states() {
   std::vector<std::shared_ptr<FSDPState>> dead;  // destroyed outside the lock (they unregister)
   {
-    std::lock_guard<std::mutex> lock(g_mu);
-    for (auto it = g_states.begin(); it != g_states.end();) {
+    Registry& r = registry();
+    std::lock_guard<std::mutex> lock(r.mu);
+    for (auto it = r.states.begin(); it != r.states.end();) {
       if (it->second.module.expired()) {
         dead.push_back(std::move(it->second.state));
-        it = g_states.erase(it);
+        it = r.states.erase(it);
       } else {
         ++it;
       }
@@ -66,14 +81,16 @@ void purge_dead_states() {
 }
 
 void register_param(FSDPParam* param, FSDPState* owner) {
-  std::lock_guard<std::mutex> lock(g_mu);
-  g_shards[param->sharded_param().unsafeGetTensorImpl()] = ParamEntry{param, owner};
-  g_unsharded[param->unsharded_param().unsafeGetTensorImpl()] = ParamEntry{param, owner};
+  Registry& r = registry();
+  std::lock_guard<std::mutex> lock(r.mu);
+  r.shards[param->sharded_param().unsafeGetTensorImpl()] = ParamEntry{param, owner};
+  r.unsharded[param->unsharded_param().unsafeGetTensorImpl()] = ParamEntry{param, owner};
 }
 
 void unregister_params_of(const FSDPState* owner) {
-  std::lock_guard<std::mutex> lock(g_mu);
-  for (auto* map : {&g_shards, &g_unsharded}) {
+  Registry& r = registry();
+  std::lock_guard<std::mutex> lock(r.mu);
+  for (auto* map : {&r.shards, &r.unsharded}) {
     for (auto it = map->begin(); it != map->end();) {
       it = it->second.owner == owner ? map->erase(it) : std::next(it);
     }
@@ -81,45 +98,51 @@ void unregister_params_of(const FSDPState* owner) {
 }
 
 void rekey_shard(const c10::TensorImpl* old_shard, FSDPParam* param) {
-  std::lock_guard<std::mutex> lock(g_mu);
-  auto it = g_shards.find(old_shard);
-  if (it == g_shards.end()) return;
+  Registry& r = registry();
+  std::lock_guard<std::mutex> lock(r.mu);
+  auto it = r.shards.find(old_shard);
+  if (it == r.shards.end()) return;
   ParamEntry entry = it->second;
-  g_shards.erase(it);
-  g_shards[param->sharded_param().unsafeGetTensorImpl()] = entry;
+  r.shards.erase(it);
+  r.shards[param->sharded_param().unsafeGetTensorImpl()] = entry;
 }
 
 FSDPParam* param_of_shard(const at::Tensor& tensor) {
-  std::lock_guard<std::mutex> lock(g_mu);
-  auto it = g_shards.find(tensor.unsafeGetTensorImpl());
-  return it == g_shards.end() ? nullptr : it->second.param;
+  Registry& r = registry();
+  std::lock_guard<std::mutex> lock(r.mu);
+  auto it = r.shards.find(tensor.unsafeGetTensorImpl());
+  return it == r.shards.end() ? nullptr : it->second.param;
 }
 
 FSDPState* owner_of_unsharded(const at::Tensor& tensor) {
-  std::lock_guard<std::mutex> lock(g_mu);
-  auto it = g_unsharded.find(tensor.unsafeGetTensorImpl());
-  return it == g_unsharded.end() ? nullptr : it->second.owner;
+  Registry& r = registry();
+  std::lock_guard<std::mutex> lock(r.mu);
+  auto it = r.unsharded.find(tensor.unsafeGetTensorImpl());
+  return it == r.unsharded.end() ? nullptr : it->second.owner;
 }
 
 FSDPParam* param_of_unsharded(const at::Tensor& tensor) {
-  std::lock_guard<std::mutex> lock(g_mu);
-  auto it = g_unsharded.find(tensor.unsafeGetTensorImpl());
-  return it == g_unsharded.end() ? nullptr : it->second.param;
+  Registry& r = registry();
+  std::lock_guard<std::mutex> lock(r.mu);
+  auto it = r.unsharded.find(tensor.unsafeGetTensorImpl());
+  return it == r.unsharded.end() ? nullptr : it->second.param;
 }
 
 void register_replicated(const std::shared_ptr<torch::nn::Module>& module, const std::shared_ptr<Reducer>& reducer) {
-  std::lock_guard<std::mutex> lock(g_mu);
+  Registry& r = registry();
+  std::lock_guard<std::mutex> lock(r.mu);
   // Drop destroyed modules' reducers (a Reducer does not call back into the registry).
-  for (auto it = g_replicated.begin(); it != g_replicated.end();) {
-    it = it->second.module.expired() ? g_replicated.erase(it) : std::next(it);
+  for (auto it = r.replicated.begin(); it != r.replicated.end();) {
+    it = it->second.module.expired() ? r.replicated.erase(it) : std::next(it);
   }
-  g_replicated[module.get()] = ReplicatedEntry{module, reducer};
+  r.replicated[module.get()] = ReplicatedEntry{module, reducer};
 }
 
 std::shared_ptr<Reducer> lookup_replicated(const torch::nn::Module* module) {
-  std::lock_guard<std::mutex> lock(g_mu);
-  auto it = g_replicated.find(module);
-  if (it == g_replicated.end()) return nullptr;
+  Registry& r = registry();
+  std::lock_guard<std::mutex> lock(r.mu);
+  auto it = r.replicated.find(module);
+  if (it == r.replicated.end()) return nullptr;
   auto alive = it->second.module.lock();
   if (!alive || alive.get() != module) return nullptr;
   return it->second.reducer;

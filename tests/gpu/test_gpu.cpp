@@ -19,10 +19,12 @@
 #include <torch/torch.h>
 #include <torch/version.h>
 
+#include <dlfcn.h>
 #include <unistd.h>
 
 #include <cmath>
 #include <cstdlib>
+#include <fstream>
 #include <functional>
 #include <iostream>
 #include <map>
@@ -34,6 +36,7 @@
 #include <thread>
 
 #include "comm/async_watch.h"
+#include "fsdp/checkpoint/checkpoint.h"
 #include "fsdp/comm/backend.h"
 #include "fsdp/debug/flight_recorder.h"
 #include "fsdp/fsdp.h"
@@ -257,6 +260,55 @@ RanksOptions gpu_ranks() {
 FSDP_RANK_WORKER(gpu_nccl_fp32) { parity_worker(/*gloo=*/false, /*bf16=*/false); }
 FSDP_RANK_WORKER(gpu_nccl_bf16) { parity_worker(/*gloo=*/false, /*bf16=*/true); }
 FSDP_RANK_WORKER(gpu_gloo_fp32) { parity_worker(/*gloo=*/true, /*bf16=*/false); }
+
+// Host tensors through NCCL ([Note: host tensors on NCCL], src/comm/comm.cpp): broadcast,
+// all_reduce and all_gather_into_tensor of CPU tensors, then a checkpoint of a sharded model saved
+// and loaded on the GPU (its save id and outcome are host tensors broadcast over the world; the
+// first GPU run's train_gpt failed there).
+FSDP_RANK_WORKER(gpu_nccl_host_tensors) {
+  init_cuda_runtime(/*gloo=*/false);
+  auto world = fsdp::dist::world_comm();
+  at::Tensor ids = at::arange(5, at::kLong);
+  world->broadcast(ids, 0);
+  TORCH_CHECK(ids.is_cpu() && ids.equal(at::arange(5, at::kLong)), "broadcast of a host tensor");
+  at::Tensor sum = at::full({3}, 2.0);
+  world->all_reduce(sum, fsdp::comm::ReduceOp::Sum, /*async_op=*/true).wait();
+  TORCH_CHECK(sum.is_cpu() && sum.eq(2.0 * world->size()).all().item<bool>(), "all_reduce of a host tensor");
+  at::Tensor gathered = at::zeros({4 * world->size()}), mine = at::full({4}, 3.0);
+  world->all_gather_into_tensor(gathered, mine);
+  TORCH_CHECK(gathered.eq(3.0).all().item<bool>(), "all_gather_into_tensor of host tensors");
+
+  namespace ckpt = fsdp::checkpoint;
+  const auto c = small_config();
+  Run trained = train_fsdp(
+      c, 2, [&](GPT& m) { shard_blocks_then_root(m, gpu_options(/*bf16=*/false)); }, /*bf16=*/false);
+  const auto dir = std::filesystem::temp_directory_path() / ("fsdp_gpu_ckpt_" + std::to_string(::getpid()));
+  ckpt::save(dir.string(), ckpt::State{trained.model.ptr()});
+  GPT fresh = fresh_model(c);
+  shard_blocks_then_root(fresh, gpu_options(/*bf16=*/false));
+  ckpt::load(dir.string(), ckpt::State{fresh.ptr()});
+  std::map<std::string, at::Tensor> want;
+  for (const auto& p : trained.model->named_parameters()) want[p.key()] = p.value().detach().cpu();
+  for (const auto& p : fresh->named_parameters()) {
+    TORCH_CHECK(p.value().is_cuda(), p.key(), " left the GPU on load");
+    TORCH_CHECK(p.value().detach().cpu().equal(want.at(p.key())), p.key(), " differs after save and load");
+  }
+  std::filesystem::remove_all(dir);
+  std::cout << "host tensors through NCCL and a checkpoint round trip: ok" << std::endl;
+}
+
+// A program that ends with exit() while its sharded model is alive and without
+// destroy_distributed(): the FSDP states (their CUDA events) and the NCCL world outlive main, and
+// must not be torn down after the CUDA runtime ([Note: NCCL at exit], src/dist/runtime.cpp). The
+// first GPU run aborted here with "CUDA error: driver shutting down".
+FSDP_RANK_WORKER(gpu_exit_without_destroy) {
+  init_cuda_runtime(/*gloo=*/false);
+  const auto c = small_config();
+  Run got = train_fsdp(
+      c, 3, [&](GPT& m) { shard_blocks_then_root(m, gpu_options(/*bf16=*/true)); }, /*bf16=*/true);
+  std::cout << "trained; exiting without destroy_distributed" << std::endl;
+  std::exit(0);
+}
 
 // CPU offload on a GPU: shards and their gradients in pinned host memory, the optimizer on the CPU.
 FSDP_RANK_WORKER(gpu_cpu_offload) {
@@ -630,6 +682,25 @@ RanksOptions through_nccl(RanksOptions o = gpu_ranks()) {
 
 }  // namespace
 
+// Runs without a GPU too (in the CUDA build's dry run and the CPU suite). The Python registry's
+// torch exports a copy of std::filesystem from libtorch.so whose remove_all calls through null
+// weak references: a program that bound its calls there crashed in remove_all on the first GPU
+// run. src/CMakeLists.txt lists libstdc++ first; this checks where the call lands, then makes one.
+TEST(GpuBuild, StdFilesystemBindsToTheCxxRuntimeNotTorch) {
+  using RemoveAll = std::uintmax_t (*)(const std::filesystem::path&);
+  const RemoveAll remove_all = &std::filesystem::remove_all;
+  Dl_info info{};
+  ASSERT_NE(dladdr(reinterpret_cast<void*>(remove_all), &info), 0);
+  const std::string from = info.dli_fname != nullptr ? info.dli_fname : "?";
+  EXPECT_EQ(from.find("libtorch"), std::string::npos)
+      << "std::filesystem::remove_all resolves to " << from << ": link libstdc++ ahead of torch (src/CMakeLists.txt)";
+  const auto dir = std::filesystem::temp_directory_path() / ("fsdp_fs_" + std::to_string(::getpid()));
+  std::filesystem::create_directories(dir / "a" / "b");
+  std::ofstream(dir / "a" / "b" / "f") << "x";
+  EXPECT_EQ(remove_all(dir), 4u);  // dir, a, b, f
+  EXPECT_FALSE(std::filesystem::exists(dir));
+}
+
 TEST(Gpu, WorldOfOneThroughNcclRunsNcclCollectives) {
   SKIP_WITHOUT_GPU(true);
   EXPECT_RANKS_PASS(1, "gpu_nccl_one_rank_collectives", through_nccl());
@@ -643,6 +714,23 @@ TEST(Gpu, WorldOfOneThroughNcclMatchesPlainTrainingFp32) {
 TEST(Gpu, WorldOfOneThroughNcclMatchesPlainTrainingBf16) {
   SKIP_WITHOUT_GPU(true);
   EXPECT_RANKS_PASS(1, "gpu_nccl_bf16", through_nccl());
+}
+
+TEST(Gpu, ExitWithoutDestroyWhileShardedModelLivesIsClean) {
+  SKIP_WITHOUT_GPU(true);
+  auto r = run_ranks(1, "gpu_exit_without_destroy", through_nccl());
+  ASSERT_EQ(r.ranks.size(), 1u);
+  const auto& rank0 = r.ranks[0];
+  EXPECT_EQ(rank0.term_signal, 0) << r.report();
+  EXPECT_EQ(rank0.exit_code, 0) << r.report();
+  EXPECT_NE(rank0.output.find("trained; exiting"), std::string::npos) << r.report();
+  EXPECT_EQ(rank0.output.find("driver shutting down"), std::string::npos) << r.report();
+  EXPECT_EQ(rank0.output.find("terminate called"), std::string::npos) << r.report();
+}
+
+TEST(Gpu, HostTensorsAndACheckpointThroughNccl) {
+  SKIP_WITHOUT_GPU(true);
+  EXPECT_RANKS_PASS(1, "gpu_nccl_host_tensors", through_nccl());
 }
 
 TEST(Gpu, HungNcclCollectiveEndsWithOurMessageAndTheDump) {

@@ -19,7 +19,9 @@ BackendKind backend_for_device(const std::string& device_type);
 // Shuts down the NCCL communicators of every group made so far that is still alive, after their
 // queued collectives have completed (destroy_distributed calls it); returns how many were shut
 // down (0 in builds without NCCL, or where LibTorch has no clean shutdown: compat/nccl.h).
-size_t shutdown_nccl_groups();
+// `wait_limit`: how long to wait for the queued collectives (at exit the watch no longer ends a
+// hung one); past it the groups are left as they are and 0 is returned.
+size_t shutdown_nccl_groups(std::chrono::milliseconds wait_limit = std::chrono::milliseconds::max());
 
 // Gloo's worker threads per process group: FSDP_GLOO_THREADS, else 2 (PyTorch's default): a
 // prefetched all-gather and a pending reduce-scatter can move at once. One runs a group's

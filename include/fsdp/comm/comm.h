@@ -110,6 +110,9 @@ class Comm {
                              ReduceOp op = ReduceOp::Sum, bool async_op = false);
   // Whether all_gather_pieces / reduce_scatter_pieces take tensors like `t` on this group.
   bool takes_pieces(const at::Tensor& t) const;
+  // all_reduce, broadcast and all_gather_into_tensor take host tensors on an NCCL group too:
+  // staged through the current CUDA device, and finished before the call returns (async_op or
+  // not). For control messages (ids, flags, texts), not for training data.
   // In place.
   Work all_reduce(const at::Tensor& tensor, ReduceOp op = ReduceOp::Sum, bool async_op = false);
   // In place, from group rank `root`.

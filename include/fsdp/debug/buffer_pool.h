@@ -16,9 +16,10 @@
 // cache of page-aligned blocks mapped with mmap, kept when freed and handed out again to a request
 // of the same size: the transformer blocks of a model ask for the same sizes unit after unit and
 // step after step, so after the first step nothing is mapped, faulted in or returned to the
-// kernel. The cache never holds more than the largest set of blocks that were alive at once
-// (before it maps a new block it unmaps cached ones until live + cached + new <= that high-water
-// mark), so the pool's footprint is the live set's peak. fully_shard trims the cache's pages
+// kernel. The cache holds at most a quarter more than the largest set of blocks that were alive
+// at once (before it maps a new block it unmaps cached ones until live + cached + new <= 1.25x
+// that high-water mark), so the pool's footprint is within 1.25x the live set's peak (the quarter
+// keeps blocks of sizes a later request needs: src/memory/buffer_pool.cpp). fully_shard trims the cache's pages
 // when forward ends (BufferPoolOptions::trim_after_forward): the blocks stay mapped, but while the
 // activations are at their largest only the live blocks are resident (and, with
 // BufferPoolOptions::trim_after_backward, when backward ends, before the optimizer step). Smaller buffers and other

@@ -278,13 +278,12 @@ run_check() {
   # 5. The GPU tests, then the benchmarks. A test that crashes or hangs the binary ends that
   # invocation: the tests after it run again in a new one (up to 3 reruns, 170 s in all), so one
   # crash hides nothing else. The crashed test is named in the summary; test_main prints its stack.
-  local all_tests remaining crashed from rc pass=0 budget=170 t_tests=$SECONDS
-  all_tests="$("$DIR/bin/test_gpu" --gtest_list_tests 2>/dev/null |
+  local remaining crashed finished from left rc pass=0 budget=170 t_tests=$SECONDS
+  remaining="$("$DIR/bin/test_gpu" --gtest_list_tests 2>/dev/null |
     awk '/^[^ ]/ {suite=$1} /^  [^ ]/ {print suite $1}')"
-  remaining="$all_tests"
   while [ -n "$remaining" ]; do
     from=$(($(wc -c <"$OUT/run.log") + 1))
-    local left=$((budget - (SECONDS - t_tests)))
+    left=$((budget - (SECONDS - t_tests)))
     ((left >= 20)) || { NOTES+=("no time left to run: $(echo "$remaining" | paste -sd' ' -)"); break; }
     if ((pass == 0)); then
       step "GPU tests" $((left < 140 ? left : 140)) -- "$DIR/bin/test_gpu" "--gtest_output=xml:$OUT/test_gpu.xml" \
@@ -299,9 +298,8 @@ run_check() {
     pass=$((pass + 1))
     crashed="$(tail -c +"$from" "$OUT/run.log" | awk '/^\[ RUN      \] / {t=$4} /^\[ +(OK|FAILED|SKIPPED) +\] / {if ($NF ~ /\)$/) t=""} END {print t}')"
     [ -n "$crashed" ] && NOTES+=("$crashed ended the test binary (exit $rc: a crash or the limit)")
-    local done_tests
-    done_tests="$(tail -c +"$from" "$OUT/run.log" | sed -nE 's/^\[ +(OK|FAILED|SKIPPED) +\] ([^ ]+) \([0-9]+ ms\)$/\2/p')"
-    remaining="$(printf '%s\n' "$remaining" | grep -vxF -f <(printf '%s\n' "$crashed" $done_tests) || true)"
+    finished="$(tail -c +"$from" "$OUT/run.log" | sed -nE 's/^\[ +(OK|FAILED|SKIPPED) +\] ([^ ]+) \([0-9]+ ms\)$/\2/p')"
+    remaining="$(printf '%s\n' "$remaining" | grep -vxF -f <(printf '%s\n' "$crashed" $finished) || true)"
     ((pass <= 3)) || { NOTES+=("gave up after 3 reruns: $(echo "$remaining" | paste -sd' ' -)"); break; }
     write_summary
   done

@@ -72,7 +72,6 @@ Watch& watch() {
 // (registered later) and waits, briefly, for a poll under way to finish, so the thread touches
 // CUDA no more once it returns.
 std::atomic<bool> g_exiting{false};
-Watch& watch();
 void on_exit() {
   g_exiting = true;
   Watch& w = watch();

@@ -90,6 +90,16 @@ at::Tensor on_current_cuda_device(const at::Tensor& host) {
   return host.to(cuda.getDevice());
 }
 
+// The staging itself: `run` gets device copies of `out` and `in` (one tensor for an in-place
+// collective) and runs the collective on them to completion; `out` then gets the result.
+Work run_staged(const at::Tensor& out, const at::Tensor& in,
+                const std::function<void(const at::Tensor& device_out, const at::Tensor& device_in)>& run) {
+  const at::Tensor device_out = on_current_cuda_device(out);
+  run(device_out, in.is_same(out) ? device_out : on_current_cuda_device(in));
+  out.copy_(device_out);
+  return Work();
+}
+
 void check_same_dtype(const std::string& op, const at::Tensor& a, const at::Tensor& b) {
   if (a.scalar_type() != b.scalar_type()) {
     bad_argument(op, std::string("out is ") + c10::toString(a.scalar_type()) + " but in is " +
@@ -262,10 +272,7 @@ compat::WorkPtr Comm::backend_all_to_all(const at::Tensor& out, const at::Tensor
 Work Comm::all_gather_into_tensor(const at::Tensor& out, const at::Tensor& in, bool async_op) {
   const std::string op = "all_gather_into_tensor";
   if (stages_on_device(kind_, {&out, &in})) {  // [Note: host tensors on NCCL]
-    at::Tensor device_out = on_current_cuda_device(out);
-    all_gather_into_tensor(device_out, on_current_cuda_device(in), /*async_op=*/false);
-    out.copy_(device_out);
-    return Work();
+    return run_staged(out, in, [&](const at::Tensor& o, const at::Tensor& i) { all_gather_into_tensor(o, i, false); });
   }
   check_tensor(op, "out", out, kind_);
   check_tensor(op, "in", in, kind_);
@@ -456,10 +463,7 @@ Work Comm::reduce_scatter_pieces(const std::vector<at::Tensor>& outs, const std:
 Work Comm::all_reduce(const at::Tensor& tensor, ReduceOp rop, bool async_op) {
   const std::string op = "all_reduce";
   if (stages_on_device(kind_, {&tensor})) {  // [Note: host tensors on NCCL]
-    at::Tensor on_device = on_current_cuda_device(tensor);
-    all_reduce(on_device, rop, /*async_op=*/false);
-    tensor.copy_(on_device);
-    return Work();
+    return run_staged(tensor, tensor, [&](const at::Tensor& o, const at::Tensor&) { all_reduce(o, rop, false); });
   }
   check_tensor(op, "tensor", tensor, kind_);
   check_avg_dtype(op, rop, tensor);
@@ -500,10 +504,7 @@ Work Comm::all_reduce(const at::Tensor& tensor, ReduceOp rop, bool async_op) {
 Work Comm::broadcast(const at::Tensor& tensor, int root, bool async_op) {
   const std::string op = "broadcast";
   if (stages_on_device(kind_, {&tensor})) {  // [Note: host tensors on NCCL]
-    at::Tensor on_device = on_current_cuda_device(tensor);
-    broadcast(on_device, root, /*async_op=*/false);
-    tensor.copy_(on_device);
-    return Work();
+    return run_staged(tensor, tensor, [&](const at::Tensor& o, const at::Tensor&) { broadcast(o, root, false); });
   }
   check_tensor(op, "tensor", tensor, kind_);
   if (root < 0 || root >= size()) {

@@ -8,6 +8,7 @@
 #include <stdexcept>
 #include <string>
 
+#include "fsdp/compat/fused_copies.h"
 #include "fsdp/debug/cpu_collectives.h"
 #include "memory/buffer_alloc.h"
 
@@ -37,21 +38,36 @@ void split_rows(const at::Tensor& full, const at::Tensor& out, int64_t offset, i
 }
 
 // gathered: [N, total]; parameter p's chunk of every rank starts at column `offset`. The inverse of
-// split_rows: the ranks with all their rows are one copy into the unsharded parameter, a last
-// rank with fewer rows one more.
+// split_rows, one strided copy: the unsharded storage has room for every rank's padded rows
+// (FSDPParam::unsharded_by_rank), so the padding comes along instead of a copy per short rank.
 void copy_out_param(FSDPParam& p, const at::Tensor& gathered, int64_t offset) {
-  const int64_t rows = p.rows(), row_numel = p.row_numel(), padded_rows = p.padded_rows();
-  const int64_t count = gathered.size(0), chunk = padded_rows * row_numel;
-  at::Tensor dst = p.unsharded_alias().view(-1);
-  const int64_t whole = std::clamp<int64_t>(padded_rows > 0 ? rows / padded_rows : 0, 0, count);
-  if (whole > 0) {
-    dst.narrow(0, 0, whole * chunk).view({whole, chunk}).copy_(gathered.narrow(0, 0, whole).narrow(1, offset, chunk));
+  p.unsharded_by_rank().copy_(gathered.narrow(1, offset, p.shard_numel()));
+}
+
+// gathered [N, total] holds `params`' shards side by side from column 0 (their unsharded storage
+// allocated): one op into all their storages where they compute in its dtype ([Note: one copy
+// kernel per unit]), else a strided copy each.
+void copy_out_side_by_side(const std::vector<FSDPParam*>& params, const at::Tensor& gathered) {
+  std::vector<at::Tensor> outs;
+  std::vector<int64_t> sizes;
+  outs.reserve(params.size());
+  sizes.reserve(params.size());
+  bool one_op = !params.empty();
+  int64_t total = 0;
+  for (FSDPParam* p : params) {
+    outs.push_back(p->unsharded_by_rank());
+    sizes.push_back(p->shard_numel());
+    one_op = one_op && p->compute_dtype() == gathered.scalar_type();
+    total += p->shard_numel();
   }
-  for (int64_t r = whole; r < count; ++r) {
-    const int64_t first = r * padded_rows;
-    const int64_t n = std::max<int64_t>(0, std::min<int64_t>(padded_rows, rows - first));
-    if (n == 0) continue;
-    dst.narrow(0, first * row_numel, n * row_numel).copy_(gathered[r].narrow(0, offset, n * row_numel));
+  if (one_op && total == gathered.size(1)) {
+    at::split_with_sizes_copy_out(outs, gathered, sizes, 1);
+    return;
+  }
+  int64_t offset = 0;
+  for (FSDPParam* p : params) {
+    copy_out_param(*p, gathered, offset);
+    offset += p->shard_numel();
   }
 }
 
@@ -74,6 +90,23 @@ std::vector<at::Tensor> pieces_by_rank(const FSDPParam& p, const at::Tensor& fla
     pieces.push_back(flat.narrow(0, first * p.row_numel(), count * p.row_numel()));
   }
   return pieces;
+}
+
+// The reduce-scatter input as one _chunk_cat ([Note: one copy kernel per unit]): on CUDA, where
+// LibTorch has it, for contiguous gradients of one dtype on the input's device that CUDA's kernel
+// takes (the input's dtype, or bf16 into float32), and padded rows that are torch.chunk's.
+bool chunk_cat_fits(const std::vector<std::pair<FSDPParam*, at::Tensor>>& grads, const at::Tensor& input) {
+  if (!compat::kHasChunkCat || grads.empty() || !input.is_cuda()) return false;
+  const at::ScalarType g0 = grads.front().second.scalar_type();
+  if (g0 != input.scalar_type() && !(g0 == at::kBFloat16 && input.scalar_type() == at::kFloat)) return false;
+  const int64_t n = input.size(0);
+  for (const auto& [p, g] : grads) {
+    if (g.scalar_type() != g0 || g.device() != input.device() || !g.is_contiguous() || p->rows() == 0 ||
+        g.numel() != p->rows() * p->row_numel() || p->padded_rows() != (p->rows() + n - 1) / n) {
+      return false;
+    }
+  }
+  return true;
 }
 
 std::vector<at::Tensor> rows_by_rank(const at::Tensor& packed) {
@@ -191,11 +224,7 @@ GatherPieces build_gather_pieces(const FSDPParams& params, int rank, int n) {
 void copy_out_gather_pieces(const GatherPieces& pieces) {
   // The packing decided when the gather was issued (the options may have changed since).
   torch::NoGradGuard no_grad;
-  int64_t offset = 0;
-  for (FSDPParam* p : pieces.packed_params) {
-    copy_out_param(*p, pieces.packed, offset);
-    offset += p->shard_numel();
-  }
+  copy_out_side_by_side(pieces.packed_params, pieces.packed);
 }
 
 bool reduces_per_parameter(const std::vector<std::pair<FSDPParam*, at::Tensor>>& grads) {
@@ -257,38 +286,68 @@ void release_reduce_pieces(ReducePieces& pieces) {
   pieces = ReducePieces();
 }
 
+// [Note: one copy kernel per unit] Each phase's copies are one op for the whole unit, as FSDP2's
+// _fsdp_collectives.py makes them, so that a GPU launches one copy kernel per unit and phase, not
+// one per parameter (the H200's trace of train_gpt counted 293 copy-in and 293 copy-out copies a
+// step, docs/gpu.md):
+//  - copy-in: at::cat_out of the shards where they have the input's dtype; under mixed precision
+//    (a cast) at::_foreach_copy_ into the input's slices (one multi-tensor kernel on CUDA, LibTorch
+//    2.1+: compat/fused_copies.h); a copy per parameter otherwise (1.13, or offloaded shards: a
+//    host-to-device transfer each).
+//  - copy-out: at::split_with_sizes_copy_out of the all-gather output [N, total] along dim 1 into
+//    each parameter's unsharded storage seen as [N, shard_numel] (FSDPParam::unsharded_by_rank:
+//    the storage holds the padding rows, as FSDP2's padded unsharded parameters do). One kernel on
+//    CUDA (2.3+); a strided copy per parameter on the CPU and on 1.13, as before.
+//  - reduce-scatter input: at::_chunk_cat_out (LibTorch 2.4+) on CUDA, the padding zeroed and a
+//    bf16 gradient cast to a float32 reduction in the same kernel. On the CPU split_rows stays: it
+//    frees each gradient as soon as it is copied, which _chunk_cat (all inputs at once) cannot.
+// tests/sharding/test_fused_copies.cpp checks on the CPU that these ops lay rows out as
+// split_rows does (uneven rows, more ranks than rows, a cast); the parity tests run them.
 void copy_in_all_gather_input(const FSDPParams& params, const std::vector<int64_t>& offsets, const at::Tensor& input) {
   torch::NoGradGuard no_grad;
-  // One op for the whole unit where every shard already has the input's dtype and device (the
-  // offsets are the shards side by side, so the input is their concatenation); else a copy (a cast,
-  // or a host-to-device transfer) per parameter.
-  bool one_op = !params.empty() && offsets.size() == params.size();
+  // One op for the whole unit where every shard is on the input's device with one dtype: a
+  // concatenation where that is the input's (the offsets are the shards side by side), else a
+  // multi-tensor copy with the cast where this LibTorch has it; else a copy (a cast, or a
+  // host-to-device transfer) per parameter.
   std::vector<at::Tensor> shards;
   shards.reserve(params.size());
-  for (size_t i = 0; i < params.size() && one_op; ++i) {
+  bool one_op = !params.empty(), side_by_side = true;
+  int64_t next = 0;
+  for (size_t i = 0; i < params.size(); ++i) {
     const at::Tensor& shard = params[i]->padded_shard();
-    one_op = shard.scalar_type() == input.scalar_type() && shard.device() == input.device() &&
-             offsets[i] == (i == 0 ? 0 : offsets[i - 1] + params[i - 1]->shard_numel());
     shards.push_back(shard);
+    one_op = one_op && shard.device() == input.device() && shard.scalar_type() == shards.front().scalar_type();
+    side_by_side = side_by_side && offsets[i] == next;
+    next += params[i]->shard_numel();
   }
-  if (one_op && offsets.back() + params.back()->shard_numel() == input.numel()) {
+  if (one_op && side_by_side && next == input.numel() && shards.front().scalar_type() == input.scalar_type()) {
     at::Tensor out = input;  // a handle: cat_out writes into the same memory
     at::cat_out(out, at::TensorList(shards), 0);
     return;
   }
-  for (size_t i = 0; i < params.size(); ++i) {
-    input.narrow(0, offsets[i], params[i]->shard_numel()).copy_(params[i]->padded_shard(), /*non_blocking=*/true);
+  std::vector<at::Tensor> dsts;
+  dsts.reserve(params.size());
+  for (size_t i = 0; i < params.size(); ++i) dsts.push_back(input.narrow(0, offsets[i], params[i]->shard_numel()));
+  if (one_op && compat::kHasForeachCopy) {
+    compat::foreach_copy(dsts, shards);
+    return;
   }
+  for (size_t i = 0; i < params.size(); ++i) dsts[i].copy_(shards[i], /*non_blocking=*/true);
 }
 
 void copy_out_all_gather_output(const FSDPParams& params, const std::vector<int64_t>& offsets, const at::Tensor& output,
                                 int64_t total) {
   torch::NoGradGuard no_grad;
   const at::Tensor gathered = output.view({-1, total});
+  std::vector<FSDPParam*> side_by_side;
+  int64_t next = 0;
   for (size_t i = 0; i < params.size(); ++i) {
     params[i]->alloc_unsharded();
-    copy_out_param(*params[i], gathered, offsets[i]);
+    if (offsets[i] == next) side_by_side.push_back(params[i].get());
+    next += params[i]->shard_numel();
   }
+  if (side_by_side.size() == params.size()) return copy_out_side_by_side(side_by_side, gathered);
+  for (size_t i = 0; i < params.size(); ++i) copy_out_param(*params[i], gathered, offsets[i]);
 }
 
 void copy_in_post_forward(const FSDPParams& params, const std::vector<int64_t>& offsets, const at::Tensor& out,
@@ -314,6 +373,19 @@ at::Tensor build_reduce_scatter_input(std::vector<std::pair<FSDPParam*, at::Tens
   placed.clear();
   int64_t offset = 0;
   torch::NoGradGuard no_grad;
+  if (chunk_cat_fits(grads, input)) {  // [Note: one copy kernel per unit]
+    std::vector<at::Tensor> rows;
+    rows.reserve(grads.size());
+    for (const auto& [p, g] : grads) {
+      rows.push_back(g.view({p->rows(), p->row_numel()}));
+      placed.emplace_back(p, offset);
+      offset += p->shard_numel();
+    }
+    compat::chunk_cat_rows(rows, n, input);
+    count_buffer(BufferOwner::UnshardedGrads, -grad_bytes);
+    grads.clear();
+    return input;
+  }
   for (auto& [p, g] : grads) {
     split_rows(g.contiguous().view(-1), input, offset, 0, p->rows(), p->row_numel(), p->padded_rows());
     placed.emplace_back(p, offset);

@@ -12,6 +12,9 @@
 //   post-forward copy-in
 //                  integer reshard_after_forward: the padded shards of the shard ranks this rank
 //                  stands for, taken from the unsharded parameters, as [count, total].
+//
+// Each of the first three is one op per unit where LibTorch has it, a copy kernel on a GPU
+// ([Note: one copy kernel per unit], collectives.cpp).
 #include <ATen/ATen.h>
 
 #include <memory>

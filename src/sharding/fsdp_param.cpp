@@ -85,10 +85,24 @@ FSDPParam::FSDPParam(const at::Tensor& original, std::vector<ParamSlot> slots, s
   }
 }
 
+// The aliases are made once per storage (materialize replaces it) and kept: the StorageImpl is
+// re-allocated in place (set_storage_bytes), so an alias follows its data pointer, and two host
+// operations per parameter and all-gather are saved. Made only while the storage is allocated
+// (set_ would otherwise grow a freed storage).
+const at::Tensor& FSDPParam::cached_alias(at::Tensor& cache, at::IntArrayRef sizes, at::IntArrayRef strides) const {
+  if (!cache.defined() || cache.storage().unsafeGetStorageImpl() != unsharded_param_.storage().unsafeGetStorageImpl()) {
+    cache = at::empty({0}, unsharded_param_.options().dtype(compute_dtype_).requires_grad(false));
+    cache.set_(unsharded_param_.storage(), 0, sizes, strides);
+  }
+  return cache;
+}
+
 at::Tensor FSDPParam::unsharded_alias() const {
-  at::Tensor alias = at::empty({0}, unsharded_param_.options().dtype(compute_dtype_).requires_grad(false));
-  alias.set_(unsharded_param_.storage(), 0, global_shape_, c10::contiguous_strides(global_shape_));
-  return alias;
+  return cached_alias(alias_, global_shape_, c10::contiguous_strides(global_shape_));
+}
+
+at::Tensor FSDPParam::unsharded_by_rank() const {
+  return cached_alias(by_rank_alias_, {shard_size_, shard_numel()}, {shard_numel(), 1});
 }
 
 void FSDPParam::alloc_unsharded() {
@@ -98,7 +112,8 @@ void FSDPParam::alloc_unsharded() {
   if (unsharded_param_.requires_grad() != sharded_param_.requires_grad())
     unsharded_param_.set_requires_grad(sharded_param_.requires_grad());
   auto* impl = unsharded_param_.unsafeGetTensorImpl();
-  const size_t nbytes = static_cast<size_t>(rows_ * row_numel_) * c10::elementSize(compute_dtype_);
+  // Room for every rank's padded rows (unsharded_by_rank), not only the parameter's own.
+  const size_t nbytes = static_cast<size_t>(shard_size_ * shard_numel()) * c10::elementSize(compute_dtype_);
   set_storage_bytes(impl->storage().unsafeGetStorageImpl(), nbytes);
   impl->set_sizes_contiguous(global_shape_);
   unsharded_ = true;

@@ -78,6 +78,11 @@ class FSDPParam {
   // The unsharded storage as a tensor of the full shape in the compute dtype, with its own version
   // counter: collectives.cpp copies rows in and out through it (see the note above).
   at::Tensor unsharded_alias() const;
+  // The same storage as [shard group size, shard_numel]: row r is where rank r's padded shard
+  // goes. The storage holds the padding rows past the parameter's end (at most N - 1 rows), so
+  // copy-out is one strided copy per parameter, and one kernel per unit where the backend fuses
+  // them (split_with_sizes_copy: [Note: one copy kernel per unit], collectives.cpp).
+  at::Tensor unsharded_by_rank() const;
   // A shard group of one (no all-gather needed): copies the shard into the allocated unsharded
   // parameter, casting to the compute dtype.
   void copy_shard_to_unsharded();
@@ -130,6 +135,8 @@ class FSDPParam {
   int64_t rows_ = 0, row_numel_ = 0, padded_rows_ = 0, local_rows_ = 0, dim0_offset_ = 0;
   int shard_size_ = 1;
   at::Tensor padded_shard_, sharded_param_, unsharded_param_;
+  mutable at::Tensor alias_, by_rank_alias_;  // unsharded_alias(), unsharded_by_rank()
+  const at::Tensor& cached_alias(at::Tensor& cache, at::IntArrayRef sizes, at::IntArrayRef strides) const;
   at::Tensor accumulated_grad_;  // no-sync accumulation in reduce_dtype
   at::Tensor partial_reduce_;    // HSDP: reduce-scatter outputs not all-reduced yet (reduce_dtype)
   at::ScalarType compute_dtype_, reduce_dtype_;

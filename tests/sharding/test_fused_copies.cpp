@@ -4,6 +4,7 @@
 // file pins it against the layout written out by hand (torch.chunk's rows, zero padding).
 #include <gtest/gtest.h>
 #include <torch/torch.h>
+#include <torch/version.h>
 
 #include <vector>
 
@@ -31,6 +32,14 @@ at::Tensor by_hand(const std::vector<at::Tensor>& tensors, int64_t n, at::Scalar
 std::vector<at::Tensor> uneven_tensors(at::ScalarType dtype) {
   // 5 rows of 3 (uneven at 2, 3 and 4 ranks), one row (fewer rows than ranks), a bias of 7.
   return {at::randn({5, 3}).to(dtype), at::randn({1, 2}).to(dtype), at::randn({7}).to(dtype)};
+}
+
+TEST(FusedCopies, DetectedWhereThisLibTorchHasThem) {
+  // The detection is by feature (a requires-expression): a signature it got wrong would turn the
+  // one-op paths off in silence and skip the tests below, so the versions that have the ops say so.
+  const int version = TORCH_VERSION_MAJOR * 100 + TORCH_VERSION_MINOR;
+  EXPECT_EQ(fsdp::compat::kHasForeachCopy, version >= 201) << "LibTorch " << TORCH_VERSION;
+  EXPECT_EQ(fsdp::compat::kHasChunkCat, version >= 204) << "LibTorch " << TORCH_VERSION;
 }
 
 TEST(FusedCopies, ChunkCatLaysOutEachRanksPaddedRows) {

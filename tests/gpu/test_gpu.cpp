@@ -40,6 +40,7 @@
 #include "fsdp/comm/backend.h"
 #include "fsdp/debug/flight_recorder.h"
 #include "fsdp/fsdp.h"
+#include "fused_copy_checks.h"
 #include "models/gpt.h"
 #include "multiprocess.h"
 
@@ -699,6 +700,18 @@ TEST(GpuBuild, StdFilesystemBindsToTheCxxRuntimeNotTorch) {
   std::ofstream(dir / "a" / "b" / "f") << "x";
   EXPECT_EQ(remove_all(dir), 4u);  // dir, a, b, f
   EXPECT_FALSE(std::filesystem::exists(dir));
+}
+
+// [Note: one copy kernel per unit]: CUDA's kernels for the one-op copies (split_with_sizes_copy,
+// _chunk_cat with its bf16-to-float32 cast, _foreach_copy_ with a cast) lay out the rows as the
+// CPU's checks say (tests/support/fused_copy_checks.h); the parity tests run them inside FSDP.
+TEST(Gpu, OneOpCopiesLayRowsOutOnTheDevice) {
+  SKIP_WITHOUT_GPU(false);
+  fsdp::testing::expect_split_copy_layout(gpu());
+  if (fsdp::compat::kHasChunkCat) fsdp::testing::expect_chunk_cat_layout(gpu());
+  if (fsdp::compat::kHasForeachCopy) fsdp::testing::expect_foreach_copy_cast(gpu());
+  EXPECT_TRUE(fsdp::compat::kHasChunkCat && fsdp::compat::kHasForeachCopy)
+      << "LibTorch " << TORCH_VERSION << " lacks a one-op copy: the GPU path copies per parameter";
 }
 
 TEST(Gpu, WorldOfOneThroughNcclRunsNcclCollectives) {

@@ -5,13 +5,14 @@
 #   DIR/gpu-check.sh --run DIR OUTDIR [--no-bench] # the lent GPU machine (one H200, Python's torch
 #                                                 # 2.11 for CUDA 13, no network, minutes to spare)
 #
-# --prepare builds fsdp_build_info, the GPU tests (test_gpu) and gpu_bench against the CUDA LibTorch
+# --prepare builds fsdp_build_info, the GPU tests (test_gpu), gpu_bench and train_gpt against the CUDA LibTorch
 # of the same pip torch package the GPU machines have (the venv of scripts/cuda-build-check.sh,
 # FSDP_TORCH_CUDA_DIR, default /var/cache/fsdp/torch-cuda; installed there if missing), target by
 # target, niced and under the shared build lock (/tmp/fsdp-build.lock), then puts in DIR: the
 # stripped binaries (bin/), the shared libraries they need beyond torch's own and the system's
 # (lib/; libstdc++ and libgcc_s in lib/fallback/, used only when the machine's are older), this
-# script, benchmarks/fsdp2_gpu_bench.py and stamp.txt (torch and CUDA versions, commit). DIR must be
+# script, benchmarks/fsdp2_gpu_bench.py, scripts/trace_summary.py and stamp.txt (torch and CUDA
+# versions, commit). DIR must be
 # inside the repository and git-ignored (.gpu-deps is), and is named in the device tool's carry:
 #   run(command=".gpu-deps/gpu-check.sh --run .gpu-deps $OUT", carry=[".gpu-deps"])
 # Its size is printed; over 60 MiB fails.
@@ -20,20 +21,22 @@
 # CUDA are the ones the binaries were built for (refused at once, naming both, when not),
 # LD_LIBRARY_PATH from the torch package, that fsdp_build_info says cuda=yes nccl=yes (a build
 # without them fails), then runs the GPU tests (the ones a crash or hang did not reach run again,
-# up to 3 times) and the benchmarks (--no-bench: tests only). OUTDIR
-# gets at most 3 files: summary.txt (rewritten after every step, so a killed run leaves one),
-# run.log (every step's output, concatenated) and test_gpu.xml. The steps' limits keep the run
-# under 4 minutes.
+# up to 3 times), the benchmarks and, where train_gpt is bundled, a traced step of it summarised
+# by trace_summary.py --ops: the copies and kernel launches inside each FSDP phase ([Note: one copy
+# kernel per unit]) (--no-bench: tests only). OUTDIR gets at most 3 files: summary.txt (rewritten
+# after every step, so a killed run leaves one), run.log (every step's output, concatenated) and
+# test_gpu.xml. The steps' limits keep the run under 6 minutes (a passing one: about 2); give the
+# device call timeout_s=420.
 #
 # Settings (environment): FSDP_PYTHON (the GPU machine's Python, default python3),
 # FSDP_GPU_CONTINUE_WITHOUT_GPU=1 (a dry run on a CPU machine goes on past "no GPU": versions,
 # libraries, build info, and the GPU tests, which skip), FSDP_CUDA_BUILD_DIR (--prepare's build
 # folder, default build-cuda), FSDP_GPU_TARGETS (what --prepare builds and bundles, default
-# "fsdp_build_info test_gpu gpu_bench").
+# "fsdp_build_info test_gpu gpu_bench train_gpt").
 set -uo pipefail
 SELF="$(cd "$(dirname "$0")" && pwd)/$(basename "$0")"
 LIMIT_MIB=60
-read -r -a TARGETS <<<"${FSDP_GPU_TARGETS:-fsdp_build_info test_gpu gpu_bench}"
+read -r -a TARGETS <<<"${FSDP_GPU_TARGETS:-fsdp_build_info test_gpu gpu_bench train_gpt}"
 
 usage() { awk 'NR > 1 && /^#/ {sub(/^# ?/, ""); print; next} NR > 1 {exit}' "$SELF"; }  # the header above
 die() { printf 'gpu-check: %s\n' "$*" >&2; exit 1; }
@@ -129,7 +132,7 @@ prepare() {
     [ -f "$dir/lib/fallback/$lib" ] || cp -L "$(g++ -print-file-name="$lib")" "$dir/lib/fallback/" 2>/dev/null || true
   done
   cp "$SELF" "$dir/gpu-check.sh" && chmod +x "$dir/gpu-check.sh"
-  cp benchmarks/fsdp2_gpu_bench.py "$dir/"
+  cp benchmarks/fsdp2_gpu_bench.py scripts/trace_summary.py "$dir/"
   {
     echo "torch=$torch_version"
     echo "cuda=$torch_cuda"
@@ -144,7 +147,7 @@ prepare() {
   cat "$dir/stamp.txt"
   [ "$size_mib" -le "$LIMIT_MIB" ] || die "$dir holds $size_mib MiB, over the $LIMIT_MIB MiB budget"
   echo "gpu-check: $dir ready: $size_mib MiB (limit $LIMIT_MIB), prepared in $((SECONDS - t0)) s. On the GPU machine:"
-  echo "  run(command=\"${dir#"$repo"/}/gpu-check.sh --run ${dir#"$repo"/} \$OUT\", carry=[\"${dir#"$repo"/}\"])"
+  echo "  run(command=\"${dir#"$repo"/}/gpu-check.sh --run ${dir#"$repo"/} \$OUT\", carry=[\"${dir#"$repo"/}\"], timeout_s=420)"
 }
 
 # ---- --run ---------------------------------------------------------------------------------
@@ -306,6 +309,17 @@ run_check() {
   if [ "$bench" = 1 ] && [ "$GPU_LINE" != none ]; then
     step "GPU benchmark (LibTorch, fully_shard)" 40 -- "$DIR/bin/gpu_bench" --steps 10 --warmup 3 --rounds 1
     step "GPU benchmark (PyTorch FSDP2)" 35 -- "$py" "$DIR/fsdp2_gpu_bench.py" --steps 10 --warmup 3
+  fi
+  if [ "$bench" = 1 ] && [ "$GPU_LINE" != none ] && [ -x "$DIR/bin/train_gpt" ]; then
+    # One traced step of gpu_bench's model: what each FSDP phase issues ([Note: one copy kernel per unit]).
+    local prof
+    prof="$(mktemp -d)"
+    step "train_gpt, one traced step" 60 -- "$DIR/bin/train_gpt" --device cuda --data synthetic --layers 12 --dim 1024 \
+      --heads 16 --seq-len 1024 --batch-size 8 --mixed-precision bf16 --steps 4 --profile-steps 3:3 \
+      --profile-dir "$prof" --checkpoint-every 0 --eval-every 0 --metrics "$prof/metrics.jsonl" \
+      --checkpoint-dir "$prof/checkpoints" &&
+      step "copies and kernels per phase" 30 -- "$py" "$DIR/trace_summary.py" --step 3 --ops "$prof/trace_rank0.json"
+    rm -rf "$prof"
   fi
   write_summary
   echo

@@ -7,6 +7,12 @@ Markdown table, ms per rank (the mean over the traces, with min-max). Ranges nes
 wait inside a pre-forward all-gather): each row is inclusive of what runs inside it.
 
   scripts/trace_summary.py --step 3 runs/prof/trace_rank0.json runs/prof/trace_rank1.json
+
+--ops adds, for the first trace, what runs inside each phase on its thread: the CUDA kernel
+launches (cudaLaunchKernel* runtime calls; Kineto traces of a GPU run), the copies issued
+(aten::copy_, aten::cat, aten::split_with_sizes_copy, aten::_foreach_copy_, aten::_chunk_cat) and
+the most frequent operators: how many copy kernels a unit's copy-in and copy-out make
+([Note: one copy kernel per unit], src/sharding/collectives.cpp).
 """
 import argparse
 import json
@@ -36,9 +42,50 @@ def step_sums(path, step):
     return float(s["dur"]) / 1000.0, sums, calls
 
 
+COPY_OPS = ("aten::copy_", "aten::cat", "aten::split_with_sizes_copy", "aten::_foreach_copy_", "aten::_chunk_cat")
+
+
+def step_ops(path, step):
+    """Per phase: calls, kernel launches, copy ops by name, and all operators by name, inside the step."""
+    with open(path) as f:
+        events = [e for e in json.load(f)["traceEvents"] if e.get("ph") == "X"]
+    s = next(e for e in events if e["name"] == f"ProfilerStep#{step}")
+    begin, end = float(s["ts"]), float(s["ts"]) + float(s["dur"])
+    inside = [e for e in events if begin <= float(e["ts"]) <= end]
+    ranges = [e for e in inside if e["name"].startswith("fsdp::")]
+    by_thread = {}
+    for e in inside:
+        if not e["name"].startswith(("fsdp::", "ProfilerStep#")):
+            by_thread.setdefault((e.get("pid"), e.get("tid")), []).append(e)
+    out = {}
+    for r in ranges:
+        phase = re.sub(r" \(.*\)$", "", r["name"])
+        row = out.setdefault(phase, {"calls": 0, "launches": 0, "ops": {}})
+        row["calls"] += 1
+        r0, r1 = float(r["ts"]), float(r["ts"]) + float(r["dur"])
+        for e in by_thread.get((r.get("pid"), r.get("tid")), []):
+            if r0 <= float(e["ts"]) and float(e["ts"]) + float(e.get("dur", 0)) <= r1:
+                if e["name"].startswith("cudaLaunchKernel"):
+                    row["launches"] += 1
+                row["ops"][e["name"]] = row["ops"].get(e["name"], 0) + 1
+    return out
+
+
+def print_ops(path, step):
+    rows = step_ops(path, step)
+    print()
+    print(f"| range (step {step}, {path}) | calls | kernel launches | copies issued | most frequent operators |")
+    print("|---|---|---|---|---|")
+    for phase, row in sorted(rows.items(), key=lambda kv: -kv[1]["launches"] - sum(kv[1]["ops"].values())):
+        copies = ", ".join(f"{n} {row['ops'][n]}" for n in COPY_OPS if n in row["ops"]) or "-"
+        top = sorted(row["ops"].items(), key=lambda kv: -kv[1])[:4]
+        print(f"| {phase} | {row['calls']} | {row['launches']} | {copies} | {', '.join(f'{n} {c}' for n, c in top) or '-'} |")
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--step", type=int, required=True, help="the step (ProfilerStep#N) to read")
+    ap.add_argument("--ops", action="store_true", help="also the operators and kernel launches inside each phase")
     ap.add_argument("traces", nargs="+", help="trace_rank<r>.json files")
     a = ap.parse_args()
     per_rank = [step_sums(p, a.step) for p in a.traces]
@@ -53,6 +100,8 @@ def main():
         n = max(c.get(k, 0) for _, _, c in per_rank)
         mean = sum(ms) / len(ms)
         print(f"| {k} | {n} | {mean:.2f} | {min(ms):.2f}-{max(ms):.2f} | {100 * mean / mean_step:.1f} |")
+    if a.ops:
+        print_ops(a.traces[0], a.step)
 
 
 if __name__ == "__main__":

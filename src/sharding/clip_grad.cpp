@@ -2,6 +2,7 @@
 
 #include <torch/torch.h>
 
+#include <algorithm>
 #include <cmath>
 #include <optional>
 #include <stdexcept>
@@ -36,24 +37,34 @@ double clip_grad_norm_(const std::vector<at::Tensor>& parameters, double max_nor
   std::vector<at::Tensor> parts;
   at::Tensor replicated_part = at::zeros({}, opts);
   auto combine = [&](const at::Tensor& acc, const at::Tensor& v) { return inf ? at::maximum(acc, v) : acc + v; };
+  // Float and double gradients: each one's norm in its own dtype by one reduction that reads it in
+  // place, as LibTorch's and FSDP2's clip_grad_norm_ take each (local) gradient's norm, then raised
+  // to the power and summed across gradients and ranks in float64. No gradient-sized temporary: the
+  // three that abs, a cast and pow made (65 MB a step on bench's GPT) had their heap pages faulted
+  // in again by the next forward. They are gathered per group, dtype and device, and normed by one
+  // at::_foreach_norm (one multi-tensor kernel on CUDA, where a norm each was three kernels and a
+  // part each: PyTorch's clip_grad_norm_ with foreach does the same).
+  auto batched_part = [&](const std::vector<at::Tensor>& grads) -> at::Tensor {
+    const at::Tensor n = at::stack(at::_foreach_norm(grads, norm_type)).to(at::kDouble);
+    return (inf ? n.max() : n.pow(norm_type).sum()).to(*device);
+  };
+  // Other dtypes (bf16, half): one float64 copy each, worked in place.
   auto local_part = [&](const at::Tensor& g) -> at::Tensor {
-    if (!g.defined() || g.numel() == 0) return at::zeros({}, opts);
-    // A float or double gradient: its norm in its own dtype by one reduction that reads it in place,
-    // as LibTorch's and FSDP2's clip_grad_norm_ take each (local) gradient's norm, then raised to the
-    // power and summed across gradients and ranks in float64. No gradient-sized temporary: the three
-    // that abs, a cast and pow made (65 MB a step on bench's GPT) had their heap pages faulted in again
-    // by the next forward. Other dtypes (bf16, half): one float64 copy, worked in place.
-    const at::Tensor d = g.detach();
-    if (d.scalar_type() == at::kFloat || d.scalar_type() == at::kDouble) {
-      const at::Tensor n = at::linalg_vector_norm(d, norm_type).to(at::kDouble);
-      return (inf ? n : n.pow(norm_type)).to(*device);
-    }
-    at::Tensor a = d.to(at::kDouble, /*non_blocking=*/false, /*copy=*/true);  // never g itself
+    at::Tensor a = g.detach().to(at::kDouble, /*non_blocking=*/false, /*copy=*/true);  // never g itself
     if (inf) return a.abs_().max().to(*device);
     return a.abs_().pow_(norm_type).sum().to(*device);
   };
+  // Per part (replicated: index -1), per dtype and device: the gradients normed together.
+  struct Batch {
+    int part;
+    at::ScalarType dtype;
+    at::Device device;
+    std::vector<at::Tensor> grads;
+  };
+  std::vector<Batch> batches;
   for (const auto& p : parameters) {
-    const at::Tensor part = local_part(p.grad());
+    const at::Tensor& g = p.grad();
+    if (!g.defined() || g.numel() == 0) continue;
     Key key;
     if (auto info = shard_info(p)) {
       key.first = info->mesh.comm(0);
@@ -61,17 +72,30 @@ double clip_grad_norm_(const std::vector<at::Tensor>& parameters, double max_nor
     } else if (auto placement = tp::tp_placement(p)) {
       key.second = placement->mesh.comm(0);
     }
-    if (!key.first && !key.second) {
-      replicated_part = combine(replicated_part, part);
+    int part = -1;
+    if (key.first || key.second) {
+      size_t i = 0;
+      while (i < keys.size() && keys[i] != key) ++i;
+      if (i == keys.size()) {
+        keys.push_back(key);
+        parts.push_back(at::zeros({}, opts));
+      }
+      part = static_cast<int>(i);
+    }
+    at::Tensor& acc = part < 0 ? replicated_part : parts[static_cast<size_t>(part)];
+    if (g.scalar_type() != at::kFloat && g.scalar_type() != at::kDouble) {
+      acc = combine(acc, local_part(g));
       continue;
     }
-    size_t i = 0;
-    while (i < keys.size() && keys[i] != key) ++i;
-    if (i == keys.size()) {
-      keys.push_back(key);
-      parts.push_back(at::zeros({}, opts));
-    }
-    parts[i] = combine(parts[i], part);
+    auto b = std::find_if(batches.begin(), batches.end(), [&](const Batch& x) {
+      return x.part == part && x.dtype == g.scalar_type() && x.device == g.device();
+    });
+    if (b == batches.end()) b = batches.insert(batches.end(), Batch{part, g.scalar_type(), g.device(), {}});
+    b->grads.push_back(g.detach());
+  }
+  for (const Batch& b : batches) {
+    at::Tensor& acc = b.part < 0 ? replicated_part : parts[static_cast<size_t>(b.part)];
+    acc = combine(acc, batched_part(b.grads));
   }
   at::Tensor total = replicated_part;
   for (size_t i = 0; i < keys.size(); ++i) {
@@ -89,9 +113,11 @@ double clip_grad_norm_(const std::vector<at::Tensor>& parameters, double max_nor
   const double coef = max_norm / (norm + 1e-6);  // as torch::nn::utils::clip_grad_norm_
   if (coef < 1) {
     torch::NoGradGuard no_grad;
+    std::vector<at::Tensor> grads;
     for (const auto& p : parameters) {
-      if (p.grad().defined()) p.grad().mul_(coef);
+      if (p.grad().defined()) grads.push_back(p.grad());
     }
+    if (!grads.empty()) at::_foreach_mul_(grads, coef);  // one multi-tensor kernel per dtype on CUDA
   }
   return norm;
 }

@@ -20,7 +20,8 @@ import re
 import sys
 
 
-def step_sums(path, step):
+def load_step(path, step):
+    """The trace's complete events inside step `step`, and the step's own range."""
     with open(path) as f:
         events = [e for e in json.load(f)["traceEvents"] if e.get("ph") == "X"]
     name = f"ProfilerStep#{step}"
@@ -29,10 +30,13 @@ def step_sums(path, step):
         sys.exit(f"trace_summary: {path} has no {name} range; pick a step inside --profile-steps")
     s = steps[0]
     begin, end = float(s["ts"]), float(s["ts"]) + float(s["dur"])
+    return s, [e for e in events if begin <= float(e["ts"]) <= end]
+
+
+def step_sums(s, inside):
     sums, calls = {}, {}
-    for e in events:
-        ts = float(e["ts"])
-        if not (begin <= ts <= end) or not e["name"].startswith("fsdp::"):
+    for e in inside:
+        if not e["name"].startswith("fsdp::"):
             continue
         phase = re.sub(r" \(.*\)$", "", e["name"])
         if phase == "fsdp::tp_collective":
@@ -45,13 +49,8 @@ def step_sums(path, step):
 COPY_OPS = ("aten::copy_", "aten::cat", "aten::split_with_sizes_copy", "aten::_foreach_copy_", "aten::_chunk_cat")
 
 
-def step_ops(path, step):
+def step_ops(inside):
     """Per phase: calls, kernel launches, copy ops by name, and all operators by name, inside the step."""
-    with open(path) as f:
-        events = [e for e in json.load(f)["traceEvents"] if e.get("ph") == "X"]
-    s = next(e for e in events if e["name"] == f"ProfilerStep#{step}")
-    begin, end = float(s["ts"]), float(s["ts"]) + float(s["dur"])
-    inside = [e for e in events if begin <= float(e["ts"]) <= end]
     ranges = [e for e in inside if e["name"].startswith("fsdp::")]
     by_thread = {}
     for e in inside:
@@ -71,8 +70,8 @@ def step_ops(path, step):
     return out
 
 
-def print_ops(path, step):
-    rows = step_ops(path, step)
+def print_ops(path, step, inside):
+    rows = step_ops(inside)
     print()
     print(f"| range (step {step}, {path}) | calls | kernel launches | copies issued | most frequent operators |")
     print("|---|---|---|---|---|")
@@ -88,7 +87,8 @@ def main():
     ap.add_argument("--ops", action="store_true", help="also the operators and kernel launches inside each phase")
     ap.add_argument("traces", nargs="+", help="trace_rank<r>.json files")
     a = ap.parse_args()
-    per_rank = [step_sums(p, a.step) for p in a.traces]
+    loaded = [load_step(p, a.step) for p in a.traces]
+    per_rank = [step_sums(s, inside) for s, inside in loaded]
     phases = sorted({k for _, s, _ in per_rank for k in s}, key=lambda k: -sum(s.get(k, 0) for _, s, _ in per_rank))
     steps = [d for d, _, _ in per_rank]
     print(f"| range (step {a.step}, {len(per_rank)} ranks) | calls / rank | ms / rank (mean) | min-max | % of step |")
@@ -101,7 +101,7 @@ def main():
         mean = sum(ms) / len(ms)
         print(f"| {k} | {n} | {mean:.2f} | {min(ms):.2f}-{max(ms):.2f} | {100 * mean / mean_step:.1f} |")
     if a.ops:
-        print_ops(a.traces[0], a.step)
+        print_ops(a.traces[0], a.step, loaded[0][1])
 
 
 if __name__ == "__main__":

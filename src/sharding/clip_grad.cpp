@@ -64,7 +64,6 @@ double clip_grad_norm_(const std::vector<at::Tensor>& parameters, double max_nor
   std::vector<Batch> batches;
   for (const auto& p : parameters) {
     const at::Tensor& g = p.grad();
-    if (!g.defined() || g.numel() == 0) continue;
     Key key;
     if (auto info = shard_info(p)) {
       key.first = info->mesh.comm(0);
@@ -82,6 +81,9 @@ double clip_grad_norm_(const std::vector<at::Tensor>& parameters, double max_nor
       }
       part = static_cast<int>(i);
     }
+    // Registered above even without a gradient here: every rank reduces the same parts in the same
+    // order, and a rank may hold no rows of a parameter that others hold.
+    if (!g.defined() || g.numel() == 0) continue;
     at::Tensor& acc = part < 0 ? replicated_part : parts[static_cast<size_t>(part)];
     if (g.scalar_type() != at::kFloat && g.scalar_type() != at::kDouble) {
       acc = combine(acc, local_part(g));

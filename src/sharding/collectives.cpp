@@ -339,15 +339,15 @@ void copy_out_all_gather_output(const FSDPParams& params, const std::vector<int6
                                 int64_t total) {
   torch::NoGradGuard no_grad;
   const at::Tensor gathered = output.view({-1, total});
-  std::vector<FSDPParam*> side_by_side;
-  int64_t next = 0;
+  std::vector<FSDPParam*> in_order;
+  in_order.reserve(params.size());
   for (size_t i = 0; i < params.size(); ++i) {
+    TORCH_INTERNAL_ASSERT(offsets[i] == (i == 0 ? 0 : offsets[i - 1] + params[i - 1]->shard_numel()),
+                          "copy-out: the group's offsets are its shards side by side");
     params[i]->alloc_unsharded();
-    if (offsets[i] == next) side_by_side.push_back(params[i].get());
-    next += params[i]->shard_numel();
+    in_order.push_back(params[i].get());
   }
-  if (side_by_side.size() == params.size()) return copy_out_side_by_side(side_by_side, gathered);
-  for (size_t i = 0; i < params.size(); ++i) copy_out_param(*params[i], gathered, offsets[i]);
+  copy_out_side_by_side(in_order, gathered);
 }
 
 void copy_in_post_forward(const FSDPParams& params, const std::vector<int64_t>& offsets, const at::Tensor& out,

@@ -129,6 +129,15 @@ size_t min_piece_bytes_from_env(size_t fallback) {
 CpuCollectiveOptions options_from_env() {
   CpuCollectiveOptions o;
   o.min_piece_bytes = min_piece_bytes_from_env(o.min_piece_bytes);
+  if (const char* b = std::getenv("FSDP_CPU_SHARD_BUFFER"); b && *b) {
+    const std::string s = b;
+    if (s != "0" && s != "1") {
+      throw std::invalid_argument("fsdp: FSDP_CPU_SHARD_BUFFER='" + s +
+                                  "' is not 0 or 1; use 1 (the default: each unit's shards in one buffer, no "
+                                  "copy-in) or 0 (copied into the all-gather input each time)");
+    }
+    o.shards_in_one_buffer = s == "1";
+  }
   const char* v = std::getenv("FSDP_CPU_COLLECTIVES");
   const std::string s = v ? v : "";
   if (s == "flat") {
@@ -348,6 +357,22 @@ void copy_out_all_gather_output(const FSDPParams& params, const std::vector<int6
     in_order.push_back(params[i].get());
   }
   copy_out_side_by_side(in_order, gathered);
+}
+
+void copy_out_all_gather_output(const FSDPParams& params, const std::vector<int64_t>& offsets, const at::Tensor& output,
+                                int64_t total, const at::Tensor& own, int rank) {
+  torch::NoGradGuard no_grad;
+  const at::Tensor gathered = output.view({-1, total});
+  const int64_t n = gathered.size(0), after = n - rank - 1;
+  for (size_t i = 0; i < params.size(); ++i) {
+    FSDPParam& p = *params[i];
+    p.alloc_unsharded();
+    const at::Tensor by_rank = p.unsharded_by_rank();
+    const at::Tensor cols = gathered.narrow(1, offsets[i], p.shard_numel());
+    if (rank > 0) by_rank.narrow(0, 0, rank).copy_(cols.narrow(0, 0, rank));
+    by_rank[rank].copy_(own.narrow(0, offsets[i], p.shard_numel()));
+    if (after > 0) by_rank.narrow(0, rank + 1, after).copy_(cols.narrow(0, rank + 1, after));
+  }
 }
 
 void copy_in_post_forward(const FSDPParams& params, const std::vector<int64_t>& offsets, const at::Tensor& out,

@@ -33,6 +33,10 @@ void copy_in_all_gather_input(const FSDPParams& params, const std::vector<int64_
 // Allocates every unsharded parameter and copies its rows out of `output` ([N * total], flat).
 void copy_out_all_gather_output(const FSDPParams& params, const std::vector<int64_t>& offsets, const at::Tensor& output,
                                 int64_t total);
+// The same where the output's row `rank` was not written: this rank's rows come from `own` ([total],
+// the unit's shard buffer: [Note: the shards in one buffer], fsdp_param_group.cpp).
+void copy_out_all_gather_output(const FSDPParams& params, const std::vector<int64_t>& offsets, const at::Tensor& output,
+                                int64_t total, const at::Tensor& own, int rank);
 
 // out: [count, total]; out[i] gets shard rank (first_rank + i)'s padded rows of every parameter.
 void copy_in_post_forward(const FSDPParams& params, const std::vector<int64_t>& offsets, const at::Tensor& out,

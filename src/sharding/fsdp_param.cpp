@@ -252,6 +252,15 @@ bool FSDPParam::adopt_sharded_grad(const at::Tensor& owned, int64_t offset) {
   return true;
 }
 
+void FSDPParam::move_shard_to(const at::Tensor& slot) {
+  TORCH_INTERNAL_ASSERT(slot.numel() == shard_numel() && slot.scalar_type() == padded_shard_.scalar_type() &&
+                        slot.device() == padded_shard_.device() && slot.is_contiguous());
+  torch::NoGradGuard no_grad;
+  slot.copy_(padded_shard_);
+  padded_shard_ = slot;
+  sharded_param_.set_data(slot.narrow(0, 0, local_rows_ * row_numel_).view(local_shape_).detach());
+}
+
 void FSDPParam::materialize(c10::Device device) {
   const c10::Device shard_device = placement_.offload_to_cpu ? c10::Device(at::kCPU) : device;
   const bool requires_grad = sharded_param_.requires_grad();

@@ -121,6 +121,11 @@ class FSDPParam {
   // detach_() and zero_() it (LibTorch 1.13's zero_grad does). Returns false (nothing done) when a
   // gradient exists or the dtype or device differ.
   bool adopt_sharded_grad(const at::Tensor& owned, int64_t offset);
+  // Moves the padded shard into `slot` (flat [shard_numel], the shard's dtype and device): the
+  // padded shard becomes that memory and the sharded parameter a view of it, still the same tensor
+  // object (the module, the optimizer and its state hold it: Tensor::set_data, as FSDP1's flat
+  // parameter views are made). [Note: the shards in one buffer] in fsdp_param_group.cpp.
+  void move_shard_to(const at::Tensor& slot);
   // Meta-device initialisation: gives the shard memory on `device` (the CPU when offloaded) as a new
   // leaf registered in place of the meta one, and the unsharded parameter zero elements there.
   void materialize(c10::Device device);

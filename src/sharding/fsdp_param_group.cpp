@@ -123,6 +123,27 @@ void FSDPParamGroup::unshard(bool async_op, const c10::Event* after) {
     if (!async_op) wait_for_unshard();
     return;
   }
+  if (gathers_from_shard_buffer()) {
+    // [Note: the shards in one buffer]: no copy-in; the peers' rows land in the output, this
+    // rank's row of it is left unwritten (copy-out takes those rows from the buffer).
+    if (!shards_in_buffer()) {
+      PhaseScope timed(Phase::CopyIn);
+      const profiler::Range range("fsdp::copy_in", label);
+      move_shards_to_buffer();
+    }
+    std::vector<at::Tensor> rows;
+    rows.reserve(static_cast<size_t>(n));
+    for (int r = 0; r < n; ++r) rows.push_back(r == comm_->rank() ? shard_buffer_ : all_gather_output_[r]);
+    {
+      PhaseScope timed(Phase::AllGatherIssue);
+      const profiler::Range range("fsdp::all_gather", label);
+      all_gather_work_ = comm_->all_gather_pieces({shard_buffer_}, {rows}, /*async_op=*/true);
+    }
+    gathered_from_buffer_ = true;
+    state_ = State::Unsharding;
+    if (!async_op) wait_for_unshard();
+    return;
+  }
   // In place: the input is this rank's row of the output (FSDP2's layout), no buffer of its own.
   at::Tensor input = all_gather_output_[comm_->rank()];
   auto copy_in = [&] {
@@ -192,7 +213,12 @@ void FSDPParamGroup::wait_for_unshard() {
   {
     PhaseScope timed(Phase::CopyOut);
     const profiler::Range range("fsdp::copy_out", label);
-    copy_out_all_gather_output(params_, offsets_, all_gather_output_, total_shard_numel_);
+    if (gathered_from_buffer_)
+      copy_out_all_gather_output(params_, offsets_, all_gather_output_, total_shard_numel_, shard_buffer_,
+                                 comm_->rank());
+    else
+      copy_out_all_gather_output(params_, offsets_, all_gather_output_, total_shard_numel_);
+    gathered_from_buffer_ = false;
   }
   // Freed: only the unsharded parameters hold the data now. On a GPU the current stream has waited
   // for every stream that used these buffers, and they were allocated on it. On the CPU the memory
@@ -444,6 +470,60 @@ void FSDPParamGroup::advance_reduce() {
 bool FSDPParamGroup::gathers_pieces() const {
   return !streams() && comm_->size() > 1 && comm_->takes_pieces(params_.front()->padded_shard()) &&
          gathers_per_parameter(params_);
+}
+
+// [Note: the shards in one buffer]
+// FSDP2 copies a unit's shards into the all-gather input at every all-gather (copy-in: 1/N of the
+// unit's bytes, read and written, twice a step with resharding after forward). Where the shard
+// needs no cast and no transfer, the input can be the shards themselves if they lie side by side:
+// on a Gloo group of CPU tensors (Comm's point-to-point collectives) the flat all-gather moves each
+// unit's padded shards, at their offsets_, from one buffer that holds them for good. The first
+// all-gather moves them there once (FSDPParam::move_shard_to): each sharded parameter stays the
+// same tensor object (registered in the module, held by the optimizer and keyed in its state) and
+// becomes a view of the buffer, so the optimizer's in-place updates are what the next all-gather
+// sends. The gather is Comm::all_gather_pieces with one piece, the buffer itself standing for this
+// rank's row of the output: that row is never written, and copy-out takes this rank's rows of each
+// parameter from the buffer instead (copy_out_all_gather_output with `own`), so the bytes copied
+// are copy-out's alone. A shard replaced later (materialize) sends the unit back to the move.
+// Shards are not written while a gather is in flight: the optimizer runs between steps, and every
+// all-gather is waited for before backward ends. Off with
+// CpuCollectiveOptions::shards_in_one_buffer = false (FSDP_CPU_SHARD_BUFFER=0); never on GPUs
+// (side streams, NCCL's in-place gather) or where the shard is cast (mixed precision) or offloaded.
+bool FSDPParamGroup::gathers_from_shard_buffer() const {
+  if (streams() || comm_->size() < 2 || post_forward_shard_.defined() || params_.empty() ||
+      !cpu_collective_options().shards_in_one_buffer || comm::gloo_fallback() != comm::GlooFallback::PointToPoint ||
+      !comm_->takes_pieces(params_.front()->padded_shard())) {
+    return false;
+  }
+  for (const auto& p : params_) {
+    if (p->compute_dtype() != p->dtype() || p->shard_device() != p->device() || p->padded_shard().is_meta()) {
+      return false;
+    }
+  }
+  return true;
+}
+
+bool FSDPParamGroup::shards_in_buffer() const {
+  if (!shard_buffer_.defined()) return false;
+  const c10::StorageImpl* storage = shard_buffer_.storage().unsafeGetStorageImpl();
+  for (size_t i = 0; i < params_.size(); ++i) {
+    const at::Tensor& s = params_[i]->padded_shard();
+    if (s.storage().unsafeGetStorageImpl() != storage ||
+        s.storage_offset() != shard_buffer_.storage_offset() + offsets_[i] ||
+        s.scalar_type() != shard_buffer_.scalar_type()) {
+      return false;
+    }
+  }
+  return true;
+}
+
+void FSDPParamGroup::move_shards_to_buffer() {
+  // Not from the buffer pool: it holds the shards for the run.
+  at::Tensor buffer = at::empty({total_shard_numel_}, params_.front()->padded_shard().options().requires_grad(false));
+  for (size_t i = 0; i < params_.size(); ++i) {
+    params_[i]->move_shard_to(buffer.narrow(0, offsets_[i], params_[i]->shard_numel()));
+  }
+  shard_buffer_ = buffer;
 }
 
 bool FSDPParamGroup::reduces_pieces(const std::vector<std::pair<FSDPParam*, at::Tensor>>& grads) const {

@@ -111,6 +111,10 @@ class FSDPParamGroup {
   State state_ = State::Sharded;
 
   at::Tensor all_gather_input_;  // kept until the wait: a side stream may still read it
+  // [Note: the shards in one buffer] (fsdp_param_group.cpp): every padded shard, side by side at
+  // offsets_, once gathers_from_shard_buffer() first holds; undefined before.
+  at::Tensor shard_buffer_;
+  bool gathered_from_buffer_ = false;  // the gather in flight left the output's own row to shard_buffer_
   at::Tensor all_gather_output_;
   comm::Work all_gather_work_;
 
@@ -151,6 +155,12 @@ class FSDPParamGroup {
   }
   // The CPU's per-parameter collectives apply (Gloo shard group of CPU tensors, no side streams).
   bool gathers_pieces() const;
+  // The flat all-gather sends from shard_buffer_ (a Gloo group of CPU tensors taking point-to-point
+  // collectives, shards that need no cast or transfer, no post-forward shards).
+  bool gathers_from_shard_buffer() const;
+  // Every padded shard is where shard_buffer_ has it (false after materialize replaced one).
+  bool shards_in_buffer() const;
+  void move_shards_to_buffer();
   bool reduces_pieces(const std::vector<std::pair<FSDPParam*, at::Tensor>>& grads) const;
   void finish_reduce_pieces();
   // CPU only: a GPU's all-reduce is queued by post_backward (queue_post_reduce).

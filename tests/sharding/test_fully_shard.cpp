@@ -6,6 +6,7 @@
 #include <cstdlib>
 #include <iostream>
 #include <map>
+#include <set>
 #include <string>
 #include <vector>
 
@@ -124,11 +125,13 @@ FSDP_RANK_WORKER(gpt_parity) {
     o.min_piece_bytes = m == "packed_pieces" ? 1024 : 3000;
     fsdp::set_cpu_collective_options(o);
     run.shard = [](GPT& model) { shard_blocks_then_root(model); };
-  } else if (m == "flat" || m == "every_piece") {
+  } else if (m == "flat" || m == "flat_copy_in" || m == "every_piece") {
     // The CPU collectives' two layouts (fsdp/debug/cpu_collectives.h): flat buffers for every
-    // unit, or every parameter its own message.
+    // unit, or every parameter its own message; flat_copy_in: FSDP2's copy-in at every gather
+    // instead of the shards kept in one buffer.
     fsdp::CpuCollectiveOptions o;
     o.gather_per_parameter = o.reduce_per_parameter = (m == "every_piece");
+    o.shards_in_one_buffer = m != "flat_copy_in";
     o.min_piece_bytes = 0;
     fsdp::set_cpu_collective_options(o);
     run.shard = [](GPT& model) { shard_blocks_then_root(model); };
@@ -147,21 +150,51 @@ FSDP_RANK_WORKER(gpt_parity) {
   for (const auto& p : got.model->parameters()) {
     TORCH_CHECK(p.device().is_cpu() && p.grad().device().is_cpu(), "shards and their gradients live on the CPU");
   }
-  if (fsdp::dist::world_size() > 1 &&
-      (m == "default" || m == "flat" || m == "every_piece" || m == "packed_pieces" || m == "per_unit")) {
+  if (fsdp::dist::world_size() > 1 && (m == "default" || m == "flat" || m == "flat_copy_in" || m == "every_piece" ||
+                                       m == "packed_pieces" || m == "per_unit")) {
     // Which collectives moved the data (the flight recorder keeps their names). By default this
-    // model's shards are all below min_piece_bytes (1 MiB), so every unit is flat.
-    int pieces = 0, flat = 0;
+    // model's shards are all below min_piece_bytes (1 MiB), so every unit is flat, and its
+    // all-gathers send the shards from the unit's shard buffer: all_gather_pieces with the buffer
+    // as the one piece ([Note: the shards in one buffer], fsdp_param_group.cpp).
+    int gathers_flat = 0, gathers_pieces = 0, reduces_flat = 0, reduces_pieces = 0;
     for (const auto& r : fsdp::comm::FlightRecorder::process().snapshot()) {
       const std::string op = r.op;
-      if (op == "all_gather_pieces" || op == "reduce_scatter_pieces") ++pieces;
-      if (op == "all_gather_into_tensor" || op == "reduce_scatter_tensor") ++flat;
+      gathers_pieces += op == "all_gather_pieces";
+      gathers_flat += op == "all_gather_into_tensor";
+      reduces_pieces += op == "reduce_scatter_pieces";
+      reduces_flat += op == "reduce_scatter_tensor";
     }
-    const bool per_parameter = m == "every_piece" || m == "packed_pieces";
-    const bool ok = m == "per_unit" ? (pieces > 0 && flat > 0)
-                    : per_parameter ? (pieces > 0 && flat == 0)
-                                    : (pieces == 0 && flat > 0);
-    TORCH_CHECK(ok, m, ": ", pieces, " collectives of pieces and ", flat, " flat ones moved the data");
+    // default under FSDP_CPU_PIECE_BYTES=0 (the suite on the per-parameter path, tests/README.md).
+    const fsdp::CpuCollectiveOptions o = fsdp::cpu_collective_options();
+    const bool every_piece_by_env =
+        m == "default" && o.min_piece_bytes == 0 && o.gather_per_parameter && o.reduce_per_parameter;
+    const bool per_parameter = m == "every_piece" || m == "packed_pieces" || every_piece_by_env;
+    const bool ok =
+        m == "flat_copy_in" ? (gathers_flat > 0 && gathers_pieces == 0 && reduces_flat > 0 && reduces_pieces == 0)
+        : per_parameter     ? (gathers_flat == 0 && gathers_pieces > 0 && reduces_flat == 0 && reduces_pieces > 0)
+        : m == "per_unit"   ? (gathers_flat == 0 && gathers_pieces > 0 && reduces_flat > 0 && reduces_pieces > 0)
+                            : (gathers_flat == 0 && gathers_pieces > 0 && reduces_flat > 0 && reduces_pieces == 0);
+    TORCH_CHECK(ok, m, ": the data moved in ", gathers_flat, " flat all-gathers, ", gathers_pieces,
+                " all-gathers of pieces or shard buffers, ", reduces_flat, " flat reduce-scatters and ", reduces_pieces,
+                " reduce-scatters of pieces");
+    // Where the flat layout keeps them, a block's shards live side by side in one buffer, in the
+    // order of its parameters, and the optimizer's parameters are those same tensors.
+    const bool buffered = (m == "default" && !every_piece_by_env) || m == "flat";
+    for (const auto& block : got.model->blocks) {
+      std::set<const void*> storages;
+      const at::Tensor* prev = nullptr;
+      for (const auto& p : block->parameters()) {
+        storages.insert(p.storage().unsafeGetStorageImpl());
+        if (buffered && prev != nullptr) {
+          TORCH_CHECK(p.storage_offset() >= prev->storage_offset() + prev->numel(),
+                      "a block's shards lie side by side in its buffer, in order");
+        }
+        prev = &p;
+      }
+      const size_t want = buffered ? 1 : (m == "flat_copy_in" ? block->parameters().size() : storages.size());
+      TORCH_CHECK(storages.size() == want, m, ": a block's ", block->parameters().size(), " shards live in ",
+                  storages.size(), " storages, expected ", want);
+    }
   }
   report(m, got, want, worst);
 }
@@ -188,9 +221,9 @@ INSTANTIATE_TEST_SUITE_P(Sharded, GptParity,
                                            ParityCase{"grad_accumulation", 2}, ParityCase{"grad_accumulation", 3},
                                            ParityCase{"sync_every_micro_batch", 2}, ParityCase{"cpu_offload", 2},
                                            ParityCase{"explicit_unshard", 2}, ParityCase{"explicit_prefetch", 3},
-                                           ParityCase{"tied", 2}, ParityCase{"flat", 2}, ParityCase{"every_piece", 2},
-                                           ParityCase{"every_piece", 3}, ParityCase{"packed_pieces", 2},
-                                           ParityCase{"per_unit", 2}),
+                                           ParityCase{"tied", 2}, ParityCase{"flat", 2}, ParityCase{"flat_copy_in", 2},
+                                           ParityCase{"every_piece", 2}, ParityCase{"every_piece", 3},
+                                           ParityCase{"packed_pieces", 2}, ParityCase{"per_unit", 2}),
                          [](const auto& info) {
                            return info.param.mode + "_" + std::to_string(info.param.world) + "ranks";
                          });

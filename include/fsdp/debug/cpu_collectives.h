@@ -22,13 +22,18 @@
 // median 0.940x (layout_bench, docs/benchmarks.md); on bench's 3.3M GPT (shards of 512 KiB and
 // less) every unit stays flat, as before.
 //
+// In the flat layout on a Gloo group, each unit's shards (where they need no cast) live side by
+// side in one buffer for good, which is the all-gather's input: no copy-in
+// (CpuCollectiveOptions::shards_in_one_buffer; FSDP_CPU_SHARD_BUFFER=0 turns it off).
+//
 // The flat layout is always used on GPUs (NCCL), for HSDP's reduce, integer
 // reshard_after_forward, mixed precision that casts, and 16-bit reductions.
 //
 // FSDP_CPU_COLLECTIVES=pieces|flat|gather-pieces|reduce-pieces in the environment sets the
 // default (read once): both per parameter (the default, as above), flat for every unit, or per
 // parameter only for the all-gather / only for the reduce-scatter. FSDP_CPU_PIECE_BYTES=N sets
-// min_piece_bytes (0: every unit per parameter, however small its shards).
+// min_piece_bytes (0: every unit per parameter, however small its shards). FSDP_CPU_SHARD_BUFFER=0|1
+// sets shards_in_one_buffer.
 #include <cstddef>
 
 namespace fsdp {
@@ -45,6 +50,10 @@ struct CpuCollectiveOptions {
   bool reduce_per_parameter = true;  // the reduce-scatter of the gradients
   // Shards below this travel packed in one flat message; a unit with no shard this large is flat.
   size_t min_piece_bytes = 1u << 20;
+  // Flat all-gathers send this rank's shards from one buffer per unit that holds them for good (the
+  // sharded parameters are views of it), so there is no copy-in; false: copied in each time, as
+  // FSDP2 does. [Note: the shards in one buffer] in src/sharding/fsdp_param_group.cpp.
+  bool shards_in_one_buffer = true;
 };
 void set_cpu_collective_options(const CpuCollectiveOptions& options);
 CpuCollectiveOptions cpu_collective_options();

@@ -486,7 +486,9 @@ bool FSDPParamGroup::gathers_pieces() const {
 // parameter from the buffer instead (copy_out_all_gather_output with `own`), so the bytes copied
 // are copy-out's alone. A shard replaced later (materialize) sends the unit back to the move.
 // Shards are not written while a gather is in flight: the optimizer runs between steps, and every
-// all-gather is waited for before backward ends. Off with
+// all-gather is waited for before backward ends. (A gather the user issues with
+// FSDPModule::unshard(async) sends the shards as they are until it is waited for, not as they
+// were at the call: change no shard in between, as FSDP2 would have sent the old values.) Off with
 // CpuCollectiveOptions::shards_in_one_buffer = false (FSDP_CPU_SHARD_BUFFER=0); never on GPUs
 // (side streams, NCCL's in-place gather) or where the shard is cast (mixed precision) or offloaded.
 bool FSDPParamGroup::gathers_from_shard_buffer() const {

@@ -190,13 +190,14 @@ bool gathers_per_parameter(const FSDPParams& params) {
   if (std::all_of(params.begin(), params.end(), [&](const auto& p) { return small_shard(*p, o.min_piece_bytes); })) {
     return false;
   }
-  for (const auto& p : params) {
-    if (p->compute_dtype() != p->dtype() || !p->device().is_cpu() || !p->shard_device().is_cpu() ||
-        p->padded_shard().is_meta()) {
-      return false;
-    }
-  }
-  return true;
+  return shards_sent_as_they_are(params);
+}
+
+bool shards_sent_as_they_are(const FSDPParams& params) {
+  return std::all_of(params.begin(), params.end(), [](const auto& p) {
+    return p->compute_dtype() == p->dtype() && p->device().is_cpu() && p->shard_device().is_cpu() &&
+           !p->padded_shard().is_meta();
+  });
 }
 
 GatherPieces build_gather_pieces(const FSDPParams& params, int rank, int n) {

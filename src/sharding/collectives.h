@@ -85,6 +85,10 @@ struct ReducePieces {
 // Whether this group's parameters can gather per parameter (same dtype for shard and compute,
 // shard on the compute device, at least one shard of min_piece_bytes or more), given the options.
 bool gathers_per_parameter(const FSDPParams& params);
+// Whether every shard can be sent as it lies: no cast to the compute dtype, shard and compute on
+// the CPU, memory allocated (not meta). The per-parameter gather and the flat gather from the shard
+// buffer ([Note: the shards in one buffer], fsdp_param_group.cpp) both need it.
+bool shards_sent_as_they_are(const FSDPParams& params);
 // Allocates every unsharded parameter and lays out the pieces ([Note: FSDP's CPU collectives, per
 // parameter]); this rank's packed shards are copied into the packed buffer's row.
 GatherPieces build_gather_pieces(const FSDPParams& params, int rank, int n);

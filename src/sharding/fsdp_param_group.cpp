@@ -497,12 +497,7 @@ bool FSDPParamGroup::gathers_from_shard_buffer() const {
       !comm_->takes_pieces(params_.front()->padded_shard())) {
     return false;
   }
-  for (const auto& p : params_) {
-    if (p->compute_dtype() != p->dtype() || p->shard_device() != p->device() || p->padded_shard().is_meta()) {
-      return false;
-    }
-  }
-  return true;
+  return shards_sent_as_they_are(params_);
 }
 
 bool FSDPParamGroup::shards_in_buffer() const {

@@ -3,12 +3,25 @@
 // benchmarks/fsdp2_gpu_bench.py measures PyTorch's own FSDP2 on the same model and batch.
 //
 //   build/bin/gpu_bench [--layers 12] [--dim 1024] [--heads 16] [--seq 1024] [--batch 8]
-//                       [--steps 20] [--warmup 5] [--rounds 2]
+//                       [--steps 20] [--warmup 5] [--rounds 2] [--dry-run-on-cpu]
+//
+// --dry-run-on-cpu runs every row on the CPU (Gloo, a world of one; bf16 on a CPU is slow: give it
+// a small model) so that this program's own code is checked before a GPU machine's minutes are
+// spent on it; its figures mean nothing.
 //
 // Rows (one line each, "row <name> key=value ..."): tokens/s (median step), peak GPU memory
 // allocated, and for fully_shard how long the compute stream waited on all-gathers per step.
 // Plain: the fp32 model is the optimizer's; a bf16 copy computes (copied in before each step,
 // gradients handed back in fp32): the same arithmetic as FSDP's MixedPrecisionPolicy.
+// fsdp_keep is fully_shard with reshard_after_forward=false (no all-gather in backward): what
+// backward's gathers cost.
+//
+// Host-bound or device-bound: each row also prints host_ms, the median time from a step's start
+// until the host has issued all of its work (just before the loss's .item() waits for the GPU).
+// A step whose host_ms is close to its step_ms kept the GPU waiting for the host: its cost is
+// the host's, and FSDP's share of that is printed under the fsdp row (the phase timers' host
+// times per step: fsdp/debug/phase_timers.h). A host_ms well below step_ms means the GPU was the
+// bottleneck (kernels, or waits between streams). docs/gpu.md reads these lines.
 #include <torch/cuda.h>
 #include <torch/torch.h>
 
@@ -18,6 +31,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cmath>
 #include <cstdio>
 #include <cstdlib>
 #include <string>
@@ -35,22 +49,25 @@ using fsdp_bench::median;
 struct Options {
   fsdp_bench::GptShape shape{12, 1024, 16, 1024, 8};
   int steps = 20, warmup = 5, rounds = 2;
+  bool dry_run_on_cpu = false;
 };
 
 Options parse(int argc, char** argv) {
   Options o;
   fsdp_bench::Args args("gpu_bench",
                         "usage: gpu_bench [--layers N] [--dim N] [--heads N] [--seq N] [--batch N] [--steps N] "
-                        "[--warmup N] [--rounds N]");
+                        "[--warmup N] [--rounds N] [--dry-run-on-cpu]");
   o.shape.add_options(args);
   args.option("--steps", &o.steps).option("--warmup", &o.warmup).option("--rounds", &o.rounds);
+  args.flag("--dry-run-on-cpu", &o.dry_run_on_cpu);
   args.parse(argc, argv);
   return o;
 }
 
-const torch::Device kGpu(torch::kCUDA, 0);
+torch::Device kGpu(torch::kCUDA, 0);  // the CPU under --dry-run-on-cpu
 
 void reset_peak() {
+  if (!kGpu.is_cuda()) return;
 #ifdef FSDP_HAS_CUDA
   // The caching allocator refuses its statistics ("Invalid device argument") until it has served a
   // first allocation on the device (seen on the first GPU run): make one.
@@ -60,6 +77,7 @@ void reset_peak() {
 #endif
 }
 double peak_gib() {
+  if (!kGpu.is_cuda()) return 0;
 #ifdef FSDP_HAS_CUDA
   const auto stats = c10::cuda::CUDACachingAllocator::getDeviceStats(0);
   return static_cast<double>(stats.allocated_bytes[0].peak) / (1024.0 * 1024.0 * 1024.0);  // [0]: all pools
@@ -75,20 +93,32 @@ fsdp::models::GPTConfig config_of(const Options& o, torch::Device device) {
 }
 
 struct Result {
-  double step_s = 0, peak = 0, wait_s = 0, loss = 0;
+  double step_s = 0, host_s = 0, peak = 0, wait_s = 0, loss = 0;
+  fsdp::PhaseTimes phases;  // fully_shard's host times over the timed steps
 };
 
+// step(s) issues step s and returns its loss without waiting for it; the .item() here waits.
 template <typename StepFn>
 Result time_steps(const Options& o, StepFn step) {
-  std::vector<double> times;
+  std::vector<double> times, host;
   Result r;
   for (int s = 0; s < o.warmup + o.steps; ++s) {
-    if (s == o.warmup) fsdp::all_gather_wait_seconds();  // drop the warmup's waits
+    if (s == o.warmup) {
+      fsdp::all_gather_wait_seconds();  // drop the warmup's waits
+      fsdp::reset_phase_timers();
+    }
     const auto t0 = std::chrono::steady_clock::now();
-    r.loss = step(s);  // .item(): waits for the GPU
-    if (s >= o.warmup) times.push_back(fsdp_bench::seconds_since(t0));
+    const at::Tensor loss = step(s);
+    const double issued = fsdp_bench::seconds_since(t0);
+    r.loss = loss.item<double>();  // waits for the GPU
+    if (s >= o.warmup) {
+      times.push_back(fsdp_bench::seconds_since(t0));
+      host.push_back(issued);
+    }
   }
+  r.phases = fsdp::phase_times();
   r.step_s = median(times);
+  r.host_s = median(host);
   r.wait_s = fsdp::all_gather_wait_seconds() / o.steps;
   r.peak = peak_gib();
   return r;
@@ -118,21 +148,23 @@ Result run_plain(const Options& o) {
     loss.backward();
     for (size_t i = 0; i < masters.size(); ++i) masters[i].mutable_grad() = computes[i].grad().to(at::kFloat);
     opt.step();
-    return loss.item<double>();
+    return loss.detach();
   });
 }
 
-Result run_fsdp(const Options& o) {
+Result run_fsdp(const Options& o, bool reshard_after_forward) {
   reset_peak();
   fsdp::models::GPT model(config_of(o, torch::kMeta));
   fsdp::FullyShardOptions so;
   so.mp_policy.param_dtype = at::kBFloat16;
   so.mp_policy.reduce_dtype = at::kFloat;
+  so.reshard_after_forward = reshard_after_forward;
   fsdp_bench::shard_gpt(model, so);
   fsdp::to_empty(*model, kGpu);
   model->reset_parameters();
   torch::optim::AdamW opt(model->parameters(), torch::optim::AdamWOptions(3e-4).weight_decay(0.1));
   fsdp::set_all_gather_wait_timing(true);
+  fsdp::set_phase_timers(true);
   Result r = time_steps(o, [&](int s) {
     opt.zero_grad();
     auto data = batch_of(o, s);
@@ -140,31 +172,42 @@ Result run_fsdp(const Options& o) {
                                        data.narrow(1, 1, o.shape.seq));
     loss.backward();
     opt.step();
-    return loss.item<double>();
+    return loss.detach();
   });
+  fsdp::set_phase_timers(false);
   fsdp::set_all_gather_wait_timing(false);
   return r;
 }
 
 void print_row(const char* name, const Options& o, const Result& r, const Result* plain) {
   const double tokens = static_cast<double>(o.shape.batch * o.shape.seq);
-  std::printf("row %-6s tokens_per_s=%.0f step_ms=%.1f peak_gib=%.2f ag_wait_ms_per_step=%.2f last_loss=%.4f", name,
-              tokens / r.step_s, r.step_s * 1e3, r.peak, r.wait_s * 1e3, r.loss);
-  if (plain) std::printf(" vs_plain=%.3f", plain->step_s / r.step_s);
+  std::printf(
+      "row %-9s tokens_per_s=%.0f step_ms=%.1f host_ms=%.1f peak_gib=%.2f ag_wait_ms_per_step=%.2f last_loss=%.4f",
+      name, tokens / r.step_s, r.step_s * 1e3, r.host_s * 1e3, r.peak, r.wait_s * 1e3, r.loss);
+  if (plain)
+    std::printf(" vs_plain=%.3f fsdp_host_cpu_ms=%.1f", plain->step_s / r.step_s, r.phases.own_cpu_ms() / o.steps);
   std::printf("\n");
   std::fflush(stdout);
 }
+
+// Host-bound when the host issued the step for most of its time (the GPU then waited for it).
+const char* bound_by(const Result& r) { return r.host_s >= 0.9 * r.step_s ? "host" : "device"; }
 
 }  // namespace
 
 int main(int argc, char** argv) {
   const Options o = parse(argc, argv);
-  if (!torch::cuda::is_available()) {
-    std::fprintf(stderr, "gpu_bench: no GPU visible (torch::cuda::is_available() is false); nothing to measure\n");
+  if (o.dry_run_on_cpu) {
+    kGpu = torch::Device(torch::kCPU);
+    std::printf("dry run on the CPU: this program's code is checked, its figures mean nothing\n");
+  } else if (!torch::cuda::is_available()) {
+    std::fprintf(stderr,
+                 "gpu_bench: no GPU visible (torch::cuda::is_available() is false); nothing to measure "
+                 "(--dry-run-on-cpu checks this program on the CPU)\n");
     return 2;
   }
   fsdp::dist::InitOptions init;
-  init.device_type = "cuda";  // a world of one on NCCL
+  init.device_type = kGpu.is_cuda() ? "cuda" : "cpu";  // a world of one on NCCL (Gloo in a dry run)
   fsdp::dist::init_distributed(init);
   std::printf(
       "config layers=%lld dim=%lld heads=%lld seq=%lld batch=%lld bf16 params, fp32 reduce+master; steps=%d warmup=%d "
@@ -172,16 +215,35 @@ int main(int argc, char** argv) {
       static_cast<long long>(o.shape.layers), static_cast<long long>(o.shape.dim),
       static_cast<long long>(o.shape.heads), static_cast<long long>(o.shape.seq), static_cast<long long>(o.shape.batch),
       o.steps, o.warmup, o.rounds);
-  Result best_plain, best_fsdp;
+  Result best_plain, best_fsdp, best_keep;
   for (int round = 0; round < o.rounds; ++round) {  // alternate; keep each one's best median
     Result p = run_plain(o);
-    Result f = run_fsdp(o);
+    Result f = run_fsdp(o, /*reshard_after_forward=*/true);
+    Result k = run_fsdp(o, /*reshard_after_forward=*/false);
     if (round == 0 || p.step_s < best_plain.step_s) best_plain = p;
     if (round == 0 || f.step_s < best_fsdp.step_s) best_fsdp = f;
+    if (round == 0 || k.step_s < best_keep.step_s) best_keep = k;
   }
   print_row("plain", o, best_plain, nullptr);
   print_row("fsdp", o, best_fsdp, &best_plain);
+  print_row("fsdp_keep", o, best_keep, &best_plain);
+  std::printf("bound plain=%s fsdp=%s fsdp_keep=%s (host: host_ms >= 0.9 x step_ms)\n", bound_by(best_plain),
+              bound_by(best_fsdp), bound_by(best_keep));
+  std::printf("fsdp phases (host ms per step, the fsdp row's best round):\n%s",
+              best_fsdp.phases.table(o.steps).c_str());
   std::printf("target fsdp >= 0.97 x plain tokens/s: %s\n",
               best_plain.step_s / best_fsdp.step_s >= 0.97 ? "met" : "NOT met");
+  if (o.dry_run_on_cpu) {
+    // The rows train the same model from the same values on the same tokens with the same
+    // arithmetic: on the CPU their last losses agree (a GPU's kernels may round differently).
+    for (const Result* r : {&best_fsdp, &best_keep}) {
+      if (std::abs(r->loss - best_plain.loss) > 1e-3) {
+        std::fprintf(stderr, "gpu_bench: the fully_shard rows do not train as the plain one does: loss %.6f vs %.6f\n",
+                     r->loss, best_plain.loss);
+        return 1;
+      }
+    }
+    std::printf("dry run: every row ran; the fully_shard rows' last losses equal the plain row's\n");
+  }
   return 0;
 }

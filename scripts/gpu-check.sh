@@ -307,7 +307,7 @@ run_check() {
     write_summary
   done
   if [ "$bench" = 1 ] && [ "$GPU_LINE" != none ]; then
-    step "GPU benchmark (LibTorch, fully_shard)" 40 -- "$DIR/bin/gpu_bench" --steps 10 --warmup 3 --rounds 1
+    step "GPU benchmark (LibTorch, fully_shard)" 50 -- "$DIR/bin/gpu_bench" --steps 10 --warmup 3 --rounds 1
     step "GPU benchmark (PyTorch FSDP2)" 35 -- "$py" "$DIR/fsdp2_gpu_bench.py" --steps 10 --warmup 3
   fi
   if [ "$bench" = 1 ] && [ "$GPU_LINE" != none ] && [ -x "$DIR/bin/train_gpt" ]; then

@@ -327,6 +327,7 @@ void FSDPParamGroup::post_backward() {
   at::Tensor input;
   {
     PhaseScope timed(Phase::ReduceScatterInput);
+    const profiler::Range range("fsdp::reduce_scatter_input", label);
     input = build_reduce_scatter_input(with_grad, comm_->size(), reduce_dtype, reduced_params_);
   }
   // On the CPU the output is this rank's row of the input (in place, no buffer of its own: the

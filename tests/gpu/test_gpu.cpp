@@ -14,6 +14,7 @@
 //   with our message, the dump and exit code 3 within FSDP_COLLECTIVE_TIMEOUT_S; 3 training steps
 //   with no host synchronisation (CUDA's sync-debug mode "error") but clip_grad_norm_'s one read
 //   and the loss read; a rank on cuda:1 while the current device is 0 (two GPUs; skips on one).
+//   Copy-in, copy-out and the reduce-scatter input issue one copy op per unit (op_counts.h).
 #include <gtest/gtest.h>
 #include <torch/cuda.h>
 #include <torch/torch.h>
@@ -43,6 +44,7 @@
 #include "fused_copy_checks.h"
 #include "models/gpt.h"
 #include "multiprocess.h"
+#include "op_counts.h"
 
 #ifdef FSDP_HAS_CUDA
 #include <ATen/cuda/Sleep.h>
@@ -519,6 +521,47 @@ FSDP_RANK_WORKER(gpu_sync_free_steps) {
   }
 }
 
+// [Note: one copy kernel per unit] inside FSDP on CUDA, counted from the operators each range
+// issues (tests/support/op_counts.h): per unit and all-gather, copy-in is one _foreach_copy_ (the
+// bf16 cast inside) and copy-out one split_with_sizes_copy; per unit and backward, the
+// reduce-scatter input is one _chunk_cat (the bf16 gradients cast to the float32 reduction inside).
+// A world of one goes through the side streams as more ranks would.
+FSDP_RANK_WORKER(gpu_one_op_copies) {
+  init_cuda_runtime(/*gloo=*/false);
+  const auto c = small_config();
+  GPT model = fresh_model(c);
+  shard_blocks_then_root(model, gpu_options(/*bf16=*/true));
+  auto opt = optimizer_for(*model);
+  auto step = [&](int s) {
+    opt.zero_grad();
+    const at::Tensor data = batch_of(c, s).to(gpu());
+    auto logits = fsdp::call(model, data.narrow(1, 0, c.block_size));
+    fsdp::models::gpt_loss(logits.to(at::kFloat), data.narrow(1, 1, c.block_size)).backward();
+    opt.step();
+  };
+  step(0);
+  fsdp::testing::RangeOpCounter counter;
+  step(1);
+  torch::cuda::synchronize();
+  std::cout << counter.describe("fsdp::copy_in") << "\n"
+            << counter.describe("fsdp::copy_out") << "\n"
+            << counter.describe("fsdp::reduce_scatter_input") << std::endl;
+  const int64_t gathers = counter.ranges("fsdp::copy_out"), reduces = counter.ranges("fsdp::reduce_scatter_input");
+  TORCH_CHECK(gathers >= c.n_layer + 1 && reduces >= c.n_layer + 1, "expected every unit gathered and reduced; ",
+              counter.describe("fsdp::copy_out"), "; ", counter.describe("fsdp::reduce_scatter_input"));
+  TORCH_CHECK(counter.ops("fsdp::copy_out")["aten::split_with_sizes_copy"] == gathers &&
+                  counter.copies("fsdp::copy_out") == gathers,
+              "copy-out: one split_with_sizes_copy per unit expected; ", counter.describe("fsdp::copy_out"));
+  TORCH_CHECK(counter.ranges("fsdp::copy_in") == gathers &&
+                  counter.ops("fsdp::copy_in")["aten::_foreach_copy_"] == gathers &&
+                  counter.copies("fsdp::copy_in") == gathers,
+              "copy-in: one _foreach_copy_ per unit expected; ", counter.describe("fsdp::copy_in"));
+  TORCH_CHECK(counter.ops("fsdp::reduce_scatter_input")["aten::_chunk_cat"] == reduces &&
+                  counter.copies("fsdp::reduce_scatter_input") == reduces,
+              "reduce-scatter input: one _chunk_cat per unit expected; ",
+              counter.describe("fsdp::reduce_scatter_input"));
+}
+
 // The rank's model on cuda:1 while the current device stays 0: FSDP must allocate (and the
 // collectives run) on the parameters' device, not the current one.
 FSDP_RANK_WORKER(gpu_second_device) {
@@ -712,6 +755,13 @@ TEST(Gpu, OneOpCopiesLayRowsOutOnTheDevice) {
   if (fsdp::compat::kHasForeachCopy) fsdp::testing::expect_foreach_copy_cast(gpu());
   EXPECT_TRUE(fsdp::compat::kHasChunkCat && fsdp::compat::kHasForeachCopy)
       << "LibTorch " << TORCH_VERSION << " lacks a one-op copy: the GPU path copies per parameter";
+}
+
+TEST(Gpu, CopiesAreOneOpPerUnitAndPhase) {
+  SKIP_WITHOUT_GPU(true);
+  if (!fsdp::compat::kHasChunkCat || !fsdp::compat::kHasForeachCopy)
+    GTEST_SKIP() << "LibTorch " << TORCH_VERSION << " lacks _chunk_cat or _foreach_copy_: copies per parameter";
+  EXPECT_RANKS_PASS(1, "gpu_one_op_copies", gpu_ranks());
 }
 
 TEST(Gpu, WorldOfOneThroughNcclRunsNcclCollectives) {

@@ -7,9 +7,11 @@
 #include <iostream>
 
 #include "cpu_layout.h"
+#include "fsdp/compat/fused_copies.h"
 #include "fsdp/debug.h"
 #include "fsdp/fsdp.h"
 #include "multiprocess.h"
+#include "op_counts.h"
 #include "parity.h"
 
 using namespace fsdp::testing;
@@ -103,6 +105,51 @@ FSDP_RANK_WORKER(bf16_params_fp32_reduce) {
   if (world->rank() == 0) {
     std::cout << "bf16/fp32: last loss " << got.back() << " vs reference " << want.back() << ", worst shard difference "
               << worst << std::endl;
+  }
+}
+
+// [Note: one copy kernel per unit] under bf16 mixed precision on the CPU: each all-gather's copy-in
+// (the fp32 shards cast into the bf16 input) is one _foreach_copy_ where LibTorch has it (2.1+; 1.13
+// copies per parameter), and its copy-out one split_with_sizes_copy, whatever the unit's number of
+// parameters. The reduce-scatter input stays a copy per parameter on the CPU by design (each
+// gradient freed as soon as it is copied); test_gpu checks its one _chunk_cat on CUDA.
+FSDP_RANK_WORKER(bf16_copies_one_op_per_unit) {
+  const auto c = uneven_config();
+  torch::manual_seed(42);
+  GPT model(c);
+  for (auto& b : model->blocks) fsdp::fully_shard(b, bf16_options());
+  fsdp::fully_shard(model, bf16_options());
+  torch::optim::AdamW opt(model->parameters(), torch::optim::AdamWOptions(3e-3));
+  auto world = fsdp::dist::world_comm();
+  const int64_t local = kBatch / world->size();
+  auto step = [&](int s) {
+    opt.zero_grad();
+    auto data = global_batch(c, kBatch, s, 0).narrow(0, world->rank() * local, local);
+    fsdp::models::gpt_loss(fsdp::call(model, data.narrow(1, 0, c.block_size)).to(at::kFloat),
+                           data.narrow(1, 1, c.block_size))
+        .backward();
+    opt.step();
+  };
+  step(0);
+  fsdp::testing::RangeOpCounter counter;
+  step(1);
+  const int64_t gathers = counter.ranges("fsdp::copy_out");
+  TORCH_CHECK(gathers >= static_cast<int64_t>(c.n_layer) + 1, "expected a copy-out per all-gather; ",
+              counter.describe("fsdp::copy_out"));
+  TORCH_CHECK(counter.ops("fsdp::copy_out")["aten::split_with_sizes_copy"] == gathers &&
+                  counter.copies("fsdp::copy_out") == gathers,
+              "copy-out must be one split_with_sizes_copy per unit: ", counter.describe("fsdp::copy_out"));
+  TORCH_CHECK(counter.ranges("fsdp::copy_in") == gathers, counter.describe("fsdp::copy_in"));
+  if (fsdp::compat::kHasForeachCopy) {
+    TORCH_CHECK(
+        counter.ops("fsdp::copy_in")["aten::_foreach_copy_"] == gathers && counter.copies("fsdp::copy_in") == gathers,
+        "copy-in must be one _foreach_copy_ per unit: ", counter.describe("fsdp::copy_in"));
+  }
+  TORCH_CHECK(counter.ranges("fsdp::reduce_scatter_input") > 0, counter.describe("fsdp::reduce_scatter_input"));
+  if (world->rank() == 0) {
+    std::cout << counter.describe("fsdp::copy_in") << "\n"
+              << counter.describe("fsdp::copy_out") << "\n"
+              << counter.describe("fsdp::reduce_scatter_input") << std::endl;
   }
 }
 
@@ -212,6 +259,12 @@ TEST(MixedPrecision, Bf16ParamsFp32ReduceUnderHsdpMatchesReference) {
 
 TEST(MixedPrecision, Fp16ParamsFp32ReduceMatchesReference) {
   auto r = run_ranks(2, "fp16_params_fp32_reduce");
+  EXPECT_TRUE(r.all_ok()) << r.report();
+  if (r.all_ok()) std::cout << r.ranks[0].output;
+}
+
+TEST(MixedPrecision, Bf16CopiesAreOneOpPerUnit) {
+  auto r = run_ranks(2, "bf16_copies_one_op_per_unit");
   EXPECT_TRUE(r.all_ok()) << r.report();
   if (r.all_ok()) std::cout << r.ranks[0].output;
 }

@@ -14,6 +14,7 @@
 //   fsdp::copy_out (U)                      the all-gather output into the unsharded parameters
 //   fsdp::reshard (U)                       freeing the unsharded parameters
 //   fsdp::post_backward_reduce_scatter (U)  the reduce-scatter input and issuing the reduce-scatter
+//   fsdp::reduce_scatter_input (U)          the unsharded gradients into the flat reduce-scatter input
 //   fsdp::reduce_scatter_wait (U)           waiting for it (and HSDP's all-reduce), writing the sharded .grad
 //   fsdp::tp_collective (OP)                a tensor-parallel collective (all_reduce, all_gather,
 //                                            reduce_scatter, all_to_all), forward or backward

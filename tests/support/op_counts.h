@@ -73,6 +73,17 @@ class RangeOpCounter {
     }
     return false;
   }
+  // Every range seen, one line each (describe's).
+  std::string describe_all() const {
+    std::vector<std::string> names;
+    {
+      std::lock_guard<std::mutex> lock(state().mu);
+      for (const auto& [name, count] : state().ranges) names.push_back(name);
+    }
+    std::string s;
+    for (const auto& name : names) s += describe(name) + "\n";
+    return s;
+  }
   // "op: count, ..." of a range, for failure messages.
   std::string describe(const std::string& name) const {
     std::string s = name + " ran " + std::to_string(ranges(name)) + " times and issued:";

@@ -177,7 +177,7 @@ write_summary() {
       if grep -qE '^(row|config|target) ' "$OUT/run.log"; then
         echo
         echo "GPU benchmark:"
-        grep -E '^(row|config|target) ' "$OUT/run.log" | head -12
+        grep -E '^(row|config|target|bound) ' "$OUT/run.log" | head -16
       fi
     fi
     echo

@@ -18,10 +18,11 @@
 //
 // Host-bound or device-bound: each row also prints host_ms, the median time from a step's start
 // until the host has issued all of its work (just before the loss's .item() waits for the GPU).
-// A step whose host_ms is close to its step_ms kept the GPU waiting for the host: its cost is
-// the host's, and FSDP's share of that is printed under the fsdp row (the phase timers' host
-// times per step: fsdp/debug/phase_timers.h). A host_ms well below step_ms means the GPU was the
-// bottleneck (kernels, or waits between streams). docs/gpu.md reads these lines.
+// A step whose host_ms is close to its step_ms kept the GPU waiting for the host (or the host
+// waited inside the step: a synchronisation, which Gpu.ThreeStepsWithoutHostSyncBeyondClipAndLossRead
+// rules out for FSDP's own code): its cost is the host's, and FSDP's share of that is printed
+// under the fsdp row (the phase timers' host times per step: fsdp/debug/phase_timers.h). A host_ms well below step_ms
+// means the GPU was the bottleneck (kernels, or waits between streams). docs/gpu.md reads these lines.
 #include <torch/cuda.h>
 #include <torch/torch.h>
 

@@ -543,23 +543,9 @@ FSDP_RANK_WORKER(gpu_one_op_copies) {
   fsdp::testing::RangeOpCounter counter;
   step(1);
   torch::cuda::synchronize();
-  std::cout << counter.describe("fsdp::copy_in") << "\n"
-            << counter.describe("fsdp::copy_out") << "\n"
-            << counter.describe("fsdp::reduce_scatter_input") << std::endl;
-  const int64_t gathers = counter.ranges("fsdp::copy_out"), reduces = counter.ranges("fsdp::reduce_scatter_input");
-  TORCH_CHECK(gathers >= c.n_layer + 1 && reduces >= c.n_layer + 1, "expected every unit gathered and reduced; ",
-              counter.describe("fsdp::copy_out"), "; ", counter.describe("fsdp::reduce_scatter_input"));
-  TORCH_CHECK(counter.ops("fsdp::copy_out")["aten::split_with_sizes_copy"] == gathers &&
-                  counter.copies("fsdp::copy_out") == gathers,
-              "copy-out: one split_with_sizes_copy per unit expected; ", counter.describe("fsdp::copy_out"));
-  TORCH_CHECK(counter.ranges("fsdp::copy_in") == gathers &&
-                  counter.ops("fsdp::copy_in")["aten::_foreach_copy_"] == gathers &&
-                  counter.copies("fsdp::copy_in") == gathers,
-              "copy-in: one _foreach_copy_ per unit expected; ", counter.describe("fsdp::copy_in"));
-  TORCH_CHECK(counter.ops("fsdp::reduce_scatter_input")["aten::_chunk_cat"] == reduces &&
-                  counter.copies("fsdp::reduce_scatter_input") == reduces,
-              "reduce-scatter input: one _chunk_cat per unit expected; ",
-              counter.describe("fsdp::reduce_scatter_input"));
+  std::cout << counter.describe_all() << std::flush;
+  fsdp::testing::check_one_copy_op_per_unit(counter, c.n_layer + 1, /*fused_copy_in=*/true,
+                                            /*fused_reduce_input=*/true);
 }
 
 // The rank's model on cuda:1 while the current device stays 0: FSDP must allocate (and the

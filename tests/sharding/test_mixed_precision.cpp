@@ -133,19 +133,8 @@ FSDP_RANK_WORKER(bf16_copies_one_op_per_unit) {
   step(0);
   fsdp::testing::RangeOpCounter counter;
   step(1);
-  const int64_t gathers = counter.ranges("fsdp::copy_out");
-  TORCH_CHECK(gathers >= static_cast<int64_t>(c.n_layer) + 1, "expected a copy-out per all-gather; ",
-              counter.describe("fsdp::copy_out"));
-  TORCH_CHECK(counter.ops("fsdp::copy_out")["aten::split_with_sizes_copy"] == gathers &&
-                  counter.copies("fsdp::copy_out") == gathers,
-              "copy-out must be one split_with_sizes_copy per unit: ", counter.describe("fsdp::copy_out"));
-  TORCH_CHECK(counter.ranges("fsdp::copy_in") == gathers, counter.describe("fsdp::copy_in"));
-  if (fsdp::compat::kHasForeachCopy) {
-    TORCH_CHECK(
-        counter.ops("fsdp::copy_in")["aten::_foreach_copy_"] == gathers && counter.copies("fsdp::copy_in") == gathers,
-        "copy-in must be one _foreach_copy_ per unit: ", counter.describe("fsdp::copy_in"));
-  }
-  TORCH_CHECK(counter.ranges("fsdp::reduce_scatter_input") > 0, counter.describe("fsdp::reduce_scatter_input"));
+  check_one_copy_op_per_unit(counter, c.n_layer + 1, /*fused_copy_in=*/fsdp::compat::kHasForeachCopy,
+                             /*fused_reduce_input=*/false);  // per parameter on the CPU, by design
   if (world->rank() == 0) {
     std::cout << "the operators FSDP's ranges issued themselves in one step:\n" << counter.describe_all() << std::flush;
   }

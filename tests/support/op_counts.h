@@ -15,6 +15,7 @@
 //   counter.ops("fsdp::copy_out")["aten::split_with_sizes_copy"];  // the ops it issued itself
 //   counter.copies("fsdp::copy_out");                           // all of its copy ops
 #include <ATen/record_function.h>
+#include <c10/util/Exception.h>
 
 #include <cstdint>
 #include <map>
@@ -31,7 +32,10 @@ class RangeOpCounter {
     auto cb = at::RecordFunctionCallback(&on_start, &on_end)
                   .needsInputs(false)
                   .scopes({at::RecordScope::FUNCTION, at::RecordScope::USER_SCOPE});
-    state().on = true;
+    {
+      std::lock_guard<std::mutex> lock(state().mu);
+      state().on = true;
+    }
     handle_ = at::addGlobalCallback(std::move(cb));
   }
   ~RangeOpCounter() {
@@ -149,5 +153,26 @@ class RangeOpCounter {
 
   at::CallbackHandle handle_{};
 };
+
+// [Note: one copy kernel per unit], checked on what `counter` saw over whole training steps: every
+// unit was gathered and reduced (at least `units` of each), every copy-out issued exactly one copy,
+// split_with_sizes_copy; with `fused_copy_in` every copy-in one _foreach_copy_, and with
+// `fused_reduce_input` every reduce-scatter input one _chunk_cat. Throws naming the range and what
+// it issued.
+inline void check_one_copy_op_per_unit(const RangeOpCounter& counter, int64_t units, bool fused_copy_in,
+                                       bool fused_reduce_input) {
+  const auto one_op_each = [&](const std::string& range, const std::string& op, int64_t runs) {
+    TORCH_CHECK(counter.ops(range)[op] == runs && counter.copies(range) == runs, range, ": one ", op,
+                " per unit expected; ", counter.describe(range));
+  };
+  const int64_t gathers = counter.ranges("fsdp::copy_out"), reduces = counter.ranges("fsdp::reduce_scatter_input");
+  TORCH_CHECK(gathers >= units && reduces >= units, "expected every unit gathered and reduced; ",
+              counter.describe("fsdp::copy_out"), "; ", counter.describe("fsdp::reduce_scatter_input"));
+  TORCH_CHECK(counter.ranges("fsdp::copy_in") == gathers, "a copy-in per all-gather expected; ",
+              counter.describe("fsdp::copy_in"));
+  one_op_each("fsdp::copy_out", "aten::split_with_sizes_copy", gathers);
+  if (fused_copy_in) one_op_each("fsdp::copy_in", "aten::_foreach_copy_", gathers);
+  if (fused_reduce_input) one_op_each("fsdp::reduce_scatter_input", "aten::_chunk_cat", reduces);
+}
 
 }  // namespace fsdp::testing

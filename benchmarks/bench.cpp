@@ -385,6 +385,7 @@ struct Row {
   std::string result;                  // the result file its workers append a line to, each round
   std::vector<double> medians;         // per round
   std::vector<double> cpus, faults;    // per round: rank 0's CPU seconds and minor page faults per step
+  std::vector<double> floor_cpus;      // per round: the transport floor's CPU seconds (rows that replay)
   std::map<std::string, double> last;  // the last round's result line
   double step() const { return median(medians); }
 };
@@ -434,9 +435,10 @@ struct FloorText {
   const char* target;       // after its ratio to the floor; "" where the row's target is against something else
 };
 
-// A row's transport floor (transport_floor, measured by its worker after its timed steps), against
-// the limit and, when the concurrent row ran, against the limit with the cores shared. Rows whose
-// worker replayed nothing (a world of one, no --floor-steps) print nothing.
+// A row's transport floor (transport_floor, measured by its worker after its timed steps: the median
+// over the rounds, as the step times are, so that one round's slow replay does not move the ratio),
+// against the limit and, when the concurrent row ran, against the limit with the cores shared. Rows
+// whose worker replayed nothing (a world of one, no --floor-steps) print nothing.
 void print_floor(const Row& r, const FloorText& t, double limit, const Row* concurrent, int nproc, int threads) {
   const double collectives = r.last.at("floor_collectives");
   if (collectives == 0) return;
@@ -445,12 +447,13 @@ void print_floor(const Row& r, const FloorText& t, double limit, const Row* conc
                 t.owner, t.collectives);
     return;
   }
-  const double floor_cpu = r.last.at("floor_cpu_s"), floor_ratio = (limit + floor_cpu) / limit;
+  const double floor_cpu = median(r.floor_cpus), floor_ratio = (limit + floor_cpu) / limit;
+  const auto [lo, hi] = std::minmax_element(r.floor_cpus.begin(), r.floor_cpus.end());
   std::printf(
-      "\ntransport floor: %s %d %s of a step replayed alone (%.2f MB sent per rank): %.1f ms of CPU per rank (wall "
-      "%.1f ms)",
+      "\ntransport floor: %s %d %s of a step replayed alone (%.2f MB sent per rank): %.1f ms of CPU per rank (median "
+      "of %zu rounds, %.1f-%.1f ms; wall %.1f ms in the last)",
       t.owner, static_cast<int>(collectives), t.collectives, r.last.at("comm_bytes_per_step") / 1e6, 1e3 * floor_cpu,
-      1e3 * r.last.at("floor_wall_s"));
+      r.floor_cpus.size(), 1e3 * *lo, 1e3 * *hi, 1e3 * r.last.at("floor_wall_s"));
   const long cores = sysconf(_SC_NPROCESSORS_ONLN);
   if (static_cast<long>(nproc) * threads < cores) {
     std::printf(
@@ -542,6 +545,7 @@ int run_driver(const Options& o) {
       r.medians.push_back(line.at("median_step_s"));
       r.cpus.push_back(line.at("cpu_per_step_s"));
       r.faults.push_back(line.at("faults_per_step"));
+      if (line.count("floor_cpu_s") && line.at("floor_collectives") > 0) r.floor_cpus.push_back(line.at("floor_cpu_s"));
       r.last = line;
     }
   }

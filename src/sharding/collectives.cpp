@@ -60,7 +60,7 @@ void copy_out_side_by_side(const std::vector<FSDPParam*>& params, const at::Tens
     one_op = one_op && p->compute_dtype() == gathered.scalar_type();
     total += p->shard_numel();
   }
-  if (one_op && total == gathered.size(1)) {
+  if (one_op && total > 0 && total == gathered.size(1)) {  // (CUDA's kernel divides by the total)
     at::split_with_sizes_copy_out(outs, gathered, sizes, 1);
     return;
   }
@@ -101,8 +101,9 @@ bool chunk_cat_fits(const std::vector<std::pair<FSDPParam*, at::Tensor>>& grads,
   if (g0 != input.scalar_type() && !(g0 == at::kBFloat16 && input.scalar_type() == at::kFloat)) return false;
   const int64_t n = input.size(0);
   for (const auto& [p, g] : grads) {
+    // CUDA's _chunk_cat refuses an empty input ("expects non-empty tensor"): a [k, 0] gradient too.
     if (g.scalar_type() != g0 || g.device() != input.device() || !g.is_contiguous() || p->rows() == 0 ||
-        g.numel() != p->rows() * p->row_numel() || p->padded_rows() != (p->rows() + n - 1) / n) {
+        g.numel() == 0 || g.numel() != p->rows() * p->row_numel() || p->padded_rows() != (p->rows() + n - 1) / n) {
       return false;
     }
   }
@@ -365,15 +366,25 @@ void copy_out_all_gather_output(const FSDPParams& params, const std::vector<int6
   torch::NoGradGuard no_grad;
   const at::Tensor gathered = output.view({-1, total});
   const int64_t n = gathered.size(0), after = n - rank - 1;
+  // One split_with_sizes_copy per block of ranks (those before this one, this one's rows from
+  // `own`, those after), as copy_out_side_by_side makes one for all: not three copies a parameter.
+  std::vector<at::Tensor> before_outs, own_outs, after_outs;
+  std::vector<int64_t> sizes;
   for (size_t i = 0; i < params.size(); ++i) {
     FSDPParam& p = *params[i];
+    TORCH_INTERNAL_ASSERT(offsets[i] == (i == 0 ? 0 : offsets[i - 1] + params[i - 1]->shard_numel()),
+                          "copy-out: the group's offsets are its shards side by side");
     p.alloc_unsharded();
     const at::Tensor by_rank = p.unsharded_by_rank();
-    const at::Tensor cols = gathered.narrow(1, offsets[i], p.shard_numel());
-    if (rank > 0) by_rank.narrow(0, 0, rank).copy_(cols.narrow(0, 0, rank));
-    by_rank[rank].copy_(own.narrow(0, offsets[i], p.shard_numel()));
-    if (after > 0) by_rank.narrow(0, rank + 1, after).copy_(cols.narrow(0, rank + 1, after));
+    sizes.push_back(p.shard_numel());
+    if (rank > 0) before_outs.push_back(by_rank.narrow(0, 0, rank));
+    own_outs.push_back(by_rank.narrow(0, rank, 1));
+    if (after > 0) after_outs.push_back(by_rank.narrow(0, rank + 1, after));
   }
+  if (params.empty()) return;
+  if (rank > 0) at::split_with_sizes_copy_out(before_outs, gathered.narrow(0, 0, rank), sizes, 1);
+  at::split_with_sizes_copy_out(own_outs, own.narrow(0, 0, total).view({1, total}), sizes, 1);
+  if (after > 0) at::split_with_sizes_copy_out(after_outs, gathered.narrow(0, rank + 1, after), sizes, 1);
 }
 
 void copy_in_post_forward(const FSDPParams& params, const std::vector<int64_t>& offsets, const at::Tensor& out,

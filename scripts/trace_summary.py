@@ -9,9 +9,11 @@ wait inside a pre-forward all-gather): each row is inclusive of what runs inside
   scripts/trace_summary.py --step 3 runs/prof/trace_rank0.json runs/prof/trace_rank1.json
 
 --ops adds, for the first trace, what runs inside each phase on its thread: the CUDA kernel
-launches (cudaLaunchKernel* runtime calls; Kineto traces of a GPU run), the copies issued
-(aten::copy_, aten::cat, aten::split_with_sizes_copy, aten::_foreach_copy_, aten::_chunk_cat) and
-the most frequent operators: how many copy kernels a unit's copy-in and copy-out make
+launches (cudaLaunchKernel* runtime calls, nested ones included; Kineto traces of a GPU run), the
+copies issued (aten::copy_, aten::cat, aten::split_with_sizes_copy, aten::_foreach_copy_,
+aten::_chunk_cat) and the most frequent operators, both counting only operators at the top level
+(not those called inside another, as tests/support/op_counts.h counts): how many copy ops a
+unit's copy-in and copy-out make
 ([Note: one copy kernel per unit], src/sharding/collectives.cpp).
 """
 import argparse
@@ -49,13 +51,29 @@ def step_sums(s, inside):
 COPY_OPS = ("aten::copy_", "aten::cat", "aten::split_with_sizes_copy", "aten::_foreach_copy_", "aten::_chunk_cat")
 
 
+def mark_top_level(events):
+    """Sets e["top"] on one thread's events: True where no other of them encloses it (an operator
+    FSDP issued itself, not one called inside another: CUDA's split_with_sizes_copy and _chunk_cat
+    copy their metadata to the device with a nested aten::copy_, which is not a copy of FSDP's)."""
+    open_ends = []
+    for e in sorted(events, key=lambda e: (float(e["ts"]), -float(e.get("dur", 0)))):
+        begin, end = float(e["ts"]), float(e["ts"]) + float(e.get("dur", 0))
+        while open_ends and open_ends[-1] <= begin:
+            open_ends.pop()
+        e["top"] = not open_ends
+        open_ends.append(end)
+
+
 def step_ops(inside):
-    """Per phase: calls, kernel launches, copy ops by name, and all operators by name, inside the step."""
+    """Per phase: calls, kernel launches (nested ones included), and the operators issued at the top
+    level inside it, by name (copies among them)."""
     ranges = [e for e in inside if e["name"].startswith("fsdp::")]
     by_thread = {}
     for e in inside:
         if not e["name"].startswith(("fsdp::", "ProfilerStep#")):
             by_thread.setdefault((e.get("pid"), e.get("tid")), []).append(e)
+    for events in by_thread.values():
+        mark_top_level(events)
     out = {}
     for r in ranges:
         phase = re.sub(r" \(.*\)$", "", r["name"])
@@ -66,7 +84,8 @@ def step_ops(inside):
             if r0 <= float(e["ts"]) and float(e["ts"]) + float(e.get("dur", 0)) <= r1:
                 if e["name"].startswith("cudaLaunchKernel"):
                     row["launches"] += 1
-                row["ops"][e["name"]] = row["ops"].get(e["name"], 0) + 1
+                if e["top"]:
+                    row["ops"][e["name"]] = row["ops"].get(e["name"], 0) + 1
     return out
 
 

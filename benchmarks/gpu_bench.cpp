@@ -22,19 +22,33 @@
 // waited inside the step: a synchronisation, which Gpu.ThreeStepsWithoutHostSyncBeyondClipAndLossRead
 // rules out for FSDP's own code): its cost is the host's, and FSDP's share of that is printed
 // under the fsdp row (the phase timers' host times per step: fsdp/debug/phase_timers.h). A host_ms well below step_ms
-// means the GPU was the bottleneck (kernels, or waits between streams). docs/gpu.md reads these lines.
+// means the GPU was the bottleneck (kernels, or waits between streams). host_ms alone can mislead:
+// once CUDA's launch queue is full (about a thousand launches) the host waits in each launch for
+// the GPU, so a GPU-bound step's host_ms comes close to its step_ms too. So each row also prints
+// backlog_ms at three points of the step (forward issued, backward issued, everything issued):
+// how far the GPU was behind the host there, from a timing event recorded at each point (the GPU's
+// time of it since the step's start, less the host's). A GPU that waited for the host has next to
+// no backlog (it runs each kernel as soon as it is launched); one that the host waited for has the
+// queue's worth. The bound line says host where the backlog is under 0.5 ms at all three points,
+// device where it is 0.5 ms or more at all three, mixed otherwise (without a GPU: host_ms's rule).
+// docs/gpu.md reads these lines.
 #include <torch/cuda.h>
 #include <torch/torch.h>
 
 #ifdef FSDP_HAS_CUDA
+#include <c10/core/Event.h>
 #include <c10/cuda/CUDACachingAllocator.h>
+#include <c10/cuda/CUDAStream.h>
 #endif
 
 #include <algorithm>
+#include <array>
 #include <chrono>
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
+#include <limits>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -93,15 +107,67 @@ fsdp::models::GPTConfig config_of(const Options& o, torch::Device device) {
   return c;
 }
 
+constexpr int kMarks = 3;  // forward issued, backward issued, everything issued
+constexpr const char* kMarkNames = "forward/backward/end";
+
 struct Result {
   double step_s = 0, host_s = 0, peak = 0, wait_s = 0, loss = 0;
-  fsdp::PhaseTimes phases;  // fully_shard's host times over the timed steps
+  std::array<double, kMarks> backlog_ms{};  // medians; NaN without a GPU
+  fsdp::PhaseTimes phases;                  // fully_shard's host times over the timed steps
 };
 
-// step(s) issues step s and returns its loss without waiting for it; the .item() here waits.
+// The GPU's backlog at points of a step: at start() and each mark(i) the host's clock is read and,
+// on a GPU, a timing event recorded on the current stream; once the step has run, backlog_ms(i)
+// is the GPU's time from the start event to mark i's less the host's (how long mark i's event
+// waited behind the work queued before it). NaN on the CPU.
+class Backlog {
+ public:
+  explicit Backlog(bool gpu) : gpu_(gpu) {
+#ifdef FSDP_HAS_CUDA
+    if (gpu_) {
+      // BACKEND_DEFAULT: CUDA's default flags, timing on (PyTorch's default turns it off).
+      for (auto& e : events_) e = std::make_unique<c10::Event>(c10::DeviceType::CUDA, c10::EventFlag::BACKEND_DEFAULT);
+    }
+#endif
+  }
+  void start() {
+    t0_ = std::chrono::steady_clock::now();
+    record(0);
+  }
+  void mark(int i) {
+    host_ms_[i] = 1e3 * fsdp_bench::seconds_since(t0_);
+    record(i + 1);
+  }
+  // After the step's work has finished on the GPU (the loss's .item()).
+  double backlog_ms(int i) const {
+#ifdef FSDP_HAS_CUDA
+    if (gpu_) return events_[0]->elapsedTime(*events_[i + 1]) - host_ms_[i];
+#endif
+    return std::numeric_limits<double>::quiet_NaN();
+  }
+
+ private:
+  void record(int e) {
+#ifdef FSDP_HAS_CUDA
+    if (gpu_) events_[e]->record(c10::cuda::getCurrentCUDAStream());
+#endif
+    (void)e;
+  }
+  bool gpu_;
+  std::chrono::steady_clock::time_point t0_;
+  std::array<double, kMarks> host_ms_{};
+#ifdef FSDP_HAS_CUDA
+  std::array<std::unique_ptr<c10::Event>, kMarks + 1> events_;
+#endif
+};
+
+// step(s, backlog) issues step s, calling backlog.mark(0) when forward is issued and mark(1) when
+// backward is, and returns its loss without waiting for it; the .item() here waits.
 template <typename StepFn>
 Result time_steps(const Options& o, StepFn step) {
   std::vector<double> times, host;
+  std::array<std::vector<double>, kMarks> backlogs;
+  Backlog backlog(kGpu.is_cuda());
   Result r;
   for (int s = 0; s < o.warmup + o.steps; ++s) {
     if (s == o.warmup) {
@@ -109,17 +175,21 @@ Result time_steps(const Options& o, StepFn step) {
       fsdp::reset_phase_timers();
     }
     const auto t0 = std::chrono::steady_clock::now();
-    const at::Tensor loss = step(s);
+    backlog.start();
+    const at::Tensor loss = step(s, backlog);
+    backlog.mark(kMarks - 1);
     const double issued = fsdp_bench::seconds_since(t0);
     r.loss = loss.item<double>();  // waits for the GPU
     if (s >= o.warmup) {
       times.push_back(fsdp_bench::seconds_since(t0));
       host.push_back(issued);
+      for (int i = 0; i < kMarks; ++i) backlogs[i].push_back(backlog.backlog_ms(i));
     }
   }
   r.phases = fsdp::phase_times();
   r.step_s = median(times);
   r.host_s = median(host);
+  for (int i = 0; i < kMarks; ++i) r.backlog_ms[i] = median(backlogs[i]);
   r.wait_s = fsdp::all_gather_wait_seconds() / o.steps;
   r.peak = peak_gib();
   return r;
@@ -137,7 +207,7 @@ Result run_plain(const Options& o) {
   compute->to(at::kBFloat16);
   torch::optim::AdamW opt(master->parameters(), torch::optim::AdamWOptions(3e-4).weight_decay(0.1));
   auto masters = master->parameters(), computes = compute->parameters();
-  return time_steps(o, [&](int s) {
+  return time_steps(o, [&](int s, Backlog& backlog) {
     {
       torch::NoGradGuard g;
       for (size_t i = 0; i < masters.size(); ++i) computes[i].copy_(masters[i]);
@@ -146,7 +216,9 @@ Result run_plain(const Options& o) {
     auto data = batch_of(o, s);
     auto loss = fsdp::models::gpt_loss(compute->forward(data.narrow(1, 0, o.shape.seq)).to(at::kFloat),
                                        data.narrow(1, 1, o.shape.seq));
+    backlog.mark(0);
     loss.backward();
+    backlog.mark(1);
     for (size_t i = 0; i < masters.size(); ++i) masters[i].mutable_grad() = computes[i].grad().to(at::kFloat);
     opt.step();
     return loss.detach();
@@ -166,12 +238,14 @@ Result run_fsdp(const Options& o, bool reshard_after_forward) {
   torch::optim::AdamW opt(model->parameters(), torch::optim::AdamWOptions(3e-4).weight_decay(0.1));
   fsdp::set_all_gather_wait_timing(true);
   fsdp::set_phase_timers(true);
-  Result r = time_steps(o, [&](int s) {
+  Result r = time_steps(o, [&](int s, Backlog& backlog) {
     opt.zero_grad();
     auto data = batch_of(o, s);
     auto loss = fsdp::models::gpt_loss(fsdp::call(model, data.narrow(1, 0, o.shape.seq)).to(at::kFloat),
                                        data.narrow(1, 1, o.shape.seq));
+    backlog.mark(0);
     loss.backward();
+    backlog.mark(1);
     opt.step();
     return loss.detach();
   });
@@ -185,14 +259,24 @@ void print_row(const char* name, const Options& o, const Result& r, const Result
   std::printf(
       "row %-9s tokens_per_s=%.0f step_ms=%.1f host_ms=%.1f peak_gib=%.2f ag_wait_ms_per_step=%.2f last_loss=%.4f",
       name, tokens / r.step_s, r.step_s * 1e3, r.host_s * 1e3, r.peak, r.wait_s * 1e3, r.loss);
+  if (std::isnan(r.backlog_ms[0]))
+    std::printf(" backlog_ms=n/a");
+  else
+    std::printf(" backlog_ms=%.2f/%.2f/%.2f", r.backlog_ms[0], r.backlog_ms[1], r.backlog_ms[2]);
   if (plain)
     std::printf(" vs_plain=%.3f fsdp_host_cpu_ms=%.1f", plain->step_s / r.step_s, r.phases.own_cpu_ms() / o.steps);
   std::printf("\n");
   std::fflush(stdout);
 }
 
-// Host-bound when the host issued the step for most of its time (the GPU then waited for it).
-const char* bound_by(const Result& r) { return r.host_s >= 0.9 * r.step_s ? "host" : "device"; }
+// Host-bound where the GPU had next to no backlog at every mark (it waited for the host), device-
+// bound where it had some at every mark; without a GPU's events, where the host issued the step for
+// most of its time.
+const char* bound_by(const Result& r) {
+  if (std::isnan(r.backlog_ms[0])) return r.host_s >= 0.9 * r.step_s ? "host" : "device";
+  const auto behind = std::count_if(r.backlog_ms.begin(), r.backlog_ms.end(), [](double b) { return b >= 0.5; });
+  return behind == 0 ? "host" : behind == kMarks ? "device" : "mixed";
+}
 
 }  // namespace
 
@@ -228,8 +312,10 @@ int main(int argc, char** argv) {
   print_row("plain", o, best_plain, nullptr);
   print_row("fsdp", o, best_fsdp, &best_plain);
   print_row("fsdp_keep", o, best_keep, &best_plain);
-  std::printf("bound plain=%s fsdp=%s fsdp_keep=%s (host: host_ms >= 0.9 x step_ms)\n", bound_by(best_plain),
-              bound_by(best_fsdp), bound_by(best_keep));
+  std::printf(
+      "bound plain=%s fsdp=%s fsdp_keep=%s (backlog_ms at %s issued: host where under 0.5 ms at all, device where "
+      "0.5 ms or more at all, else mixed; without a GPU, host where host_ms >= 0.9 x step_ms)\n",
+      bound_by(best_plain), bound_by(best_fsdp), bound_by(best_keep), kMarkNames);
   std::printf("fsdp phases (host ms per step, the fsdp row's best round):\n%s",
               best_fsdp.phases.table(o.steps).c_str());
   std::printf("target fsdp >= 0.97 x plain tokens/s: %s\n",

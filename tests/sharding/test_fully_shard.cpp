@@ -14,6 +14,7 @@
 #include "fsdp/debug.h"
 #include "fsdp/fsdp.h"
 #include "multiprocess.h"
+#include "op_counts.h"
 #include "parity.h"
 
 using namespace fsdp::testing;
@@ -342,4 +343,45 @@ FSDP_RANK_WORKER(grads_share_unit_buffer) {
 TEST(FullyShardGradients, NewGradientsShareOneBufferPerUnit) {
   auto r = run_ranks(2, "grads_share_unit_buffer");
   EXPECT_TRUE(r.all_ok()) << r.report();
+}
+
+// [Note: one copy kernel per unit] on the CPU's default path, the shards in one buffer
+// ([Note: the shards in one buffer], fsdp_param_group.cpp): copy-out takes this rank's rows from
+// the unit's shard buffer and the other ranks' from the all-gather output, one
+// split_with_sizes_copy per block of ranks (those before this one, this one, those after) however
+// many parameters the unit has: two on the first and last rank, three on a middle one.
+FSDP_RANK_WORKER(copy_out_from_shard_buffer_ops) {
+  const fsdp::testing::FlatCpuCollectives flat;  // restores the options below too
+  fsdp::CpuCollectiveOptions o = fsdp::cpu_collective_options();
+  o.shards_in_one_buffer = true;
+  fsdp::set_cpu_collective_options(o);
+  const auto c = uneven_config();
+  const int n = fsdp::dist::world_size(), rank = fsdp::dist::rank();
+  torch::manual_seed(42);
+  GPT model(c);
+  shard_blocks_then_root(model);
+  torch::optim::AdamW opt(model->parameters(), torch::optim::AdamWOptions(3e-3));
+  auto step = [&](int s) {
+    opt.zero_grad();
+    const auto data = global_batch(c, 6, s, 0).narrow(0, rank * (6 / n), 6 / n);
+    fsdp::models::gpt_loss(fsdp::call(model, data.narrow(1, 0, c.block_size)), data.narrow(1, 1, c.block_size))
+        .backward();
+    opt.step();
+  };
+  step(0);
+  fsdp::testing::RangeOpCounter counter;
+  step(1);
+  const int64_t gathers = counter.ranges("fsdp::copy_out"), blocks = 1 + (rank > 0) + (rank + 1 < n);
+  TORCH_CHECK(gathers >= c.n_layer + 1, "expected every unit gathered; ", counter.describe("fsdp::copy_out"));
+  TORCH_CHECK(counter.ops("fsdp::copy_out")["aten::split_with_sizes_copy"] == blocks * gathers &&
+                  counter.copies("fsdp::copy_out") == blocks * gathers,
+              "rank ", rank, " of ", n, ": ", blocks,
+              " split_with_sizes_copy per copy-out and no other copy expected; ", counter.describe("fsdp::copy_out"));
+}
+
+TEST(FullyShardCopies, CopyOutFromTheShardBufferIsOneOpPerBlockOfRanks) {
+  for (int n : {2, 3}) {
+    auto r = run_ranks(n, "copy_out_from_shard_buffer_ops");
+    EXPECT_TRUE(r.all_ok()) << n << " ranks: " << r.report();
+  }
 }

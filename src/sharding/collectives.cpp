@@ -308,7 +308,9 @@ void release_reduce_pieces(ReducePieces& pieces) {
 //  - copy-out: at::split_with_sizes_copy_out of the all-gather output [N, total] along dim 1 into
 //    each parameter's unsharded storage seen as [N, shard_numel] (FSDPParam::unsharded_by_rank:
 //    the storage holds the padding rows, as FSDP2's padded unsharded parameters do). One kernel on
-//    CUDA (2.3+); a strided copy per parameter on the CPU and on 1.13, as before.
+//    CUDA (2.3+); on the CPU one op still (its copies inside). The CPU's default, gathering from
+//    the shard buffer, takes this rank's rows from that buffer: one op per block of ranks (before
+//    it, it, after it; FullyShardCopies.CopyOutFromTheShardBufferIsOneOpPerBlockOfRanks).
 //  - reduce-scatter input: at::_chunk_cat_out (LibTorch 2.4+) on CUDA, the padding zeroed and a
 //    bf16 gradient cast to a float32 reduction in the same kernel. On the CPU split_rows stays: it
 //    frees each gradient as soon as it is copied, which _chunk_cat (all inputs at once) cannot.

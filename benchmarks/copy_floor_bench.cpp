@@ -27,8 +27,6 @@
 // One process: two ranks copying at once on two cores share the memory bandwidth, which only
 // raises the floor.
 
-#include <unistd.h>
-
 #include <algorithm>
 #include <chrono>
 #include <cstdio>

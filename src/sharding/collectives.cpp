@@ -37,25 +37,22 @@ void split_rows(const at::Tensor& full, const at::Tensor& out, int64_t offset, i
   }
 }
 
-// gathered: [N, total]; parameter p's chunk of every rank starts at column `offset`. The inverse of
-// split_rows, one strided copy: the unsharded storage has room for every rank's padded rows
-// (FSDPParam::unsharded_by_rank), so the padding comes along instead of a copy per short rank.
-void copy_out_param(FSDPParam& p, const at::Tensor& gathered, int64_t offset) {
-  p.unsharded_by_rank().copy_(gathered.narrow(1, offset, p.shard_numel()));
-}
-
-// gathered [N, total] holds `params`' shards side by side from column 0 (their unsharded storage
-// allocated): one op into all their storages where they compute in its dtype ([Note: one copy
-// kernel per unit]), else a strided copy each.
-void copy_out_side_by_side(const std::vector<FSDPParam*>& params, const at::Tensor& gathered) {
+// gathered [k, total] holds ranks first_rank .. first_rank + k - 1 of `params`' shards, side by
+// side from column 0 (their unsharded storage allocated): those rows of each storage seen by rank
+// (FSDPParam::unsharded_by_rank: room for every rank's padded rows, so the padding comes along).
+// One op into all their storages where they compute in its dtype ([Note: one copy kernel per
+// unit]), else a strided copy each (the inverse of split_rows).
+void copy_out_side_by_side(const std::vector<FSDPParam*>& params, const at::Tensor& gathered, int64_t first_rank = 0) {
   std::vector<at::Tensor> outs;
   std::vector<int64_t> sizes;
   outs.reserve(params.size());
   sizes.reserve(params.size());
   bool one_op = !params.empty();
   int64_t total = 0;
+  const int64_t k = gathered.size(0);
   for (FSDPParam* p : params) {
-    outs.push_back(p->unsharded_by_rank());
+    const at::Tensor by_rank = p->unsharded_by_rank();
+    outs.push_back(first_rank == 0 && k == by_rank.size(0) ? by_rank : by_rank.narrow(0, first_rank, k));
     sizes.push_back(p->shard_numel());
     one_op = one_op && p->compute_dtype() == gathered.scalar_type();
     total += p->shard_numel();
@@ -65,10 +62,24 @@ void copy_out_side_by_side(const std::vector<FSDPParam*>& params, const at::Tens
     return;
   }
   int64_t offset = 0;
-  for (FSDPParam* p : params) {
-    copy_out_param(*p, gathered, offset);
-    offset += p->shard_numel();
+  for (size_t i = 0; i < params.size(); ++i) {
+    outs[i].copy_(gathered.narrow(1, offset, sizes[i]));
+    offset += sizes[i];
   }
+}
+
+// `params` in order with their unsharded storage allocated, checking that `offsets` lay their
+// shards side by side (what copy_out_side_by_side reads).
+std::vector<FSDPParam*> allocated_side_by_side(const FSDPParams& params, const std::vector<int64_t>& offsets) {
+  std::vector<FSDPParam*> in_order;
+  in_order.reserve(params.size());
+  for (size_t i = 0; i < params.size(); ++i) {
+    TORCH_INTERNAL_ASSERT(offsets[i] == (i == 0 ? 0 : offsets[i - 1] + params[i - 1]->shard_numel()),
+                          "copy-out: the group's offsets are its shards side by side");
+    params[i]->alloc_unsharded();
+    in_order.push_back(params[i].get());
+  }
+  return in_order;
 }
 
 // Rank r's rows of `p`, as [first row, count): only the rows that exist (none for a rank past
@@ -352,15 +363,7 @@ void copy_out_all_gather_output(const FSDPParams& params, const std::vector<int6
                                 int64_t total) {
   torch::NoGradGuard no_grad;
   const at::Tensor gathered = output.view({-1, total});
-  std::vector<FSDPParam*> in_order;
-  in_order.reserve(params.size());
-  for (size_t i = 0; i < params.size(); ++i) {
-    TORCH_INTERNAL_ASSERT(offsets[i] == (i == 0 ? 0 : offsets[i - 1] + params[i - 1]->shard_numel()),
-                          "copy-out: the group's offsets are its shards side by side");
-    params[i]->alloc_unsharded();
-    in_order.push_back(params[i].get());
-  }
-  copy_out_side_by_side(in_order, gathered);
+  copy_out_side_by_side(allocated_side_by_side(params, offsets), gathered);
 }
 
 void copy_out_all_gather_output(const FSDPParams& params, const std::vector<int64_t>& offsets, const at::Tensor& output,
@@ -368,25 +371,12 @@ void copy_out_all_gather_output(const FSDPParams& params, const std::vector<int6
   torch::NoGradGuard no_grad;
   const at::Tensor gathered = output.view({-1, total});
   const int64_t n = gathered.size(0), after = n - rank - 1;
-  // One split_with_sizes_copy per block of ranks (those before this one, this one's rows from
-  // `own`, those after), as copy_out_side_by_side makes one for all: not three copies a parameter.
-  std::vector<at::Tensor> before_outs, own_outs, after_outs;
-  std::vector<int64_t> sizes;
-  for (size_t i = 0; i < params.size(); ++i) {
-    FSDPParam& p = *params[i];
-    TORCH_INTERNAL_ASSERT(offsets[i] == (i == 0 ? 0 : offsets[i - 1] + params[i - 1]->shard_numel()),
-                          "copy-out: the group's offsets are its shards side by side");
-    p.alloc_unsharded();
-    const at::Tensor by_rank = p.unsharded_by_rank();
-    sizes.push_back(p.shard_numel());
-    if (rank > 0) before_outs.push_back(by_rank.narrow(0, 0, rank));
-    own_outs.push_back(by_rank.narrow(0, rank, 1));
-    if (after > 0) after_outs.push_back(by_rank.narrow(0, rank + 1, after));
-  }
-  if (params.empty()) return;
-  if (rank > 0) at::split_with_sizes_copy_out(before_outs, gathered.narrow(0, 0, rank), sizes, 1);
-  at::split_with_sizes_copy_out(own_outs, own.narrow(0, 0, total).view({1, total}), sizes, 1);
-  if (after > 0) at::split_with_sizes_copy_out(after_outs, gathered.narrow(0, rank + 1, after), sizes, 1);
+  // One op per block of ranks (those before this one, this one's rows from `own`, those after),
+  // not three copies a parameter.
+  const std::vector<FSDPParam*> in_order = allocated_side_by_side(params, offsets);
+  if (rank > 0) copy_out_side_by_side(in_order, gathered.narrow(0, 0, rank));
+  copy_out_side_by_side(in_order, own.narrow(0, 0, total).view({1, total}), rank);
+  if (after > 0) copy_out_side_by_side(in_order, gathered.narrow(0, rank + 1, after), rank + 1);
 }
 
 void copy_in_post_forward(const FSDPParams& params, const std::vector<int64_t>& offsets, const at::Tensor& out,

@@ -10,11 +10,14 @@
 // spent on it; its figures mean nothing.
 //
 // Rows (one line each, "row <name> key=value ..."): tokens/s (median step), peak GPU memory
-// allocated, and for fully_shard how long the compute stream waited on all-gathers per step.
+// allocated, and the caching allocator's segment allocations, frees and retries per timed step
+// (each a cudaMalloc or cudaFree, which a steady step should not need).
 // Plain: the fp32 model is the optimizer's; a bf16 copy computes (copied in before each step,
 // gradients handed back in fp32): the same arithmetic as FSDP's MixedPrecisionPolicy.
 // fsdp_keep is fully_shard with reshard_after_forward=false (no all-gather in backward): what
-// backward's gathers cost.
+// backward's gathers cost. fsdp_timers is fsdp again with FSDP's phase timers and all-gather wait
+// timing on (a clock system call a phase, two events a gather): the phase table and how long the
+// compute stream waited on all-gathers come from it; the rows compared with plain run without them.
 //
 // Host-bound or device-bound: each row also prints host_ms, the median time from a step's start
 // until the host has issued all of its work (just before the loss's .item() waits for the GPU).
@@ -32,6 +35,7 @@
 // queue's worth. The bound line says host where the backlog is under 0.5 ms at all three points,
 // device where it is 0.5 ms or more at all three, mixed otherwise (without a GPU: host_ms's rule).
 // docs/gpu.md reads these lines.
+#include <ATen/record_function.h>
 #include <torch/cuda.h>
 #include <torch/torch.h>
 
@@ -43,6 +47,7 @@
 
 #include <algorithm>
 #include <array>
+#include <atomic>
 #include <chrono>
 #include <cmath>
 #include <cstdio>
@@ -91,6 +96,25 @@ void reset_peak() {
   c10::cuda::CUDACachingAllocator::resetPeakStats(0);
 #endif
 }
+// The caching allocator's trips to the device (cudaMalloc / cudaFree of segments) and its retries
+// (a failed cudaMalloc: every cached block freed, the device synchronised). In a steady step there
+// should be none: each one synchronises or stalls the host, and a row that pays them every step
+// is slower for it, whatever its kernels. All zero without a GPU.
+struct AllocatorCounts {
+  int64_t segments_allocated = 0, segments_freed = 0, retries = 0;
+};
+AllocatorCounts allocator_counts() {
+  AllocatorCounts c;
+  if (!kGpu.is_cuda()) return c;
+#ifdef FSDP_HAS_CUDA
+  const auto stats = c10::cuda::CUDACachingAllocator::getDeviceStats(0);
+  c.segments_allocated = stats.segment[0].allocated;  // [0]: all pools
+  c.segments_freed = stats.segment[0].freed;
+  c.retries = stats.num_alloc_retries;
+#endif
+  return c;
+}
+
 double peak_gib() {
   if (!kGpu.is_cuda()) return 0;
 #ifdef FSDP_HAS_CUDA
@@ -107,13 +131,50 @@ fsdp::models::GPTConfig config_of(const Options& o, torch::Device device) {
   return c;
 }
 
+// The ATen operators one step dispatches, on every thread (backward runs on the device's autograd
+// thread on a GPU): all of them, and the top-level ones (those no other operator called: what the
+// model, autograd's backward functions, the optimizer and FSDP's hooks issue themselves). On a GPU
+// each is host time (dispatch, and a kernel launch for most), so the rows' difference is the host
+// work fully_shard adds to a step; docs/gpu.md reads it beside backlog_ms.
+class OpCounter {
+ public:
+  OpCounter() {
+    top_ = 0;
+    all_ = 0;
+    handle_ = at::addGlobalCallback(
+        at::RecordFunctionCallback(&on_start, &on_end).needsInputs(false).scopes({at::RecordScope::FUNCTION}));
+  }
+  ~OpCounter() { at::removeCallback(handle_); }
+  OpCounter(const OpCounter&) = delete;
+  OpCounter& operator=(const OpCounter&) = delete;
+  int64_t top() const { return top_; }
+  int64_t all() const { return all_; }
+
+ private:
+  static int& depth() {
+    thread_local int d = 0;
+    return d;
+  }
+  static std::unique_ptr<at::ObserverContext> on_start(const at::RecordFunction&) {
+    ++all_;
+    if (depth()++ == 0) ++top_;
+    return nullptr;
+  }
+  static void on_end(const at::RecordFunction&, at::ObserverContext*) { --depth(); }
+  static inline std::atomic<int64_t> top_{0}, all_{0};
+  at::CallbackHandle handle_;
+};
+
 constexpr int kMarks = 3;  // forward issued, backward issued, everything issued
 constexpr const char* kMarkNames = "forward/backward/end";
 
 struct Result {
   double step_s = 0, host_s = 0, peak = 0, wait_s = 0, loss = 0;
-  std::array<double, kMarks> backlog_ms{};  // medians; NaN without a GPU
-  fsdp::PhaseTimes phases;                  // fully_shard's host times over the timed steps
+  double segments_allocated = 0, segments_freed = 0, retries = 0;  // per timed step (AllocatorCounts)
+  int64_t ops_top = 0, ops_all = 0;                                // in one more step (OpCounter)
+  std::array<double, kMarks> backlog_ms{};                         // medians; NaN without a GPU
+  bool instrumented = false;  // the phase timers and all-gather wait timing were on
+  fsdp::PhaseTimes phases;    // fully_shard's host times over the timed steps (instrumented)
 };
 
 // The GPU's backlog at points of a step: at start() and each mark(i) the host's clock is read and,
@@ -169,10 +230,12 @@ Result time_steps(const Options& o, StepFn step) {
   std::array<std::vector<double>, kMarks> backlogs;
   Backlog backlog(kGpu.is_cuda());
   Result r;
+  AllocatorCounts before;
   for (int s = 0; s < o.warmup + o.steps; ++s) {
     if (s == o.warmup) {
       fsdp::all_gather_wait_seconds();  // drop the warmup's waits
       fsdp::reset_phase_timers();
+      before = allocator_counts();
     }
     const auto t0 = std::chrono::steady_clock::now();
     backlog.start();
@@ -186,6 +249,19 @@ Result time_steps(const Options& o, StepFn step) {
       for (int i = 0; i < kMarks; ++i) backlogs[i].push_back(backlog.backlog_ms(i));
     }
   }
+  const AllocatorCounts after = allocator_counts();
+  {
+    // One more step, untimed, its operators counted (the callback slows it).
+    OpCounter ops;
+    const at::Tensor loss = step(o.warmup + o.steps, backlog);
+    r.loss = loss.item<double>();
+    r.ops_top = ops.top();
+    r.ops_all = ops.all();
+  }
+  const double steps = std::max(1, o.steps);
+  r.segments_allocated = static_cast<double>(after.segments_allocated - before.segments_allocated) / steps;
+  r.segments_freed = static_cast<double>(after.segments_freed - before.segments_freed) / steps;
+  r.retries = static_cast<double>(after.retries - before.retries) / steps;
   r.phases = fsdp::phase_times();
   r.step_s = median(times);
   r.host_s = median(host);
@@ -225,7 +301,10 @@ Result run_plain(const Options& o) {
   });
 }
 
-Result run_fsdp(const Options& o, bool reshard_after_forward) {
+// instrumented: with the phase timers (two clock reads a phase, one of them a system call) and the
+// all-gather wait timing (two events an all-gather) on, for the phase table; the rows compared
+// with plain run without them, as plain runs without anything of the kind.
+Result run_fsdp(const Options& o, bool reshard_after_forward, bool instrumented) {
   reset_peak();
   fsdp::models::GPT model(config_of(o, torch::kMeta));
   fsdp::FullyShardOptions so;
@@ -236,8 +315,8 @@ Result run_fsdp(const Options& o, bool reshard_after_forward) {
   fsdp::to_empty(*model, kGpu);
   model->reset_parameters();
   torch::optim::AdamW opt(model->parameters(), torch::optim::AdamWOptions(3e-4).weight_decay(0.1));
-  fsdp::set_all_gather_wait_timing(true);
-  fsdp::set_phase_timers(true);
+  fsdp::set_all_gather_wait_timing(instrumented);
+  fsdp::set_phase_timers(instrumented);
   Result r = time_steps(o, [&](int s, Backlog& backlog) {
     opt.zero_grad();
     auto data = batch_of(o, s);
@@ -251,20 +330,27 @@ Result run_fsdp(const Options& o, bool reshard_after_forward) {
   });
   fsdp::set_phase_timers(false);
   fsdp::set_all_gather_wait_timing(false);
+  r.instrumented = instrumented;
   return r;
 }
 
 void print_row(const char* name, const Options& o, const Result& r, const Result* plain) {
   const double tokens = static_cast<double>(o.shape.batch * o.shape.seq);
-  std::printf(
-      "row %-9s tokens_per_s=%.0f step_ms=%.1f host_ms=%.1f peak_gib=%.2f ag_wait_ms_per_step=%.2f last_loss=%.4f",
-      name, tokens / r.step_s, r.step_s * 1e3, r.host_s * 1e3, r.peak, r.wait_s * 1e3, r.loss);
+  std::printf("row %-11s tokens_per_s=%.0f step_ms=%.1f host_ms=%.1f peak_gib=%.2f last_loss=%.4f", name,
+              tokens / r.step_s, r.step_s * 1e3, r.host_s * 1e3, r.peak, r.loss);
+  if (kGpu.is_cuda())
+    std::printf(" cuda_segments_alloc_per_step=%.1f cuda_segments_freed_per_step=%.1f alloc_retries_per_step=%.1f",
+                r.segments_allocated, r.segments_freed, r.retries);
+  else
+    std::printf(" cuda_segments=n/a");
   if (std::isnan(r.backlog_ms[0]))
     std::printf(" backlog_ms=n/a");
   else
     std::printf(" backlog_ms=%.2f/%.2f/%.2f", r.backlog_ms[0], r.backlog_ms[1], r.backlog_ms[2]);
-  if (plain)
-    std::printf(" vs_plain=%.3f fsdp_host_cpu_ms=%.1f", plain->step_s / r.step_s, r.phases.own_cpu_ms() / o.steps);
+  std::printf(" aten_ops_per_step=%lld/%lld", static_cast<long long>(r.ops_top), static_cast<long long>(r.ops_all));
+  if (plain) std::printf(" vs_plain=%.3f", plain->step_s / r.step_s);
+  if (r.instrumented)
+    std::printf(" ag_wait_ms_per_step=%.2f fsdp_host_cpu_ms=%.1f", r.wait_s * 1e3, r.phases.own_cpu_ms() / o.steps);
   std::printf("\n");
   std::fflush(stdout);
 }
@@ -303,27 +389,31 @@ int main(int argc, char** argv) {
   Result best_plain, best_fsdp, best_keep;
   for (int round = 0; round < o.rounds; ++round) {  // alternate; keep each one's best median
     Result p = run_plain(o);
-    Result f = run_fsdp(o, /*reshard_after_forward=*/true);
-    Result k = run_fsdp(o, /*reshard_after_forward=*/false);
+    Result f = run_fsdp(o, /*reshard_after_forward=*/true, /*instrumented=*/false);
+    Result k = run_fsdp(o, /*reshard_after_forward=*/false, /*instrumented=*/false);
     if (round == 0 || p.step_s < best_plain.step_s) best_plain = p;
     if (round == 0 || f.step_s < best_fsdp.step_s) best_fsdp = f;
     if (round == 0 || k.step_s < best_keep.step_s) best_keep = k;
   }
+  // Once more with the phase timers on, for the table below (and what they cost: against fsdp).
+  const Result timed = run_fsdp(o, /*reshard_after_forward=*/true, /*instrumented=*/true);
   print_row("plain", o, best_plain, nullptr);
   print_row("fsdp", o, best_fsdp, &best_plain);
   print_row("fsdp_keep", o, best_keep, &best_plain);
+  print_row("fsdp_timers", o, timed, &best_plain);
   std::printf(
       "bound plain=%s fsdp=%s fsdp_keep=%s (backlog_ms at %s issued: host where under 0.5 ms at all, device where "
       "0.5 ms or more at all, else mixed; without a GPU, host where host_ms >= 0.9 x step_ms)\n",
       bound_by(best_plain), bound_by(best_fsdp), bound_by(best_keep), kMarkNames);
-  std::printf("fsdp phases (host ms per step, the fsdp row's best round):\n%s",
-              best_fsdp.phases.table(o.steps).c_str());
+  std::printf("fsdp phases (host ms per step, the fsdp_timers row: fsdp with the phase timers on):\n%s",
+              timed.phases.table(o.steps).c_str());
   std::printf("target fsdp >= 0.97 x plain tokens/s: %s\n",
               best_plain.step_s / best_fsdp.step_s >= 0.97 ? "met" : "NOT met");
   if (o.dry_run_on_cpu) {
     // The rows train the same model from the same values on the same tokens with the same
     // arithmetic: on the CPU their last losses agree (a GPU's kernels may round differently).
-    for (const Result* r : {&best_fsdp, &best_keep}) {
+    const Result* sharded[] = {&best_fsdp, &best_keep, &timed};
+    for (const Result* r : sharded) {
       if (std::abs(r->loss - best_plain.loss) > 1e-3) {
         std::fprintf(stderr, "gpu_bench: the fully_shard rows do not train as the plain one does: loss %.6f vs %.6f\n",
                      r->loss, best_plain.loss);

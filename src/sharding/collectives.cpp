@@ -312,9 +312,12 @@ void release_reduce_pieces(ReducePieces& pieces) {
 // _fsdp_collectives.py makes them, so that a GPU launches one copy kernel per unit and phase, not
 // one per parameter (the H200's trace of train_gpt counted 293 copy-in and 293 copy-out copies a
 // step, docs/gpu.md):
-//  - copy-in: at::cat_out of the shards where they have the input's dtype; under mixed precision
-//    (a cast) at::_foreach_copy_ into the input's slices (one multi-tensor kernel on CUDA, LibTorch
-//    2.1+: compat/fused_copies.h); a copy per parameter otherwise (1.13, or offloaded shards: a
+//  - copy-in: one copy_ of the unit's shard buffer into the input, the cast inside, where the
+//    shards lie in one buffer ([Note: the shards in one buffer], fsdp_param_group.cpp: on a GPU
+//    and under mixed precision from the first all-gather on; no per-parameter op at all). Else
+//    at::cat_out of the shards where they have the input's dtype; under mixed precision (a cast)
+//    at::_foreach_copy_ into the input's slices (one multi-tensor kernel on CUDA, LibTorch 2.1+:
+//    compat/fused_copies.h); a copy per parameter otherwise (1.13, or offloaded shards: a
 //    host-to-device transfer each).
 //  - copy-out: at::split_with_sizes_copy_out of the all-gather output [N, total] along dim 1 into
 //    each parameter's unsharded storage seen as [N, shard_numel] (FSDPParam::unsharded_by_rank:
@@ -327,8 +330,14 @@ void release_reduce_pieces(ReducePieces& pieces) {
 //    frees each gradient as soon as it is copied, which _chunk_cat (all inputs at once) cannot.
 // tests/sharding/test_fused_copies.cpp checks on the CPU that these ops lay rows out as
 // split_rows does (uneven rows, more ranks than rows, a cast); the parity tests run them.
-void copy_in_all_gather_input(const FSDPParams& params, const std::vector<int64_t>& offsets, const at::Tensor& input) {
+void copy_in_all_gather_input(const FSDPParams& params, const std::vector<int64_t>& offsets, const at::Tensor& input,
+                              const at::Tensor& shard_buffer) {
   torch::NoGradGuard no_grad;
+  if (shard_buffer.defined()) {
+    TORCH_INTERNAL_ASSERT(shard_buffer.numel() == input.numel(), "copy-in: the shard buffer holds the unit's total");
+    input.copy_(shard_buffer, /*non_blocking=*/true);
+    return;
+  }
   // One op for the whole unit where every shard is on the input's device with one dtype: a
   // concatenation where that is the input's (the offsets are the shards side by side), else a
   // multi-tensor copy with the cast where this LibTorch has it; else a copy (a cast, or a
@@ -406,7 +415,9 @@ at::Tensor build_reduce_scatter_input(std::vector<std::pair<FSDPParam*, at::Tens
     std::vector<at::Tensor> rows;
     rows.reserve(grads.size());
     for (const auto& [p, g] : grads) {
-      rows.push_back(g.view({p->rows(), p->row_numel()}));
+      // In its own shape (_chunk_cat cuts along dim 0 whatever the trailing dims): no view op per
+      // parameter, but for a 0-dim one (FSDP shards it as one row).
+      rows.push_back(g.dim() == 0 ? g.view({1}) : g);
       placed.emplace_back(p, offset);
       offset += p->shard_numel();
     }

@@ -27,8 +27,11 @@ namespace fsdp::detail {
 
 using FSDPParams = std::vector<std::unique_ptr<FSDPParam>>;
 
-// input: [total] (flat), in the compute dtype, on the compute device.
-void copy_in_all_gather_input(const FSDPParams& params, const std::vector<int64_t>& offsets, const at::Tensor& input);
+// input: [total] (flat), in the compute dtype, on the compute device. shard_buffer: where defined,
+// every padded shard side by side at `offsets` in one tensor of `total` ([Note: the shards in one
+// buffer]), copied (cast) into the input as one tensor.
+void copy_in_all_gather_input(const FSDPParams& params, const std::vector<int64_t>& offsets, const at::Tensor& input,
+                              const at::Tensor& shard_buffer = at::Tensor());
 
 // Allocates every unsharded parameter and copies its rows out of `output` ([N * total], flat).
 void copy_out_all_gather_output(const FSDPParams& params, const std::vector<int64_t>& offsets, const at::Tensor& output,

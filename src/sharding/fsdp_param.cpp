@@ -224,10 +224,18 @@ void FSDPParam::accumulate_unsharded_grad() {
   unsharded_param_.mutable_grad().reset();
 }
 
+at::Tensor FSDPParam::reduced_rows(const at::Tensor& reduced, int64_t offset) const {
+  // One view op where the reduced buffer is flat and contiguous (every caller's), not a narrow and a view.
+  if (reduced.dim() == 1 && reduced.is_contiguous())
+    return reduced.as_strided(local_shape_, c10::contiguous_strides(local_shape_), reduced.storage_offset() + offset);
+  return reduced.narrow(0, offset, local_rows_ * row_numel_).view(local_shape_);
+}
+
 void FSDPParam::accumulate_sharded_grad(const at::Tensor& reduced, int64_t offset) {
-  at::Tensor g = reduced.narrow(0, offset, local_rows_ * row_numel_).view(local_shape_);
-  // Back to the shard's dtype and device (the CPU when offloaded).
-  g = g.to(sharded_param_.device(), sharded_param_.scalar_type());
+  at::Tensor g = reduced_rows(reduced, offset);
+  // Back to the shard's dtype and device (the CPU when offloaded); no op where they already are.
+  if (g.scalar_type() != sharded_param_.scalar_type() || g.device() != sharded_param_.device())
+    g = g.to(sharded_param_.device(), sharded_param_.scalar_type());
   at::Tensor& grad = sharded_param_.mutable_grad();
   torch::NoGradGuard no_grad;
   if (grad.defined()) {
@@ -246,9 +254,15 @@ bool FSDPParam::adopt_sharded_grad(const at::Tensor& owned, int64_t offset) {
       owned.device() != sharded_param_.device() || !owned.is_contiguous()) {
     return false;
   }
-  at::Tensor slot = at::empty({0}, owned.options().requires_grad(false));
-  slot.set_(owned.storage(), owned.storage_offset() + offset, local_shape_, c10::contiguous_strides(local_shape_));
-  grad = slot;
+  // A tensor of its own on `owned`'s storage, not an autograd view (optimizers detach_() gradients),
+  // made without an operator: a shallow copy of `owned`'s TensorImpl (what variable_data() makes,
+  // with its metadata left changeable), then this parameter's offset and shape. On a GPU each
+  // operator is host time, and this runs for every parameter of every step.
+  c10::intrusive_ptr<c10::TensorImpl> impl = owned.unsafeGetTensorImpl()->shallow_copy_and_detach(
+      /*version_counter=*/c10::VariableVersion(0), /*allow_tensor_metadata_change=*/true);
+  impl->set_storage_offset(owned.storage_offset() + offset);
+  impl->set_sizes_contiguous(local_shape_);
+  grad = at::Tensor(std::move(impl));
   return true;
 }
 

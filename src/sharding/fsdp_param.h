@@ -114,6 +114,8 @@ class FSDPParam {
   void accumulate_unsharded_grad();
   // reduced: this rank's flat reduce-scatter output; adds to (or sets) sharded_param.grad.
   void accumulate_sharded_grad(const at::Tensor& reduced, int64_t offset);
+  // This parameter's rows of `reduced` (flat), in the sharded parameter's shape: a view.
+  at::Tensor reduced_rows(const at::Tensor& reduced, int64_t offset) const;
   // With no gradient yet: sharded_param.grad becomes this parameter's rows of `owned` itself (FSDP2's
   // gradients as views of the reduce-scatter output), not a copy. `owned` is flat, in the shard's
   // dtype and on its device, and the caller hands it over: nothing else writes it afterwards. The

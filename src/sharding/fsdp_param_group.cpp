@@ -1,5 +1,7 @@
 #include "fsdp_param_group.h"
 
+#include <algorithm>
+
 #include <c10/core/StreamGuard.h>
 #include <torch/torch.h>
 
@@ -146,15 +148,26 @@ void FSDPParamGroup::unshard(bool async_op, const c10::Event* after) {
   }
   // In place: the input is this rank's row of the output (FSDP2's layout), no buffer of its own.
   at::Tensor input = all_gather_output_[comm_->rank()];
+  // [Note: the shards in one buffer]: copy-in is one copy of the buffer (the cast inside). The
+  // first all-gather moves the shards there, on the current stream.
+  bool moved = false;
+  if (!shards_in_buffer() && keeps_shards_in_buffer()) {
+    PhaseScope timed(Phase::CopyIn);
+    const profiler::Range range("fsdp::move_shards_to_buffer", label);
+    move_shards_to_buffer();
+    moved = true;
+  }
+  const at::Tensor from_buffer = shards_in_buffer() ? shard_buffer_ : at::Tensor();
   auto copy_in = [&] {
     PhaseScope timed(Phase::CopyIn);
     const profiler::Range range("fsdp::copy_in", label);
-    copy_in_all_gather_input(params_, offsets_, input);
+    copy_in_all_gather_input(params_, offsets_, input, from_buffer);
   };
   if (s) {
     // The shards may have just been updated on the current stream (the optimizer): copy after it,
-    // or after the post-optim event when the root was given one.
-    if (after)
+    // or after the post-optim event when the root was given one (not when they were just moved to
+    // the buffer, on the current stream after that event).
+    if (after && !moved)
       DeviceStreams::wait_event(s->copy_in, *after);
     else
       DeviceStreams::wait_stream(s->copy_in, s->current());
@@ -489,9 +502,15 @@ bool FSDPParamGroup::gathers_pieces() const {
 // Shards are not written while a gather is in flight: the optimizer runs between steps, and every
 // all-gather is waited for before backward ends. (A gather the user issues with
 // FSDPModule::unshard(async) sends the shards as they are until it is waited for, not as they
-// were at the call: change no shard in between, as FSDP2 would have sent the old values.) Off with
-// CpuCollectiveOptions::shards_in_one_buffer = false (FSDP_CPU_SHARD_BUFFER=0); never on GPUs
-// (side streams, NCCL's in-place gather) or where the shard is cast (mixed precision) or offloaded.
+// were at the call: change no shard in between, as FSDP2 would have sent the old values.)
+// Where the shards cannot be sent as they are (a GPU: side streams and NCCL's in-place gather; a
+// cast under mixed precision), they still move to the buffer at the first all-gather, and copy-in
+// is one copy of it into the input (the cast inside): one op and one kernel, with no per-parameter
+// slice to make, where FSDP2 makes a view per parameter and a multi-tensor copy every all-gather.
+// On a GPU the move runs on the current stream, and that first copy-in waits for the current
+// stream, not only for the post-optim event. Not where the shards are offloaded to the host (a
+// transfer each) or of mixed dtypes. Off with CpuCollectiveOptions::shards_in_one_buffer = false
+// (FSDP_CPU_SHARD_BUFFER=0), on every device.
 bool FSDPParamGroup::gathers_from_shard_buffer() const {
   if (streams() || comm_->size() < 2 || post_forward_shard_.defined() || params_.empty() ||
       !cpu_collective_options().shards_in_one_buffer || comm::gloo_fallback() != comm::GlooFallback::PointToPoint ||
@@ -499,6 +518,16 @@ bool FSDPParamGroup::gathers_from_shard_buffer() const {
     return false;
   }
   return shards_sent_as_they_are(params_);
+}
+
+bool FSDPParamGroup::keeps_shards_in_buffer() const {
+  if (params_.empty() || !cpu_collective_options().shards_in_one_buffer) return false;
+  const at::ScalarType dtype = params_.front()->padded_shard().scalar_type();
+  return std::all_of(params_.begin(), params_.end(), [&](const auto& p) {
+    const at::Tensor& shard = p->padded_shard();
+    return !shard.is_meta() && shard.scalar_type() == dtype && p->shard_device() == p->device() &&
+           shard.is_contiguous();
+  });
 }
 
 bool FSDPParamGroup::shards_in_buffer() const {

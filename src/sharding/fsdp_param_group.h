@@ -112,7 +112,7 @@ class FSDPParamGroup {
 
   at::Tensor all_gather_input_;  // kept until the wait: a side stream may still read it
   // [Note: the shards in one buffer] (fsdp_param_group.cpp): every padded shard, side by side at
-  // offsets_, once gathers_from_shard_buffer() first holds; undefined before.
+  // offsets_, from the first all-gather on where keeps_shards_in_buffer() holds; undefined before.
   at::Tensor shard_buffer_;
   bool gathered_from_buffer_ = false;  // the gather in flight left the output's own row to shard_buffer_
   at::Tensor all_gather_output_;
@@ -160,6 +160,9 @@ class FSDPParamGroup {
   bool gathers_from_shard_buffer() const;
   // Every padded shard is where shard_buffer_ has it (false after materialize replaced one).
   bool shards_in_buffer() const;
+  // The shards can live in shard_buffer_: one dtype, on the compute device (not offloaded), not
+  // meta, and CpuCollectiveOptions::shards_in_one_buffer on.
+  bool keeps_shards_in_buffer() const;
   void move_shards_to_buffer();
   bool reduces_pieces(const std::vector<std::pair<FSDPParam*, at::Tensor>>& grads) const;
   void finish_reduce_pieces();

@@ -522,8 +522,9 @@ FSDP_RANK_WORKER(gpu_sync_free_steps) {
 }
 
 // [Note: one copy kernel per unit] inside FSDP on CUDA, counted from the operators each range
-// issues (tests/support/op_counts.h): per unit and all-gather, copy-in is one _foreach_copy_ (the
-// bf16 cast inside) and copy-out one split_with_sizes_copy; per unit and backward, the
+// issues (tests/support/op_counts.h): per unit and all-gather, copy-in is one copy_ of the unit's
+// shard buffer (the bf16 cast inside; [Note: the shards in one buffer]) and nothing else, and
+// copy-out one split_with_sizes_copy; per unit and backward, the
 // reduce-scatter input is one _chunk_cat (the bf16 gradients cast to the float32 reduction inside).
 // A world of one goes through the side streams as more ranks would.
 FSDP_RANK_WORKER(gpu_one_op_copies) {
@@ -544,7 +545,7 @@ FSDP_RANK_WORKER(gpu_one_op_copies) {
   step(1);
   torch::cuda::synchronize();
   std::cout << counter.describe_all() << std::flush;
-  fsdp::testing::check_one_copy_op_per_unit(counter, c.n_layer + 1, /*fused_copy_in=*/true,
+  fsdp::testing::check_one_copy_op_per_unit(counter, c.n_layer + 1, /*copy_in_from_buffer=*/true,
                                             /*fused_reduce_input=*/true);
 }
 

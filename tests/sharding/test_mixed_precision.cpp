@@ -109,10 +109,10 @@ FSDP_RANK_WORKER(bf16_params_fp32_reduce) {
 }
 
 // [Note: one copy kernel per unit] under bf16 mixed precision on the CPU: each all-gather's copy-in
-// (the fp32 shards cast into the bf16 input) is one _foreach_copy_ where LibTorch has it (2.1+; 1.13
-// copies per parameter), and its copy-out one split_with_sizes_copy, whatever the unit's number of
-// parameters. The reduce-scatter input stays a copy per parameter on the CPU by design (each
-// gradient freed as soon as it is copied); test_gpu checks its one _chunk_cat on CUDA.
+// (the fp32 shards cast into the bf16 input) is one copy_ of the unit's shard buffer and nothing
+// else ([Note: the shards in one buffer]; on every LibTorch), and its copy-out one
+// split_with_sizes_copy, whatever the unit's number of parameters. The reduce-scatter input stays a copy per parameter
+// on the CPU by design (each gradient freed as soon as it is copied); test_gpu checks its one _chunk_cat on CUDA.
 FSDP_RANK_WORKER(bf16_copies_one_op_per_unit) {
   const auto c = uneven_config();
   torch::manual_seed(42);
@@ -133,7 +133,7 @@ FSDP_RANK_WORKER(bf16_copies_one_op_per_unit) {
   step(0);
   fsdp::testing::RangeOpCounter counter;
   step(1);
-  check_one_copy_op_per_unit(counter, c.n_layer + 1, /*fused_copy_in=*/fsdp::compat::kHasForeachCopy,
+  check_one_copy_op_per_unit(counter, c.n_layer + 1, /*copy_in_from_buffer=*/true,
                              /*fused_reduce_input=*/false);  // per parameter on the CPU, by design
   if (world->rank() == 0) {
     std::cout << "the operators FSDP's ranges issued themselves in one step:\n" << counter.describe_all() << std::flush;

@@ -31,20 +31,20 @@ inline at::Tensor chunk_rows_by_hand(const std::vector<at::Tensor>& tensors, int
   return at::stack(rows_of_rank);
 }
 
-// The reduce-scatter input: uneven rows (5 rows at 2-4 ranks), fewer rows than ranks, a 1-D bias;
-// float32 from float32 and from bf16 (the cast CUDA's kernel does inside).
+// The reduce-scatter input: uneven rows (5 rows at 2-4 ranks), fewer rows than ranks, a 1-D bias,
+// a 3-D tensor, each in its own shape as build_reduce_scatter_input passes them (_chunk_cat cuts
+// along dim 0 whatever the trailing dims); float32 from float32 and from bf16 (the cast CUDA's
+// kernel does inside).
 inline void expect_chunk_cat_layout(c10::Device device) {
   torch::manual_seed(1);
   for (const auto& [in_dtype, out_dtype] : {std::pair{at::kFloat, at::kFloat}, std::pair{at::kBFloat16, at::kFloat}}) {
     const auto opts = at::TensorOptions().dtype(in_dtype).device(device);
     const std::vector<at::Tensor> tensors{at::randn({5, 3}).to(opts), at::randn({1, 2}).to(opts),
-                                          at::randn({7}).to(opts)};
+                                          at::randn({7}).to(opts), at::randn({4, 2, 3}).to(opts)};
     for (int64_t n : {1, 2, 3, 4}) {
       const at::Tensor want = chunk_rows_by_hand(tensors, n, out_dtype);
       at::Tensor out = at::full(want.sizes(), 7.0, at::TensorOptions().dtype(out_dtype).device(device));
-      std::vector<at::Tensor> rows;
-      for (const auto& t : tensors) rows.push_back(t.reshape({t.size(0), -1}));
-      fsdp::compat::chunk_cat_rows(rows, n, out);  // the 7s in the padding must be overwritten
+      fsdp::compat::chunk_cat_rows(tensors, n, out);  // the 7s in the padding must be overwritten
       EXPECT_TRUE(at::equal(out.cpu(), want)) << n << " ranks, " << c10::toString(in_dtype) << " in, on " << device;
     }
   }

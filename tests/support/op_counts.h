@@ -156,10 +156,11 @@ class RangeOpCounter {
 
 // [Note: one copy kernel per unit], checked on what `counter` saw over whole training steps: every
 // unit was gathered and reduced (at least `units` of each), every copy-out issued exactly one copy,
-// split_with_sizes_copy; with `fused_copy_in` every copy-in one _foreach_copy_, and with
-// `fused_reduce_input` every reduce-scatter input one _chunk_cat. Throws naming the range and what
-// it issued.
-inline void check_one_copy_op_per_unit(const RangeOpCounter& counter, int64_t units, bool fused_copy_in,
+// split_with_sizes_copy; with `copy_in_from_buffer` every copy-in one copy_ of the unit's shard
+// buffer and no other operator ([Note: the shards in one buffer]: no per-parameter slice), and
+// with `fused_reduce_input` every reduce-scatter input one _chunk_cat. Throws naming the range and
+// what it issued.
+inline void check_one_copy_op_per_unit(const RangeOpCounter& counter, int64_t units, bool copy_in_from_buffer,
                                        bool fused_reduce_input) {
   const auto one_op_each = [&](const std::string& range, const std::string& op, int64_t runs) {
     TORCH_CHECK(counter.ops(range)[op] == runs && counter.copies(range) == runs, range, ": one ", op,
@@ -171,7 +172,13 @@ inline void check_one_copy_op_per_unit(const RangeOpCounter& counter, int64_t un
   TORCH_CHECK(counter.ranges("fsdp::copy_in") == gathers, "a copy-in per all-gather expected; ",
               counter.describe("fsdp::copy_in"));
   one_op_each("fsdp::copy_out", "aten::split_with_sizes_copy", gathers);
-  if (fused_copy_in) one_op_each("fsdp::copy_in", "aten::_foreach_copy_", gathers);
+  if (copy_in_from_buffer) {
+    one_op_each("fsdp::copy_in", "aten::copy_", gathers);
+    int64_t ops = 0;
+    for (const auto& [op, count] : counter.ops("fsdp::copy_in")) ops += count;
+    TORCH_CHECK(ops == gathers, "fsdp::copy_in: one operator per unit expected (no per-parameter slice); ",
+                counter.describe("fsdp::copy_in"));
+  }
   if (fused_reduce_input) one_op_each("fsdp::reduce_scatter_input", "aten::_chunk_cat", reduces);
 }
 

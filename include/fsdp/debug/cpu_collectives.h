@@ -50,9 +50,11 @@ struct CpuCollectiveOptions {
   bool reduce_per_parameter = true;  // the reduce-scatter of the gradients
   // Shards below this travel packed in one flat message; a unit with no shard this large is flat.
   size_t min_piece_bytes = 1u << 20;
-  // Flat all-gathers send this rank's shards from one buffer per unit that holds them for good (the
-  // sharded parameters are views of it), so there is no copy-in; false: copied in each time, as
-  // FSDP2 does. [Note: the shards in one buffer] in src/sharding/fsdp_param_group.cpp.
+  // Each unit's shards live in one buffer for good (the sharded parameters are views of it). Flat
+  // all-gathers on Gloo send this rank's shards from it, so there is no copy-in; where they must be
+  // copied in (a GPU, a cast under mixed precision) that copy is one op, on every device. false:
+  // each shard on its own, copied in each time as FSDP2 does. [Note: the shards in one buffer] in
+  // src/sharding/fsdp_param_group.cpp.
   bool shards_in_one_buffer = true;
 };
 void set_cpu_collective_options(const CpuCollectiveOptions& options);

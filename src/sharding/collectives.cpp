@@ -76,9 +76,9 @@ std::vector<FSDPParam*> allocated_side_by_side(const FSDPParams& params, const s
   for (size_t i = 0; i < params.size(); ++i) {
     TORCH_INTERNAL_ASSERT(offsets[i] == (i == 0 ? 0 : offsets[i - 1] + params[i - 1]->shard_numel()),
                           "copy-out: the group's offsets are its shards side by side");
-    params[i]->alloc_unsharded();
     in_order.push_back(params[i].get());
   }
+  FSDPParam::alloc_unsharded_together(in_order);
   return in_order;
 }
 
@@ -224,9 +224,14 @@ GatherPieces build_gather_pieces(const FSDPParams& params, int rank, int n) {
                               BufferOwner::AllGatherOutput);
   }
   torch::NoGradGuard no_grad;
+  {
+    std::vector<FSDPParam*> all;
+    all.reserve(params.size());
+    for (const auto& p : params) all.push_back(p.get());
+    FSDPParam::alloc_unsharded_together(all);
+  }
   int64_t offset = 0;
   for (const auto& p : params) {
-    p->alloc_unsharded();
     if (small_shard(*p, min_bytes)) {
       out.packed[rank].narrow(0, offset, p->shard_numel()).copy_(p->padded_shard());
       out.packed_params.push_back(p.get());

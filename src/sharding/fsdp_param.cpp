@@ -3,8 +3,10 @@
 #include <c10/core/DeviceGuard.h>
 #include <torch/torch.h>
 
+#include <atomic>
 #include <stdexcept>
 #include <utility>
+#include <vector>
 
 #include "memory/buffer_alloc.h"
 #include "module_access.h"
@@ -117,6 +119,65 @@ void FSDPParam::alloc_unsharded() {
   set_storage_bytes(impl->storage().unsafeGetStorageImpl(), nbytes);
   impl->set_sizes_contiguous(global_shape_);
   unsharded_ = true;
+}
+
+namespace {
+// One allocation shared by a unit's unsharded parameters: each one's DataPtr holds a reference.
+struct SharedBlock {
+  at::DataPtr memory;
+  std::atomic<int64_t> refs{0};
+};
+void release_share(void* ctx) {
+  auto* block = static_cast<SharedBlock*>(ctx);
+  if (block->refs.fetch_sub(1, std::memory_order_acq_rel) == 1) delete block;  // frees the memory
+}
+}  // namespace
+
+void FSDPParam::alloc_unsharded_together(const std::vector<FSDPParam*>& params) {
+  constexpr size_t kAlign = 256;
+  std::vector<FSDPParam*> todo;
+  todo.reserve(params.size());
+  for (FSDPParam* p : params) {
+    if (!p->unsharded_) todo.push_back(p);
+  }
+  const auto storage_of = [](const FSDPParam* p) { return p->unsharded_param_.storage().unsafeGetStorageImpl(); };
+  const auto bytes_of = [](const FSDPParam* p) {
+    return static_cast<size_t>(p->shard_size_ * p->shard_numel()) * c10::elementSize(p->compute_dtype_);
+  };
+  bool together = todo.size() > 1;
+  for (const FSDPParam* p : todo) {
+    together = together && storage_of(p)->device() == storage_of(todo.front())->device() &&
+               storage_of(p)->allocator() == storage_of(todo.front())->allocator() && bytes_of(p) > 0;
+  }
+  if (!together) {
+    for (FSDPParam* p : todo) p->alloc_unsharded();
+    return;
+  }
+  std::vector<size_t> offsets;
+  offsets.reserve(todo.size());
+  size_t total = 0;
+  for (const FSDPParam* p : todo) {
+    offsets.push_back(total);
+    total += (bytes_of(p) + kAlign - 1) / kAlign * kAlign;
+  }
+  c10::StorageImpl* first = storage_of(todo.front());
+  const c10::Device device = first->device();
+  c10::OptionalDeviceGuard on_device;  // as set_storage_bytes: the parameters' device is current
+  if (device.is_cuda()) on_device.reset_device(device);
+  c10::Allocator* allocator = first->allocator() ? first->allocator() : c10::GetAllocator(device.type());
+  auto* block = new SharedBlock{allocate_buffer(total, device, allocator, BufferOwner::UnshardedParams)};
+  block->refs = static_cast<int64_t>(todo.size());
+  char* base = static_cast<char*>(block->memory.get());
+  for (size_t i = 0; i < todo.size(); ++i) {
+    FSDPParam* p = todo[i];
+    if (p->unsharded_param_.requires_grad() != p->sharded_param_.requires_grad())
+      p->unsharded_param_.set_requires_grad(p->sharded_param_.requires_grad());
+    c10::StorageImpl* storage = storage_of(p);
+    storage->set_data_ptr_noswap(at::DataPtr(base + offsets[i], block, &release_share, device));
+    storage->set_nbytes(bytes_of(p));
+    p->unsharded_param_.unsafeGetTensorImpl()->set_sizes_contiguous(p->global_shape_);
+    p->unsharded_ = true;
+  }
 }
 
 void FSDPParam::free_unsharded() {

@@ -15,7 +15,9 @@
 // forward that bypasses fsdp::call fails on shapes instead of reading freed memory). Unsharding
 // re-allocates the same StorageImpl and copies the gathered rows in through a separate alias, so
 // the views forward saved for backward (e.g. weight.t()) see the new data, and the parameter's own
-// version counter never moves ("modified by an inplace operation" would otherwise fire).
+// version counter never moves ("modified by an inplace operation" would otherwise fire). A unit's
+// parameters are re-allocated together, from one allocation (alloc_unsharded_together): each
+// storage points into it and keeps it alive, and the last one freed returns it.
 #include <ATen/ATen.h>
 #include <torch/nn/module.h>
 
@@ -75,6 +77,11 @@ class FSDPParam {
   bool is_unsharded() const { return unsharded_; }
   void alloc_unsharded();
   void free_unsharded();
+  // alloc_unsharded for those of `params` not allocated yet, from one allocation of their total
+  // (each parameter's memory 256-byte aligned inside it): one allocator call for a unit, not one a
+  // parameter, which on a GPU is host time at every all-gather. Each parameter's storage keeps a
+  // share of the block, which is freed when the last of them is (free_unsharded, as ever).
+  static void alloc_unsharded_together(const std::vector<FSDPParam*>& params);
   // The unsharded storage as a tensor of the full shape in the compute dtype, with its own version
   // counter: collectives.cpp copies rows in and out through it (see the note above).
   at::Tensor unsharded_alias() const;

@@ -3,6 +3,8 @@
 // checks the losses of every step and every final shard against the single-process run.
 #include <gtest/gtest.h>
 
+#include <cmath>
+#include <cstdint>
 #include <cstdlib>
 #include <iostream>
 #include <map>
@@ -377,6 +379,48 @@ FSDP_RANK_WORKER(copy_out_from_shard_buffer_ops) {
                   counter.copies("fsdp::copy_out") == blocks * gathers,
               "rank ", rank, " of ", n, ": ", blocks,
               " split_with_sizes_copy per copy-out and no other copy expected; ", counter.describe("fsdp::copy_out"));
+}
+
+// A unit's unsharded parameters come from one allocation (FSDPParam::alloc_unsharded_together):
+// each in turn, 256-byte aligned, in the unit's order, in every CPU layout that gathers them, and
+// freed with the unit. Each parameter allocated on its own would not lie one after the other.
+FSDP_RANK_WORKER(unsharded_params_one_allocation) {
+  const auto c = uneven_config();
+  torch::manual_seed(42);
+  GPT model(c);
+  std::vector<fsdp::FSDPModule> units;
+  for (auto& b : model->blocks) units.push_back(fsdp::fully_shard(b));
+  fsdp::fully_shard(model);
+  auto& attn = model->blocks[0]->attn->c_attn;
+  auto& fc = model->blocks[0]->mlp->c_fc;
+  units[0].unshard();
+  for (auto* lin : {&attn, &fc}) {
+    const at::Tensor w = (*lin)->weight, b = (*lin)->bias;
+    TORCH_CHECK(w.numel() > 0 && b.numel() > 0, "unshard() left a parameter without memory");
+    const auto bytes = static_cast<int64_t>(w.storage().nbytes());
+    const int64_t gap = static_cast<char*>(b.data_ptr()) - static_cast<char*>(w.data_ptr());
+    TORCH_CHECK(gap == (bytes + 255) / 256 * 256, "the bias lies ", gap, " bytes after its weight (", bytes,
+                " bytes): not one allocation in the unit's order");
+    TORCH_CHECK(reinterpret_cast<uintptr_t>(b.data_ptr()) % 256 == reinterpret_cast<uintptr_t>(w.data_ptr()) % 256,
+                "a parameter's memory is not 256-byte aligned within the block");
+  }
+  units[0].reshard();
+  TORCH_CHECK(attn->weight.numel() == 0 && fc->bias.numel() == 0, "reshard() kept unsharded memory");
+  // The unit trains as before: a step after the explicit unshard / reshard.
+  const auto data = global_batch(c, 6, 0, 0).narrow(0, 0, 2);
+  const at::Tensor loss =
+      fsdp::models::gpt_loss(fsdp::call(model, data.narrow(1, 0, c.block_size)), data.narrow(1, 1, c.block_size));
+  loss.backward();
+  TORCH_CHECK(std::isfinite(loss.item<double>()), "loss ", loss.item<double>());
+}
+
+TEST(FullyShardMemory, AUnitsUnshardedParametersAreOneAllocation) {
+  for (const char* layout : {"", "flat"}) {
+    RanksOptions o;
+    if (*layout) o.env["FSDP_CPU_COLLECTIVES"] = layout;
+    auto r = run_ranks(2, "unsharded_params_one_allocation", o);
+    EXPECT_TRUE(r.all_ok()) << (*layout ? layout : "default") << ": " << r.report();
+  }
 }
 
 TEST(FullyShardCopies, CopyOutFromTheShardBufferIsOneOpPerBlockOfRanks) {

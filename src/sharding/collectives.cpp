@@ -150,6 +150,15 @@ CpuCollectiveOptions options_from_env() {
     }
     o.shards_in_one_buffer = s == "1";
   }
+  if (const char* a = std::getenv("FSDP_CPU_UNSHARDED_ONE_ALLOCATION"); a && *a) {
+    const std::string s = a;
+    if (s != "0" && s != "1") {
+      throw std::invalid_argument("fsdp: FSDP_CPU_UNSHARDED_ONE_ALLOCATION='" + s +
+                                  "' is not 0 or 1; use 0 (the default on the CPU: each unsharded parameter "
+                                  "from the buffer pool) or 1 (a unit's from one allocation)");
+    }
+    o.unsharded_in_one_allocation = s == "1";
+  }
   const char* v = std::getenv("FSDP_CPU_COLLECTIVES");
   const std::string s = v ? v : "";
   if (s == "flat") {

@@ -8,6 +8,7 @@
 #include <utility>
 #include <vector>
 
+#include "fsdp/debug/cpu_collectives.h"
 #include "memory/buffer_alloc.h"
 #include "module_access.h"
 #include "registry.h"
@@ -144,7 +145,8 @@ void FSDPParam::alloc_unsharded_together(const std::vector<FSDPParam*>& params) 
   const auto bytes_of = [](const FSDPParam* p) {
     return static_cast<size_t>(p->shard_size_ * p->shard_numel()) * c10::elementSize(p->compute_dtype_);
   };
-  bool together = todo.size() > 1;
+  bool together = todo.size() > 1 && (!storage_of(todo.front())->device().is_cpu() ||
+                                      cpu_collective_options().unsharded_in_one_allocation);
   for (const FSDPParam* p : todo) {
     together = together && storage_of(p)->device() == storage_of(todo.front())->device() &&
                storage_of(p)->allocator() == storage_of(todo.front())->allocator() && bytes_of(p) > 0;

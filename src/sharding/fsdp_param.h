@@ -80,7 +80,8 @@ class FSDPParam {
   // alloc_unsharded for those of `params` not allocated yet, from one allocation of their total
   // (each parameter's memory 256-byte aligned inside it): one allocator call for a unit, not one a
   // parameter, which on a GPU is host time at every all-gather. Each parameter's storage keeps a
-  // share of the block, which is freed when the last of them is (free_unsharded, as ever).
+  // share of the block, which is freed when the last of them is (free_unsharded, as ever). On the
+  // CPU only with CpuCollectiveOptions::unsharded_in_one_allocation (off by default: peak RSS).
   static void alloc_unsharded_together(const std::vector<FSDPParam*>& params);
   // The unsharded storage as a tensor of the full shape in the compute dtype, with its own version
   // counter: collectives.cpp copies rows in and out through it (see the note above).

@@ -381,9 +381,10 @@ FSDP_RANK_WORKER(copy_out_from_shard_buffer_ops) {
               " split_with_sizes_copy per copy-out and no other copy expected; ", counter.describe("fsdp::copy_out"));
 }
 
-// A unit's unsharded parameters come from one allocation (FSDPParam::alloc_unsharded_together):
-// each in turn, 256-byte aligned, in the unit's order, in every CPU layout that gathers them, and
-// freed with the unit. Each parameter allocated on its own would not lie one after the other.
+// A unit's unsharded parameters come from one allocation (FSDPParam::alloc_unsharded_together;
+// always on a GPU, on the CPU with FSDP_CPU_UNSHARDED_ONE_ALLOCATION=1): each in turn, 256-byte
+// aligned, in the unit's order, in every CPU layout that gathers them, and freed with the unit.
+// Each parameter allocated on its own would not lie one after the other.
 FSDP_RANK_WORKER(unsharded_params_one_allocation) {
   const auto c = uneven_config();
   torch::manual_seed(42);
@@ -417,6 +418,7 @@ FSDP_RANK_WORKER(unsharded_params_one_allocation) {
 TEST(FullyShardMemory, AUnitsUnshardedParametersAreOneAllocation) {
   for (const char* layout : {"", "flat"}) {
     RanksOptions o;
+    o.env["FSDP_CPU_UNSHARDED_ONE_ALLOCATION"] = "1";
     if (*layout) o.env["FSDP_CPU_COLLECTIVES"] = layout;
     auto r = run_ranks(2, "unsharded_params_one_allocation", o);
     EXPECT_TRUE(r.all_ok()) << (*layout ? layout : "default") << ": " << r.report();

@@ -138,27 +138,26 @@ size_t min_piece_bytes_from_env(size_t fallback) {
                               "sends every unit per parameter) or unset it");
 }
 
+// A 0|1 variable: `value` unchanged when unset; anything else is refused, naming both settings.
+void switch_from_env(const char* name, bool& value, const char* when_1, const char* when_0) {
+  const char* v = std::getenv(name);
+  if (!v || !*v) return;
+  const std::string s = v;
+  if (s != "0" && s != "1") {
+    throw std::invalid_argument(std::string("fsdp: ") + name + "='" + s + "' is not 0 or 1; use 1 (" + when_1 +
+                                ") or 0 (" + when_0 + ")");
+  }
+  value = s == "1";
+}
+
 CpuCollectiveOptions options_from_env() {
   CpuCollectiveOptions o;
   o.min_piece_bytes = min_piece_bytes_from_env(o.min_piece_bytes);
-  if (const char* b = std::getenv("FSDP_CPU_SHARD_BUFFER"); b && *b) {
-    const std::string s = b;
-    if (s != "0" && s != "1") {
-      throw std::invalid_argument("fsdp: FSDP_CPU_SHARD_BUFFER='" + s +
-                                  "' is not 0 or 1; use 1 (the default: each unit's shards in one buffer, no "
-                                  "copy-in) or 0 (copied into the all-gather input each time)");
-    }
-    o.shards_in_one_buffer = s == "1";
-  }
-  if (const char* a = std::getenv("FSDP_CPU_UNSHARDED_ONE_ALLOCATION"); a && *a) {
-    const std::string s = a;
-    if (s != "0" && s != "1") {
-      throw std::invalid_argument("fsdp: FSDP_CPU_UNSHARDED_ONE_ALLOCATION='" + s +
-                                  "' is not 0 or 1; use 0 (the default on the CPU: each unsharded parameter "
-                                  "from the buffer pool) or 1 (a unit's from one allocation)");
-    }
-    o.unsharded_in_one_allocation = s == "1";
-  }
+  switch_from_env("FSDP_CPU_SHARD_BUFFER", o.shards_in_one_buffer,
+                  "the default: each unit's shards in one buffer, no copy-in",
+                  "copied into the all-gather input each time");
+  switch_from_env("FSDP_CPU_UNSHARDED_ONE_ALLOCATION", o.unsharded_in_one_allocation, "a unit's from one allocation",
+                  "the default on the CPU: each unsharded parameter from the buffer pool");
   const char* v = std::getenv("FSDP_CPU_COLLECTIVES");
   const std::string s = v ? v : "";
   if (s == "flat") {

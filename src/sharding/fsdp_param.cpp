@@ -17,22 +17,32 @@ namespace fsdp::detail {
 
 namespace {
 
-// Frees or re-allocates a storage in place: the StorageImpl object (which autograd's saved views
-// hold) stays the same. On the CPU the memory comes from FSDP's buffer pool (reused unit after unit
-// and step after step, see fsdp/debug/buffer_pool.h); elsewhere from the storage's own allocator.
-void set_storage_bytes(c10::StorageImpl* storage, size_t nbytes) {
+// Memory for `nbytes` of unsharded parameters on `storage`'s device (none for 0 bytes). On the CPU
+// it comes from FSDP's buffer pool (reused unit after unit and step after step, see
+// fsdp/debug/buffer_pool.h); elsewhere from the storage's own allocator.
+at::DataPtr allocate_for(c10::StorageImpl* storage, size_t nbytes) {
+  if (nbytes == 0) return at::DataPtr(nullptr, storage->device());
   // A device allocator (CUDA's caching allocator) allocates on the current device: the storage's
   // own device is made current, so a rank whose parameters live on cuda:k while the current device
   // is 0 gets its memory on cuda:k (FSDP2 allocates with device= explicitly).
   c10::OptionalDeviceGuard on_device;
   if (storage->device().is_cuda()) on_device.reset_device(storage->device());
-  if (nbytes == 0) {
-    storage->set_data_ptr_noswap(at::DataPtr(nullptr, storage->device()));
-  } else {
-    c10::Allocator* allocator = storage->allocator() ? storage->allocator() : c10::GetAllocator(storage->device_type());
-    storage->set_data_ptr_noswap(allocate_buffer(nbytes, storage->device(), allocator, BufferOwner::UnshardedParams));
-  }
+  c10::Allocator* allocator = storage->allocator() ? storage->allocator() : c10::GetAllocator(storage->device_type());
+  return allocate_buffer(nbytes, storage->device(), allocator, BufferOwner::UnshardedParams);
+}
+
+// Frees or re-allocates a storage in place: the StorageImpl object (which autograd's saved views
+// hold) stays the same.
+void set_storage(c10::StorageImpl* storage, at::DataPtr memory, size_t nbytes) {
+  storage->set_data_ptr_noswap(std::move(memory));
   storage->set_nbytes(nbytes);
+}
+
+// Frees the storage's memory, with its device current (as it was allocated).
+void release_storage(c10::StorageImpl* storage) {
+  c10::OptionalDeviceGuard on_device;
+  if (storage->device().is_cuda()) on_device.reset_device(storage->device());
+  set_storage(storage, at::DataPtr(nullptr, storage->device()), 0);
 }
 
 std::string shape_str(at::IntArrayRef s) {
@@ -89,7 +99,7 @@ FSDPParam::FSDPParam(const at::Tensor& original, std::vector<ParamSlot> slots, s
 }
 
 // The aliases are made once per storage (materialize replaces it) and kept: the StorageImpl is
-// re-allocated in place (set_storage_bytes), so an alias follows its data pointer, and two host
+// re-allocated in place (set_storage), so an alias follows its data pointer, and two host
 // operations per parameter and all-gather are saved. Made only while the storage is allocated
 // (set_ would otherwise grow a freed storage).
 const at::Tensor& FSDPParam::cached_alias(at::Tensor& cache, at::IntArrayRef sizes, at::IntArrayRef strides) const {
@@ -108,18 +118,26 @@ at::Tensor FSDPParam::unsharded_by_rank() const {
   return cached_alias(by_rank_alias_, {shard_size_, shard_numel()}, {shard_numel(), 1});
 }
 
-void FSDPParam::alloc_unsharded() {
-  if (unsharded_) return;
+size_t FSDPParam::unsharded_nbytes() const {
+  // Room for every rank's padded rows (unsharded_by_rank), not only the parameter's own.
+  return static_cast<size_t>(shard_size_ * shard_numel()) * c10::elementSize(compute_dtype_);
+}
+
+c10::StorageImpl* FSDPParam::unsharded_storage() const { return unsharded_param_.storage().unsafeGetStorageImpl(); }
+
+void FSDPParam::install_unsharded(at::DataPtr memory) {
   // Frozen parameters (requires_grad false on the shard, e.g. set after fully_shard for
   // fine-tuning): forward computes with a tensor that asks for no gradient, so none is reduced.
   if (unsharded_param_.requires_grad() != sharded_param_.requires_grad())
     unsharded_param_.set_requires_grad(sharded_param_.requires_grad());
-  auto* impl = unsharded_param_.unsafeGetTensorImpl();
-  // Room for every rank's padded rows (unsharded_by_rank), not only the parameter's own.
-  const size_t nbytes = static_cast<size_t>(shard_size_ * shard_numel()) * c10::elementSize(compute_dtype_);
-  set_storage_bytes(impl->storage().unsafeGetStorageImpl(), nbytes);
-  impl->set_sizes_contiguous(global_shape_);
+  set_storage(unsharded_storage(), std::move(memory), unsharded_nbytes());
+  unsharded_param_.unsafeGetTensorImpl()->set_sizes_contiguous(global_shape_);
   unsharded_ = true;
+}
+
+void FSDPParam::alloc_unsharded() {
+  if (unsharded_) return;
+  install_unsharded(allocate_for(unsharded_storage(), unsharded_nbytes()));
 }
 
 namespace {
@@ -141,15 +159,13 @@ void FSDPParam::alloc_unsharded_together(const std::vector<FSDPParam*>& params) 
   for (FSDPParam* p : params) {
     if (!p->unsharded_) todo.push_back(p);
   }
-  const auto storage_of = [](const FSDPParam* p) { return p->unsharded_param_.storage().unsafeGetStorageImpl(); };
-  const auto bytes_of = [](const FSDPParam* p) {
-    return static_cast<size_t>(p->shard_size_ * p->shard_numel()) * c10::elementSize(p->compute_dtype_);
-  };
-  bool together = todo.size() > 1 && (!storage_of(todo.front())->device().is_cpu() ||
-                                      cpu_collective_options().unsharded_in_one_allocation);
+  c10::StorageImpl* first = todo.empty() ? nullptr : todo.front()->unsharded_storage();
+  bool together =
+      todo.size() > 1 && (!first->device().is_cpu() || cpu_collective_options().unsharded_in_one_allocation);
   for (const FSDPParam* p : todo) {
-    together = together && storage_of(p)->device() == storage_of(todo.front())->device() &&
-               storage_of(p)->allocator() == storage_of(todo.front())->allocator() && bytes_of(p) > 0;
+    const c10::StorageImpl* storage = p->unsharded_storage();
+    together = together && storage->device() == first->device() && storage->allocator() == first->allocator() &&
+               p->unsharded_nbytes() > 0;
   }
   if (!together) {
     for (FSDPParam* p : todo) p->alloc_unsharded();
@@ -160,33 +176,19 @@ void FSDPParam::alloc_unsharded_together(const std::vector<FSDPParam*>& params) 
   size_t total = 0;
   for (const FSDPParam* p : todo) {
     offsets.push_back(total);
-    total += (bytes_of(p) + kAlign - 1) / kAlign * kAlign;
+    total += (p->unsharded_nbytes() + kAlign - 1) / kAlign * kAlign;
   }
-  c10::StorageImpl* first = storage_of(todo.front());
-  const c10::Device device = first->device();
-  c10::OptionalDeviceGuard on_device;  // as set_storage_bytes: the parameters' device is current
-  if (device.is_cuda()) on_device.reset_device(device);
-  c10::Allocator* allocator = first->allocator() ? first->allocator() : c10::GetAllocator(device.type());
-  auto* block = new SharedBlock{allocate_buffer(total, device, allocator, BufferOwner::UnshardedParams)};
+  auto* block = new SharedBlock{allocate_for(first, total)};
   block->refs = static_cast<int64_t>(todo.size());
   char* base = static_cast<char*>(block->memory.get());
-  for (size_t i = 0; i < todo.size(); ++i) {
-    FSDPParam* p = todo[i];
-    if (p->unsharded_param_.requires_grad() != p->sharded_param_.requires_grad())
-      p->unsharded_param_.set_requires_grad(p->sharded_param_.requires_grad());
-    c10::StorageImpl* storage = storage_of(p);
-    storage->set_data_ptr_noswap(at::DataPtr(base + offsets[i], block, &release_share, device));
-    storage->set_nbytes(bytes_of(p));
-    p->unsharded_param_.unsafeGetTensorImpl()->set_sizes_contiguous(p->global_shape_);
-    p->unsharded_ = true;
-  }
+  for (size_t i = 0; i < todo.size(); ++i)
+    todo[i]->install_unsharded(at::DataPtr(base + offsets[i], block, &release_share, first->device()));
 }
 
 void FSDPParam::free_unsharded() {
   if (!unsharded_) return;
-  auto* impl = unsharded_param_.unsafeGetTensorImpl();
-  set_storage_bytes(impl->storage().unsafeGetStorageImpl(), 0);
-  impl->set_sizes_contiguous({0});
+  release_storage(unsharded_storage());
+  unsharded_param_.unsafeGetTensorImpl()->set_sizes_contiguous({0});
   unsharded_ = false;
 }
 

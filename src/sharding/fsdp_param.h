@@ -152,6 +152,11 @@ class FSDPParam {
   at::Tensor padded_shard_, sharded_param_, unsharded_param_;
   mutable at::Tensor alias_, by_rank_alias_;  // unsharded_alias(), unsharded_by_rank()
   const at::Tensor& cached_alias(at::Tensor& cache, at::IntArrayRef sizes, at::IntArrayRef strides) const;
+  // The unsharded storage, its size when allocated, and allocating it from `memory` (alloc_unsharded,
+  // alloc_unsharded_together).
+  c10::StorageImpl* unsharded_storage() const;
+  size_t unsharded_nbytes() const;
+  void install_unsharded(at::DataPtr memory);
   at::Tensor accumulated_grad_;  // no-sync accumulation in reduce_dtype
   at::Tensor partial_reduce_;    // HSDP: reduce-scatter outputs not all-reduced yet (reduce_dtype)
   at::ScalarType compute_dtype_, reduce_dtype_;

@@ -150,14 +150,14 @@ void FSDPParamGroup::unshard(bool async_op, const c10::Event* after) {
   at::Tensor input = all_gather_output_[comm_->rank()];
   // [Note: the shards in one buffer]: copy-in is one copy of the buffer (the cast inside). The
   // first all-gather moves the shards there, on the current stream.
-  bool moved = false;
-  if (!shards_in_buffer() && keeps_shards_in_buffer()) {
+  bool moved = false, in_buffer = shards_in_buffer();
+  if (!in_buffer && keeps_shards_in_buffer()) {
     PhaseScope timed(Phase::CopyIn);
     const profiler::Range range("fsdp::move_shards_to_buffer", label);
     move_shards_to_buffer();
-    moved = true;
+    moved = in_buffer = true;
   }
-  const at::Tensor from_buffer = shards_in_buffer() ? shard_buffer_ : at::Tensor();
+  const at::Tensor from_buffer = in_buffer ? shard_buffer_ : at::Tensor();
   auto copy_in = [&] {
     PhaseScope timed(Phase::CopyIn);
     const profiler::Range range("fsdp::copy_in", label);

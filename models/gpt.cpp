@@ -153,7 +153,8 @@ torch::Tensor GPTImpl::encode(const torch::Tensor& idx) {
                                 std::to_string(config.block_size));
   }
   auto pos = torch::arange(T, idx.options().dtype(torch::kLong));
-  auto x = wte(idx) + wpe(pos);
+  // Through fsdp::call, so the embeddings may be sharded as a group of their own.
+  auto x = fsdp::call(wte, idx) + fsdp::call(wpe, pos);
   for (auto& block : blocks) x = fsdp::call(block, x);
   return fsdp::call(ln_f, x);
 }

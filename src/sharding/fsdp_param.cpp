@@ -133,6 +133,7 @@ void FSDPParam::install_unsharded(at::DataPtr memory) {
   set_storage(unsharded_storage(), std::move(memory), unsharded_nbytes());
   unsharded_param_.unsafeGetTensorImpl()->set_sizes_contiguous(global_shape_);
   unsharded_ = true;
+  shape_kept_ = false;
 }
 
 void FSDPParam::alloc_unsharded() {
@@ -185,11 +186,20 @@ void FSDPParam::alloc_unsharded_together(const std::vector<FSDPParam*>& params) 
     todo[i]->install_unsharded(at::DataPtr(base + offsets[i], block, &release_share, first->device()));
 }
 
-void FSDPParam::free_unsharded() {
+void FSDPParam::free_unsharded(bool keep_shape) {
   if (!unsharded_) return;
   release_storage(unsharded_storage());
-  unsharded_param_.unsafeGetTensorImpl()->set_sizes_contiguous({0});
+  // keep_shape: [Note: unshard_in_backward] (fsdp_param_group.h).
+  if (keep_shape)
+    shape_kept_ = true;
+  else
+    unsharded_param_.unsafeGetTensorImpl()->set_sizes_contiguous({0});
   unsharded_ = false;
+}
+
+void FSDPParam::drop_kept_shape() {
+  if (!std::exchange(shape_kept_, false) || unsharded_) return;
+  unsharded_param_.unsafeGetTensorImpl()->set_sizes_contiguous({0});
 }
 
 void FSDPParam::copy_shard_to_unsharded() {
@@ -219,6 +229,7 @@ bool FSDPParam::alias_shard_as_unsharded() {
   storage->set_nbytes(padded_shard_.nbytes());
   impl->set_sizes_contiguous(global_shape_);
   unsharded_ = true;
+  shape_kept_ = false;
   return true;
 }
 
@@ -378,7 +389,7 @@ void FSDPParam::check_unchanged() const {
                            " to " + shape_str(sharded_param_.sizes()) +
                            " after fully_shard; shapes are fixed once a module is sharded");
   }
-  if (!unsharded_ && unsharded_param_.numel() != 0) {
+  if (!unsharded_ && !shape_kept_ && unsharded_param_.numel() != 0) {
     throw std::logic_error("fsdp: the unsharded parameter '" + fqn_ + "' was resized to " +
                            shape_str(unsharded_param_.sizes()) + " while sharded; shapes are fixed after fully_shard");
   }

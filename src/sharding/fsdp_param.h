@@ -76,7 +76,12 @@ class FSDPParam {
 
   bool is_unsharded() const { return unsharded_; }
   void alloc_unsharded();
-  void free_unsharded();
+  // Frees the unsharded parameter's memory; it shows zero elements until the next alloc.
+  // keep_shape (FSDPModule::set_unshard_in_backward(false)): it keeps its full shape over no
+  // memory instead, for the gradient autograd sets on it ([Note: unshard_in_backward] in
+  // fsdp_param_group.h); drop_kept_shape() then makes it zero elements, as free_unsharded() does.
+  void free_unsharded(bool keep_shape = false);
+  void drop_kept_shape();
   // alloc_unsharded for those of `params` not allocated yet, from one allocation of their total
   // (each parameter's memory 256-byte aligned inside it): one allocator call for a unit, not one a
   // parameter, which on a GPU is host time at every all-gather. Each parameter's storage keeps a
@@ -162,6 +167,7 @@ class FSDPParam {
   at::ScalarType compute_dtype_, reduce_dtype_;
   ParamPlacement placement_;
   bool unsharded_ = true;
+  bool shape_kept_ = false;   // free_unsharded(keep_shape) until drop_kept_shape() or the next alloc
   bool grad_shared_ = false;  // share_sharded_grad() until take_unsharded_grad()
 };
 

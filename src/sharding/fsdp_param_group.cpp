@@ -243,19 +243,28 @@ void FSDPParamGroup::wait_for_unshard() {
   state_ = State::Unsharded;
 }
 
-void FSDPParamGroup::reshard() {
+void FSDPParamGroup::reshard(bool keep_shapes) {
   if (state_ == State::Unsharding) wait_for_unshard();  // a gather in flight cannot be cancelled
   post_forward_shard_ = at::Tensor();
-  if (state_ != State::Unsharded) return;
+  if (state_ != State::Unsharded) {
+    if (!keep_shapes) drop_kept_shapes();
+    return;
+  }
   const auto on_device = device_guard();
   PhaseScope timed(Phase::Reshard);
   const profiler::Range range("fsdp::reshard", label);
-  for (auto& p : params_) p->free_unsharded();
+  for (auto& p : params_) p->free_unsharded(keep_shapes);
   state_ = State::Sharded;
+}
+
+void FSDPParamGroup::drop_kept_shapes() {
+  for (auto& p : params_) p->drop_kept_shape();
 }
 
 void FSDPParamGroup::reshard_post_forward() {
   if (state_ == State::Unsharding) wait_for_unshard();
+  // No backward all-gather: nothing kept for it, and the shapes stay for autograd's gradients.
+  if (!unshard_in_backward) return reshard(/*keep_shapes=*/true);
   if (!post_forward_comm || state_ != State::Unsharded) return reshard();
   // This rank stands for shard ranks [g*m, (g+1)*m) within its k-group, m = S/k, g its rank there.
   const auto on_device = device_guard();
@@ -299,6 +308,7 @@ void FSDPParamGroup::post_backward() {
   for (auto& p : params_) {
     shared = shared || p->shares_sharded_grad();
     at::Tensor g = p->take_unsharded_grad();
+    p->drop_kept_shape();  // [Note: unshard_in_backward]
     if (!g.defined()) continue;
     with_grad.emplace_back(p.get(), std::move(g));
     total += p->shard_numel();

@@ -15,6 +15,20 @@
 // (FSDP2's SHARDED_POST_FORWARD). Gathered over those k ranks they form exactly the [S, total]
 // layout of a full all-gather, so the backward unshard is the same copy-out from a smaller group.
 //
+// [Note: unshard_in_backward]
+// A unit whose parameters backward never reads (embeddings: their backward needs the indices, not
+// the table) can skip its backward all-gather: FSDPModule::set_unshard_in_backward(false),
+// FSDP2's. Its pre-backward then neither gathers nor is prefetched, and its gradients arrive on
+// unsharded parameters whose memory reshard freed after forward. reshard_post_forward frees them
+// with their full shapes kept (FSDPParam::free_unsharded(keep_shape)), over no memory at all (a
+// null data pointer, 0 bytes), as FSDP2 resizes their storage to 0, for two reasons: autograd
+// checks a new gradient's layout against its parameter's and would copy it into a zero-element
+// one, and LibTorch 1.13's embedding backward keeps the table itself to read its row count
+// (2.x keeps the count). A unit whose backward does read its parameters' values (a linear, a
+// head tied to the embedding) fails there with LibTorch's error for memory that is not there,
+// "... out of bounds for storage of size 0" or "... its data is not allocated yet", never reading
+// freed memory. The shapes go back to zero elements once post_backward has taken the gradients.
+//
 // HSDP (2-D mesh, replicate x shard): all-gather and reduce-scatter run on the shard group; the
 // reduce-scatter output is then all-reduced over the replicate group.
 //
@@ -58,7 +72,9 @@ class FSDPParamGroup {
   // first all-gather of a step after set_post_optim_event).
   void unshard(bool async_op, const c10::Event* after = nullptr);
   void wait_for_unshard();
-  void reshard();
+  // keep_shapes: the parameters keep their full shapes over freed memory ([Note:
+  // unshard_in_backward]); without it, shapes kept earlier go back to zero elements too.
+  void reshard(bool keep_shapes = false);
   // reshard_after_forward's reshard: to the post-forward shard when post_forward_comm is set.
   void reshard_post_forward();
   // Drops a post-forward shard (its rows are stale once an optimizer step may have run).
@@ -90,6 +106,7 @@ class FSDPParamGroup {
 
   bool reshard_after_forward = true;
   bool reshard_after_backward = true;
+  bool unshard_in_backward = true;  // [Note: unshard_in_backward]
   bool requires_gradient_sync = true;
   bool requires_all_reduce = true;  // HSDP only
   std::optional<double> gradient_divide_factor;
@@ -164,6 +181,7 @@ class FSDPParamGroup {
   // meta, and CpuCollectiveOptions::shards_in_one_buffer on.
   bool keeps_shards_in_buffer() const;
   void move_shards_to_buffer();
+  void drop_kept_shapes();
   bool reduces_pieces(const std::vector<std::pair<FSDPParam*, at::Tensor>>& grads) const;
   void finish_reduce_pieces();
   // CPU only: a GPU's all-reduce is queued by post_backward (queue_post_reduce).

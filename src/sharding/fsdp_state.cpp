@@ -253,15 +253,16 @@ void FSDPState::pre_backward() {
   // Without overlap: the reductions in flight finish before this unit's parameters and the next
   // prefetch are allocated (the unit's own all-gather, prefetched earlier, is already in flight).
   if (!reduce_scatter_overlaps()) queue_reduce(nullptr);
-  if (group_) {
+  if (group_ && group_->unshard_in_backward) {
     const profiler::Range range("fsdp::pre_backward_all_gather", label_);
     group_->wait_for_unshard();
     group_->share_sharded_grads();
   }
   // Overlap: the unit whose forward ended just before this one's runs next in backward (for the
-  // root, whose forward ends last: the last block).
+  // root, whose forward ends last: the last block). Not one that skips its backward all-gather.
   auto prefetch = [](FSDPState* t) {
-    if (t->group_ && t->training_ != Training::PostBackward) t->group_->unshard(/*async_op=*/true);
+    if (t->group_ && t->group_->unshard_in_backward && t->training_ != Training::PostBackward)
+      t->group_->unshard(/*async_op=*/true);
   };
   if (has_explicit_backward_prefetch) {
     for (FSDPState* t : explicit_backward_prefetch) prefetch(t);

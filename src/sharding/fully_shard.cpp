@@ -385,6 +385,10 @@ void FSDPModule::set_modules_to_backward_prefetch(const std::vector<FSDPModule>&
   state_->has_explicit_backward_prefetch = true;
 }
 
+void FSDPModule::set_unshard_in_backward(bool unshard_in_backward) {
+  if (state_->group()) state_->group()->unshard_in_backward = unshard_in_backward;
+}
+
 void FSDPModule::set_gradient_divide_factor(double factor) {
   if (!(factor > 0)) throw std::invalid_argument("fsdp: the gradient divide factor must be positive");
   if (state_->group()) state_->group()->gradient_divide_factor = factor;

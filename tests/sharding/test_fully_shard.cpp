@@ -141,6 +141,23 @@ FSDP_RANK_WORKER(gpt_parity) {
   } else if (m == "tied") {
     // The head shares the token embedding; both sit in the root's group.
     run.shard = [](GPT& model) { shard_blocks_then_root(model); };
+  } else if (m == "embeddings_apart" || m == "embeddings_apart_accumulation") {
+    // The embeddings as a unit of their own that skips its backward all-gather (FSDP2's
+    // set_unshard_in_backward(false)): their gradients need the indices, not the tables.
+    // _accumulation: 2 micro-batches without sync, then 1 synced, the gradients accumulating on
+    // parameters whose memory is freed.
+    run.shard = [](GPT& model) {
+      for (auto& block : model->blocks) fsdp::fully_shard(block);
+      fsdp::fully_shard(std::vector<std::shared_ptr<torch::nn::Module>>{model->wte.ptr(), model->wpe.ptr()})
+          .set_unshard_in_backward(false);
+      fsdp::fully_shard(model);
+    };
+    if (m == "embeddings_apart_accumulation") {
+      micro_batches = 3;
+      run.before_micro_batch = [](int micro, int total, GPT& model) {
+        fsdp::fsdp_module(*model)->set_requires_gradient_sync(micro == total - 1);
+      };
+    }
   } else {
     TORCH_CHECK(false, "unknown PARITY_MODE ", m);
   }
@@ -217,19 +234,18 @@ TEST_P(GptParity, MatchesSingleProcess) {
   if (r.all_ok()) std::cout << r.ranks[0].output;
 }
 
-INSTANTIATE_TEST_SUITE_P(Sharded, GptParity,
-                         ::testing::Values(ParityCase{"default", 1}, ParityCase{"default", 2}, ParityCase{"default", 3},
-                                           ParityCase{"reshard_true", 2}, ParityCase{"reshard_false", 3},
-                                           ParityCase{"root_only", 2}, ParityCase{"list_group", 3},
-                                           ParityCase{"grad_accumulation", 2}, ParityCase{"grad_accumulation", 3},
-                                           ParityCase{"sync_every_micro_batch", 2}, ParityCase{"cpu_offload", 2},
-                                           ParityCase{"explicit_unshard", 2}, ParityCase{"explicit_prefetch", 3},
-                                           ParityCase{"tied", 2}, ParityCase{"flat", 2}, ParityCase{"flat_copy_in", 2},
-                                           ParityCase{"every_piece", 2}, ParityCase{"every_piece", 3},
-                                           ParityCase{"packed_pieces", 2}, ParityCase{"per_unit", 2}),
-                         [](const auto& info) {
-                           return info.param.mode + "_" + std::to_string(info.param.world) + "ranks";
-                         });
+INSTANTIATE_TEST_SUITE_P(
+    Sharded, GptParity,
+    ::testing::Values(ParityCase{"default", 1}, ParityCase{"default", 2}, ParityCase{"default", 3},
+                      ParityCase{"reshard_true", 2}, ParityCase{"reshard_false", 3}, ParityCase{"root_only", 2},
+                      ParityCase{"list_group", 3}, ParityCase{"grad_accumulation", 2},
+                      ParityCase{"grad_accumulation", 3}, ParityCase{"sync_every_micro_batch", 2},
+                      ParityCase{"cpu_offload", 2}, ParityCase{"explicit_unshard", 2},
+                      ParityCase{"explicit_prefetch", 3}, ParityCase{"tied", 2}, ParityCase{"flat", 2},
+                      ParityCase{"flat_copy_in", 2}, ParityCase{"every_piece", 2}, ParityCase{"every_piece", 3},
+                      ParityCase{"packed_pieces", 2}, ParityCase{"per_unit", 2}, ParityCase{"embeddings_apart", 1},
+                      ParityCase{"embeddings_apart", 2}, ParityCase{"embeddings_apart_accumulation", 3}),
+    [](const auto& info) { return info.param.mode + "_" + std::to_string(info.param.world) + "ranks"; });
 
 // Per-rank bytes of parameters + gradients + AdamW state at N=2 against one process.
 FSDP_RANK_WORKER(memory_halves) {
@@ -286,6 +302,60 @@ FSDP_RANK_WORKER(gradient_divide_factor) {
 TEST(FullyShardSettings, GradientDivideFactorOneSums) {
   auto r = run_ranks(2, "gradient_divide_factor");
   EXPECT_TRUE(r.all_ok()) << r.report();
+}
+
+// set_unshard_in_backward(false) on the embeddings' unit: backward issues fewer all-gathers than
+// with it on (the parity cases embeddings_apart* check the numbers). On a block, whose linears
+// need their weights in backward, backward fails with LibTorch's error for a tensor without
+// memory instead of reading freed memory ([Note: unshard_in_backward] in
+// src/sharding/fsdp_param_group.h).
+FSDP_RANK_WORKER(unshard_in_backward) {
+  const auto c = uneven_config();
+  const int rank = fsdp::dist::rank();
+  // All-gathers issued by three backwards, the embeddings' unit (or block 0) gathering in
+  // backward or not.
+  auto backward_gathers = [&](bool unshard_in_backward, bool on_a_block) {
+    torch::manual_seed(42);
+    GPT model(c);
+    for (auto& block : model->blocks) fsdp::fully_shard(block);
+    auto embeddings =
+        fsdp::fully_shard(std::vector<std::shared_ptr<torch::nn::Module>>{model->wte.ptr(), model->wpe.ptr()});
+    fsdp::fully_shard(model);
+    (on_a_block ? *fsdp::fsdp_module(*model->blocks[0]) : embeddings).set_unshard_in_backward(unshard_in_backward);
+    uint64_t gathers = 0;
+    for (int step = 0; step < 3; ++step) {
+      const auto data = global_batch(c, 6, step, 0).narrow(0, 3 * rank, 3);
+      auto loss =
+          fsdp::models::gpt_loss(fsdp::call(model, data.narrow(1, 0, c.block_size)), data.narrow(1, 1, c.block_size));
+      const auto before = fsdp::comm::process_comm_stats().snapshot();
+      loss.backward();
+      gathers += (fsdp::comm::process_comm_stats().snapshot() - before)[fsdp::comm::OpKind::AllGather].calls;
+      model->zero_grad();
+    }
+    return gathers;
+  };
+  const uint64_t with = backward_gathers(true, false), without = backward_gathers(false, false);
+  if (rank == 0)
+    std::cout << "backward all-gathers in 3 steps: " << with << " gathering the embeddings, " << without << " without"
+              << std::endl;
+  TORCH_CHECK(without < with, "set_unshard_in_backward(false) left backward's all-gathers at ", without, " (", with,
+              " with it on)");
+  try {
+    backward_gathers(false, true);
+    TORCH_CHECK(false, "backward read a block's parameters after set_unshard_in_backward(false) without an error");
+  } catch (const c10::Error& e) {
+    const std::string what = e.what();
+    TORCH_CHECK(what.find("storage of size 0") != std::string::npos ||
+                    what.find("data is not allocated yet") != std::string::npos,
+                "backward needing a block's parameters failed otherwise: ", what.substr(0, 300));
+    if (rank == 0) std::cout << "on a block: " << what.substr(0, what.find('\n')) << std::endl;
+  }
+}
+
+TEST(FullyShardSettings, UnshardInBackwardFalseSkipsTheGatherAndFailsWhereBackwardNeedsIt) {
+  auto r = run_ranks(2, "unshard_in_backward");
+  EXPECT_TRUE(r.all_ok()) << r.report();
+  if (r.all_ok()) std::cout << r.ranks[0].output;
 }
 
 // Gradients that do not exist yet (the first step, or zero_grad setting them to none) become this

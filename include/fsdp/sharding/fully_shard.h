@@ -101,6 +101,15 @@ class FSDPModule {
   void set_reshard_after_forward(bool reshard, bool recurse = true);
   // false: keep the parameters unsharded after backward (e.g. across micro-batches).
   void set_reshard_after_backward(bool reshard, bool recurse = true);
+  // false: this unit's backward does not all-gather its parameters (FSDP2's, this unit only), for
+  // units whose parameters backward never reads, such as embeddings: one all-gather a step saved.
+  // Where backward does read one (a linear, a head tied to the embedding), backward fails with
+  // LibTorch's error for a tensor without memory ("... out of bounds for storage of size 0" or
+  // "... its data is not allocated yet"). From its forward to its backward the unit's parameters
+  // keep their shapes over no memory (for the gradients autograd sets on them).
+  //   fsdp::fully_shard(std::vector<std::shared_ptr<torch::nn::Module>>{gpt->wte.ptr(), gpt->wpe.ptr()})
+  //       .set_unshard_in_backward(false);
+  void set_unshard_in_backward(bool unshard_in_backward);
   // false: the end of backward does not wait for the gradient reductions (micro-batching).
   void set_is_last_backward(bool is_last);
   // Explicit prefetch targets, replacing the implicit order recorded at the first forward.

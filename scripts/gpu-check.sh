@@ -309,7 +309,7 @@ run_check() {
   # A test that failed runs once more with each unit's shards kept apart (FSDP_CPU_SHARD_BUFFER=0,
   # the layout the GPU ran before 2026-12-05): passing then, its failure is the shard buffer's.
   local failed
-  failed="$(sed -nE 's/^\[  FAILED  \] ([^ ]+) \([0-9]+ ms\)$/\1/p' "$OUT/run.log" | sort -u | paste -sd: -)"
+  failed="$(sed -nE 's/^\[  FAILED  \] ([^ ,]+)(, where .*)? \([0-9]+ ms\)$/\1/p' "$OUT/run.log" | sort -u | paste -sd: -)"
   if [ -n "$failed" ]; then
     if step "failed GPU tests again, shards apart" 45 -- env FSDP_CPU_SHARD_BUFFER=0 "$DIR/bin/test_gpu" \
       "--gtest_filter=$failed"; then

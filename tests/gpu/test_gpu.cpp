@@ -15,6 +15,7 @@
 //   with no host synchronisation (CUDA's sync-debug mode "error") but clip_grad_norm_'s one read
 //   and the loss read; a rank on cuda:1 while the current device is 0 (two GPUs; skips on one).
 //   Copy-in, copy-out and the reduce-scatter input issue one copy op per unit (op_counts.h).
+//   The embeddings as a unit without a backward all-gather (set_unshard_in_backward(false)).
 #include <gtest/gtest.h>
 #include <torch/cuda.h>
 #include <torch/torch.h>
@@ -233,7 +234,9 @@ void init_cuda_runtime(bool gloo) {
 }
 
 // fp32 within 1e-6 (relative); bf16 within the CPU bf16 test's bounds (losses 2e-3, shards 5e-3).
-void parity_worker(bool gloo, bool bf16) {
+// embeddings_apart: wte and wpe a unit of their own that skips its backward all-gather ([Note:
+// unshard_in_backward]: their gradients land on parameters without memory, on the current stream).
+void parity_worker(bool gloo, bool bf16, bool embeddings_apart = false) {
   init_cuda_runtime(gloo);
   const auto c = small_config();
   const int steps = 10;
@@ -241,12 +244,21 @@ void parity_worker(bool gloo, bool bf16) {
   const double loss_tol = bf16 ? 2e-3 : 1e-6, param_tol = bf16 ? 5e-3 : 1e-6;
   const auto o = gpu_options(bf16);
   Run got = train_fsdp(
-      c, steps, [&](GPT& m) { shard_blocks_then_root(m, o); }, bf16);
+      c, steps,
+      [&](GPT& m) {
+        if (!embeddings_apart) return shard_blocks_then_root(m, o);
+        for (auto& b : m->blocks) fsdp::fully_shard(b, o);
+        fsdp::fully_shard(std::vector<std::shared_ptr<torch::nn::Module>>{m->wte.ptr(), m->wpe.ptr()}, o)
+            .set_unshard_in_backward(false);
+        fsdp::fully_shard(m, o);
+      },
+      bf16);
   check_losses(got.losses, want.losses, loss_tol);
   const double worst = check_shards(got.model, want.params, param_tol);
   if (fsdp::dist::rank() == 0) {
     std::cout << "ranks " << fsdp::dist::world_size() << (gloo ? " (gloo on cuda)" : " (nccl)")
-              << (bf16 ? " bf16" : " fp32") << ": last loss " << got.losses.back() << " vs plain " << want.losses.back()
+              << (bf16 ? " bf16" : " fp32") << (embeddings_apart ? ", embeddings without backward all-gather" : "")
+              << ": last loss " << got.losses.back() << " vs plain " << want.losses.back()
               << ", worst shard difference " << worst << std::endl;
   }
 }
@@ -263,6 +275,12 @@ RanksOptions gpu_ranks() {
 FSDP_RANK_WORKER(gpu_nccl_fp32) { parity_worker(/*gloo=*/false, /*bf16=*/false); }
 FSDP_RANK_WORKER(gpu_nccl_bf16) { parity_worker(/*gloo=*/false, /*bf16=*/true); }
 FSDP_RANK_WORKER(gpu_gloo_fp32) { parity_worker(/*gloo=*/true, /*bf16=*/false); }
+FSDP_RANK_WORKER(gpu_nccl_bf16_embeddings_apart) {
+  parity_worker(/*gloo=*/false, /*bf16=*/true, /*embeddings_apart=*/true);
+}
+FSDP_RANK_WORKER(gpu_gloo_fp32_embeddings_apart) {
+  parity_worker(/*gloo=*/true, /*bf16=*/false, /*embeddings_apart=*/true);
+}
 
 // Host tensors through NCCL ([Note: host tensors on NCCL], src/comm/comm.cpp): broadcast,
 // all_reduce and all_gather_into_tensor of CPU tensors, then a checkpoint of a sharded model saved
@@ -829,6 +847,13 @@ TEST(Gpu, WorldOfOneOnNcclMatchesPlainTrainingFp32) {
 TEST(Gpu, WorldOfOneOnNcclMatchesPlainTrainingBf16) {
   SKIP_WITHOUT_GPU(true);
   EXPECT_RANKS_PASS(1, "gpu_nccl_bf16", gpu_ranks());
+}
+
+// set_unshard_in_backward(false) on the embeddings' unit, on the side streams.
+TEST(Gpu, EmbeddingsWithoutBackwardGatherMatchPlainTraining) {
+  SKIP_WITHOUT_GPU(true);
+  EXPECT_RANKS_PASS(1, "gpu_nccl_bf16_embeddings_apart", gpu_ranks());
+  EXPECT_RANKS_PASS(2, "gpu_gloo_fp32_embeddings_apart", gpu_ranks());
 }
 
 TEST(Gpu, TwoRanksSharingOneGpuMatchOneProcess) {

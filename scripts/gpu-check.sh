@@ -172,7 +172,7 @@ write_summary() {
         echo
         echo "GPU tests:"
         # One line per test (those with their time), then the totals.
-        grep -E '^\[ +(OK|FAILED|SKIPPED) +\] .*\([0-9]+ ms\)$|^\[  PASSED  \]|^\[  FAILED  \] [0-9]+ test' "$OUT/run.log" | head -30
+        grep -E '^\[ +(OK|FAILED|SKIPPED) +\] .*\([0-9]+ ms\)$|^\[  PASSED  \]|^\[  FAILED  \] [0-9]+ test' "$OUT/run.log" | head -40
       fi
       if grep -qE '^(row|config|target) ' "$OUT/run.log"; then
         echo

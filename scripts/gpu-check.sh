@@ -21,9 +21,10 @@
 # CUDA are the ones the binaries were built for (refused at once, naming both, when not),
 # LD_LIBRARY_PATH from the torch package, that fsdp_build_info says cuda=yes nccl=yes (a build
 # without them fails), then runs the GPU tests (the ones a crash or hang did not reach run again,
-# up to 3 times; the failed ones once more with FSDP_CPU_SHARD_BUFFER=0), the benchmarks and, where train_gpt is bundled, a traced step of it summarised
-# by trace_summary.py --ops: the copies and kernel launches inside each FSDP phase ([Note: one copy
-# kernel per unit]) (--no-bench: tests only). OUTDIR gets at most 3 files: summary.txt (rewritten
+# up to 3 times; the failed ones once more with FSDP_CPU_SHARD_BUFFER=0), the benchmarks and,
+# where train_gpt is bundled, a traced step of it summarised by trace_summary.py --ops: the copies
+# and kernel launches inside each FSDP phase ([Note: one copy kernel per unit]) (--no-bench: tests
+# only). OUTDIR gets at most 3 files: summary.txt (rewritten
 # after every step, so a killed run leaves one), run.log (every step's output, concatenated) and
 # test_gpu.xml. The steps' limits keep the run under 7 minutes (a passing one: about 2); give the
 # device call timeout_s=420.

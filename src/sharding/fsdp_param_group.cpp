@@ -282,7 +282,7 @@ void FSDPParamGroup::reshard_post_forward() {
 void FSDPParamGroup::share_sharded_grads() {
   // Autograd adds in place only with grad mode off (a backward without create_graph); with it on
   // it would replace the shared gradient by a new sum, which post_backward would add again.
-  if (state_ != State::Unsharded || !direct_world_of_one() || !requires_gradient_sync || gradient_divide_factor ||
+  if (state_ != State::Unsharded || !reduces_directly() || !requires_gradient_sync || gradient_divide_factor ||
       at::GradMode::is_enabled()) {
     return;
   }
@@ -317,7 +317,7 @@ void FSDPParamGroup::post_backward() {
   // reduce-scatter input is allocated, so the two are never alive together.
   if (reshard_after_backward) reshard();
   if (with_grad.empty() && !shared) return;
-  if (direct_world_of_one()) {
+  if (reduces_directly()) {
     // Nothing to reduce: each gradient becomes (or is added to) the sharded gradient as it is.
     for (auto& [p, g] : with_grad) p->accumulate_full_grad(std::move(g), gradient_divide_factor);
     with_grad.clear();
@@ -400,6 +400,27 @@ void FSDPParamGroup::start_all_reduce() {
   all_reduce_started_ = true;
 }
 
+// [Note: the all-reduce hook]
+// FSDP2's set_all_reduce_hook: a user function called with a unit's reduce output once per synced
+// backward, after the reduce-scatter (and, under HSDP, the all-reduce over the replicas) wrote it
+// and the gradients were divided, before anything reaches .grad: the flat 1-D tensor of this
+// rank's padded rows of every parameter that received a gradient (at their reduce-scatter
+// offsets), in reduce_dtype. What the hook writes into it in place is what the sharded gradients
+// become. Its uses: a replica dimension FSDP does not manage (1-D FSDP within a replica group, the
+// hook averaging over the groups with a process group of its own, as torchft's fault-tolerant
+// HSDP does), or reading the reduced gradients. It is not called where nothing is reduced:
+// gradient sync off, or HSDP with requires_all_reduce off (those partial sums reach the hook with
+// the all-reduce that includes them).
+// Two paths change for it. The CPU's per-parameter reduce-scatter has no flat output, so a group
+// with a hook reduces flat; a direct world of one hands its gradients over without reducing, so
+// with a hook the group of one "reduces" (Comm's local copy) to give the hook its output. On the
+// CPU the hook runs on the host where the reduction is waited for (the next unit's backward, or
+// the end of backward). On a GPU it is called when post_backward queues the reduction, on
+// all_reduce_hook_stream (default: the all-reduce stream), which first waits for the stream that
+// wrote the output; the current stream waits for the hook's at the end of backward. A hook that
+// issues collectives gets them in the same order on every rank, since every rank reduces its units
+// in the same order. FSDP2 calls it before a post-divide that it makes only for float16 reduction
+// or force-sum (here there is none: the hook always sees the divided gradients).
 void FSDPParamGroup::queue_post_reduce(DeviceStreams& s) {
   // FSDP2's foreach_reduce after its reduce-scatter: every step below is queued on a side stream
   // in order (NCCL's Work::wait is a stream wait), the host waits for none of them, and the
@@ -439,9 +460,21 @@ void FSDPParamGroup::queue_post_reduce(DeviceStreams& s) {
     post = s.all_reduce;
   }
   post_reduce_stream_ = post;
-  c10::StreamGuard on_post(post);
-  if (pending_divide_) reduce_output_.div_(*pending_divide_);
+  if (pending_divide_) {
+    c10::StreamGuard on_post(post);
+    reduce_output_.div_(*pending_divide_);
+  }
   pending_divide_.reset();
+  if (all_reduce_hook) {
+    // [Note: the all-reduce hook]: on its stream, after everything above.
+    const c10::Stream hook_stream = all_reduce_hook_stream.value_or(s.all_reduce);
+    if (hook_stream != post) DeviceStreams::wait_stream(hook_stream, post);
+    post = hook_stream;
+    post_reduce_stream_ = post;
+    c10::StreamGuard on_hook(hook_stream);
+    all_reduce_hook(reduce_output_);
+  }
+  c10::StreamGuard on_post(post);
   if (!offloaded_grads() || reduced_params_.empty()) return;
   // CPU offload: the reduced gradients go to pinned host memory with a non-blocking copy on this
   // stream (FSDP2's foreach_reduce with offload_to_cpu), cast to the shard dtype on the device
@@ -564,7 +597,7 @@ void FSDPParamGroup::move_shards_to_buffer() {
 }
 
 bool FSDPParamGroup::reduces_pieces(const std::vector<std::pair<FSDPParam*, at::Tensor>>& grads) const {
-  return !streams() && !replicate_comm_ && comm_->size() > 1 && !grads.empty() &&
+  return !streams() && !replicate_comm_ && !all_reduce_hook && comm_->size() > 1 && !grads.empty() &&
          comm_->takes_pieces(grads.front().second) && reduces_per_parameter(grads);
 }
 
@@ -639,6 +672,7 @@ void FSDPParamGroup::finish_reduce() {
     }
     reduce_work_ = comm::Work();  // the backend's scratch is freed now
     if (pending_divide_) reduced.div_(*pending_divide_);
+    if (all_reduce_hook) all_reduce_hook(reduced);  // [Note: the all-reduce hook]
   }
   reduce_work_ = comm::Work();
   all_reduce_started_ = false;

@@ -41,6 +41,7 @@
 #include <c10/core/Event.h>
 #include <c10/core/Stream.h>
 
+#include <functional>
 #include <memory>
 #include <optional>
 #include <string>
@@ -110,6 +111,11 @@ class FSDPParamGroup {
   bool requires_gradient_sync = true;
   bool requires_all_reduce = true;  // HSDP only
   std::optional<double> gradient_divide_factor;
+  // FSDPModule::set_all_reduce_hook: runs on the unit's reduced gradients once they are complete
+  // ([Note: the all-reduce hook], fsdp_param_group.cpp); on a GPU, queued on all_reduce_hook_stream
+  // (unset: the all-reduce stream).
+  std::function<void(const at::Tensor&)> all_reduce_hook;
+  std::optional<c10::Stream> all_reduce_hook_stream;
   // Integer reshard_after_forward: this rank's group of k consecutive shard ranks (null otherwise).
   std::shared_ptr<comm::Comm> post_forward_comm;
   // The unit's name in profiler ranges (fsdp/debug/profiler.h): its module's path from the root,
@@ -170,6 +176,9 @@ class FSDPParamGroup {
   bool direct_world_of_one() const {
     return comm_->size() == 1 && !replicate_comm_ && !post_forward_comm && !streams();
   }
+  // Gradients go to .grad without a reduction: a direct world of one, unless a hook wants the
+  // reduce output (the group of one then "reduces" by Comm's local copy).
+  bool reduces_directly() const { return direct_world_of_one() && !all_reduce_hook; }
   // The CPU's per-parameter collectives apply (Gloo shard group of CPU tensors, no side streams).
   bool gathers_pieces() const;
   // The flat all-gather sends from shard_buffer_ (a Gloo group of CPU tensors taking point-to-point
@@ -200,7 +209,7 @@ class FSDPParamGroup {
   // The end of a reduction where the result has to wait on the side streams: HSDP's all-reduce or
   // the offload copy.
   bool reduce_waits_for_end_of_backward() const {
-    return offload_host_.defined() || (replicate_comm_ && !reduced_params_.empty());
+    return offload_host_.defined() || ((replicate_comm_ || all_reduce_hook) && !reduced_params_.empty());
   }
   // Writes (or adds) `reduced` into the sharded gradients of reduced_params_; `owned`: reduced is
   // the group's to hand over (nothing else writes it afterwards).

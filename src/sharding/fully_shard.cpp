@@ -394,6 +394,25 @@ void FSDPModule::set_gradient_divide_factor(double factor) {
   if (state_->group()) state_->group()->gradient_divide_factor = factor;
 }
 
+void FSDPModule::set_all_reduce_hook(std::function<void(const at::Tensor&)> hook, std::optional<c10::Stream> stream) {
+  detail::FSDPParamGroup* group = state_->group();
+  if (!group) return;
+  if (stream && group->is_hsdp()) {
+    throw std::invalid_argument(
+        "fsdp: set_all_reduce_hook: no stream under HSDP: the hook runs on FSDP's all-reduce stream, after "
+        "the all-reduce over the replicas (FSDP2's rule). Leave `stream` out.");
+  }
+  const c10::Device device = group->params().front()->device();
+  if (stream && (stream->device_type() != device.type() || device.is_cpu())) {
+    throw std::invalid_argument("fsdp: set_all_reduce_hook: the stream is on " + stream->device().str() +
+                                " but this unit's parameters are on " + device.str() +
+                                (device.is_cpu() ? " (streams are for GPUs: leave `stream` out on the CPU)"
+                                                 : "; give a stream of their device"));
+  }
+  group->all_reduce_hook = std::move(hook);
+  group->all_reduce_hook_stream = group->all_reduce_hook ? stream : std::nullopt;
+}
+
 void FSDPModule::set_post_optim_event(std::shared_ptr<c10::Event> event) {
   state_->post_optim_event = std::move(event);
 }

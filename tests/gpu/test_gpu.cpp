@@ -720,6 +720,47 @@ FSDP_RANK_WORKER(gpu_hsdp_one_by_one) {
   check_shards(got.model, want.params, 1e-5);
 }
 
+// [Note: the all-reduce hook] on the side streams, a world of one through NCCL: every unit's hook
+// runs on a stream of the test's own, which must wait for the reduce-scatter (it copies what it is
+// given), then spins 20 ms and doubles the gradients in place; the current stream must wait for it
+// before .grad is read. Per step the gradients' squared norm must be 4x the copies', and the hook
+// must have run once per unit.
+FSDP_RANK_WORKER(gpu_all_reduce_hook) {
+  init_cuda_runtime(/*gloo=*/false);
+  const auto c = small_config();
+  GPT model = fresh_model(c);
+  const c10::Stream hook_stream = c10::cuda::getStreamFromPool();
+  auto seen = std::make_shared<std::vector<at::Tensor>>();
+  const std::function<void(const at::Tensor&)> hook = [seen, hook_stream](const at::Tensor& g) {
+    TORCH_CHECK(c10::Stream(c10::cuda::getCurrentCUDAStream()) == hook_stream, "the hook ran on ",
+                c10::cuda::getCurrentCUDAStream(), ", not on the stream it was given");
+    seen->push_back(g.clone());
+    at::cuda::sleep(40000000);  // about 20 ms of spinning before the gradients change
+    g.mul_(2);
+  };
+  const auto o = gpu_options(/*bf16=*/false);
+  for (auto& b : model->blocks) fsdp::fully_shard(b, o).set_all_reduce_hook(hook, hook_stream);
+  fsdp::fully_shard(model, o).set_all_reduce_hook(hook, hook_stream);
+  const int steps = 3;
+  for (int s = 0; s < steps; ++s) {
+    seen->clear();
+    for (auto& p : model->parameters()) p.mutable_grad() = at::Tensor();
+    auto data = batch_of(c, s).to(gpu());
+    auto loss =
+        fsdp::models::gpt_loss(fsdp::call(model, data.narrow(1, 0, c.block_size)), data.narrow(1, 1, c.block_size));
+    loss.backward();
+    const int64_t units = static_cast<int64_t>(model->blocks.size()) + 1;
+    TORCH_CHECK(static_cast<int64_t>(seen->size()) == units, "step ", s, ": the hook ran ", seen->size(),
+                " times; expected once per unit (", units, ")");
+    at::Tensor grads = at::zeros({}, at::TensorOptions().device(gpu()).dtype(at::kDouble)), copies = grads.clone();
+    for (const auto& p : model->parameters()) grads += p.grad().to(at::kDouble).pow(2).sum();
+    for (const auto& g : *seen) copies += g.to(at::kDouble).pow(2).sum();
+    const double ratio = (grads / copies).item<double>();  // waits on the current stream only
+    TORCH_CHECK(std::abs(ratio - 4.0) < 1e-6, "step ", s, ": the gradients' squared norm is ", ratio,
+                "x the reduce outputs' the hook copied; expected 4x (a stream that did not wait)");
+  }
+}
+
 #endif  // FSDP_HAS_CUDA
 
 namespace {
@@ -900,6 +941,11 @@ TEST(Gpu, CpuOffloadWaitsOnceAtTheEndOfBackward) {
 TEST(Gpu, PostOptimEventAllGatherDoesNotReuseTheComputeStreamsBlocks) {
   SKIP_WITHOUT_GPU(true);
   EXPECT_RANKS_PASS(1, "gpu_post_optim_event_allocation", through_nccl());
+}
+
+TEST(Gpu, AllReduceHookRunsOnItsStreamBetweenTheReductionAndTheGradients) {
+  SKIP_WITHOUT_GPU(true);
+  EXPECT_RANKS_PASS(1, "gpu_all_reduce_hook", through_nccl());
 }
 
 TEST(Gpu, HsdpAllReduceQueuedAfterTheReduceScatterMatchesPlainTraining) {

@@ -40,8 +40,12 @@ fsdp::DeviceMesh hsdp_mesh(const std::string& shape) {
 }  // namespace
 
 // PARITY_MODE: hsdp | hsdp_no_sync | hsdp_no_all_reduce | reshard_int | reshard_int_no_sync |
-// hsdp_reshard_int (both, on a 1 x world mesh so the shard group is the world);
-// MESH: "RxS" for HSDP; RESHARD: the integer for reshard_int*.
+// hsdp_reshard_int (both, on a 1 x world mesh so the shard group is the world) |
+// hook_replicas (1-D FSDP over mesh["shard"], the replicas averaged by an all-reduce hook: HSDP
+// that FSDP does not manage; with a shard size of 1 the group of one, which otherwise reduces
+// nothing, reduces for the hook) | hsdp_hook (native HSDP with a hook that checks it sees the
+// replicas' all-reduced gradients);
+// MESH: "RxS" for HSDP and the hooks; RESHARD: the integer for reshard_int*.
 FSDP_RANK_WORKER(hsdp_parity) {
   const auto config = uneven_config();
   const std::string m = env("PARITY_MODE", "hsdp");
@@ -50,6 +54,31 @@ FSDP_RANK_WORKER(hsdp_parity) {
   if (m.find("reshard_int") != std::string::npos) options.reshard_after_forward = std::stoi(env("RESHARD", "2"));
   ShardedRun run;
   run.shard = [options](GPT& model) { shard_blocks_then_root(model, options); };
+  auto hook_calls = std::make_shared<int64_t>(0);
+  if (m == "hook_replicas" || m == "hsdp_hook") {
+    const auto mesh = hsdp_mesh(env("MESH", "2x2"));
+    if (m == "hook_replicas") options.mesh = mesh["shard"];
+    const auto replicas = mesh.get_group("replicate");
+    const bool native = m == "hsdp_hook";
+    run.shard = [options, replicas, native, hook_calls](GPT& model) {
+      shard_blocks_then_root(model, options);
+      const std::function<void(const at::Tensor&)> hook = [replicas, native, hook_calls](const at::Tensor& g) {
+        ++*hook_calls;
+        TORCH_CHECK(g.dim() == 1 && g.scalar_type() == at::kFloat, "the reduce output: flat float32, got ", g.sizes(),
+                    " ", g.scalar_type());
+        if (!native) {
+          replicas->all_reduce(g, fsdp::comm::ReduceOp::Avg);
+          return;
+        }
+        // Under native HSDP the replicas' all-reduce came first: every replica holds the same rows.
+        at::Tensor most = g.clone();
+        replicas->all_reduce(most, fsdp::comm::ReduceOp::Max);
+        TORCH_CHECK(most.equal(g), "the hook ran before the all-reduce over the replicas");
+      };
+      for (auto& block : model->blocks) fsdp::fsdp_module(*block)->set_all_reduce_hook(hook);
+      fsdp::fsdp_module(*model)->set_all_reduce_hook(hook);
+    };
+  }
   int micro_batches = 1;
   if (m == "hsdp_no_sync" || m == "reshard_int_no_sync") {
     // Accumulation without any communication: 2 micro-batches, then 1 synced.
@@ -63,7 +92,7 @@ FSDP_RANK_WORKER(hsdp_parity) {
     run.before_micro_batch = [](int micro, int total, GPT& model) {
       fsdp::fsdp_module(*model)->set_requires_all_reduce(micro == total - 1);
     };
-  } else if (m != "hsdp" && m != "reshard_int" && m != "hsdp_reshard_int") {
+  } else if (m != "hsdp" && m != "reshard_int" && m != "hsdp_reshard_int" && m != "hook_replicas" && m != "hsdp_hook") {
     TORCH_CHECK(false, "unknown PARITY_MODE ", m);
   }
   auto want = train_reference(config, kSteps, kBatch, micro_batches);
@@ -72,7 +101,7 @@ FSDP_RANK_WORKER(hsdp_parity) {
   const auto world_ops = fsdp::dist::world_comm()->stats().snapshot() - before;
   check_losses_match(got.losses, want.losses, kTolerance);
   const double worst = check_shards_match(got.model, want.parameters, kTolerance);
-  if (options.mesh) {
+  if (options.mesh && options.mesh->ndim() == 2) {
     // The checkpoint contract: rows within the shard group, the replica index alongside.
     for (const auto& p : got.model->parameters()) {
       auto info = fsdp::shard_info(p);
@@ -93,6 +122,11 @@ FSDP_RANK_WORKER(hsdp_parity) {
       TORCH_CHECK(((full - ref).abs() / ref.abs().clamp_min(1.0)).max().item<double>() <= kTolerance, p.key(),
                   ": rows written by replica 0 do not rebuild the parameter");
     }
+  }
+  if (m == "hook_replicas" || m == "hsdp_hook") {
+    // Once per unit (2 blocks + root) and synced backward, on every rank.
+    const int64_t want_calls = 3 * kSteps;
+    TORCH_CHECK(*hook_calls == want_calls, "the all-reduce hook ran ", *hook_calls, " times; expected ", want_calls);
   }
   if (m.find("reshard_int") != std::string::npos) {
     // Backward gathers within the post-forward groups: the full shard group (here the world) only
@@ -131,8 +165,9 @@ INSTANTIATE_TEST_SUITE_P(Hsdp, HsdpParity,
                          ::testing::Values(HsdpCase{"hsdp", "2x2", 4}, HsdpCase{"hsdp_no_sync", "2x2", 4},
                                            HsdpCase{"hsdp_no_all_reduce", "2x2", 4}, HsdpCase{"hsdp", "2x1", 2},
                                            HsdpCase{"reshard_int", "", 4, 2}, HsdpCase{"reshard_int_no_sync", "", 4, 2},
-                                           HsdpCase{"reshard_int", "", 2, 1},
-                                           HsdpCase{"hsdp_reshard_int", "1x4", 4, 2}),
+                                           HsdpCase{"reshard_int", "", 2, 1}, HsdpCase{"hsdp_reshard_int", "1x4", 4, 2},
+                                           HsdpCase{"hook_replicas", "2x2", 4}, HsdpCase{"hook_replicas", "2x1", 2},
+                                           HsdpCase{"hsdp_hook", "2x2", 4}),
                          [](const auto& info) {
                            std::string mesh = info.param.mesh.empty() ? "" : "_" + info.param.mesh;
                            std::string k = info.param.reshard ? "_k" + std::to_string(info.param.reshard) : "";
@@ -211,6 +246,20 @@ FSDP_RANK_WORKER(hsdp_errors) {
         fsdp::fully_shard(m, o);
       },
       "does not divide");
+  // The all-reduce hook's stream: none under HSDP (FSDP2's rule), none on the CPU.
+  {
+    GPT m(c);
+    fsdp::FullyShardOptions o;
+    o.mesh = hsdp;
+    fsdp::fully_shard(m, o);
+    const c10::Stream cpu_stream(c10::Stream::DEFAULT, c10::Device(c10::kCPU));
+    expect_error([&] { fsdp::fsdp_module(*m)->set_all_reduce_hook([](const at::Tensor&) {}, cpu_stream); },
+                 "no stream under HSDP");
+    GPT flat(c);
+    fsdp::fully_shard(flat);
+    expect_error([&] { fsdp::fsdp_module(*flat)->set_all_reduce_hook([](const at::Tensor&) {}, cpu_stream); },
+                 "streams are for GPUs");
+  }
   // replicate takes a 1-D mesh.
   expect_error(
       [&] {

@@ -18,8 +18,10 @@
 // forward uses. Between forwards they are freed (zero elements): calling forward directly, around
 // fsdp::call, fails with a shape error instead of reading freed memory.
 #include <c10/core/Event.h>
+#include <c10/core/Stream.h>
 #include <torch/nn/module.h>
 
+#include <functional>
 #include <memory>
 #include <optional>
 #include <string>
@@ -125,6 +127,19 @@ class FSDPModule {
   void set_post_optim_event(std::shared_ptr<c10::Event> event);
   // Gradients are divided by this instead of the data-parallel size (1.0: plain sum).
   void set_gradient_divide_factor(double factor);
+  // FSDP2's set_all_reduce_hook: `hook(reduce_output)` runs once per synced backward on this
+  // unit's reduced gradients (not its children's), before they reach .grad: one flat tensor of this
+  // rank's padded shard rows of the unit's parameters, in reduce_dtype, averaged over the shard
+  // group (and under HSDP over the replicas too); what the hook writes into it in place becomes the
+  // gradients. E.g. averaging over replicas that a process group of one's own connects:
+  //   auto replicas = mesh.get_group("replicate");    // FSDP itself shards over mesh["shard"]
+  //   fsdp::fsdp_module(*block)->set_all_reduce_hook(
+  //       [replicas](const at::Tensor& g) { replicas->all_reduce(g, fsdp::comm::ReduceOp::Avg); });
+  // On a GPU it runs on `stream` (default: FSDP's all-reduce stream; not under HSDP, where it follows
+  // the all-reduce on that stream). An empty function removes it. [Note: the all-reduce hook] in
+  // src/sharding/fsdp_param_group.cpp says where it runs.
+  void set_all_reduce_hook(std::function<void(const at::Tensor&)> hook,
+                           std::optional<c10::Stream> stream = std::nullopt);
 
   std::vector<torch::nn::Module*> modules() const;
 

@@ -4,7 +4,7 @@
 //   distributed runtime   fsdp/dist/runtime.h, fsdp/dist/env.h      init_distributed, rank, world
 //   meshes and groups     fsdp/mesh/device_mesh.h, fsdp/comm/comm.h  DeviceMesh, Comm collectives
 //   sharding              fsdp/sharding/fully_shard.h, policies.h, call.h, forward_method.h,
-//                         replicate.h, materialize.h, clip_grad.h, fsdp1.h
+//                         replicate.h, materialize.h, clip_grad.h, custom_collectives.h, fsdp1.h
 //   tensor parallel       fsdp/tensor_parallel/tensor_parallel.h
 //   activation ckpt       fsdp/activation/activation_checkpointing.h
 //   checkpoints           fsdp/checkpoint/{checkpoint,state_dict,optimizer_state,safetensors,
@@ -26,6 +26,7 @@
 #include "fsdp/mesh/device_mesh.h"
 #include "fsdp/sharding/call.h"
 #include "fsdp/sharding/clip_grad.h"
+#include "fsdp/sharding/custom_collectives.h"
 #include "fsdp/sharding/forward_method.h"
 #include "fsdp/sharding/fsdp1.h"
 #include "fsdp/sharding/fully_shard.h"

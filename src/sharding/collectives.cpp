@@ -411,7 +411,8 @@ void copy_in_post_forward(const FSDPParams& params, const std::vector<int64_t>& 
 }
 
 at::Tensor build_reduce_scatter_input(std::vector<std::pair<FSDPParam*, at::Tensor>>& grads, int n,
-                                      at::ScalarType dtype, std::vector<std::pair<FSDPParam*, int64_t>>& placed) {
+                                      at::ScalarType dtype, std::vector<std::pair<FSDPParam*, int64_t>>& placed,
+                                      const std::function<at::Tensor(int64_t, const at::TensorOptions&)>& allocate) {
   int64_t total = 0, grad_bytes = 0;
   for (const auto& [p, g] : grads) {
     total += p->shard_numel();
@@ -419,8 +420,9 @@ at::Tensor build_reduce_scatter_input(std::vector<std::pair<FSDPParam*, at::Tens
   }
   // The unsharded gradients are FSDP's to free from here on: counted until they are.
   count_buffer(BufferOwner::UnshardedGrads, grad_bytes);
-  at::Tensor input = empty_buffer({n, total}, grads.front().second.options().dtype(dtype).requires_grad(false),
-                                  BufferOwner::ReduceScatterInput);
+  const auto options = grads.front().second.options().dtype(dtype).requires_grad(false);
+  at::Tensor input = allocate ? allocate(n * total, options).view({n, total})
+                              : empty_buffer({n, total}, options, BufferOwner::ReduceScatterInput);
   placed.clear();
   int64_t offset = 0;
   torch::NoGradGuard no_grad;

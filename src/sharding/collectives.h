@@ -17,6 +17,7 @@
 // ([Note: one copy kernel per unit], collectives.cpp).
 #include <ATen/ATen.h>
 
+#include <functional>
 #include <memory>
 #include <utility>
 #include <vector>
@@ -107,8 +108,11 @@ void release_reduce_pieces(ReducePieces& pieces);
 
 // The reduce-scatter input of the gradients in `grads` (consumed: each unsharded gradient is freed
 // once it is in the input, as FSDP2 does; `grads` is left empty), [n, total] in `dtype`, from the
-// buffer pool; `placed` gets each parameter with its column.
-at::Tensor build_reduce_scatter_input(std::vector<std::pair<FSDPParam*, at::Tensor>>& grads, int n,
-                                      at::ScalarType dtype, std::vector<std::pair<FSDPParam*, int64_t>>& placed);
+// buffer pool (or from `allocate(numel, options)` where given: a custom reduce-scatter's); `placed`
+// gets each parameter with its column.
+at::Tensor build_reduce_scatter_input(
+    std::vector<std::pair<FSDPParam*, at::Tensor>>& grads, int n, at::ScalarType dtype,
+    std::vector<std::pair<FSDPParam*, int64_t>>& placed,
+    const std::function<at::Tensor(int64_t, const at::TensorOptions&)>& allocate = {});
 
 }  // namespace fsdp::detail

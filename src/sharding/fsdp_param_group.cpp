@@ -6,6 +6,7 @@
 #include <torch/torch.h>
 
 #include <optional>
+#include <sstream>
 
 #include "collectives.h"
 #include "fsdp/debug/profiler.h"
@@ -61,7 +62,7 @@ void FSDPParamGroup::unshard(bool async_op, const c10::Event* after) {
   // on it ([Note: FSDP streams]).
   const auto options = first.options().device(params_.front()->device()).dtype(params_.front()->compute_dtype());
   DeviceStreams* s = streams();
-  if (direct_world_of_one()) {
+  if (gathers_directly()) {
     // Nothing to gather: the unsharded parameter is the shard's memory itself where dtype and
     // device agree (no copy, no allocation), else the shard is copied (cast) straight into its
     // unsharded storage, one pass, no all-gather buffers. Synchronous: a prefetch only moves it
@@ -107,7 +108,10 @@ void FSDPParamGroup::unshard(bool async_op, const c10::Event* after) {
     // next event, which follows that copy-out.
     std::optional<c10::StreamGuard> on_all_gather;
     if (s && after && !post_forward_shard_.defined()) on_all_gather.emplace(s->all_gather);
-    all_gather_output_ = empty_buffer({n, total_shard_numel_}, options, BufferOwner::AllGatherOutput);
+    all_gather_output_ =
+        custom_all_gather
+            ? custom_buffer(/*all_gather=*/true, n * total_shard_numel_, options).view({n, total_shard_numel_})
+            : empty_buffer({n, total_shard_numel_}, options, BufferOwner::AllGatherOutput);
   }
   if (post_forward_shard_.defined()) {
     // Backward after an integer reshard: the k ranks of the post-forward group hold, together,
@@ -116,10 +120,10 @@ void FSDPParamGroup::unshard(bool async_op, const c10::Event* after) {
       DeviceStreams::wait_stream(s->all_gather, s->current());
       c10::StreamGuard on_all_gather(s->all_gather);
       all_gather_work_ =
-          post_forward_comm->all_gather_into_tensor(all_gather_output_.view(-1), post_forward_shard_.view(-1), true);
+          issue_all_gather(*post_forward_comm, all_gather_output_.view(-1), post_forward_shard_.view(-1));
     } else {
       all_gather_work_ =
-          post_forward_comm->all_gather_into_tensor(all_gather_output_.view(-1), post_forward_shard_.view(-1), true);
+          issue_all_gather(*post_forward_comm, all_gather_output_.view(-1), post_forward_shard_.view(-1));
     }
     state_ = State::Unsharding;
     if (!async_op) wait_for_unshard();
@@ -179,16 +183,43 @@ void FSDPParamGroup::unshard(bool async_op, const c10::Event* after) {
     c10::StreamGuard on_all_gather(s->all_gather);
     PhaseScope timed(Phase::AllGatherIssue);
     const profiler::Range range("fsdp::all_gather", label);
-    all_gather_work_ = comm_->all_gather_into_tensor(all_gather_output_.view(-1), input, /*async_op=*/true);
+    all_gather_work_ = issue_all_gather(*comm_, all_gather_output_.view(-1), input);
     all_gather_input_ = input;
   } else {
     copy_in();
     PhaseScope timed(Phase::AllGatherIssue);
     const profiler::Range range("fsdp::all_gather", label);
-    all_gather_work_ = comm_->all_gather_into_tensor(all_gather_output_.view(-1), input, /*async_op=*/true);
+    all_gather_work_ = issue_all_gather(*comm_, all_gather_output_.view(-1), input);
   }
   state_ = State::Unsharding;
   if (!async_op) wait_for_unshard();
+}
+
+comm::Work FSDPParamGroup::issue_all_gather(comm::Comm& group, const at::Tensor& output, const at::Tensor& input) {
+  if (custom_all_gather) return (*custom_all_gather)(output, input, group, /*async_op=*/true);
+  return group.all_gather_into_tensor(output, input, /*async_op=*/true);
+}
+
+at::Tensor FSDPParamGroup::custom_buffer(bool all_gather, int64_t numel, const at::TensorOptions& options) const {
+  const at::ScalarType dtype = options.dtype().toScalarType();
+  at::Tensor t = all_gather ? custom_all_gather->allocate({numel}, dtype, options.device())
+                            : custom_reduce_scatter->allocate({numel}, dtype, options.device());
+  if (!t.defined() || t.numel() != numel || t.scalar_type() != dtype || t.device() != options.device() ||
+      !t.is_contiguous()) {
+    std::ostringstream got;
+    if (t.defined()) {
+      got << t.numel() << " elements of " << t.scalar_type() << " on " << t.device()
+          << (t.is_contiguous() ? "" : ", not contiguous");
+    } else {
+      got << "an undefined tensor";
+    }
+    throw std::runtime_error(std::string("fsdp: unit '") + label + "': the custom " +
+                             (all_gather ? "all-gather" : "reduce-scatter") + "'s allocate returned " + got.str() +
+                             "; FSDP asked for " + std::to_string(numel) + " elements of " + c10::toString(dtype) +
+                             " on " + options.device().str() +
+                             ": return a contiguous tensor of the sizes, dtype and device it is given");
+  }
+  return t;
 }
 
 void FSDPParamGroup::wait_for_unshard() {
@@ -326,8 +357,10 @@ void FSDPParamGroup::post_backward() {
     return;
   }
   if (with_grad.empty()) return;
-  // Default: average over the data-parallel ranks. A custom factor: sum, then divide by it.
-  const auto op = gradient_divide_factor ? comm::ReduceOp::Sum : comm::ReduceOp::Avg;
+  // Default: average over the data-parallel ranks. A custom factor, or sums forced: sum, then
+  // divide (by the factor, or by the data-parallel size).
+  const std::optional<double> divide = post_divide();
+  const auto op = divide ? comm::ReduceOp::Sum : comm::ReduceOp::Avg;
   if (reduces_pieces(with_grad)) {
     // Per parameter: each gradient's rows are sent from the gradient, this rank's rows of it
     // become the reduced shard ([Note: FSDP's CPU collectives, per parameter]).
@@ -336,7 +369,7 @@ void FSDPParamGroup::post_backward() {
       PhaseScope timed(Phase::ReduceScatterInput);  // views, and packing the small gradients
       pieces = build_reduce_pieces(with_grad, comm_->rank(), comm_->size());
     }
-    pending_divide_ = gradient_divide_factor;
+    pending_divide_ = divide;
     {
       PhaseScope timed(Phase::ReduceScatterIssue);
       reduce_work_ = comm_->reduce_scatter_pieces(pieces.outs, pieces.ins, op, /*async_op=*/true);
@@ -351,14 +384,23 @@ void FSDPParamGroup::post_backward() {
   {
     PhaseScope timed(Phase::ReduceScatterInput);
     const profiler::Range range("fsdp::reduce_scatter_input", label);
-    input = build_reduce_scatter_input(with_grad, comm_->size(), reduce_dtype, reduced_params_);
+    if (custom_reduce_scatter) {
+      input = build_reduce_scatter_input(with_grad, comm_->size(), reduce_dtype, reduced_params_,
+                                         [this](int64_t numel, const at::TensorOptions& options) {
+                                           return custom_buffer(/*all_gather=*/false, numel, options);
+                                         });
+    } else {
+      input = build_reduce_scatter_input(with_grad, comm_->size(), reduce_dtype, reduced_params_);
+    }
   }
   // On the CPU the output is this rank's row of the input (in place, no buffer of its own: the
   // reduce-scatter in flight holds one unit of input + Gloo's scratch of 1/N); a GPU's gets its own.
   DeviceStreams* s = streams();
-  reduce_output_ = s ? empty_buffer({total}, input.options(), BufferOwner::ReduceScatterOutput) : input[comm_->rank()];
+  reduce_output_ = custom_reduce_scatter ? custom_buffer(/*all_gather=*/false, total, input.options())
+                   : s ? empty_buffer({total}, input.options(), BufferOwner::ReduceScatterOutput)
+                                         : input[comm_->rank()];
   reduce_input_ = input;
-  pending_divide_ = gradient_divide_factor;
+  pending_divide_ = divide;
   if (s) {
     // The input was written on the current stream; the reduce-scatter stream waits for it, and the
     // collective then overlaps the backward of the units still to come.
@@ -366,12 +408,16 @@ void FSDPParamGroup::post_backward() {
     {
       c10::StreamGuard on_reduce_scatter(s->reduce_scatter);
       PhaseScope timed(Phase::ReduceScatterIssue);
-      reduce_work_ = comm_->reduce_scatter_tensor(reduce_output_, input.view(-1), op, /*async_op=*/true);
+      reduce_work_ = custom_reduce_scatter
+                         ? (*custom_reduce_scatter)(reduce_output_, input.view(-1), *comm_, op, /*async_op=*/true)
+                         : comm_->reduce_scatter_tensor(reduce_output_, input.view(-1), op, /*async_op=*/true);
     }
     queue_post_reduce(*s);
   } else {
     PhaseScope timed(Phase::ReduceScatterIssue);
-    reduce_work_ = comm_->reduce_scatter_tensor(reduce_output_, input.view(-1), op, /*async_op=*/true);
+    reduce_work_ = custom_reduce_scatter
+                       ? (*custom_reduce_scatter)(reduce_output_, input.view(-1), *comm_, op, /*async_op=*/true)
+                       : comm_->reduce_scatter_tensor(reduce_output_, input.view(-1), op, /*async_op=*/true);
   }
 }
 
@@ -419,8 +465,8 @@ void FSDPParamGroup::start_all_reduce() {
 // all_reduce_hook_stream (default: the all-reduce stream), which first waits for the stream that
 // wrote the output; the current stream waits for the hook's at the end of backward. A hook that
 // issues collectives gets them in the same order on every rank, since every rank reduces its units
-// in the same order. FSDP2 calls it before a post-divide that it makes only for float16 reduction
-// or force-sum (here there is none: the hook always sees the divided gradients).
+// in the same order. The hook always sees the divided gradients, also with sums forced
+// (force_sum_reduction_for_comms), where FSDP2 calls it before its post-divide.
 void FSDPParamGroup::queue_post_reduce(DeviceStreams& s) {
   // FSDP2's foreach_reduce after its reduce-scatter: every step below is queued on a side stream
   // in order (NCCL's Work::wait is a stream wait), the host waits for none of them, and the
@@ -524,9 +570,17 @@ void FSDPParamGroup::advance_reduce() {
     finish_reduce();
 }
 
+std::optional<double> FSDPParamGroup::post_divide() const {
+  if (gradient_divide_factor) return gradient_divide_factor;
+  // FSDP2's force-sum: the data-parallel size (the replicas' too under HSDP); nothing to divide by 1.
+  const int64_t ranks = mesh_.size();
+  if (force_sum_reduction_for_comms && ranks > 1) return static_cast<double>(ranks);
+  return std::nullopt;
+}
+
 bool FSDPParamGroup::gathers_pieces() const {
-  return !streams() && comm_->size() > 1 && comm_->takes_pieces(params_.front()->padded_shard()) &&
-         gathers_per_parameter(params_);
+  return !streams() && !custom_all_gather && comm_->size() > 1 &&
+         comm_->takes_pieces(params_.front()->padded_shard()) && gathers_per_parameter(params_);
 }
 
 // [Note: the shards in one buffer]
@@ -555,7 +609,7 @@ bool FSDPParamGroup::gathers_pieces() const {
 // transfer each) or of mixed dtypes. Off with CpuCollectiveOptions::shards_in_one_buffer = false
 // (FSDP_CPU_SHARD_BUFFER=0), on every device.
 bool FSDPParamGroup::gathers_from_shard_buffer() const {
-  if (streams() || comm_->size() < 2 || post_forward_shard_.defined() || params_.empty() ||
+  if (streams() || custom_all_gather || comm_->size() < 2 || post_forward_shard_.defined() || params_.empty() ||
       !cpu_collective_options().shards_in_one_buffer || comm::gloo_fallback() != comm::GlooFallback::PointToPoint ||
       !comm_->takes_pieces(params_.front()->padded_shard())) {
     return false;
@@ -597,8 +651,8 @@ void FSDPParamGroup::move_shards_to_buffer() {
 }
 
 bool FSDPParamGroup::reduces_pieces(const std::vector<std::pair<FSDPParam*, at::Tensor>>& grads) const {
-  return !streams() && !replicate_comm_ && !all_reduce_hook && comm_->size() > 1 && !grads.empty() &&
-         comm_->takes_pieces(grads.front().second) && reduces_per_parameter(grads);
+  return !streams() && !replicate_comm_ && !all_reduce_hook && !custom_reduce_scatter && comm_->size() > 1 &&
+         !grads.empty() && comm_->takes_pieces(grads.front().second) && reduces_per_parameter(grads);
 }
 
 void FSDPParamGroup::finish_reduce_pieces() {

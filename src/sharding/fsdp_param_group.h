@@ -50,6 +50,7 @@
 #include "collectives.h"
 #include "fsdp/comm/comm.h"
 #include "fsdp/mesh/device_mesh.h"
+#include "fsdp/sharding/custom_collectives.h"
 #include "fsdp_param.h"
 #include "streams.h"
 
@@ -111,11 +112,16 @@ class FSDPParamGroup {
   bool requires_gradient_sync = true;
   bool requires_all_reduce = true;  // HSDP only
   std::optional<double> gradient_divide_factor;
+  // FSDPModule::set_force_sum_reduction_for_comms: Sum collectives, then a divide of their own.
+  bool force_sum_reduction_for_comms = false;
   // FSDPModule::set_all_reduce_hook: runs on the unit's reduced gradients once they are complete
   // ([Note: the all-reduce hook], fsdp_param_group.cpp); on a GPU, queued on all_reduce_hook_stream
   // (unset: the all-reduce stream).
   std::function<void(const at::Tensor&)> all_reduce_hook;
   std::optional<c10::Stream> all_reduce_hook_stream;
+  // FSDPModule::set_custom_all_gather / set_custom_reduce_scatter (null: the shard group's own).
+  std::shared_ptr<AllGather> custom_all_gather;
+  std::shared_ptr<ReduceScatter> custom_reduce_scatter;
   // Integer reshard_after_forward: this rank's group of k consecutive shard ranks (null otherwise).
   std::shared_ptr<comm::Comm> post_forward_comm;
   // The unit's name in profiler ranges (fsdp/debug/profiler.h): its module's path from the root,
@@ -176,9 +182,17 @@ class FSDPParamGroup {
   bool direct_world_of_one() const {
     return comm_->size() == 1 && !replicate_comm_ && !post_forward_comm && !streams();
   }
-  // Gradients go to .grad without a reduction: a direct world of one, unless a hook wants the
-  // reduce output (the group of one then "reduces" by Comm's local copy).
-  bool reduces_directly() const { return direct_world_of_one() && !all_reduce_hook; }
+  // What the reduced gradients are divided by after Sum collectives; none: the collectives average.
+  std::optional<double> post_divide() const;
+  // Gradients go to .grad without a reduction: a direct world of one, unless a hook or a custom
+  // reduce-scatter wants the reduce output (the group of one then "reduces", Comm's local copy).
+  bool reduces_directly() const { return direct_world_of_one() && !all_reduce_hook && !custom_reduce_scatter; }
+  // The same for unshard: a custom all-gather is called in a world of one too.
+  bool gathers_directly() const { return direct_world_of_one() && !custom_all_gather; }
+  // The all-gather of `input` (row of `output`) over `group`: the custom one where set.
+  comm::Work issue_all_gather(comm::Comm& group, const at::Tensor& output, const at::Tensor& input);
+  // A buffer from the custom collective's allocate, checked (sizes, dtype, device, contiguous).
+  at::Tensor custom_buffer(bool all_gather, int64_t numel, const at::TensorOptions& options) const;
   // The CPU's per-parameter collectives apply (Gloo shard group of CPU tensors, no side streams).
   bool gathers_pieces() const;
   // The flat all-gather sends from shard_buffer_ (a Gloo group of CPU tensors taking point-to-point

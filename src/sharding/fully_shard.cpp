@@ -413,6 +413,18 @@ void FSDPModule::set_all_reduce_hook(std::function<void(const at::Tensor&)> hook
   group->all_reduce_hook_stream = group->all_reduce_hook ? stream : std::nullopt;
 }
 
+void FSDPModule::set_force_sum_reduction_for_comms(bool enable) {
+  if (state_->group()) state_->group()->force_sum_reduction_for_comms = enable;
+}
+
+void FSDPModule::set_custom_all_gather(std::shared_ptr<AllGather> comm) {
+  if (state_->group()) state_->group()->custom_all_gather = std::move(comm);
+}
+
+void FSDPModule::set_custom_reduce_scatter(std::shared_ptr<ReduceScatter> comm) {
+  if (state_->group()) state_->group()->custom_reduce_scatter = std::move(comm);
+}
+
 void FSDPModule::set_post_optim_event(std::shared_ptr<c10::Event> event) {
   state_->post_optim_event = std::move(event);
 }

@@ -761,6 +761,61 @@ FSDP_RANK_WORKER(gpu_all_reduce_hook) {
   }
 }
 
+// FSDP2's custom collectives on the side streams (bf16, a world of one through NCCL, the race mode
+// on): the objects allocate the buffers and call the group's own collectives, on the stream FSDP
+// calls them on; training must match plain training, every unit's all-gathers and reduce-scatters
+// going through them, with the dtypes of mixed precision (bf16 gathered, float32 reduced).
+struct PassThroughGather : fsdp::AllGather {
+  at::Tensor allocate(at::IntArrayRef sizes, at::ScalarType dtype, c10::Device device) override {
+    TORCH_CHECK(dtype == at::kBFloat16 && device.is_cuda(), "all-gather buffer asked in ", dtype, " on ", device);
+    return at::empty(sizes, at::TensorOptions().dtype(dtype).device(device));
+  }
+  fsdp::comm::Work operator()(const at::Tensor& output, const at::Tensor& input, fsdp::comm::Comm& group,
+                              bool async_op) override {
+    ++calls;
+    return group.all_gather_into_tensor(output, input, async_op);
+  }
+  int64_t calls = 0;
+};
+struct PassThroughReduceScatter : fsdp::ReduceScatter {
+  at::Tensor allocate(at::IntArrayRef sizes, at::ScalarType dtype, c10::Device device) override {
+    TORCH_CHECK(dtype == at::kFloat && device.is_cuda(), "reduce-scatter buffer asked in ", dtype, " on ", device);
+    return at::empty(sizes, at::TensorOptions().dtype(dtype).device(device));
+  }
+  fsdp::comm::Work operator()(const at::Tensor& output, const at::Tensor& input, fsdp::comm::Comm& group,
+                              fsdp::comm::ReduceOp op, bool async_op) override {
+    ++calls;
+    return group.reduce_scatter_tensor(output, input, op, async_op);
+  }
+  int64_t calls = 0;
+};
+
+FSDP_RANK_WORKER(gpu_custom_collectives) {
+  init_cuda_runtime(/*gloo=*/false);
+  const auto c = small_config();
+  const int steps = 6;
+  const Run want = train_plain(c, steps, /*bf16=*/true);
+  auto gathers = std::make_shared<PassThroughGather>();
+  auto reduces = std::make_shared<PassThroughReduceScatter>();
+  const auto o = gpu_options(/*bf16=*/true);
+  Run got = train_fsdp(
+      c, steps,
+      [&](GPT& m) {
+        for (auto& b : m->blocks) {
+          fsdp::fully_shard(b, o).set_custom_all_gather(gathers);
+          fsdp::fsdp_module(*b)->set_custom_reduce_scatter(reduces);
+        }
+        auto root = fsdp::fully_shard(m, o);
+        root.set_custom_all_gather(gathers);
+        root.set_custom_reduce_scatter(reduces);
+      },
+      /*bf16=*/true, &want.losses, 2e-3);
+  check_shards(got.model, want.params, 5e-3);
+  const int64_t blocks = static_cast<int64_t>(got.model->blocks.size());
+  TORCH_CHECK(gathers->calls == (2 * blocks + 1) * steps, "custom all-gathers: ", gathers->calls);
+  TORCH_CHECK(reduces->calls == (blocks + 1) * steps, "custom reduce-scatters: ", reduces->calls);
+}
+
 #endif  // FSDP_HAS_CUDA
 
 namespace {
@@ -946,6 +1001,13 @@ TEST(Gpu, PostOptimEventAllGatherDoesNotReuseTheComputeStreamsBlocks) {
 TEST(Gpu, AllReduceHookRunsOnItsStreamBetweenTheReductionAndTheGradients) {
   SKIP_WITHOUT_GPU(true);
   EXPECT_RANKS_PASS(1, "gpu_all_reduce_hook", through_nccl());
+}
+
+TEST(Gpu, CustomCollectivesOnTheSideStreamsMatchPlainTraining) {
+  SKIP_WITHOUT_GPU(true);
+  auto o = through_nccl();
+  o.env["FSDP_STREAM_RACE_US"] = "200";
+  EXPECT_RANKS_PASS(1, "gpu_custom_collectives", o);
 }
 
 TEST(Gpu, HsdpAllReduceQueuedAfterTheReduceScatterMatchesPlainTraining) {

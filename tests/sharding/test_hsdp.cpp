@@ -44,7 +44,7 @@ fsdp::DeviceMesh hsdp_mesh(const std::string& shape) {
 // hook_replicas (1-D FSDP over mesh["shard"], the replicas averaged by an all-reduce hook: HSDP
 // that FSDP does not manage; with a shard size of 1 the group of one, which otherwise reduces
 // nothing, reduces for the hook) | hsdp_hook (native HSDP with a hook that checks it sees the
-// replicas' all-reduced gradients);
+// replicas' all-reduced gradients) | hsdp_force_sum (set_force_sum_reduction_for_comms);
 // MESH: "RxS" for HSDP and the hooks; RESHARD: the integer for reshard_int*.
 FSDP_RANK_WORKER(hsdp_parity) {
   const auto config = uneven_config();
@@ -91,6 +91,13 @@ FSDP_RANK_WORKER(hsdp_parity) {
     micro_batches = 3;
     run.before_micro_batch = [](int micro, int total, GPT& model) {
       fsdp::fsdp_module(*model)->set_requires_all_reduce(micro == total - 1);
+    };
+  } else if (m == "hsdp_force_sum") {
+    // Sum over the shard group and over the replicas, then one divide by R * S.
+    run.shard = [options](GPT& model) {
+      shard_blocks_then_root(model, options);
+      for (auto& block : model->blocks) fsdp::fsdp_module(*block)->set_force_sum_reduction_for_comms(true);
+      fsdp::fsdp_module(*model)->set_force_sum_reduction_for_comms(true);
     };
   } else if (m != "hsdp" && m != "reshard_int" && m != "hsdp_reshard_int" && m != "hook_replicas" && m != "hsdp_hook") {
     TORCH_CHECK(false, "unknown PARITY_MODE ", m);
@@ -167,7 +174,7 @@ INSTANTIATE_TEST_SUITE_P(Hsdp, HsdpParity,
                                            HsdpCase{"reshard_int", "", 4, 2}, HsdpCase{"reshard_int_no_sync", "", 4, 2},
                                            HsdpCase{"reshard_int", "", 2, 1}, HsdpCase{"hsdp_reshard_int", "1x4", 4, 2},
                                            HsdpCase{"hook_replicas", "2x2", 4}, HsdpCase{"hook_replicas", "2x1", 2},
-                                           HsdpCase{"hsdp_hook", "2x2", 4}),
+                                           HsdpCase{"hsdp_hook", "2x2", 4}, HsdpCase{"hsdp_force_sum", "2x2", 4}),
                          [](const auto& info) {
                            std::string mesh = info.param.mesh.empty() ? "" : "_" + info.param.mesh;
                            std::string k = info.param.reshard ? "_k" + std::to_string(info.param.reshard) : "";

@@ -29,6 +29,7 @@
 #include <vector>
 
 #include "fsdp/mesh/device_mesh.h"
+#include "fsdp/sharding/custom_collectives.h"
 #include "fsdp/sharding/policies.h"
 #include "fsdp/tensor_parallel/placement.h"
 
@@ -127,6 +128,10 @@ class FSDPModule {
   void set_post_optim_event(std::shared_ptr<c10::Event> event);
   // Gradients are divided by this instead of the data-parallel size (1.0: plain sum).
   void set_gradient_divide_factor(double factor);
+  // FSDP2's set_force_sum_reduction_for_comms: this unit's reduce-scatter (and HSDP all-reduce) use
+  // ReduceOp::Sum only, and the gradients are divided afterwards, where by default the collectives
+  // average (NCCL's AVG). For transports without an average (zero-copy, custom collectives).
+  void set_force_sum_reduction_for_comms(bool enable);
   // FSDP2's set_all_reduce_hook: `hook(reduce_output)` runs once per synced backward on this
   // unit's reduced gradients (not its children's), before they reach .grad: one flat tensor of this
   // rank's padded shard rows of the unit's parameters, in reduce_dtype, averaged over the shard
@@ -140,6 +145,10 @@ class FSDPModule {
   // src/sharding/fsdp_param_group.cpp says where it runs.
   void set_all_reduce_hook(std::function<void(const at::Tensor&)> hook,
                            std::optional<c10::Stream> stream = std::nullopt);
+  // FSDP2's set_custom_all_gather / set_custom_reduce_scatter: this unit's all-gathers or
+  // reduce-scatters (not its children's) made by `comm` (custom_collectives.h); null: FSDP's own again.
+  void set_custom_all_gather(std::shared_ptr<AllGather> comm);
+  void set_custom_reduce_scatter(std::shared_ptr<ReduceScatter> comm);
 
   std::vector<torch::nn::Module*> modules() const;
 

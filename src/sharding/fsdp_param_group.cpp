@@ -200,6 +200,11 @@ comm::Work FSDPParamGroup::issue_all_gather(comm::Comm& group, const at::Tensor&
   return group.all_gather_into_tensor(output, input, /*async_op=*/true);
 }
 
+comm::Work FSDPParamGroup::issue_reduce_scatter(const at::Tensor& input, comm::ReduceOp op) {
+  if (custom_reduce_scatter) return (*custom_reduce_scatter)(reduce_output_, input, *comm_, op, /*async_op=*/true);
+  return comm_->reduce_scatter_tensor(reduce_output_, input, op, /*async_op=*/true);
+}
+
 at::Tensor FSDPParamGroup::custom_buffer(bool all_gather, int64_t numel, const at::TensorOptions& options) const {
   const at::ScalarType dtype = options.dtype().toScalarType();
   at::Tensor t = all_gather ? custom_all_gather->allocate({numel}, dtype, options.device())
@@ -408,16 +413,12 @@ void FSDPParamGroup::post_backward() {
     {
       c10::StreamGuard on_reduce_scatter(s->reduce_scatter);
       PhaseScope timed(Phase::ReduceScatterIssue);
-      reduce_work_ = custom_reduce_scatter
-                         ? (*custom_reduce_scatter)(reduce_output_, input.view(-1), *comm_, op, /*async_op=*/true)
-                         : comm_->reduce_scatter_tensor(reduce_output_, input.view(-1), op, /*async_op=*/true);
+      reduce_work_ = issue_reduce_scatter(input.view(-1), op);
     }
     queue_post_reduce(*s);
   } else {
     PhaseScope timed(Phase::ReduceScatterIssue);
-    reduce_work_ = custom_reduce_scatter
-                       ? (*custom_reduce_scatter)(reduce_output_, input.view(-1), *comm_, op, /*async_op=*/true)
-                       : comm_->reduce_scatter_tensor(reduce_output_, input.view(-1), op, /*async_op=*/true);
+    reduce_work_ = issue_reduce_scatter(input.view(-1), op);
   }
 }
 

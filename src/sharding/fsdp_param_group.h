@@ -191,6 +191,8 @@ class FSDPParamGroup {
   bool gathers_directly() const { return direct_world_of_one() && !custom_all_gather; }
   // The all-gather of `input` (row of `output`) over `group`: the custom one where set.
   comm::Work issue_all_gather(comm::Comm& group, const at::Tensor& output, const at::Tensor& input);
+  // The reduce-scatter of `input` into reduce_output_ over the shard group: the custom one where set.
+  comm::Work issue_reduce_scatter(const at::Tensor& input, comm::ReduceOp op);
   // A buffer from the custom collective's allocate, checked (sizes, dtype, device, contiguous).
   at::Tensor custom_buffer(bool all_gather, int64_t numel, const at::TensorOptions& options) const;
   // The CPU's per-parameter collectives apply (Gloo shard group of CPU tensors, no side streams).

@@ -33,7 +33,8 @@ std::string env(const char* name, const char* fallback) {
 struct Allocations {
   std::set<const void*> made;
   at::Tensor make(at::IntArrayRef sizes, at::ScalarType dtype, c10::Device device) {
-    at::Tensor t = at::full(sizes, 7.0, at::TensorOptions().dtype(dtype).device(device));  // not zeros: FSDP writes it all
+    at::Tensor t =
+        at::full(sizes, 7.0, at::TensorOptions().dtype(dtype).device(device));  // not zeros: FSDP writes it all
     made.insert(t.data_ptr());
     return t;
   }
@@ -52,8 +53,9 @@ struct SumGather : fsdp::AllGather {
     ++calls;
     buffers.check(output, "the all-gather output");
     const int64_t n = input.numel();
-    TORCH_CHECK(output.numel() == n * group.size() && input.data_ptr() == output.narrow(0, group.rank() * n, n).data_ptr(),
-                "the input must be this rank's row of the output");
+    TORCH_CHECK(
+        output.numel() == n * group.size() && input.data_ptr() == output.narrow(0, group.rank() * n, n).data_ptr(),
+        "the input must be this rank's row of the output");
     at::Tensor own = input.clone();
     output.zero_();
     output.narrow(0, group.rank() * n, n).copy_(own);
@@ -74,8 +76,7 @@ struct AllReduceScatter : fsdp::ReduceScatter {
     ops.insert(op);
     buffers.check(output, "the reduce-scatter output");
     buffers.check(input, "the reduce-scatter input");
-    TORCH_CHECK(input.numel() == output.numel() * group.size(), "input ", input.numel(), " vs output ",
-                output.numel());
+    TORCH_CHECK(input.numel() == output.numel() * group.size(), "input ", input.numel(), " vs output ", output.numel());
     at::Tensor sum = input.clone();
     group.all_reduce(sum, op);
     output.copy_(sum.narrow(0, group.rank() * output.numel(), output.numel()));
@@ -110,10 +111,10 @@ FSDP_RANK_WORKER(custom_collectives) {
       fsdp::call(model, x);
     } catch (const std::exception& e) {
       const std::string what = e.what();
-      TORCH_CHECK(what.find("unit 'h.0': the custom all-gather's allocate returned") != std::string::npos &&
-                      what.find("return a contiguous tensor of the sizes, dtype and device it is given") !=
-                          std::string::npos,
-                  "unexpected error: ", what);
+      TORCH_CHECK(
+          what.find("unit 'h.0': the custom all-gather's allocate returned") != std::string::npos &&
+              what.find("return a contiguous tensor of the sizes, dtype and device it is given") != std::string::npos,
+          "unexpected error: ", what);
       return;
     }
     TORCH_CHECK(false, "an allocate of the wrong size was not refused");
@@ -144,18 +145,17 @@ FSDP_RANK_WORKER(custom_collectives) {
   const int64_t blocks = static_cast<int64_t>(got.model->blocks.size());
   TORCH_CHECK(gathers->calls == (gather ? (2 * blocks + 1) * kSteps : 0), "the custom all-gather ran ", gathers->calls,
               " times");
-  TORCH_CHECK(reduces->calls == (reduce ? (blocks + 1) * kSteps : 0), "the custom reduce-scatter ran ",
-              reduces->calls, " times");
+  TORCH_CHECK(reduces->calls == (reduce ? (blocks + 1) * kSteps : 0), "the custom reduce-scatter ran ", reduces->calls,
+              " times");
   // Averaged by the collective, unless sums are forced (or nothing is reduced: a world of one).
   const auto want_op = force_sum ? fsdp::comm::ReduceOp::Sum : fsdp::comm::ReduceOp::Avg;
-  TORCH_CHECK(!reduce || fsdp::dist::world_size() == 1 ||
-                  (reduces->ops.size() == 1 && *reduces->ops.begin() == want_op),
-              "the reduce-scatter was given other ops than ", force_sum ? "Sum" : "Avg");
+  TORCH_CHECK(
+      !reduce || fsdp::dist::world_size() == 1 || (reduces->ops.size() == 1 && *reduces->ops.begin() == want_op),
+      "the reduce-scatter was given other ops than ", force_sum ? "Sum" : "Avg");
   if (fsdp::dist::rank() == 0) {
     std::cout << mode << " at " << fsdp::dist::world_size() << " ranks: " << kSteps << " steps, last loss "
-              << got.losses.back() << " (single process " << want.losses.back() << "), worst shard difference "
-              << worst << "; custom all-gathers " << gathers->calls << ", reduce-scatters " << reduces->calls
-              << std::endl;
+              << got.losses.back() << " (single process " << want.losses.back() << "), worst shard difference " << worst
+              << "; custom all-gathers " << gathers->calls << ", reduce-scatters " << reduces->calls << std::endl;
   }
 }
 
@@ -180,4 +180,6 @@ INSTANTIATE_TEST_SUITE_P(Custom, CustomCollectives,
                          ::testing::Values(CustomCase{"all_gather", 2}, CustomCase{"reduce_scatter", 3},
                                            CustomCase{"both", 3}, CustomCase{"both", 1}, CustomCase{"force_sum", 3},
                                            CustomCase{"bad_allocate", 2}),
-                         [](const auto& info) { return info.param.mode + "_" + std::to_string(info.param.world) + "ranks"; });
+                         [](const auto& info) {
+                           return info.param.mode + "_" + std::to_string(info.param.world) + "ranks";
+                         });

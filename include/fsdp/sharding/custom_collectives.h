@@ -46,8 +46,9 @@ class AllGather {
 
 // The reduce-scatter of a unit's gradients: `input` is [world * n] flat in the reduce dtype (rank
 // r's rows at r * n, the padding zero), `output` n elements, this rank's reduced rows. `op` is Avg,
-// or Sum where a gradient divide factor is set (FSDP divides afterwards). Called with async_op
-// true, as AllGather's; on a GPU on FSDP's reduce-scatter stream.
+// or Sum where a gradient divide factor is set or sums are forced (set_force_sum_reduction_for_comms;
+// FSDP divides afterwards). Called with async_op true, as AllGather's; on a GPU on FSDP's
+// reduce-scatter stream.
 class ReduceScatter {
  public:
   virtual ~ReduceScatter() = default;
@@ -55,8 +56,8 @@ class ReduceScatter {
   virtual at::Tensor allocate(at::IntArrayRef sizes, at::ScalarType dtype, c10::Device device) {
     return at::empty(sizes, at::TensorOptions().dtype(dtype).device(device));
   }
-  virtual comm::Work operator()(const at::Tensor& output, const at::Tensor& input, comm::Comm& group,
-                                comm::ReduceOp op, bool async_op) = 0;
+  virtual comm::Work operator()(const at::Tensor& output, const at::Tensor& input, comm::Comm& group, comm::ReduceOp op,
+                                bool async_op) = 0;
 };
 
 }  // namespace fsdp

@@ -204,6 +204,44 @@ NoSyncGuard::~NoSyncGuard() {
   if (state_->replicated) state_->replicated->set_requires_gradient_sync(true);
 }
 
+namespace {
+
+// FSDP1's comm hook as the units' custom reduce-scatter (custom_collectives.h).
+class CommHookReduceScatter : public ReduceScatter {
+ public:
+  explicit CommHookReduceScatter(FullyShardedDataParallelBase::CommHook hook) : hook_(std::move(hook)) {}
+  comm::Work operator()(const at::Tensor& output, const at::Tensor& input, comm::Comm& group, comm::ReduceOp /*op*/,
+                        bool /*async_op*/) override {
+    hook_(input, output, group);
+    return comm::Work();
+  }
+
+ private:
+  FullyShardedDataParallelBase::CommHook hook_;
+};
+
+}  // namespace
+
+void FullyShardedDataParallelBase::register_comm_hook(CommHook hook) {
+  const ShardingStrategy s = sharding_strategy();
+  if (s != ShardingStrategy::FULL_SHARD && s != ShardingStrategy::SHARD_GRAD_OP) {
+    throw std::invalid_argument(
+        "fsdp::FSDP::register_comm_hook: not offered for " +
+        std::string(s == ShardingStrategy::NO_SHARD ? "NO_SHARD" : "the hybrid strategies") +
+        " (FSDP1 refuses hybrid strategies too); use FULL_SHARD or SHARD_GRAD_OP, or fully_shard's "
+        "set_all_reduce_hook / set_custom_reduce_scatter");
+  }
+  if (!hook) throw std::invalid_argument("fsdp::FSDP::register_comm_hook: the hook is empty");
+  if (state_->comm_hook_registered) {
+    throw std::logic_error(
+        "fsdp::FSDP::register_comm_hook: a communication hook is already registered (FSDP1 "
+        "takes one per model)");
+  }
+  const auto reduce = std::make_shared<CommHookReduceScatter>(std::move(hook));
+  for (auto& [name, unit] : named_fsdp_modules(root())) unit.set_custom_reduce_scatter(reduce);
+  state_->comm_hook_registered = true;
+}
+
 double FullyShardedDataParallelBase::clip_grad_norm_(double max_norm, double norm_type) {
   return fsdp::clip_grad_norm_(root().parameters(), max_norm, norm_type);
 }

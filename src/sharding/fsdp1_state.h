@@ -18,6 +18,7 @@ struct FSDP1State {
   int no_sync_depth = 0;
   StateDictType state_dict_type = StateDictType::FULL_STATE_DICT;  // FSDP1's default
   FullStateDictConfig full_config;
+  bool comm_hook_registered = false;
 };
 
 // Forwards through a wrapper in progress on this thread (summon_full_params refuses to start).

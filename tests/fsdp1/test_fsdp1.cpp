@@ -206,7 +206,9 @@ std::vector<std::string> split(const std::string& s, char sep) {
 
 }  // namespace
 
-// STRATEGIES: ShardingStrategy names, comma-separated, each optionally "+cpu_offload"; every one
+// STRATEGIES: ShardingStrategy names, comma-separated, each optionally "+cpu_offload" or
+// "+comm_hook" (register_comm_hook with FSDP1's reduce_scatter_hook: one call per unit and step,
+// a second registration and NO_SHARD refused); every one
 // trains kSteps steps against one process (losses and parameters within 1e-5), and sends exactly
 // fsdp1_formula's bytes per step. NO_SYNC=1: 4 micro-batches per step, the first 3 under
 // no_sync(), against one process on the 4 batches concatenated (no byte check).
@@ -221,7 +223,9 @@ FSDP_RANK_WORKER(fsdp1_parity) {
     const auto parts = split(item, '+');
     const auto strategy = parse_strategy(parts[0]);
     const bool offload = parts.size() > 1 && parts[1] == "cpu_offload";
-    TORCH_CHECK(parts.size() == 1 || offload, "unknown variant in ", item);
+    const bool comm_hook = parts.size() > 1 && parts[1] == "comm_hook";
+    TORCH_CHECK(parts.size() == 1 || offload || comm_hook, "unknown variant in ", item);
+    int64_t hook_calls = 0;
     std::shared_ptr<fsdp::FSDP<GPT>> wrapped;
     std::optional<fsdp::NoSyncGuard> guard;
     ShardedRun run;
@@ -229,6 +233,22 @@ FSDP_RANK_WORKER(fsdp1_parity) {
       auto o = options_for(strategy);
       if (offload) o.cpu_offload = fsdp::CPUOffload{.offload_params = true};
       wrapped = std::make_shared<fsdp::FSDP<GPT>>(model, o);
+      if (!comm_hook) return;
+      // FSDP1's reduce_scatter_hook: a sum over the group, then the divide.
+      const auto hook = [&hook_calls](const at::Tensor& grad, const at::Tensor& output, fsdp::comm::Comm& group) {
+        ++hook_calls;
+        TORCH_CHECK(grad.numel() == output.numel() * group.size(), "grad ", grad.numel(), " vs output ",
+                    output.numel());
+        group.reduce_scatter_tensor(output, grad, fsdp::comm::ReduceOp::Sum);
+        output.div_(group.size());
+      };
+      wrapped->register_comm_hook(hook);
+      try {
+        wrapped->register_comm_hook(hook);
+        TORCH_CHECK(false, "a second comm hook was accepted");
+      } catch (const std::logic_error& e) {
+        TORCH_CHECK(std::string(e.what()).find("already registered") != std::string::npos, e.what());
+      }
     };
     run.forward = [&](GPT&, const at::Tensor& x) { return (*wrapped)(x); };
     if (no_sync) {
@@ -244,6 +264,19 @@ FSDP_RANK_WORKER(fsdp1_parity) {
     const double worst = strategy == fsdp::ShardingStrategy::NO_SHARD
                              ? check_full_params_match(got.model, want.parameters, kTolerance)
                              : check_shards_match(got.model, want.parameters, kTolerance);
+    if (comm_hook) {
+      const int64_t units = config.n_layer + 1;
+      TORCH_CHECK(hook_calls == units * kSteps, item, ": the comm hook ran ", hook_calls, " times; expected ",
+                  units * kSteps);
+      GPT other = parity_model(config);
+      fsdp::FSDP<GPT> replicated(other, options_for(fsdp::ShardingStrategy::NO_SHARD));
+      try {
+        replicated.register_comm_hook([](const at::Tensor&, const at::Tensor&, fsdp::comm::Comm&) {});
+        TORCH_CHECK(false, "a comm hook on NO_SHARD was accepted");
+      } catch (const std::invalid_argument& e) {
+        TORCH_CHECK(std::string(e.what()).find("not offered for NO_SHARD") != std::string::npos, e.what());
+      }
+    }
     if (offload) {
       for (const auto& p : got.model->parameters()) {
         TORCH_CHECK(p.is_cpu() && p.grad().is_cpu(), item, ": a shard or its gradient is off the CPU");
@@ -298,7 +331,8 @@ TEST_P(Fsdp1Parity, MatchesOneProcess) {
 // One launch per world size trains every strategy (HYBRID_*: 2 replicas of world / 2 ranks).
 const char* const kAll = "FULL_SHARD,SHARD_GRAD_OP,NO_SHARD,HYBRID_SHARD,HYBRID_SHARD_ZERO2";
 INSTANTIATE_TEST_SUITE_P(Strategies, Fsdp1Parity,
-                         ::testing::Values(ParityCase{2, std::string(kAll) + ",FULL_SHARD+cpu_offload"},
+                         ::testing::Values(ParityCase{2, std::string(kAll) +
+                                                             ",FULL_SHARD+cpu_offload,SHARD_GRAD_OP+comm_hook"},
                                            ParityCase{4, kAll}, ParityCase{2, "FULL_SHARD,NO_SHARD", true}),
                          [](const auto& info) {
                            return std::string(info.param.no_sync ? "no_sync_" : "every_strategy_") +

@@ -244,6 +244,18 @@ class FullyShardedDataParallelBase {
   torch::OrderedDict<std::string, at::Tensor> named_parameters() const { return root().named_parameters(); }
 
   [[nodiscard]] NoSyncGuard no_sync();
+  // FSDP1's register_comm_hook for FULL_SHARD and SHARD_GRAD_OP: `hook(grad, output, group)`
+  // replaces every unit's gradient reduction. `grad` is the unit's flat gradient, [world * n] (rank
+  // r's part at r * n, the padding zero), `output` the n elements of this rank's reduced part to
+  // write, `group` the ranks that share the unit; the hook averages (or not) itself, as FSDP1's
+  // do. Once per wrapper; NO_SHARD and the hybrid strategies are refused, as FSDP1 refuses hybrid.
+  //   fsdp::FSDP m(model);
+  //   m.register_comm_hook([](const at::Tensor& grad, const at::Tensor& output, fsdp::comm::Comm& group) {
+  //     group.reduce_scatter_tensor(output, grad, fsdp::comm::ReduceOp::Sum);   // FSDP1's
+  //     output.div_(group.size());                                               // reduce_scatter_hook
+  //   });
+  using CommHook = std::function<void(const at::Tensor& grad, const at::Tensor& output, comm::Comm& group)>;
+  void register_comm_hook(CommHook hook);
   // Norm over every rank's gradients (fsdp::clip_grad_norm_); returns the norm before clipping.
   double clip_grad_norm_(double max_norm, double norm_type = 2.0);
   [[nodiscard]] SummonFullParams summon_full_params(bool writeback = true, bool rank0_only = false,

@@ -98,15 +98,21 @@ std::optional<ParamBox> param_box(const at::Tensor& param) {
     ParamBox box;
     box.global_shape = info->global_shape;
     box.offsets.assign(info->global_shape.size(), 0);
-    if (!box.offsets.empty()) box.offsets[0] = info->dim0_offset;
+    // The rows are along shard_dim (0 unless shard_placement_fn chose another).
+    const auto dim = static_cast<size_t>(info->shard_dim);
+    if (!box.offsets.empty()) box.offsets[dim] = info->dim0_offset;
     // Replicas of a shard (HSDP) hold the same rows: the first one writes them. A parameter that
     // tensor parallelism leaves whole (e.g. a row-wise linear's bias) is sharded by every tp
     // rank's FSDP group alike: only the group holding global rank 0 writes it.
     box.writer = info->local_rows > 0 && info->replica_rank == 0 && (info->tp || holds_rank0(info->mesh));
     // The shard dimension is the mesh's last; rank r holds rows [r * padded_rows, ...).
-    box.gather.push_back(GatherStep{0, info->mesh.comm(info->mesh.ndim() - 1), info->padded_rows,
-                                    info->global_shape.empty() ? 1 : info->global_shape[0]});
-    if (info->tp) add_tensor_parallel(box, *info->tp, info->dim0_offset, info->local_rows);
+    box.gather.push_back(GatherStep{info->shard_dim, info->mesh.comm(info->mesh.ndim() - 1), info->padded_rows,
+                                    info->global_shape.empty() ? 1 : info->global_shape[dim]});
+    // A strided TP placement is along dim 0, which fully_shard keeps whole when shard_dim > 0.
+    if (info->tp) {
+      add_tensor_parallel(box, *info->tp, dim == 0 ? info->dim0_offset : 0,
+                          dim == 0 ? info->local_rows : info->global_shape[0]);
+    }
     return box;
   }
   // Tensor parallel without fully_shard: every tp rank holds its slice. Where the tp groups are

@@ -3,6 +3,7 @@
 #include <c10/core/DeviceGuard.h>
 #include <torch/torch.h>
 
+#include <algorithm>
 #include <atomic>
 #include <stdexcept>
 #include <utility>
@@ -45,6 +46,22 @@ void release_storage(c10::StorageImpl* storage) {
   set_storage(storage, at::DataPtr(nullptr, storage->device()), 0);
 }
 
+// The strides of `moved` (contiguous, dim d first) shown in the original dim order.
+std::vector<int64_t> unmoved_strides(const std::vector<int64_t>& moved, int64_t d) {
+  std::vector<int64_t> cs(moved.size(), 1);  // contiguous (empty dims count as 1, as c10's do)
+  for (int64_t i = static_cast<int64_t>(moved.size()) - 2; i >= 0; --i)
+    cs[i] = cs[i + 1] * std::max<int64_t>(moved[i + 1], 1);
+  std::vector<int64_t> out(moved.size());
+  for (int64_t i = 0; i < static_cast<int64_t>(moved.size()); ++i) out[i] = i == d ? cs[0] : i < d ? cs[i + 1] : cs[i];
+  return out;
+}
+
+// `shape` with dim d moved first.
+std::vector<int64_t> moved_first(std::vector<int64_t> shape, int64_t d) {
+  if (d > 0) std::rotate(shape.begin(), shape.begin() + d, shape.begin() + d + 1);
+  return shape;
+}
+
 std::string shape_str(at::IntArrayRef s) {
   std::string out = "[";
   for (size_t i = 0; i < s.size(); ++i) out += (i ? ", " : "") + std::to_string(s[i]);
@@ -54,7 +71,7 @@ std::string shape_str(at::IntArrayRef s) {
 }  // namespace
 
 FSDPParam::FSDPParam(const at::Tensor& original, std::vector<ParamSlot> slots, std::string fqn, int shard_rank,
-                     int shard_size, const ParamDtypes& dtypes, const ParamPlacement& placement)
+                     int shard_size, const ParamDtypes& dtypes, const ParamPlacement& placement, int64_t shard_dim)
     : slots_(std::move(slots)), fqn_(std::move(fqn)), shard_size_(shard_size), unsharded_param_(original) {
   const bool floating = at::isFloatingType(original.scalar_type());
   compute_dtype_ = floating && dtypes.param_dtype ? *dtypes.param_dtype : original.scalar_type();
@@ -68,14 +85,24 @@ FSDPParam::FSDPParam(const at::Tensor& original, std::vector<ParamSlot> slots, s
                                 "register parameters as separate contiguous tensors");
   }
   global_shape_ = original.sizes().vec();
-  rows_ = original.dim() == 0 ? 1 : original.size(0);
+  if (shard_dim < 0 || (shard_dim > 0 && shard_dim >= original.dim())) {
+    throw std::invalid_argument("fsdp::fully_shard: parameter '" + fqn_ + "' of shape " + shape_str(global_shape_) +
+                                " cannot be sharded along dim " + std::to_string(shard_dim) +
+                                "; shard_placement_fn must return a dim of the parameter (or nullopt for dim 0)");
+  }
+  shard_dim_ = shard_size > 1 ? shard_dim : 0;  // a group of one holds the whole parameter
+  rows_ = original.dim() == 0 ? 1 : original.size(shard_dim_);
   row_numel_ = 1;
-  for (int64_t d = 1; d < original.dim(); ++d) row_numel_ *= original.size(d);
+  for (int64_t d = 0; d < original.dim(); ++d) row_numel_ *= d == shard_dim_ ? 1 : original.size(d);
   padded_rows_ = (rows_ + shard_size - 1) / shard_size;
   dim0_offset_ = std::min<int64_t>(static_cast<int64_t>(shard_rank) * padded_rows_, rows_);
   local_rows_ = std::max<int64_t>(0, std::min<int64_t>(padded_rows_, rows_ - dim0_offset_));
   local_shape_ = original.dim() == 0 ? std::vector<int64_t>{local_rows_} : global_shape_;
-  if (original.dim() > 0) local_shape_[0] = local_rows_;
+  if (original.dim() > 0) local_shape_[shard_dim_] = local_rows_;
+  moved_shape_ = moved_first(global_shape_, shard_dim_);
+  local_moved_shape_ = moved_first(local_shape_, shard_dim_);
+  unsharded_strides_ = unmoved_strides(moved_shape_, shard_dim_);
+  local_strides_ = unmoved_strides(local_moved_shape_, shard_dim_);
 
   torch::NoGradGuard no_grad;
   auto shard_options = original.options().requires_grad(false);
@@ -84,8 +111,11 @@ FSDPParam::FSDPParam(const at::Tensor& original, std::vector<ParamSlot> slots, s
   }
   padded_shard_ = at::zeros({shard_numel()}, shard_options);
   padded_shard_.narrow(0, 0, local_rows_ * row_numel_)
-      .copy_(original.detach().reshape(-1).narrow(0, dim0_offset_ * row_numel_, local_rows_ * row_numel_));
-  sharded_param_ = padded_shard_.narrow(0, 0, local_rows_ * row_numel_).view(local_shape_).detach();
+      .copy_(original.detach()
+                 .movedim(shard_dim_, 0)
+                 .reshape(-1)
+                 .narrow(0, dim0_offset_ * row_numel_, local_rows_ * row_numel_));
+  sharded_param_ = shard_view(padded_shard_);
   sharded_param_.set_requires_grad(original.requires_grad());
   // The shard replaces the original in every registry entry: parameters() now returns shards.
   for (auto& slot : slots_) parameter_registry(*slot.module.lock())[slot.name] = sharded_param_;
@@ -96,6 +126,18 @@ FSDPParam::FSDPParam(const at::Tensor& original, std::vector<ParamSlot> slots, s
     auto* impl = unsharded_param_.unsafeGetTensorImpl();
     impl->set_storage_and_dtype(impl->storage(), caffe2::TypeMeta::fromScalarType(compute_dtype_));
   }
+}
+
+at::Tensor FSDPParam::shard_view(const at::Tensor& flat) const {
+  at::Tensor local = flat.narrow(0, 0, local_rows_ * row_numel_).view(local_moved_shape_);
+  return (shard_dim_ > 0 ? local.movedim(0, shard_dim_) : local).detach();
+}
+
+void FSDPParam::set_unsharded_sizes(c10::TensorImpl* impl) const {
+  if (shard_dim_ == 0)
+    impl->set_sizes_contiguous(global_shape_);
+  else
+    impl->set_sizes_and_strides(global_shape_, unsharded_strides_);
 }
 
 // The aliases are made once per storage (materialize replaces it) and kept: the StorageImpl is
@@ -111,7 +153,7 @@ const at::Tensor& FSDPParam::cached_alias(at::Tensor& cache, at::IntArrayRef siz
 }
 
 at::Tensor FSDPParam::unsharded_alias() const {
-  return cached_alias(alias_, global_shape_, c10::contiguous_strides(global_shape_));
+  return cached_alias(alias_, moved_shape_, c10::contiguous_strides(moved_shape_));
 }
 
 at::Tensor FSDPParam::unsharded_by_rank() const {
@@ -131,7 +173,7 @@ void FSDPParam::install_unsharded(at::DataPtr memory) {
   if (unsharded_param_.requires_grad() != sharded_param_.requires_grad())
     unsharded_param_.set_requires_grad(sharded_param_.requires_grad());
   set_storage(unsharded_storage(), std::move(memory), unsharded_nbytes());
-  unsharded_param_.unsafeGetTensorImpl()->set_sizes_contiguous(global_shape_);
+  set_unsharded_sizes(unsharded_param_.unsafeGetTensorImpl());
   unsharded_ = true;
   shape_kept_ = false;
 }
@@ -227,7 +269,7 @@ bool FSDPParam::alias_shard_as_unsharded() {
       padded_shard_.data_ptr(), shard_storage,
       [](void* ctx) { c10::raw::intrusive_ptr::decref(static_cast<c10::StorageImpl*>(ctx)); }, padded_shard_.device()));
   storage->set_nbytes(padded_shard_.nbytes());
-  impl->set_sizes_contiguous(global_shape_);
+  set_unsharded_sizes(impl);
   unsharded_ = true;
   shape_kept_ = false;
   return true;
@@ -282,10 +324,16 @@ at::Tensor FSDPParam::take_unsharded_grad() {
   unsharded_param_.mutable_grad().reset();
   // Shared (share_sharded_grad): autograd has added this backward's gradient into the sharded one.
   if (std::exchange(grad_shared_, false) && g.defined() && g.is_same(sharded_param_.grad())) g = at::Tensor();
-  if (!accumulated_grad_.defined()) return g;
-  at::Tensor total = std::move(accumulated_grad_);
-  if (g.defined()) total.add_(g.to(total.scalar_type()));
-  return total;
+  if (accumulated_grad_.defined()) {
+    at::Tensor total = std::move(accumulated_grad_);
+    if (g.defined()) total.add_(g.to(total.scalar_type()));
+    g = std::move(total);
+  }
+  if (shard_dim_ == 0 || !g.defined()) return g;
+  // Dim shard_dim first, as the rows are laid out: a view where the gradient has the parameter's
+  // strides (autograd's, [Note: sharding along dim d > 0]), else a copy.
+  g = g.movedim(shard_dim_, 0);
+  return g.is_contiguous() ? g : g.contiguous();
 }
 
 void FSDPParam::accumulate_unsharded_grad() {
@@ -303,8 +351,8 @@ void FSDPParam::accumulate_unsharded_grad() {
 at::Tensor FSDPParam::reduced_rows(const at::Tensor& reduced, int64_t offset) const {
   // One view op where the reduced buffer is flat and contiguous (every caller's), not a narrow and a view.
   if (reduced.dim() == 1 && reduced.is_contiguous())
-    return reduced.as_strided(local_shape_, c10::contiguous_strides(local_shape_), reduced.storage_offset() + offset);
-  return reduced.narrow(0, offset, local_rows_ * row_numel_).view(local_shape_);
+    return reduced.as_strided(local_shape_, local_strides_, reduced.storage_offset() + offset);
+  return shard_view(reduced.narrow(0, offset, local_rows_ * row_numel_));
 }
 
 void FSDPParam::accumulate_sharded_grad(const at::Tensor& reduced, int64_t offset) {
@@ -337,7 +385,10 @@ bool FSDPParam::adopt_sharded_grad(const at::Tensor& owned, int64_t offset) {
   c10::intrusive_ptr<c10::TensorImpl> impl = owned.unsafeGetTensorImpl()->shallow_copy_and_detach(
       /*version_counter=*/c10::VariableVersion(0), /*allow_tensor_metadata_change=*/true);
   impl->set_storage_offset(owned.storage_offset() + offset);
-  impl->set_sizes_contiguous(local_shape_);
+  if (shard_dim_ == 0)
+    impl->set_sizes_contiguous(local_shape_);
+  else
+    impl->set_sizes_and_strides(local_shape_, local_strides_);
   grad = at::Tensor(std::move(impl));
   return true;
 }
@@ -348,7 +399,7 @@ void FSDPParam::move_shard_to(const at::Tensor& slot) {
   torch::NoGradGuard no_grad;
   slot.copy_(padded_shard_);
   padded_shard_ = slot;
-  sharded_param_.set_data(slot.narrow(0, 0, local_rows_ * row_numel_).view(local_shape_).detach());
+  sharded_param_.set_data(shard_view(slot));
 }
 
 void FSDPParam::materialize(c10::Device device) {
@@ -357,7 +408,7 @@ void FSDPParam::materialize(c10::Device device) {
   const c10::TensorImpl* old_shard = sharded_param_.unsafeGetTensorImpl();
   auto options = padded_shard_.options().device(shard_device).pinned_memory(placement_.pin_memory && !device.is_cpu());
   padded_shard_ = at::zeros({shard_numel()}, options);  // zero padding rows
-  sharded_param_ = padded_shard_.narrow(0, 0, local_rows_ * row_numel_).view(local_shape_).detach();
+  sharded_param_ = shard_view(padded_shard_);
   sharded_param_.set_requires_grad(requires_grad);
   for (auto& slot : slots_) parameter_registry(*slot.module.lock())[slot.name] = sharded_param_;
   rekey_shard(old_shard, this);

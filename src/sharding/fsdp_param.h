@@ -10,6 +10,19 @@
 //   unsharded_param the original tensor object. The module's fields (LinearImpl::weight, ...)
 //                   point to it, so forward uses it and autograd saves it.
 //
+// [Note: sharding along dim d > 0] (FSDP2's shard_placement_fn returning Shard(d)): every storage
+// FSDP moves (the padded shard, the all-gather's rows, the unsharded parameter's memory, the
+// reduce-scatter's input and output) holds the parameter with dim d moved first, so a "row" is a
+// slice along d and the code that copies rows is the same for every d. The tensors the user sees
+// keep the parameter's own dim order, as views with permuted strides: the sharded parameter (and
+// its gradient) is [.., local rows at d, ..] over its flat shard, and the unsharded parameter,
+// over memory laid out dim d first, is a non-contiguous tensor of the full shape (a Shard(1)
+// linear weight [out, in] is the transpose of a contiguous [in, out]: its matmul needs no copy).
+// Autograd gives the unsharded parameter gradients in its strides (AccumulateGrad's layout
+// contract), so take_unsharded_grad's moved view is contiguous without a copy. Rows along d are
+// padded as dim-0 rows are (uneven sizes are allowed); a shard group of one shards nothing, so d
+// is 0 there.
+//
 // Note on freeing without breaking autograd: resharding keeps the unsharded tensor object and its
 // StorageImpl, and only resizes that storage to zero bytes (and the tensor to zero elements, so a
 // forward that bypasses fsdp::call fails on shapes instead of reading freed memory). Unsharding
@@ -51,12 +64,16 @@ struct ParamPlacement {
 
 class FSDPParam {
  public:
+  // shard_dim: the dimension the parameter is split along (FullyShardOptions::shard_placement_fn),
+  // normalized to [0, dim); a shard group of one keeps 0. [Note: sharding along dim d > 0].
   FSDPParam(const at::Tensor& original, std::vector<ParamSlot> slots, std::string fqn, int shard_rank, int shard_size,
-            const ParamDtypes& dtypes = {}, const ParamPlacement& placement = {});
+            const ParamDtypes& dtypes = {}, const ParamPlacement& placement = {}, int64_t shard_dim = 0);
 
   const std::string& fqn() const { return fqn_; }
   void set_fqn(std::string fqn) { fqn_ = std::move(fqn); }
   const std::vector<int64_t>& global_shape() const { return global_shape_; }
+  // Rows are slices along shard_dim() (dim 0 but for shard_placement_fn); row_numel() values each.
+  int64_t shard_dim() const { return shard_dim_; }
   int64_t rows() const { return rows_; }
   int64_t row_numel() const { return row_numel_; }
   int64_t padded_rows() const { return padded_rows_; }
@@ -88,8 +105,9 @@ class FSDPParam {
   // share of the block, which is freed when the last of them is (free_unsharded, as ever). On the
   // CPU only with CpuCollectiveOptions::unsharded_in_one_allocation (off by default: peak RSS).
   static void alloc_unsharded_together(const std::vector<FSDPParam*>& params);
-  // The unsharded storage as a tensor of the full shape in the compute dtype, with its own version
-  // counter: collectives.cpp copies rows in and out through it (see the note above).
+  // The unsharded storage as a contiguous tensor of the full shape in the compute dtype, with its own
+  // version counter: collectives.cpp copies rows in and out through it (see the note above). Its
+  // dim 0 is shard_dim(): the full shape with that dim moved first ([Note: sharding along dim d > 0]).
   at::Tensor unsharded_alias() const;
   // The same storage as [shard group size, shard_numel]: row r is where rank r's padded shard
   // goes. The storage holds the padding rows past the parameter's end (at most N - 1 rows), so
@@ -119,8 +137,8 @@ class FSDPParam {
   void stash_partial_reduce(const at::Tensor& reduced, int64_t offset);
   void add_partial_reduce(const at::Tensor& reduced, int64_t offset);
   // The gradient to reduce: the unsharded parameter's, plus what no-sync steps accumulated; both
-  // are released. Undefined when there is none, or when autograd added it into the sharded
-  // gradient itself (share_sharded_grad).
+  // are released. Contiguous with dim shard_dim() first (in the shape of unsharded_alias()). Undefined when there is
+  // none, or when autograd added it into the sharded gradient itself (share_sharded_grad).
   at::Tensor take_unsharded_grad();
   // No-sync step: keeps the gradient for the next synced one (in reduce_dtype when that differs
   // from the compute dtype, as FSDP2 does, so bf16 gradients do not lose the small increments).
@@ -152,6 +170,12 @@ class FSDPParam {
   std::string fqn_;
   std::vector<int64_t> global_shape_;
   std::vector<int64_t> local_shape_;
+  // [Note: sharding along dim d > 0]: the shapes with shard_dim_ moved first (the layout of the
+  // storages), and the strides that show them in the parameter's own order.
+  int64_t shard_dim_ = 0;
+  std::vector<int64_t> moved_shape_, local_moved_shape_, unsharded_strides_, local_strides_;
+  at::Tensor shard_view(const at::Tensor& flat) const;    // the sharded parameter on a flat shard
+  void set_unsharded_sizes(c10::TensorImpl* impl) const;  // full shape, the unsharded strides
   int64_t rows_ = 0, row_numel_ = 0, padded_rows_ = 0, local_rows_ = 0, dim0_offset_ = 0;
   int shard_size_ = 1;
   at::Tensor padded_shard_, sharded_param_, unsharded_param_;

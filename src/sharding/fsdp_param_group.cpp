@@ -389,14 +389,14 @@ void FSDPParamGroup::post_backward() {
   {
     PhaseScope timed(Phase::ReduceScatterInput);
     const profiler::Range range("fsdp::reduce_scatter_input", label);
+    // A custom reduce-scatter's input comes from its allocate; otherwise (empty) from the pool.
+    std::function<at::Tensor(int64_t, const at::TensorOptions&)> allocate;
     if (custom_reduce_scatter) {
-      input = build_reduce_scatter_input(with_grad, comm_->size(), reduce_dtype, reduced_params_,
-                                         [this](int64_t numel, const at::TensorOptions& options) {
-                                           return custom_buffer(/*all_gather=*/false, numel, options);
-                                         });
-    } else {
-      input = build_reduce_scatter_input(with_grad, comm_->size(), reduce_dtype, reduced_params_);
+      allocate = [this](int64_t numel, const at::TensorOptions& options) {
+        return custom_buffer(/*all_gather=*/false, numel, options);
+      };
     }
+    input = build_reduce_scatter_input(with_grad, comm_->size(), reduce_dtype, reduced_params_, allocate);
   }
   // On the CPU the output is this rank's row of the input (in place, no buffer of its own: the
   // reduce-scatter in flight holds one unit of input + Gloo's scratch of 1/N); a GPU's gets its own.

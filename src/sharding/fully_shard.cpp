@@ -233,6 +233,28 @@ void validate_managed_params(const ManagedParams& managed, const DeviceMesh& mes
   }
 }
 
+// The dim shard_placement_fn chooses for parameter `t` (0 without one), negative dims normalized.
+int64_t param_shard_dim(const FullyShardOptions& options, const std::string& fqn, const at::Tensor& t) {
+  if (!options.shard_placement_fn) return 0;
+  const std::optional<int64_t> chosen = options.shard_placement_fn(fqn, t);
+  if (!chosen) return 0;
+  const int64_t dim = *chosen < 0 ? *chosen + t.dim() : *chosen;
+  if (dim < 0 || (dim > 0 && dim >= t.dim())) {
+    throw std::invalid_argument("fsdp::fully_shard: shard_placement_fn returned dim " + std::to_string(*chosen) +
+                                " for parameter '" + fqn + "' of " + std::to_string(t.dim()) +
+                                " dims; return a dim in [-dim, dim) of the parameter, or nullopt for dim 0");
+  }
+  if (dim > 0) {
+    if (auto tp = tp::tp_placement(t); tp && tp->blocks > 1) {
+      throw std::invalid_argument("fsdp::fully_shard: parameter '" + fqn +
+                                  "' has a strided (fused) tensor-parallel placement; shard it along dim 0 "
+                                  "(shard_placement_fn returned " +
+                                  std::to_string(*chosen) + ")");
+    }
+  }
+  return dim;
+}
+
 // Step 6: the FSDPParams (each replaces its parameter by this rank's shard) and their group;
 // null when the call manages no parameter.
 std::unique_ptr<FSDPParamGroup> build_param_group(ManagedParams& managed, const DeviceMesh& mesh,
@@ -244,11 +266,13 @@ std::unique_ptr<FSDPParamGroup> build_param_group(ManagedParams& managed, const 
   std::vector<std::unique_ptr<FSDPParam>> params;
   for (const auto& t : managed.order) {
     auto& [param_slots, fqn] = managed.slots[t.unsafeGetTensorImpl()];
+    const int64_t dim = param_shard_dim(options, fqn, t);
     params.push_back(
         std::make_unique<FSDPParam>(t, param_slots, fqn, shard_rank, shard_size,
                                     ParamDtypes{options.mp_policy.param_dtype, options.mp_policy.reduce_dtype},
                                     ParamPlacement{options.offload_policy.has_value(),
-                                                   options.offload_policy && options.offload_policy->pin_memory}));
+                                                   options.offload_policy && options.offload_policy->pin_memory},
+                                    dim));
   }
   return std::make_unique<FSDPParamGroup>(std::move(params), mesh);
 }
@@ -403,7 +427,9 @@ void FSDPModule::set_all_reduce_hook(std::function<void(const at::Tensor&)> hook
         "the all-reduce over the replicas (FSDP2's rule). Leave `stream` out.");
   }
   const c10::Device device = group->params().front()->device();
-  if (stream && (stream->device_type() != device.type() || device.is_cpu())) {
+  // The stream's device, index included (a stream of cuda:1 cannot order work on cuda:0's tensors).
+  if (stream && (device.is_cpu() || stream->device_type() != device.type() ||
+                 (device.has_index() && stream->device_index() != device.index()))) {
     throw std::invalid_argument("fsdp: set_all_reduce_hook: the stream is on " + stream->device().str() +
                                 " but this unit's parameters are on " + device.str() +
                                 (device.is_cpu() ? " (streams are for GPUs: leave `stream` out on the CPU)"
@@ -437,6 +463,7 @@ std::optional<ShardInfo> shard_info(const at::Tensor& sharded_param) {
   auto* group = detail::owner_of_unsharded(p->unsharded_param())->group();
   ShardInfo info{p->global_shape(), p->dim0_offset(), p->local_rows(), p->padded_rows(), p->fqn(), group->shard_mesh()};
   info.tp = tp::tp_placement(p->unsharded_param());
+  info.shard_dim = p->shard_dim();
   if (group->is_hsdp()) {
     info.replica_rank = group->mesh().get_local_rank(0);
     info.num_replicas = group->mesh().size(0);

@@ -62,10 +62,32 @@ RowMap row_map(const at::Tensor& param) {
   m.full_rows = m.rows;
   std::optional<tp::TPPlacement> tp;
   if (auto info = shard_info(param)) {
+    tp = info->tp;
+    if (info->shard_dim > 0) {
+      // Sharded along a dim > 0 (shard_placement_fn): every row, a slice of each.
+      // Under TP (global_shape is then the TP-local shape): TP along dim 0 moves the rows, TP along
+      // the same dim moves the slice; two slices along two dims are not drawn.
+      if (tp && tp->dim != 0 && tp->dim != info->shard_dim) {
+        throw std::invalid_argument("fsdp::init: parameter '" + info->fqn + "' is sharded along dim " +
+                                    std::to_string(info->shard_dim) + " and tensor-parallel along dim " +
+                                    std::to_string(tp->dim) +
+                                    "; shard it along dim 0 or the TP dim (shard_placement_fn), or initialise it "
+                                    "before sharding");
+      }
+      const std::vector<int64_t>& full = tp ? tp->global_shape : info->global_shape;
+      m.full_rows = full[0];
+      m.rows = info->global_shape[0];
+      m.slice.full_row_shape.assign(full.begin() + 1, full.end());
+      m.slice.dim = info->shard_dim - 1;
+      m.slice.offset = info->dim0_offset + (tp && tp->dim == info->shard_dim ? tp->offset : 0);
+      m.slice.size = info->local_rows;
+      if (tp && tp->dim == 0) m.rows_tp = tp;
+      if (m.rows > 0) m.full_rows = std::max(m.full_rows, m.global(m.rows - 1) + 1);
+      return m;
+    }
     m.first = info->dim0_offset;
     m.rows = info->local_rows;
     m.full_rows = info->global_shape.empty() ? 1 : info->global_shape[0];
-    tp = info->tp;
   } else {
     tp = tp::tp_placement(param);
   }
@@ -128,10 +150,13 @@ at::Generator device_generator(c10::Device device, uint64_t seed) {
 // Rows are copied in runs (consecutive rows of one chunk), not one by one.
 void fill_rows(const at::Tensor& param, uint64_t seed, const std::function<void(at::Tensor&, at::Generator)>& draw) {
   const RowMap m = row_map(param);
-  if (m.rows == 0) return;
-  if (!param.is_contiguous()) throw std::invalid_argument("fsdp::init: the parameter must be contiguous");
-  at::Tensor as_rows = param.detach().view({m.rows, -1});  // a view: filling rows fills the parameter
-  int64_t row_values = as_rows.size(1);                    // of a full row
+  if (m.rows == 0 || param.numel() == 0) return;
+  // A view where the parameter is contiguous (filling rows fills it); a shard along a dim > 0
+  // (shard_placement_fn, permuted strides) is filled through a copy.
+  const bool direct = param.is_contiguous();
+  at::Tensor as_rows =
+      (direct ? param.detach() : at::empty(param.sizes(), param.options().requires_grad(false))).view({m.rows, -1});
+  int64_t row_values = as_rows.size(1);  // of a full row
   if (m.slice.dim >= 0) {
     row_values = 1;
     for (int64_t s : m.slice.full_row_shape) row_values *= s;
@@ -167,6 +192,7 @@ void fill_rows(const at::Tensor& param, uint64_t seed, const std::function<void(
     as_rows.narrow(0, r, n).copy_(local_part(values, m.slice));
     r += n;
   }
+  if (!direct) param.detach().copy_(as_rows.view(param.sizes()));
 }
 
 }  // namespace

@@ -101,7 +101,7 @@ double check_shards_match(models::GPT& model, const std::map<std::string, at::Te
     const at::Tensor& full = reference.at(p.key());
     TORCH_CHECK(full.sizes() == at::IntArrayRef(info->global_shape), p.key(), ": global shape mismatch");
     at::Tensor rows = full.dim() == 0 ? full.reshape({1}) : full;
-    at::Tensor want = rows.narrow(0, info->dim0_offset, info->local_rows);
+    at::Tensor want = rows.narrow(info->shard_dim, info->dim0_offset, info->local_rows);
     // Relative difference, with magnitudes below 1 counted as 1: biases and LayerNorm shifts start
     // at zero, where a pure ratio would measure float32 rounding against nothing.
     const double diff =

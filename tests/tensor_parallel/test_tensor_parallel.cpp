@@ -42,7 +42,7 @@ void train_and_compare() {
   const int world = fsdp::dist::world_size();
   const int tp_size = std::atoi(std::getenv("TP_SIZE"));
   const bool sp = env_flag("TP_SP"), lp = env_flag("TP_LOSS_PARALLEL"), meta = env_flag("TP_META");
-  const bool hsdp = env_flag("TP_HSDP"), act = env_flag("TP_ACT");
+  const bool hsdp = env_flag("TP_HSDP"), act = env_flag("TP_ACT"), last_dim = env_flag("TP_SHARD_LAST_DIM");
   const int dp = world / tp_size;
   TPModelConfig c;
 
@@ -61,6 +61,12 @@ void train_and_compare() {
   tp::parallelize_module(model, mesh["tp"], fsdp::testing::tp_plan(sp, lp));
   if (dp > 1) {
     fsdp::FullyShardOptions opts{.mesh = fsdp_mesh};
+    // TP_SHARD_LAST_DIM: FSDP splits the (TP-local) matrices along their last dim.
+    if (last_dim) {
+      opts.shard_placement_fn = [](const std::string&, const at::Tensor& p) -> std::optional<int64_t> {
+        return p.dim() >= 2 ? std::optional<int64_t>(p.dim() - 1) : std::nullopt;
+      };
+    }
     for (auto& b : model->typed_blocks) fsdp::fully_shard(b, opts);
     fsdp::fully_shard(model, opts);
   }
@@ -134,6 +140,17 @@ void train_and_compare() {
     TORCH_CHECK(rel_diff(norm, ref_norm) <= kTol, "step ", s, ": grad norm ", norm, " vs one process ", ref_norm);
   }
   const double worst = max_param_diff(model, snapshot(ref), kTol, dp == 1);
+  if (last_dim) {
+    // The full state dict undoes both splits (FSDP's along the last dim, then TP's).
+    int64_t along_last = 0;
+    for (const auto& p : model->parameters()) along_last += fsdp::shard_info(p) && fsdp::shard_info(p)->shard_dim > 0;
+    TORCH_CHECK(along_last > 0, "no parameter was sharded along its last dim");
+    const auto want = snapshot(ref);
+    for (const auto& [key, value] : fsdp::checkpoint::get_model_state_dict(*model, {.full_state_dict = true})) {
+      TORCH_CHECK(value.sizes() == want.at(key).sizes(), key, ": full state dict shape ", value.sizes());
+      TORCH_CHECK((value - want.at(key)).abs().max().item<double>() <= kTol, key, ": full state dict differs");
+    }
+  }
   std::cout << "largest parameter difference after " << kSteps << " steps: " << worst << std::endl;
   std::sort(step_seconds.begin(), step_seconds.end());
   std::cout << "median step time " << step_seconds[step_seconds.size() / 2] << " s" << std::endl;
@@ -145,11 +162,16 @@ void train_and_compare() {
 FSDP_RANK_WORKER(tp_train) { train_and_compare(); }
 
 fsdp::testing::RanksOptions opts(const std::string& tp_size, bool sp, bool lp, bool meta, bool hsdp = false,
-                                 bool act = false) {
+                                 bool act = false, bool last_dim = false) {
   fsdp::testing::RanksOptions o;
   o.timeout = std::chrono::milliseconds(300000);
-  o.env = {{"TP_SIZE", tp_size},          {"TP_SP", sp ? "1" : "0"},     {"TP_LOSS_PARALLEL", lp ? "1" : "0"},
-           {"TP_META", meta ? "1" : "0"}, {"TP_HSDP", hsdp ? "1" : "0"}, {"TP_ACT", act ? "1" : "0"}};
+  o.env = {{"TP_SIZE", tp_size},
+           {"TP_SP", sp ? "1" : "0"},
+           {"TP_LOSS_PARALLEL", lp ? "1" : "0"},
+           {"TP_META", meta ? "1" : "0"},
+           {"TP_HSDP", hsdp ? "1" : "0"},
+           {"TP_ACT", act ? "1" : "0"},
+           {"TP_SHARD_LAST_DIM", last_dim ? "1" : "0"}};
   return o;
 }
 
@@ -165,6 +187,12 @@ TEST(TensorParallel, DpTwoTpTwoMatchesOneProcess) { EXPECT_RANKS_PASS(4, "tp_tra
 
 TEST(TensorParallel, DpTwoTpTwoSequenceParallelLossParallelMetaInit) {
   EXPECT_RANKS_PASS(4, "tp_train", opts("2", true, true, true));
+}
+
+// FSDP's shard_placement_fn on TP-local parameters: matrices split along their last dim (the
+// column-wise layers' other dim, the row-wise layers' TP dim), from the meta device.
+TEST(TensorParallel, DpTwoTpTwoShardAlongLastDimMetaInit) {
+  EXPECT_RANKS_PASS(4, "tp_train", opts("2", true, true, true, false, false, /*last_dim=*/true));
 }
 
 // HSDP + TP on a 3-D {"replicate", "shard", "tp"} mesh (sequence parallel, no loss_parallel):

@@ -166,7 +166,7 @@ at::Tensor expected_local(const at::Tensor& param, const at::Tensor& full) {
     }
     want = pieces.size() == 1 ? pieces[0] : at::cat(pieces, placement->dim);
   }
-  if (auto info = fsdp::shard_info(param)) want = want.narrow(0, info->dim0_offset, info->local_rows);
+  if (auto info = fsdp::shard_info(param)) want = want.narrow(info->shard_dim, info->dim0_offset, info->local_rows);
   return want;
 }
 

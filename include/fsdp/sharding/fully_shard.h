@@ -72,6 +72,16 @@ struct FullyShardOptions {
   std::optional<CPUOffloadPolicy> offload_policy;
   // Left unsharded and unreduced (e.g. parameters another mechanism handles).
   std::vector<at::Tensor> ignored_params;
+  // FSDP2's shard_placement_fn: the dim each parameter is split along over the shard group, given
+  // its name (relative to the module sharded) and the parameter; nullopt (or no function): dim 0.
+  // E.g. MoE experts [E, dim, hidden] with fewer experts E than ranks, along dim 1. Negative dims
+  // count from the end; uneven sizes are padded as dim 0's are. The sharded parameter is then
+  // [.., its part of dim d, ..] (a view with permuted strides, not contiguous), and
+  // fsdp::shard_info names the dim (ShardInfo::shard_dim); checkpoints reshard between any dims.
+  //   opts.shard_placement_fn = [](const std::string& name, const at::Tensor& p) -> std::optional<int64_t> {
+  //     return name.find("experts") != std::string::npos ? std::optional<int64_t>(1) : std::nullopt;
+  //   };
+  std::function<std::optional<int64_t>(const std::string& name, const at::Tensor& param)> shard_placement_fn;
 };
 
 // Waits for an asynchronous unshard().
@@ -174,11 +184,12 @@ std::optional<FSDPModule> fsdp_module(const torch::nn::Module& module);
 // the rows are those of this rank's position in the shard group, and every replica holds the same
 // rows: only replica_rank 0 needs to write them to a checkpoint, and every replica reads them back.
 // Parameters under fsdp::replicate are not shards (shard_info returns nullopt).
+// Rows are slices along shard_dim (0 unless FullyShardOptions::shard_placement_fn chose another).
 struct ShardInfo {
   std::vector<int64_t> global_shape;  // the unsharded parameter's shape
-  int64_t dim0_offset = 0;            // first row of the full parameter held here
+  int64_t dim0_offset = 0;            // first row of the full parameter held here (along shard_dim)
   int64_t local_rows = 0;             // rows held here (0 for an empty shard)
-  int64_t padded_rows = 0;            // rows per rank, ceil(dim0 / N), N the shard group's size
+  int64_t padded_rows = 0;            // rows per rank, ceil(rows / N), N the shard group's size
   std::string fqn;                    // name relative to the root module it was sharded under
   DeviceMesh mesh;                    // the 1-D mesh the parameter is sharded over (HSDP: its "shard" dim)
   int64_t replica_rank = 0;           // this rank's index along the replicate dimension (0 for FSDP)
@@ -187,6 +198,7 @@ struct ShardInfo {
   // global_shape and dim0_offset above then describe the TP-local tensor, and `tp` where that
   // tensor sits in the full parameter. nullopt without tensor parallelism.
   std::optional<tp::TPPlacement> tp = std::nullopt;
+  int64_t shard_dim = 0;  // the dim the rows are taken along
 };
 std::optional<ShardInfo> shard_info(const at::Tensor& sharded_param);
 

@@ -34,8 +34,8 @@ namespace init {
 
 // A parameter's stream seed, from a base seed and its name (stable across world sizes).
 uint64_t param_seed(uint64_t base_seed, const std::string& name);
-// Fill a full parameter, or a shard from fully_shard (rows at its dim-0 offset), by row, on its
-// device.
+// Fill a full parameter, or a shard from fully_shard (its rows along ShardInfo::shard_dim), with
+// the values the full parameter gets, by row, on its device.
 void normal_(const at::Tensor& param, double mean, double std, uint64_t seed);
 void uniform_(const at::Tensor& param, double low, double high, uint64_t seed);
 void constant_(const at::Tensor& param, double value);

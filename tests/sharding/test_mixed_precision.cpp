@@ -77,6 +77,12 @@ FSDP_RANK_WORKER(bf16_params_fp32_reduce) {
     options.mesh = fsdp::init_device_mesh({std::stoll(m.substr(0, m.find('x'))), std::stoll(m.substr(m.find('x') + 1))},
                                           {"replicate", "shard"});
   }
+  if (std::getenv("SHARD_LAST_DIM")) {
+    // shard_placement_fn: the bf16 unsharded matrices over memory laid out last dim first.
+    options.shard_placement_fn = [](const std::string&, const at::Tensor& p) -> std::optional<int64_t> {
+      return p.dim() >= 2 ? std::optional<int64_t>(-1) : std::nullopt;
+    };
+  }
   for (auto& b : model->blocks) fsdp::fully_shard(b, options);
   fsdp::fully_shard(model, options);
   torch::optim::AdamW opt(model->parameters(), torch::optim::AdamWOptions(3e-3).weight_decay(0.1).eps(1e-3));
@@ -240,6 +246,14 @@ TEST(MixedPrecision, Bf16ParamsFp32ReduceUnderHsdpMatchesReference) {
   fsdp::testing::RanksOptions o;
   o.env["HSDP_MESH"] = "2x1";
   auto r = run_ranks(2, "bf16_params_fp32_reduce", o);
+  EXPECT_TRUE(r.all_ok()) << r.report();
+  if (r.all_ok()) std::cout << r.ranks[0].output;
+}
+
+TEST(MixedPrecision, Bf16ParamsFp32ReduceShardedAlongLastDimMatchesReference) {
+  fsdp::testing::RanksOptions o;
+  o.env["SHARD_LAST_DIM"] = "1";
+  auto r = run_ranks(3, "bf16_params_fp32_reduce", o);
   EXPECT_TRUE(r.all_ok()) << r.report();
   if (r.all_ok()) std::cout << r.ranks[0].output;
 }

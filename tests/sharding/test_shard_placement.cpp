@@ -3,7 +3,8 @@
 // matrices are sharded along their last dim (20-wide rows and the MLP's 80: uneven over 3 ranks),
 // vectors along dim 0, and trained with AdamW for 10 steps against one process on the same global
 // batch: the losses of every step and every final shard (its part along the chosen dim) must
-// match. Cases: plain, with gradient accumulation (no-sync micro-batches), CPU offload, HSDP, a
+// match. Cases: plain, with gradient accumulation (no-sync micro-batches), CPU offload, HSDP,
+// reshard_after_forward = 2 (backward's all-gather within pairs of ranks), a
 // checkpoint written from dim-1 shards and read into dim-0 ones, meta-device initialisation, and
 // a dim that does not exist.
 #include <gtest/gtest.h>
@@ -63,7 +64,7 @@ void check_layout(GPT& model) {
 
 }  // namespace
 
-// PLACEMENT: plain | accumulate | offload | hsdp | checkpoint | meta | bad_dim.
+// PLACEMENT: plain | accumulate | offload | hsdp | hpz | checkpoint | meta | bad_dim.
 FSDP_RANK_WORKER(shard_placement) {
   const auto config = uneven_config();
   const std::string mode = env("PLACEMENT", "plain");
@@ -111,6 +112,7 @@ FSDP_RANK_WORKER(shard_placement) {
   }
   if (mode == "offload") options.offload_policy = fsdp::CPUOffloadPolicy{};
   if (mode == "hsdp") options.mesh = fsdp::init_device_mesh({2, n / 2}, {"replicate", "shard"});
+  if (mode == "hpz") options.reshard_after_forward = 2;  // backward gathers within pairs of ranks
   const int micro_batches = mode == "accumulate" ? 2 : 1;
   ShardedRun run;
   std::vector<fsdp::FSDPModule> units;
@@ -171,9 +173,12 @@ TEST_P(ShardPlacement, MatchesSingleProcess) {
 }
 
 // A world of one keeps dim 0 (nothing is split).
-INSTANTIATE_TEST_SUITE_P(
-    Placement, ShardPlacement,
-    ::testing::Values(PlacementCase{"plain", 2}, PlacementCase{"plain", 3}, PlacementCase{"plain", 1},
-                      PlacementCase{"accumulate", 3}, PlacementCase{"offload", 2}, PlacementCase{"hsdp", 4},
-                      PlacementCase{"checkpoint", 3}, PlacementCase{"meta", 3}, PlacementCase{"bad_dim", 2}),
-    [](const auto& info) { return info.param.mode + "_" + std::to_string(info.param.world) + "ranks"; });
+INSTANTIATE_TEST_SUITE_P(Placement, ShardPlacement,
+                         ::testing::Values(PlacementCase{"plain", 2}, PlacementCase{"plain", 3},
+                                           PlacementCase{"plain", 1}, PlacementCase{"accumulate", 3},
+                                           PlacementCase{"offload", 2}, PlacementCase{"hsdp", 4},
+                                           PlacementCase{"hpz", 4}, PlacementCase{"checkpoint", 3},
+                                           PlacementCase{"meta", 3}, PlacementCase{"bad_dim", 2}),
+                         [](const auto& info) {
+                           return info.param.mode + "_" + std::to_string(info.param.world) + "ranks";
+                         });

@@ -82,6 +82,7 @@ struct Options {
   std::string cpu_split = "on";     // on | off: every worker times compute / transport / ours per step
   std::string rows = "all";         // the driver's rows, comma-separated keys (see run_driver)
   std::string reshard = "default";  // default | keep-last | false (the FSDP worker's reshard_after_forward)
+  std::string shard_dim = "0";      // 0 | last: the FSDP worker's matrices split along dim 0 or their last
   int floor_steps = 0;              // FSDP fp32 and replicate workers: replays of their last step's
                                     // collectives (see transport_floor); the driver passes --steps
 };
@@ -93,7 +94,7 @@ Options parse(int argc, char** argv) {
       "usage: bench [--nproc N] [--steps N] [--warmup N] [--rounds N] [--layers N] [--dim N] "
       "[--heads N] [--seq N] [--batch N] [--hsdp RxS] [--pool-trim on|off] [--bucket-mb 25]\n"
       "       [--malloc default|tuned|speed|warm] [--cpu-split on|off]\n"
-      "       [--rows single,concurrent,local,fsdp,keep-last,zero2,bf16,hsdp,replicate] (default all)\n"
+      "       [--rows single,concurrent,local,fsdp,keep-last,zero2,last-dim,bf16,hsdp,replicate] (default all)\n"
       "FSDP_PHASE_TIMERS=1 makes every FSDP worker print where FSDP's own time went, by phase; "
       "FSDP_BENCH_PIN=process|main pins each distributed worker (or its main thread) to one core; "
       "FSDP_CPU_BIND=cores binds the ranks as the library does (fsdp/debug/cpu_tuning.h)");
@@ -104,13 +105,14 @@ Options parse(int argc, char** argv) {
   args.option("--bucket-mb", &o.bucket_mb);
   fsdp_bench::add_malloc_option(args, &o.malloc);
   args.option("--reshard", &o.reshard).option("--rows", &o.rows).option("--cpu-split", &o.cpu_split);
-  args.option("--floor-steps", &o.floor_steps);
+  args.option("--floor-steps", &o.floor_steps).option("--shard-dim", &o.shard_dim);
   args.parse(argc, argv);
   if (o.nproc < 1 || o.shape.batch % o.nproc != 0) bad_input("--batch must be a positive multiple of --nproc");
   if (o.steps < 1) bad_input("--steps must be positive");
   if (o.pool_trim != "on" && o.pool_trim != "off") bad_input("--pool-trim takes on or off");
   if (o.bucket_mb < 1) bad_input("--bucket-mb takes a whole number of MiB, at least 1");
   if (o.cpu_split != "on" && o.cpu_split != "off") bad_input("--cpu-split takes on or off");
+  if (o.shard_dim != "0" && o.shard_dim != "last") bad_input("--shard-dim takes 0 or last");
   if (o.reshard != "default" && o.reshard != "keep-last" && o.reshard != "false") {
     bad_input("--reshard takes default, keep-last or false");
   }
@@ -313,6 +315,13 @@ int run_worker(const Options& o, bool sharded) {
     // nothing). keep-last: the last block keeps them (torchtitan's recipe: backward starts by
     // gathering it again, so freeing it saves no memory at the peak and costs a gather).
     if (o.reshard == "false") opts.reshard_after_forward = false;
+    // --shard-dim last: shard_placement_fn splits every matrix along its last dim (the unsharded
+    // matrices then live over memory laid out last dim first: what that layout costs).
+    if (o.shard_dim == "last") {
+      opts.shard_placement_fn = [](const std::string&, const at::Tensor& p) -> std::optional<int64_t> {
+        return p.dim() >= 2 ? std::optional<int64_t>(-1) : std::nullopt;
+      };
+    }
     auto units = fsdp_bench::shard_gpt(model, opts);
     if (o.reshard == "keep-last" && !units.empty()) units.back().set_reshard_after_forward(false, /*recurse=*/false);
   }
@@ -497,6 +506,9 @@ int run_driver(const Options& o) {
        "FSDP fp32, the last block not resharded after forward (torchtitan's recipe)",
        {"--role", "fsdp", "--reshard", "keep-last"}},
       {"zero2", "FSDP fp32, reshard_after_forward = false (ZeRO-2-like)", {"--role", "fsdp", "--reshard", "false"}},
+      {"last-dim",
+       "FSDP fp32, matrices sharded along their last dim (shard_placement_fn)",
+       {"--role", "fsdp", "--shard-dim", "last"}},
       {"bf16", "FSDP bf16 params, fp32 reduce" + b(batch), {"--role", "fsdp", "--mp", "bf16"}},
       {"hsdp",
        "HSDP " + o.hsdp + ", replicate x shard" + b(batch),

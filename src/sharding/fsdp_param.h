@@ -137,8 +137,9 @@ class FSDPParam {
   void stash_partial_reduce(const at::Tensor& reduced, int64_t offset);
   void add_partial_reduce(const at::Tensor& reduced, int64_t offset);
   // The gradient to reduce: the unsharded parameter's, plus what no-sync steps accumulated; both
-  // are released. Contiguous with dim shard_dim() first (in the shape of unsharded_alias()). Undefined when there is
-  // none, or when autograd added it into the sharded gradient itself (share_sharded_grad).
+  // are released. Contiguous with dim shard_dim() first (in the shape of unsharded_alias()).
+  // Undefined when there is none, or when autograd added it into the sharded gradient itself
+  // (share_sharded_grad).
   at::Tensor take_unsharded_grad();
   // No-sync step: keeps the gradient for the next synced one (in reduce_dtype when that differs
   // from the compute dtype, as FSDP2 does, so bf16 gradients do not lose the small increments).

@@ -4,9 +4,9 @@
 // vectors along dim 0, and trained with AdamW for 10 steps against one process on the same global
 // batch: the losses of every step and every final shard (its part along the chosen dim) must
 // match. Cases: plain, with gradient accumulation (no-sync micro-batches), CPU offload, HSDP,
-// reshard_after_forward = 2 (backward's all-gather within pairs of ranks), a
-// checkpoint written from dim-1 shards and read into dim-0 ones, meta-device initialisation, and
-// a dim that does not exist.
+// reshard_after_forward = 2 (backward's all-gather within pairs of ranks), a checkpoint (model
+// and optimizer) written from last-dim shards and read into dim-0 ones, meta-device
+// initialisation, and a dim that does not exist.
 #include <gtest/gtest.h>
 
 #include <cstdlib>
@@ -137,16 +137,36 @@ FSDP_RANK_WORKER(shard_placement) {
     TORCH_CHECK(diff <= kTolerance, key, ": full state dict differs by ", diff);
   }
   if (mode == "checkpoint") {
-    // Written from shards along the last dim, read into a model sharded along dim 0: the same
-    // values, each rank its rows.
+    // Written from shards along the last dim (the model and AdamW's state, one more step taken
+    // so that the state is there), read into a model sharded along dim 0: the same full model
+    // and optimizer state, each rank its rows.
     const std::string dir = env("CKPT_DIR", "");
     TORCH_CHECK(!dir.empty(), "CKPT_DIR is not set");
-    fsdp::checkpoint::save(dir, fsdp::checkpoint::State{.model = got.model.ptr()});
+    auto opt = parity_optimizer(*got.model);
+    const int64_t local = kBatch / n;
+    auto data = global_batch(config, kBatch, kSteps, 0).narrow(0, fsdp::dist::rank() * local, local);
+    fsdp::models::gpt_loss(fsdp::call(got.model, data.narrow(1, 0, config.block_size)),
+                           data.narrow(1, 1, config.block_size))
+        .backward();
+    opt.step();
+    fsdp::checkpoint::save(dir, fsdp::checkpoint::State{.model = got.model.ptr(), .optimizer = &opt});
     GPT fresh = parity_model(config);
     shard(fresh, fsdp::FullyShardOptions{});
-    fsdp::checkpoint::load(dir, fsdp::checkpoint::State{.model = fresh.ptr()});
+    auto fresh_opt = parity_optimizer(*fresh);
+    fsdp::checkpoint::load(dir, fsdp::checkpoint::State{.model = fresh.ptr(), .optimizer = &fresh_opt});
     for (const auto& p : fresh->named_parameters()) TORCH_CHECK(fsdp::shard_info(p.value())->shard_dim == 0);
-    worst = std::max(worst, check_shards_match(fresh, want.parameters, kTolerance));
+    const fsdp::checkpoint::StateDictOptions whole{.full_state_dict = true};
+    auto saved = fsdp::checkpoint::get_model_state_dict(*got.model, whole);
+    auto loaded = fsdp::checkpoint::get_model_state_dict(*fresh, whole);
+    auto saved_opt = fsdp::checkpoint::get_optimizer_state_dict(*got.model, opt, whole);
+    auto loaded_opt = fsdp::checkpoint::get_optimizer_state_dict(*fresh, fresh_opt, whole);
+    saved.insert(saved_opt.begin(), saved_opt.end());
+    loaded.insert(loaded_opt.begin(), loaded_opt.end());
+    TORCH_CHECK(saved.size() == loaded.size() && saved_opt.size() > saved.size() / 2, "keys: saved ", saved.size(),
+                ", loaded ", loaded.size());
+    for (const auto& [key, value] : saved) {
+      TORCH_CHECK(loaded.count(key) && loaded.at(key).equal(value), key, ": loaded differs from saved");
+    }
   }
   if (fsdp::dist::rank() == 0) {
     std::cout << mode << " at " << n << " ranks: " << kSteps << " steps, last loss " << got.losses.back()

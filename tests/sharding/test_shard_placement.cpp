@@ -5,8 +5,9 @@
 // batch: the losses of every step and every final shard (its part along the chosen dim) must
 // match. Cases: plain, with gradient accumulation (no-sync micro-batches), CPU offload, HSDP,
 // reshard_after_forward = 2 (backward's all-gather within pairs of ranks), a checkpoint (model
-// and optimizer) written from last-dim shards and read into dim-0 ones, meta-device
-// initialisation, and a dim that does not exist.
+// and optimizer) written from last-dim shards and read into dim-0 ones and a full state dict
+// broadcast from rank 0 into last-dim shards, meta-device initialisation, and a dim that does
+// not exist.
 #include <gtest/gtest.h>
 
 #include <cstdlib>
@@ -142,6 +143,13 @@ FSDP_RANK_WORKER(shard_placement) {
     // and optimizer state, each rank its rows.
     const std::string dir = env("CKPT_DIR", "");
     TORCH_CHECK(!dir.empty(), "CKPT_DIR is not set");
+    // A full state dict (as from a Hugging Face file) read by rank 0 alone, broadcast, and cut
+    // along each parameter's dim into a fresh last-dim-sharded model.
+    GPT from_full = parity_model(config);
+    shard(from_full, options);
+    fsdp::checkpoint::set_model_state_dict(*from_full, fsdp::dist::rank() == 0 ? full : fsdp::checkpoint::StateDict{},
+                                           {.full_state_dict = true, .broadcast_from_rank0 = true});
+    worst = std::max(worst, check_shards_match(from_full, want.parameters, kTolerance));
     auto opt = parity_optimizer(*got.model);
     const int64_t local = kBatch / n;
     auto data = global_batch(config, kBatch, kSteps, 0).narrow(0, fsdp::dist::rank() * local, local);

@@ -51,6 +51,9 @@ FSDPState* state_of(const FSDPModule& module);
 //   opts.mesh = fsdp::init_device_mesh({2, 4}, {"replicate", "shard"});   // HSDP: 2 replicas of 4
 //   opts.reshard_after_forward = 2;               // after forward keep 1/2 of each parameter
 //   opts.mp_policy.param_dtype = at::kBFloat16;   // policies.h
+//   opts.shard_placement_fn = [](const std::string& name, const at::Tensor& p) -> std::optional<int64_t> {
+//     return name.find("experts") != std::string::npos ? std::optional<int64_t>(1) : std::nullopt;
+//   };                                            // experts along dim 1, the rest along dim 0
 //   fsdp::fully_shard(block, opts);
 struct FullyShardOptions {
   // The data-parallel ranks (default: all ranks of the runtime, 1-D).
@@ -78,9 +81,7 @@ struct FullyShardOptions {
   // count from the end; uneven sizes are padded as dim 0's are. The sharded parameter is then
   // [.., its part of dim d, ..] (a view with permuted strides, not contiguous), and
   // fsdp::shard_info names the dim (ShardInfo::shard_dim); checkpoints reshard between any dims.
-  //   opts.shard_placement_fn = [](const std::string& name, const at::Tensor& p) -> std::optional<int64_t> {
-  //     return name.find("experts") != std::string::npos ? std::optional<int64_t>(1) : std::nullopt;
-  //   };
+  // (The Example above.)
   std::function<std::optional<int64_t>(const std::string& name, const at::Tensor& param)> shard_placement_fn;
 };
 

@@ -48,9 +48,7 @@ void release_storage(c10::StorageImpl* storage) {
 
 // The strides of `moved` (contiguous, dim d first) shown in the original dim order.
 std::vector<int64_t> unmoved_strides(const std::vector<int64_t>& moved, int64_t d) {
-  std::vector<int64_t> cs(moved.size(), 1);  // contiguous (empty dims count as 1, as c10's do)
-  for (int64_t i = static_cast<int64_t>(moved.size()) - 2; i >= 0; --i)
-    cs[i] = cs[i + 1] * std::max<int64_t>(moved[i + 1], 1);
+  const auto cs = c10::contiguous_strides(moved);
   std::vector<int64_t> out(moved.size());
   for (int64_t i = 0; i < static_cast<int64_t>(moved.size()); ++i) out[i] = i == d ? cs[0] : i < d ? cs[i + 1] : cs[i];
   return out;
@@ -85,11 +83,8 @@ FSDPParam::FSDPParam(const at::Tensor& original, std::vector<ParamSlot> slots, s
                                 "register parameters as separate contiguous tensors");
   }
   global_shape_ = original.sizes().vec();
-  if (shard_dim < 0 || (shard_dim > 0 && shard_dim >= original.dim())) {
-    throw std::invalid_argument("fsdp::fully_shard: parameter '" + fqn_ + "' of shape " + shape_str(global_shape_) +
-                                " cannot be sharded along dim " + std::to_string(shard_dim) +
-                                "; shard_placement_fn must return a dim of the parameter (or nullopt for dim 0)");
-  }
+  // fully_shard checked it (param_shard_dim), with the message for the user.
+  TORCH_INTERNAL_ASSERT(shard_dim == 0 || (shard_dim > 0 && shard_dim < original.dim()), "shard_dim ", shard_dim);
   shard_dim_ = shard_size > 1 ? shard_dim : 0;  // a group of one holds the whole parameter
   rows_ = original.dim() == 0 ? 1 : original.size(shard_dim_);
   row_numel_ = 1;
@@ -133,11 +128,11 @@ at::Tensor FSDPParam::shard_view(const at::Tensor& flat) const {
   return (shard_dim_ > 0 ? local.movedim(0, shard_dim_) : local).detach();
 }
 
-void FSDPParam::set_unsharded_sizes(c10::TensorImpl* impl) const {
+void FSDPParam::set_layout(c10::TensorImpl* impl, at::IntArrayRef sizes, at::IntArrayRef strides) const {
   if (shard_dim_ == 0)
-    impl->set_sizes_contiguous(global_shape_);
+    impl->set_sizes_contiguous(sizes);  // the strides are contiguous: no stride array to compare
   else
-    impl->set_sizes_and_strides(global_shape_, unsharded_strides_);
+    impl->set_sizes_and_strides(sizes, strides);
 }
 
 // The aliases are made once per storage (materialize replaces it) and kept: the StorageImpl is
@@ -173,7 +168,7 @@ void FSDPParam::install_unsharded(at::DataPtr memory) {
   if (unsharded_param_.requires_grad() != sharded_param_.requires_grad())
     unsharded_param_.set_requires_grad(sharded_param_.requires_grad());
   set_storage(unsharded_storage(), std::move(memory), unsharded_nbytes());
-  set_unsharded_sizes(unsharded_param_.unsafeGetTensorImpl());
+  set_layout(unsharded_param_.unsafeGetTensorImpl(), global_shape_, unsharded_strides_);
   unsharded_ = true;
   shape_kept_ = false;
 }
@@ -269,7 +264,7 @@ bool FSDPParam::alias_shard_as_unsharded() {
       padded_shard_.data_ptr(), shard_storage,
       [](void* ctx) { c10::raw::intrusive_ptr::decref(static_cast<c10::StorageImpl*>(ctx)); }, padded_shard_.device()));
   storage->set_nbytes(padded_shard_.nbytes());
-  set_unsharded_sizes(impl);
+  set_layout(impl, global_shape_, unsharded_strides_);
   unsharded_ = true;
   shape_kept_ = false;
   return true;
@@ -385,10 +380,7 @@ bool FSDPParam::adopt_sharded_grad(const at::Tensor& owned, int64_t offset) {
   c10::intrusive_ptr<c10::TensorImpl> impl = owned.unsafeGetTensorImpl()->shallow_copy_and_detach(
       /*version_counter=*/c10::VariableVersion(0), /*allow_tensor_metadata_change=*/true);
   impl->set_storage_offset(owned.storage_offset() + offset);
-  if (shard_dim_ == 0)
-    impl->set_sizes_contiguous(local_shape_);
-  else
-    impl->set_sizes_and_strides(local_shape_, local_strides_);
+  set_layout(impl.get(), local_shape_, local_strides_);
   grad = at::Tensor(std::move(impl));
   return true;
 }

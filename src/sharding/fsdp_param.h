@@ -175,8 +175,9 @@ class FSDPParam {
   // storages), and the strides that show them in the parameter's own order.
   int64_t shard_dim_ = 0;
   std::vector<int64_t> moved_shape_, local_moved_shape_, unsharded_strides_, local_strides_;
-  at::Tensor shard_view(const at::Tensor& flat) const;    // the sharded parameter on a flat shard
-  void set_unsharded_sizes(c10::TensorImpl* impl) const;  // full shape, the unsharded strides
+  at::Tensor shard_view(const at::Tensor& flat) const;  // the sharded parameter on a flat shard
+  // `sizes` with `strides` (the unsharded or local ones above; contiguous where shard_dim_ is 0).
+  void set_layout(c10::TensorImpl* impl, at::IntArrayRef sizes, at::IntArrayRef strides) const;
   int64_t rows_ = 0, row_numel_ = 0, padded_rows_ = 0, local_rows_ = 0, dim0_offset_ = 0;
   int shard_size_ = 1;
   at::Tensor padded_shard_, sharded_param_, unsharded_param_;

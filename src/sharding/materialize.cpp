@@ -61,33 +61,23 @@ RowMap row_map(const at::Tensor& param) {
   m.rows = param.dim() == 0 ? 1 : param.size(0);
   m.full_rows = m.rows;
   std::optional<tp::TPPlacement> tp;
+  std::string name = "the parameter";  // for errors
   if (auto info = shard_info(param)) {
     tp = info->tp;
+    name = "parameter '" + info->fqn + "'";
     if (info->shard_dim > 0) {
-      // Sharded along a dim > 0 (shard_placement_fn): every row, a slice of each.
-      // Under TP (global_shape is then the TP-local shape): TP along dim 0 moves the rows, TP along
-      // the same dim moves the slice; two slices along two dims are not drawn.
-      if (tp && tp->dim != 0 && tp->dim != info->shard_dim) {
-        throw std::invalid_argument("fsdp::init: parameter '" + info->fqn + "' is sharded along dim " +
-                                    std::to_string(info->shard_dim) + " and tensor-parallel along dim " +
-                                    std::to_string(tp->dim) +
-                                    "; shard it along dim 0 or the TP dim (shard_placement_fn), or initialise it "
-                                    "before sharding");
-      }
-      const std::vector<int64_t>& full = tp ? tp->global_shape : info->global_shape;
-      m.full_rows = full[0];
-      m.rows = info->global_shape[0];
-      m.slice.full_row_shape.assign(full.begin() + 1, full.end());
+      // Sharded along a dim > 0 (shard_placement_fn): every row, a slice of each (TP's below may
+      // then move the rows, or the slice when it splits the same dim).
+      m.rows = m.full_rows = info->global_shape[0];
+      m.slice.full_row_shape.assign(info->global_shape.begin() + 1, info->global_shape.end());
       m.slice.dim = info->shard_dim - 1;
-      m.slice.offset = info->dim0_offset + (tp && tp->dim == info->shard_dim ? tp->offset : 0);
+      m.slice.offset = info->dim0_offset;
       m.slice.size = info->local_rows;
-      if (tp && tp->dim == 0) m.rows_tp = tp;
-      if (m.rows > 0) m.full_rows = std::max(m.full_rows, m.global(m.rows - 1) + 1);
-      return m;
+    } else {
+      m.first = info->dim0_offset;
+      m.rows = info->local_rows;
+      m.full_rows = info->global_shape.empty() ? 1 : info->global_shape[0];
     }
-    m.first = info->dim0_offset;
-    m.rows = info->local_rows;
-    m.full_rows = info->global_shape.empty() ? 1 : info->global_shape[0];
   } else {
     tp = tp::tp_placement(param);
   }
@@ -98,14 +88,20 @@ RowMap row_map(const at::Tensor& param) {
     }
     if (tp->dim == 0) {
       m.rows_tp = tp;
-      m.full_rows = tp->global_shape[0];
-    } else {
+    } else if (m.slice.dim < 0 || m.slice.dim == tp->dim - 1) {
+      // FSDP's slice (if any) is of the TP-local row: the full row is TP's, its offset TP's plus FSDP's.
+      const bool fsdp_slice = m.slice.dim >= 0;
       m.slice.full_row_shape.assign(tp->global_shape.begin() + 1, tp->global_shape.end());
       m.slice.dim = tp->dim - 1;
-      m.slice.offset = tp->offset;
-      m.slice.size = tp->size;
-      m.full_rows = tp->global_shape[0];
+      m.slice.offset = tp->offset + (fsdp_slice ? m.slice.offset : 0);
+      if (!fsdp_slice) m.slice.size = tp->size;
+    } else {
+      throw std::invalid_argument("fsdp::init: " + name + " is sharded along dim " + std::to_string(m.slice.dim + 1) +
+                                  " and tensor-parallel along dim " + std::to_string(tp->dim) +
+                                  "; shard it along dim 0 or the TP dim (shard_placement_fn), or initialise it "
+                                  "before sharding");
     }
+    m.full_rows = tp->global_shape[0];
   }
   if (m.rows > 0) m.full_rows = std::max(m.full_rows, m.global(m.rows - 1) + 1);
   return m;

@@ -150,6 +150,10 @@ double training_state_bytes(torch::nn::Module& model, torch::optim::AdamW& optim
   return bytes;
 }
 
+std::optional<int64_t> last_dim_of_matrices(const std::string& /*name*/, const at::Tensor& param) {
+  return param.dim() >= 2 ? std::optional<int64_t>(-1) : std::nullopt;
+}
+
 models::GPT parity_model(const models::GPTConfig& c) { return fresh_model(c); }
 torch::optim::AdamW parity_optimizer(torch::nn::Module& model) { return make_optimizer(model); }
 

@@ -3,6 +3,7 @@
 // on their slices of it.
 #include <functional>
 #include <map>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -45,6 +46,9 @@ double check_shards_match(models::GPT& model, const std::map<std::string, at::Te
 double check_full_params_match(models::GPT& model, const std::map<std::string, at::Tensor>& reference,
                                double tolerance);
 void check_losses_match(const std::vector<double>& got, const std::vector<double>& want, double tolerance);
+
+// A FullyShardOptions::shard_placement_fn: matrices along their last dim, the rest along dim 0.
+std::optional<int64_t> last_dim_of_matrices(const std::string& name, const at::Tensor& param);
 
 // The model and optimizer both parity runs start from (seed 42; AdamW, see parity.cpp on eps).
 models::GPT parity_model(const models::GPTConfig& c);

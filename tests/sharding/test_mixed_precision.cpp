@@ -79,9 +79,7 @@ FSDP_RANK_WORKER(bf16_params_fp32_reduce) {
   }
   if (std::getenv("SHARD_LAST_DIM")) {
     // shard_placement_fn: the bf16 unsharded matrices over memory laid out last dim first.
-    options.shard_placement_fn = [](const std::string&, const at::Tensor& p) -> std::optional<int64_t> {
-      return p.dim() >= 2 ? std::optional<int64_t>(-1) : std::nullopt;
-    };
+    options.shard_placement_fn = last_dim_of_matrices;
   }
   for (auto& b : model->blocks) fsdp::fully_shard(b, options);
   fsdp::fully_shard(model, options);

@@ -32,11 +32,6 @@ std::string env(const char* name, const char* fallback) {
   return v ? v : fallback;
 }
 
-// Matrices along their last dim, the rest along dim 0 (nullopt).
-std::optional<int64_t> last_dim_of_matrices(const std::string& /*name*/, const at::Tensor& p) {
-  return p.dim() >= 2 ? std::optional<int64_t>(-1) : std::nullopt;
-}
-
 std::vector<fsdp::FSDPModule> shard(GPT& model, fsdp::FullyShardOptions options) {
   std::vector<fsdp::FSDPModule> units;
   for (auto& block : model->blocks) units.push_back(fsdp::fully_shard(block, options));

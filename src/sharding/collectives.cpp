@@ -19,20 +19,26 @@ namespace {
 // ranks whose rows all exist are one copy (a strided [k, padded_rows * row_numel] view of `out`
 // from the contiguous rows of `full`), not one per rank; only a rank at the end with fewer rows
 // (or none) than padded_rows takes a copy and a zero fill of its own.
+// `scale` (a 0-dim tensor) where defined: the rows are multiplied by it as they are copied.
 void split_rows(const at::Tensor& full, const at::Tensor& out, int64_t offset, int first_rank, int64_t rows,
-                int64_t row_numel, int64_t padded_rows) {
+                int64_t row_numel, int64_t padded_rows, const at::Tensor& scale = at::Tensor()) {
+  auto copy = [&scale](at::Tensor dst, const at::Tensor& src) {
+    if (scale.defined())
+      at::mul_out(dst, src, scale);
+    else
+      dst.copy_(src);
+  };
   const int64_t count = out.size(0), chunk = padded_rows * row_numel;
   const int64_t start = static_cast<int64_t>(first_rank) * padded_rows;
   const int64_t whole = std::clamp<int64_t>(padded_rows > 0 ? (rows - start) / padded_rows : 0, 0, count);
   if (whole > 0) {
-    out.narrow(0, 0, whole)
-        .narrow(1, offset, chunk)
-        .copy_(full.narrow(0, start * row_numel, whole * chunk).view({whole, chunk}));
+    copy(out.narrow(0, 0, whole).narrow(1, offset, chunk),
+         full.narrow(0, start * row_numel, whole * chunk).view({whole, chunk}));
   }
   for (int64_t i = whole; i < count; ++i) {
     const int64_t first = start + i * padded_rows;
     const int64_t n = std::max<int64_t>(0, std::min<int64_t>(padded_rows, rows - first));
-    if (n > 0) out[i].narrow(0, offset, n * row_numel).copy_(full.narrow(0, first * row_numel, n * row_numel));
+    if (n > 0) copy(out[i].narrow(0, offset, n * row_numel), full.narrow(0, first * row_numel, n * row_numel));
     if (n < padded_rows) out[i].narrow(0, offset + n * row_numel, (padded_rows - n) * row_numel).zero_();
   }
 }
@@ -156,6 +162,9 @@ CpuCollectiveOptions options_from_env() {
   switch_from_env("FSDP_CPU_SHARD_BUFFER", o.shards_in_one_buffer,
                   "the default: each unit's shards in one buffer, no copy-in",
                   "copied into the all-gather input each time");
+  switch_from_env("FSDP_CPU_REDUCE_INTO_GRADS", o.reduce_into_grads,
+                  "the default: the flat reduce-scatter adds this rank's rows straight into the gradients",
+                  "the flat reduce-scatter input holds every rank's rows, as FSDP2's");
   switch_from_env("FSDP_CPU_UNSHARDED_ONE_ALLOCATION", o.unsharded_in_one_allocation, "a unit's from one allocation",
                   "the default on the CPU: each unsharded parameter from the buffer pool");
   const char* v = std::getenv("FSDP_CPU_COLLECTIVES");
@@ -408,6 +417,129 @@ void copy_in_post_forward(const FSDPParams& params, const std::vector<int64_t>& 
     const FSDPParam& p = *params[i];
     split_rows(p.unsharded_alias().view(-1), out, offsets[i], first_rank, p.rows(), p.row_numel(), p.padded_rows());
   }
+}
+
+bool reduces_into_grads(const std::vector<std::pair<FSDPParam*, at::Tensor>>& grads) {
+  if (grads.empty() || !cpu_collective_options().reduce_into_grads) return false;
+  for (const auto& [p, g] : grads) {
+    const auto dtype = p->reduce_dtype();
+    if (g.scalar_type() != dtype || p->dtype() != dtype || (dtype != at::kFloat && dtype != at::kDouble) ||
+        !g.is_cpu() || !p->shard_device().is_cpu()) {
+      return false;
+    }
+  }
+  return true;
+}
+
+namespace {
+
+// Whether p's gradient is its rows at `offset` of a buffer on `storage` that starts at element
+// `base` (as adopt_sharded_grad made it).
+bool grad_is_rows_of(const FSDPParam& p, const c10::StorageImpl* storage, int64_t base, int64_t offset) {
+  const at::Tensor& grad = p.sharded_param().grad();
+  return grad.defined() && grad.storage().unsafeGetStorageImpl() == storage &&
+         grad.scalar_type() == p.sharded_param().scalar_type() && grad.storage_offset() == base + offset &&
+         grad.sizes() == p.sharded_param().sizes() && grad.strides() == p.sharded_param().strides();
+}
+
+}  // namespace
+
+ReduceIntoGrads build_reduce_into_grads(std::vector<std::pair<FSDPParam*, at::Tensor>>& grads, int rank, int n,
+                                        double scale, const c10::StorageImpl* grads_storage) {
+  ReduceIntoGrads r;
+  r.scale = scale;
+  const at::Tensor& first_grad = grads.front().first->sharded_param().grad();
+  const int64_t base = first_grad.defined() ? first_grad.storage_offset() : 0;
+  int64_t total = 0;
+  bool none = true, rows_of_buffer = grads_storage != nullptr;
+  for (const auto& [p, g] : grads) {
+    r.placed.emplace_back(p, total);
+    none = none && !p->sharded_param().grad().defined();
+    rows_of_buffer = rows_of_buffer && grad_is_rows_of(*p, grads_storage, base, total);
+    total += p->shard_numel();
+    r.grad_bytes += static_cast<int64_t>(g.nbytes());
+  }
+  count_buffer(BufferOwner::UnshardedGrads, r.grad_bytes);
+  const auto options = grads.front().second.options().requires_grad(false);
+  if (none) {
+    r.kind = ReduceIntoGrads::Dest::Fresh;
+    r.dest = at::empty({total}, options);  // becomes the gradients: not the pool's
+  } else if (rows_of_buffer && static_cast<int64_t>(grads_storage->nbytes()) >=
+                                   (base + total) * static_cast<int64_t>(first_grad.element_size())) {
+    r.kind = ReduceIntoGrads::Dest::Grads;
+    r.dest = at::empty({0}, options).set_(first_grad.storage(), base, {total}, {1});
+  } else {
+    r.kind = ReduceIntoGrads::Dest::Scratch;
+    r.dest = empty_buffer({total}, options, BufferOwner::ReduceScatterOutput);
+  }
+  r.peers = empty_buffer({n - 1, total}, options, BufferOwner::ReduceScatterInput);
+  torch::NoGradGuard no_grad;
+  if (scale != 1.0) r.factor = at::scalar_tensor(scale, options);
+  const at::Tensor& factor = r.factor;
+  const at::Tensor before = r.peers.narrow(0, 0, rank), after = r.peers.narrow(0, rank, n - rank - 1);
+  for (size_t i = 0; i < grads.size(); ++i) {
+    auto& [p, g] = grads[i];
+    g = g.contiguous().view(-1);
+    const int64_t offset = r.placed[i].second;
+    if (rank > 0) split_rows(g, before, offset, 0, p->rows(), p->row_numel(), p->padded_rows(), factor);
+    if (rank < n - 1) split_rows(g, after, offset, rank + 1, p->rows(), p->row_numel(), p->padded_rows(), factor);
+  }
+  r.grads = std::move(grads);
+  grads.clear();
+  return r;
+}
+
+std::vector<std::vector<at::Tensor>> reduce_into_grads_ins(const ReduceIntoGrads& r, int rank) {
+  std::vector<at::Tensor> rows;
+  const int n = static_cast<int>(r.peers.size(0)) + 1;
+  for (int j = 0; j < n; ++j) rows.push_back(j == rank ? r.dest : r.peers[j < rank ? j : j - 1]);
+  return {std::move(rows)};
+}
+
+void add_own_rows(ReduceIntoGrads& r, int rank) {
+  torch::NoGradGuard no_grad;
+  const bool write = r.kind != ReduceIntoGrads::Dest::Grads;
+  for (size_t i = 0; i < r.grads.size(); ++i) {
+    const auto& [p, g] = r.grads[i];
+    const int64_t offset = r.placed[i].second, rn = p->row_numel();
+    const auto [first, count] = rows_of(*p, rank);
+    at::Tensor dst = r.dest.narrow(0, offset, count * rn);
+    const at::Tensor src = g.narrow(0, first * rn, count * rn);
+    if (!write) {
+      dst.add_(src, r.scale);
+      continue;
+    }
+    if (r.factor.defined())
+      at::mul_out(dst, src, r.factor);
+    else
+      dst.copy_(src);
+    if (count < p->padded_rows()) r.dest.narrow(0, offset + count * rn, (p->padded_rows() - count) * rn).zero_();
+  }
+  count_buffer(BufferOwner::UnshardedGrads, -r.grad_bytes);
+  r.grad_bytes = 0;
+  r.grads.clear();
+}
+
+at::Tensor finish_reduce_into_grads(ReduceIntoGrads& r) {
+  release_buffer(r.peers);
+  at::Tensor kept;
+  if (r.kind == ReduceIntoGrads::Dest::Scratch) {
+    for (auto& [p, offset] : r.placed) p->accumulate_sharded_grad(r.dest, offset);
+    release_buffer(r.dest);
+  } else {
+    bool all = true;
+    if (r.kind == ReduceIntoGrads::Dest::Fresh) {
+      for (auto& [p, offset] : r.placed) {
+        if (!p->adopt_sharded_grad(r.dest, offset)) {
+          p->accumulate_sharded_grad(r.dest, offset);
+          all = false;
+        }
+      }
+    }
+    if (all) kept = r.dest;
+  }
+  r = ReduceIntoGrads();
+  return kept;
 }
 
 at::Tensor build_reduce_scatter_input(std::vector<std::pair<FSDPParam*, at::Tensor>>& grads, int n,

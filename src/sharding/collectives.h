@@ -106,6 +106,55 @@ ReducePieces build_reduce_pieces(std::vector<std::pair<FSDPParam*, at::Tensor>>&
 // Frees what a finished reduction of pieces held.
 void release_reduce_pieces(ReducePieces& pieces);
 
+// [Note: the reduce-scatter into the sharded gradients]
+// The flat layout's reduce-scatter on a Gloo group of CPU tensors (fsdp/debug/cpu_collectives.h,
+// CpuCollectiveOptions::reduce_into_grads) packs only what leaves the rank: each unsharded
+// gradient's rows of every other rank go into one [N - 1, total] buffer, scaled by the group's
+// divide (1/N to average) as they are copied. This rank's own rows never enter a buffer: once the
+// sends are posted they are added (scaled) straight from the unsharded gradients into `dest`, and
+// what the peers send is added into `dest` by the reduce-scatter itself (Comm::reduce_scatter_pieces
+// with `dest` as this rank's own piece: in place). `dest` is, by case:
+//   Fresh    no reduced parameter has a gradient (the first step; zero_grad setting them to
+//            none): a new [total] buffer, written, whose rows become the gradients (FSDP2's views
+//            of the reduce-scatter output, without the copy of them the flat path makes);
+//   Grads    every gradient is this parameter's rows of the Fresh buffer a previous reduction
+//            left them in (the group remembers its storage, weakly): that buffer, added to in
+//            place (no reduce output, no add of it);
+//   Scratch  anything else (a gradient a user replaced, some with and some without): a pool
+//            buffer, written, then added into (or copied to) each gradient as the flat path does.
+// Against the flat path (pack all N rows, reduce into the own row, then add that row into the
+// gradients) this saves copying this rank's rows into the input and, for Fresh and Grads, the
+// pass over the reduced rows. The result differs from the flat path's by rounding only (each
+// contribution scaled before the sum, not the sum after; for N = 2 and Fresh, bit for bit the same).
+// The case is local, the collective is not: every case makes the same exchange, so ranks may
+// differ in it. tests/sharding/test_reduce_into_grads.cpp checks each case against the flat path.
+struct ReduceIntoGrads {
+  enum class Dest { Fresh, Grads, Scratch };
+  Dest kind = Dest::Scratch;
+  at::Tensor peers;  // [N - 1, total]: the rows sent to the other ranks, in rank order (pool)
+  at::Tensor dest;   // [total]: this rank's reduced rows
+  double scale = 1.0;
+  at::Tensor factor;                                     // scale as a 0-dim tensor (undefined for 1: plain copies)
+  std::vector<std::pair<FSDPParam*, at::Tensor>> grads;  // until add_own_rows
+  std::vector<std::pair<FSDPParam*, int64_t>> placed;    // each parameter's offset in dest
+  int64_t grad_bytes = 0;                                // counted as BufferOwner::UnshardedGrads meanwhile
+};
+// Whether `grads` can take it: every gradient already in its reduce dtype, a 32- or 64-bit float
+// that is also the sharded parameter's, on the CPU (the caller checks the group: Gloo, no streams,
+// hooks, custom collectives or replicas), and the option on.
+bool reduces_into_grads(const std::vector<std::pair<FSDPParam*, at::Tensor>>& grads);
+// Packs the peers' rows of `grads` (consumed, held until add_own_rows) and picks `dest`.
+// `grads_storage`: the storage the previous reduction's Fresh buffer was (or null).
+ReduceIntoGrads build_reduce_into_grads(std::vector<std::pair<FSDPParam*, at::Tensor>>& grads, int rank, int n,
+                                        double scale, const c10::StorageImpl* grads_storage);
+// The exchange's pieces for Comm::reduce_scatter_pieces: ({dest}, {{row of each rank, dest}}).
+std::vector<std::vector<at::Tensor>> reduce_into_grads_ins(const ReduceIntoGrads& r, int rank);
+// After the reduce-scatter is issued: this rank's rows into dest, scaled; frees the gradients.
+void add_own_rows(ReduceIntoGrads& r, int rank);
+// After its wait: the gradients from dest (adopted, or added for Scratch); releases the buffers.
+// Returns the buffer the gradients are now rows of (Fresh, Grads), else undefined.
+at::Tensor finish_reduce_into_grads(ReduceIntoGrads& r);
+
 // The reduce-scatter input of the gradients in `grads` (consumed: each unsharded gradient is freed
 // once it is in the input, as FSDP2 does; `grads` is left empty), [n, total] in `dtype`, from the
 // buffer pool (or from `allocate(numel, options)` where given: a custom reduce-scatter's); `placed`

@@ -382,6 +382,31 @@ void FSDPParamGroup::post_backward() {
     reduce_pieces_ = std::move(pieces);
     return;
   }
+  if (reduces_into_grads(with_grad)) {
+    // Only the peers' rows are packed; this rank's go straight into the sharded gradients while the
+    // data moves ([Note: the reduce-scatter into the sharded gradients], collectives.h).
+    const int n = comm_->size(), rank = comm_->rank();
+    const double scale = 1.0 / (divide ? *divide : static_cast<double>(n));
+    std::optional<c10::intrusive_ptr<c10::StorageImpl>> storage;
+    if (grads_storage_) storage = grads_storage_->lock();
+    ReduceIntoGrads r;
+    {
+      PhaseScope timed(Phase::ReduceScatterInput);
+      const profiler::Range range("fsdp::reduce_scatter_input", label);
+      r = build_reduce_into_grads(with_grad, rank, n, scale, storage ? storage->get() : nullptr);
+    }
+    {
+      PhaseScope timed(Phase::ReduceScatterIssue);
+      reduce_work_ = comm_->reduce_scatter_pieces({r.dest}, reduce_into_grads_ins(r, rank), comm::ReduceOp::Sum,
+                                                  /*async_op=*/true);
+    }
+    {
+      PhaseScope timed(Phase::GradAccumulate);
+      add_own_rows(r, rank);
+    }
+    reduce_into_ = std::move(r);
+    return;
+  }
   // The reduce-scatter runs in reduce_dtype (the input is cast to it); the unsharded gradients
   // are consumed: each is freed once it is in the input, as FSDP2 does.
   const auto reduce_dtype = with_grad.front().first->reduce_dtype();
@@ -673,6 +698,24 @@ void FSDPParamGroup::finish_reduce_pieces() {
   reduce_pieces_.reset();
 }
 
+bool FSDPParamGroup::reduces_into_grads(const std::vector<std::pair<FSDPParam*, at::Tensor>>& grads) const {
+  return !streams() && !replicate_comm_ && !all_reduce_hook && !custom_reduce_scatter && !offloaded_grads() &&
+         comm_->size() > 1 && comm_->takes_pieces(grads.front().second) &&
+         comm::gloo_fallback() == comm::GlooFallback::PointToPoint && detail::reduces_into_grads(grads);
+}
+
+void FSDPParamGroup::finish_reduce_into_grads() {
+  {
+    PhaseScope timed(Phase::ReduceScatterWait);
+    reduce_work_.wait();
+  }
+  reduce_work_ = comm::Work();
+  PhaseScope timed(Phase::GradAccumulate);
+  const at::Tensor kept = detail::finish_reduce_into_grads(*reduce_into_);
+  reduce_into_.reset();
+  if (kept.defined()) grads_storage_ = kept.storage().getWeakStorageImpl();
+}
+
 void FSDPParamGroup::write_grads(const at::Tensor& reduced, bool owned) {
   PhaseScope timed(Phase::GradAccumulate);
   if (reduced_params_.empty()) return;
@@ -701,6 +744,7 @@ void FSDPParamGroup::finish_reduce() {
   if (needs_all_reduce_start()) start_all_reduce();
   if (!has_pending_reduce()) return;
   if (reduce_pieces_) return finish_reduce_pieces();
+  if (reduce_into_) return finish_reduce_into_grads();
   at::Tensor reduced = reduce_output_;
   bool owned = false;
   if (DeviceStreams* s = streams()) {

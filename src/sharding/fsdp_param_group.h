@@ -91,7 +91,9 @@ class FSDPParamGroup {
   // gradients (asynchronously) and releases them; with it off, leaves them to accumulate.
   // Reshards afterwards when reshard_after_backward.
   void post_backward();
-  bool has_pending_reduce() const { return reduce_output_.defined() || reduce_pieces_.has_value(); }
+  bool has_pending_reduce() const {
+    return reduce_output_.defined() || reduce_pieces_.has_value() || reduce_into_.has_value();
+  }
   // One step of a pending reduction, called from the next unit's backward. On the CPU: under
   // HSDP, a finished reduce-scatter starts its all-reduce over the replicas (asynchronously, so it
   // overlaps the next unit's backward); otherwise, or once that is in flight, finish_reduce(). On
@@ -159,6 +161,11 @@ class FSDPParamGroup {
   // write them).
   std::optional<GatherPieces> gather_pieces_;
   std::optional<ReducePieces> reduce_pieces_;
+  // The flat reduce-scatter into the sharded gradients in flight ([Note: the reduce-scatter into the
+  // sharded gradients] in collectives.h), and the storage its Fresh buffer was, which the
+  // gradients are rows of until someone replaces them (weak: zero_grad's none frees it).
+  std::optional<ReduceIntoGrads> reduce_into_;
+  std::optional<c10::weak_intrusive_ptr<c10::StorageImpl>> grads_storage_;
   bool all_reduce_started_ = false;  // HSDP: reduce_work_ is the all-reduce, not the reduce-scatter
   // GPU: what post_backward queued after the reduce-scatter (queue_post_reduce). The stream that
   // writes reduce_output_ last (reduce_scatter, or all_reduce under HSDP), which the current
@@ -209,6 +216,8 @@ class FSDPParamGroup {
   void drop_kept_shapes();
   bool reduces_pieces(const std::vector<std::pair<FSDPParam*, at::Tensor>>& grads) const;
   void finish_reduce_pieces();
+  bool reduces_into_grads(const std::vector<std::pair<FSDPParam*, at::Tensor>>& grads) const;
+  void finish_reduce_into_grads();
   // CPU only: a GPU's all-reduce is queued by post_backward (queue_post_reduce).
   bool needs_all_reduce_start() const {
     return replicate_comm_ && has_pending_reduce() && !all_reduce_started_ && !streams();

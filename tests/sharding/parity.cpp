@@ -72,7 +72,10 @@ TrainResult train_sharded(const models::GPTConfig& c, int steps, int64_t batch, 
   fsdp::check_optimizer_params(opt);
   TrainResult r;
   for (int s = 0; s < steps; ++s) {
-    opt.zero_grad();
+    if (run.zero_grad)
+      run.zero_grad(model);
+    else
+      opt.zero_grad();
     double loss_sum = 0;
     for (int m = 0; m < micro_batches; ++m) {
       if (run.before_micro_batch) run.before_micro_batch(m, micro_batches, model);

@@ -35,6 +35,7 @@ struct ShardedRun {
   std::function<void(models::GPT&)> shard;
   std::function<void(int micro, int micro_batches, models::GPT&)> before_micro_batch;
   std::function<at::Tensor(models::GPT&, const at::Tensor&)> forward;  // default: fsdp::call(model, x)
+  std::function<void(models::GPT&)> zero_grad;  // before each step; default: the optimizer's zero_grad()
 };
 TrainResult train_sharded(const models::GPTConfig& c, int steps, int64_t batch, int micro_batches,
                           const ShardedRun& run);

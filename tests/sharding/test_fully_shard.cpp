@@ -130,11 +130,12 @@ FSDP_RANK_WORKER(gpt_parity) {
     run.shard = [](GPT& model) { shard_blocks_then_root(model); };
   } else if (m == "flat" || m == "flat_copy_in" || m == "every_piece") {
     // The CPU collectives' two layouts (fsdp/debug/cpu_collectives.h): flat buffers for every
-    // unit, or every parameter its own message; flat_copy_in: FSDP2's copy-in at every gather
-    // instead of the shards kept in one buffer.
+    // unit, or every parameter its own message; flat_copy_in: FSDP2's flat layout throughout, the
+    // copy-in at every gather instead of the shards kept in one buffer, and the reduce-scatter
+    // input of every rank's rows instead of the reduction into the gradients.
     fsdp::CpuCollectiveOptions o;
     o.gather_per_parameter = o.reduce_per_parameter = (m == "every_piece");
-    o.shards_in_one_buffer = m != "flat_copy_in";
+    o.shards_in_one_buffer = o.reduce_into_grads = m != "flat_copy_in";
     o.min_piece_bytes = 0;
     fsdp::set_cpu_collective_options(o);
     run.shard = [](GPT& model) { shard_blocks_then_root(model); };
@@ -189,11 +190,15 @@ FSDP_RANK_WORKER(gpt_parity) {
     const bool every_piece_by_env =
         m == "default" && o.min_piece_bytes == 0 && o.gather_per_parameter && o.reduce_per_parameter;
     const bool per_parameter = m == "every_piece" || m == "packed_pieces" || every_piece_by_env;
+    // A flat unit's reduce-scatter goes into the gradients by default: one exchange of pieces
+    // ([Note: the reduce-scatter into the sharded gradients], collectives.h).
+    const bool into = o.reduce_into_grads;
     const bool ok =
         m == "flat_copy_in" ? (gathers_flat > 0 && gathers_pieces == 0 && reduces_flat > 0 && reduces_pieces == 0)
         : per_parameter     ? (gathers_flat == 0 && gathers_pieces > 0 && reduces_flat == 0 && reduces_pieces > 0)
-        : m == "per_unit"   ? (gathers_flat == 0 && gathers_pieces > 0 && reduces_flat > 0 && reduces_pieces > 0)
-                            : (gathers_flat == 0 && gathers_pieces > 0 && reduces_flat > 0 && reduces_pieces == 0);
+        : m == "per_unit"
+            ? (gathers_flat == 0 && gathers_pieces > 0 && (reduces_flat > 0) != into && reduces_pieces > 0)
+            : (gathers_flat == 0 && gathers_pieces > 0 && (reduces_flat > 0) != into && (reduces_pieces > 0) == into);
     TORCH_CHECK(ok, m, ": the data moved in ", gathers_flat, " flat all-gathers, ", gathers_pieces,
                 " all-gathers of pieces or shard buffers, ", reduces_flat, " flat reduce-scatters and ", reduces_pieces,
                 " reduce-scatters of pieces");

@@ -25,6 +25,9 @@
 // In the flat layout on a Gloo group, each unit's shards (where they need no cast) live side by
 // side in one buffer for good, which is the all-gather's input: no copy-in
 // (CpuCollectiveOptions::shards_in_one_buffer; FSDP_CPU_SHARD_BUFFER=0 turns it off).
+// Its reduce-scatter copies only the rows that leave the rank; this rank's own rows go straight
+// into the gradients (CpuCollectiveOptions::reduce_into_grads; FSDP_CPU_REDUCE_INTO_GRADS=0 turns
+// it off).
 //
 // The flat layout is always used on GPUs (NCCL), for HSDP's reduce, integer
 // reshard_after_forward, mixed precision that casts, and 16-bit reductions.
@@ -33,7 +36,8 @@
 // default (read once): both per parameter (the default, as above), flat for every unit, or per
 // parameter only for the all-gather / only for the reduce-scatter. FSDP_CPU_PIECE_BYTES=N sets
 // min_piece_bytes (0: every unit per parameter, however small its shards). FSDP_CPU_SHARD_BUFFER=0|1
-// sets shards_in_one_buffer, FSDP_CPU_UNSHARDED_ONE_ALLOCATION=0|1 unsharded_in_one_allocation.
+// sets shards_in_one_buffer, FSDP_CPU_REDUCE_INTO_GRADS=0|1 reduce_into_grads,
+// FSDP_CPU_UNSHARDED_ONE_ALLOCATION=0|1 unsharded_in_one_allocation.
 #include <cstddef>
 
 namespace fsdp {
@@ -56,6 +60,12 @@ struct CpuCollectiveOptions {
   // each shard on its own, copied in each time as FSDP2 does. [Note: the shards in one buffer] in
   // src/sharding/fsdp_param_group.cpp.
   bool shards_in_one_buffer = true;
+  // The flat reduce-scatter packs only the rows that leave the rank (the divide applied as they are
+  // copied) and adds this rank's own rows straight from the unsharded gradients into the sharded
+  // ones; with no gradients yet they become rows of the reduced buffer. false: FSDP2's input of
+  // every rank's rows, reduced, then added into the gradients. [Note: the reduce-scatter into the
+  // sharded gradients] in src/sharding/collectives.h. FSDP_CPU_REDUCE_INTO_GRADS=0|1.
+  bool reduce_into_grads = true;
   // A unit's unsharded parameters from one allocation (FSDPParam::alloc_unsharded_together), not
   // one each. Always so on a GPU (one caching-allocator call per unit and all-gather, not two per
   // parameter); off by default on the CPU, where each parameter comes from FSDP's buffer pool: on

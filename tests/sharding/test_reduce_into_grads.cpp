@@ -1,0 +1,167 @@
+// The flat reduce-scatter into the sharded gradients (CpuCollectiveOptions::reduce_into_grads,
+// [Note: the reduce-scatter into the sharded gradients] in src/sharding/collectives.h): only the
+// peers' rows are packed, this rank's go straight into the gradients. The uneven GPT (every unit
+// flat: its shards are far below min_piece_bytes) is trained twice per case, with the option off
+// (FSDP2's input of every rank's rows) and on, and once by one process on the global batch: both
+// sharded runs must match the single process (losses of every step, every final shard), the two
+// must match each other to rounding, and the flight recorder must show which reduce-scatter each
+// made. Each case steers the gradients into one of the destinations:
+//   grads     zeroed in place before each step: the reduction adds into the buffer the first step
+//             left them in;
+//   none      set to none before each step (LibTorch 2.x's zero_grad): a fresh buffer each step, its
+//             rows become the gradients; at 2 ranks bit for bit the flat path's result;
+//   replaced  replaced by tensors of the test's own: a scratch buffer, added into them;
+//   half      every other gradient none, the rest zeroed: the same scratch path;
+//   divide    zeroed, set_gradient_divide_factor(N): sums scaled by 1/N instead of averages;
+//   accumulate  two synced micro-batches a step: the second adds into what the first wrote.
+#include <gtest/gtest.h>
+
+#include <cstdlib>
+#include <cstring>
+#include <iostream>
+#include <set>
+
+#include "fsdp/debug/cpu_collectives.h"
+#include "fsdp/debug/flight_recorder.h"
+#include "fsdp/fsdp.h"
+#include "multiprocess.h"
+#include "parity.h"
+#include "test_helpers.h"
+
+using namespace fsdp::testing;
+using fsdp::models::GPT;
+
+namespace {
+
+constexpr int kSteps = 6;
+constexpr int64_t kBatch = 12;
+constexpr double kTolerance = 1e-6;
+
+std::string env(const char* name, const char* fallback) {
+  const char* v = std::getenv(name);
+  return v ? v : fallback;
+}
+
+// The reduce-scatters the flight recorder saw since record `since`: (flat, pieces).
+std::pair<int, int> reduce_scatters_since(uint64_t since) {
+  int flat = 0, pieces = 0;
+  for (const auto& rec : fsdp::comm::FlightRecorder::process().snapshot()) {
+    if (rec.id < since) continue;
+    if (std::strcmp(rec.op, "reduce_scatter_tensor") == 0) ++flat;
+    if (std::strcmp(rec.op, "reduce_scatter_pieces") == 0) ++pieces;
+  }
+  return {flat, pieces};
+}
+
+}  // namespace
+
+// CASE: grads | none | replaced | half | divide | accumulate.
+FSDP_RANK_WORKER(reduce_into_grads) {
+  const auto config = uneven_config();
+  const std::string mode = env("CASE", "grads");
+  const int n = fsdp::dist::world_size();
+  const int micro_batches = mode == "accumulate" ? 2 : 1;
+  std::vector<fsdp::FSDPModule> units;
+  ShardedRun run;
+  run.shard = [&](GPT& model) {
+    units.clear();
+    for (auto& block : model->blocks) units.push_back(fsdp::fully_shard(block));
+    units.push_back(fsdp::fully_shard(model));
+    if (mode == "divide") {
+      for (auto& unit : units) unit.set_gradient_divide_factor(static_cast<double>(n));
+    }
+  };
+  run.zero_grad = [&](GPT& model) {
+    int i = 0;
+    for (auto& p : model->parameters()) {
+      at::Tensor& grad = p.mutable_grad();
+      const bool none = mode == "none" || (mode == "half" && i++ % 2 == 0);
+      if (none) {
+        grad = at::Tensor();
+      } else if (grad.defined()) {
+        grad.zero_();
+        if (mode == "replaced") grad = at::zeros_like(grad);
+      }
+    }
+  };
+  auto want = train_reference(config, kSteps, kBatch, micro_batches);
+  fsdp::CpuCollectiveOptions o = fsdp::cpu_collective_options();
+  o.reduce_into_grads = false;
+  fsdp::set_cpu_collective_options(o);
+  const uint64_t start_flat = fsdp::comm::FlightRecorder::process().recorded();
+  auto flat = train_sharded(config, kSteps, kBatch, micro_batches, run);
+  const auto flat_ops = reduce_scatters_since(start_flat);
+  o.reduce_into_grads = true;
+  fsdp::set_cpu_collective_options(o);
+  const uint64_t start_into = fsdp::comm::FlightRecorder::process().recorded();
+  auto into = train_sharded(config, kSteps, kBatch, micro_batches, run);
+  const auto into_ops = reduce_scatters_since(start_into);
+  // One reduce-scatter per unit and micro-batch: the flat run's all flat, the other's all into
+  // the gradients (pieces of one exchange).
+  const int expected = kSteps * micro_batches * static_cast<int>(units.size());
+  TORCH_CHECK(flat_ops.first == expected && flat_ops.second == 0, "option off: ", flat_ops.first, " flat and ",
+              flat_ops.second, " into-gradients reduce-scatters, expected ", expected, " flat");
+  TORCH_CHECK(into_ops.first == 0 && into_ops.second == expected, "option on: ", into_ops.first, " flat and ",
+              into_ops.second, " into-gradients reduce-scatters, expected ", expected, " into the gradients");
+
+  check_losses_match(flat.losses, want.losses, kTolerance);
+  check_losses_match(into.losses, want.losses, kTolerance);
+  double worst = check_shards_match(into.model, want.parameters, kTolerance);
+  check_shards_match(flat.model, want.parameters, kTolerance);
+  // The two sharded runs against each other: rounding only (exactly the same at 2 ranks where
+  // every step starts without gradients).
+  double apart = 0;
+  auto flat_params = flat.model->named_parameters();
+  for (const auto& p : into.model->named_parameters()) {
+    const at::Tensor& a = p.value();
+    const at::Tensor& b = flat_params[p.key()];
+    if (a.numel() == 0) continue;
+    apart = std::max(apart, ((a - b).abs() / b.abs().clamp_min(1.0)).max().item<double>());
+  }
+  TORCH_CHECK(apart <= kTolerance, "the two sharded runs differ by ", apart);
+  if (mode == "none" && n == 2) TORCH_CHECK(apart == 0, "at 2 ranks without gradients: differ by ", apart);
+  // The gradients are rows of one buffer per unit (grads, none, divide, accumulate), or the test's
+  // own tensors, added into (replaced).
+  std::set<const void*> storages;
+  int64_t with_grad = 0;
+  for (const auto& p : into.model->parameters()) {
+    if (!p.grad().defined()) continue;
+    ++with_grad;
+    storages.insert(p.grad().storage().unsafeGetStorageImpl());
+  }
+  const size_t want_storages = mode == "replaced" ? static_cast<size_t>(with_grad)
+                               : mode == "half"   ? storages.size()
+                                                  : units.size();
+  TORCH_CHECK(with_grad > 0 && storages.size() == want_storages, mode, ": the gradients lie in ", storages.size(),
+              " storages, expected ", want_storages);
+  if (fsdp::dist::rank() == 0) {
+    std::cout << mode << " at " << n << " ranks: " << into_ops.second
+              << " reduce-scatters into the gradients, last loss " << into.losses.back() << " (flat "
+              << flat.losses.back() << ", single process " << want.losses.back() << "), worst shard difference "
+              << worst << ", between the two " << apart << std::endl;
+  }
+}
+
+struct IntoGradsCase {
+  std::string mode;
+  int world;
+};
+class ReduceIntoGrads : public ::testing::TestWithParam<IntoGradsCase> {};
+
+TEST_P(ReduceIntoGrads, MatchesFlatAndSingleProcess) {
+  RanksOptions o;
+  o.timeout = std::chrono::milliseconds(300000);
+  o.env["CASE"] = GetParam().mode;
+  auto r = run_ranks(GetParam().world, "reduce_into_grads", o);
+  EXPECT_TRUE(r.all_ok()) << r.report();
+  if (r.all_ok()) std::cout << r.ranks[0].output;
+}
+
+INSTANTIATE_TEST_SUITE_P(Cases, ReduceIntoGrads,
+                         ::testing::Values(IntoGradsCase{"grads", 2}, IntoGradsCase{"grads", 3},
+                                           IntoGradsCase{"none", 2}, IntoGradsCase{"none", 3},
+                                           IntoGradsCase{"replaced", 2}, IntoGradsCase{"half", 3},
+                                           IntoGradsCase{"divide", 3}, IntoGradsCase{"accumulate", 2}),
+                         [](const auto& info) {
+                           return info.param.mode + "_" + std::to_string(info.param.world) + "ranks";
+                         });

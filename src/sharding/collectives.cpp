@@ -461,22 +461,25 @@ ReduceIntoGrads build_reduce_into_grads(std::vector<std::pair<FSDPParam*, at::Te
   }
   count_buffer(BufferOwner::UnshardedGrads, r.grad_bytes);
   const auto options = grads.front().second.options().requires_grad(false);
+  // The input keeps the flat path's [N, total] (this rank's row unsent), so that it reuses the
+  // pool's blocks of the all-gathers' size: buffers of other sizes (a [N - 1, total] input and a
+  // [total] result) cost 2,000-4,000 more minor faults a step in bench's runs (docs/benchmarks.md).
+  r.input = empty_buffer({n, total}, options, BufferOwner::ReduceScatterInput);
   if (none) {
     r.kind = ReduceIntoGrads::Dest::Fresh;
-    r.dest = at::empty({total}, options);  // becomes the gradients: not the pool's
+    r.dest = r.input[rank];
   } else if (rows_of_buffer && static_cast<int64_t>(grads_storage->nbytes()) >=
                                    (base + total) * static_cast<int64_t>(first_grad.element_size())) {
     r.kind = ReduceIntoGrads::Dest::Grads;
     r.dest = at::empty({0}, options).set_(first_grad.storage(), base, {total}, {1});
   } else {
     r.kind = ReduceIntoGrads::Dest::Scratch;
-    r.dest = empty_buffer({total}, options, BufferOwner::ReduceScatterOutput);
+    r.dest = r.input[rank];
   }
-  r.peers = empty_buffer({n - 1, total}, options, BufferOwner::ReduceScatterInput);
   torch::NoGradGuard no_grad;
   if (scale != 1.0) r.factor = at::scalar_tensor(scale, options);
   const at::Tensor& factor = r.factor;
-  const at::Tensor before = r.peers.narrow(0, 0, rank), after = r.peers.narrow(0, rank, n - rank - 1);
+  const at::Tensor before = r.input.narrow(0, 0, rank), after = r.input.narrow(0, rank + 1, n - rank - 1);
   for (size_t i = 0; i < grads.size(); ++i) {
     auto& [p, g] = grads[i];
     g = g.contiguous().view(-1);
@@ -491,8 +494,7 @@ ReduceIntoGrads build_reduce_into_grads(std::vector<std::pair<FSDPParam*, at::Te
 
 std::vector<std::vector<at::Tensor>> reduce_into_grads_ins(const ReduceIntoGrads& r, int rank) {
   std::vector<at::Tensor> rows;
-  const int n = static_cast<int>(r.peers.size(0)) + 1;
-  for (int j = 0; j < n; ++j) rows.push_back(j == rank ? r.dest : r.peers[j < rank ? j : j - 1]);
+  for (int j = 0; j < r.input.size(0); ++j) rows.push_back(j == rank ? r.dest : r.input[j]);
   return {std::move(rows)};
 }
 
@@ -521,23 +523,26 @@ void add_own_rows(ReduceIntoGrads& r, int rank) {
 }
 
 at::Tensor finish_reduce_into_grads(ReduceIntoGrads& r) {
-  release_buffer(r.peers);
   at::Tensor kept;
-  if (r.kind == ReduceIntoGrads::Dest::Scratch) {
-    for (auto& [p, offset] : r.placed) p->accumulate_sharded_grad(r.dest, offset);
-    release_buffer(r.dest);
-  } else {
+  if (r.kind == ReduceIntoGrads::Dest::Grads) {
+    kept = r.dest;  // added to in place: nothing left to do
+  } else if (r.kind == ReduceIntoGrads::Dest::Fresh) {
+    // One copy of the unit's reduced rows becomes every gradient (adopted as views of it), as
+    // the flat path's result does.
+    at::Tensor flat = r.dest.clone(at::MemoryFormat::Contiguous);
     bool all = true;
-    if (r.kind == ReduceIntoGrads::Dest::Fresh) {
-      for (auto& [p, offset] : r.placed) {
-        if (!p->adopt_sharded_grad(r.dest, offset)) {
-          p->accumulate_sharded_grad(r.dest, offset);
-          all = false;
-        }
+    for (auto& [p, offset] : r.placed) {
+      if (!p->adopt_sharded_grad(flat, offset)) {
+        p->accumulate_sharded_grad(flat, offset);
+        all = false;
       }
     }
-    if (all) kept = r.dest;
+    if (all) kept = flat;
+  } else {
+    for (auto& [p, offset] : r.placed) p->accumulate_sharded_grad(r.dest, offset);
   }
+  r.dest = at::Tensor();
+  release_buffer(r.input);
   r = ReduceIntoGrads();
   return kept;
 }

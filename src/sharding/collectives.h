@@ -109,29 +109,30 @@ void release_reduce_pieces(ReducePieces& pieces);
 // [Note: the reduce-scatter into the sharded gradients]
 // The flat layout's reduce-scatter on a Gloo group of CPU tensors (fsdp/debug/cpu_collectives.h,
 // CpuCollectiveOptions::reduce_into_grads) packs only what leaves the rank: each unsharded
-// gradient's rows of every other rank go into one [N - 1, total] buffer, scaled by the group's
-// divide (1/N to average) as they are copied. This rank's own rows never enter a buffer: once the
+// gradient's rows of every other rank go into their rows of the [N, total] input, scaled by the
+// group's divide (1/N to average) as they are copied. This rank's own rows never enter a buffer: once the
 // sends are posted they are added (scaled) straight from the unsharded gradients into `dest`, and
 // what the peers send is added into `dest` by the reduce-scatter itself (Comm::reduce_scatter_pieces
 // with `dest` as this rank's own piece: in place). `dest` is, by case:
 //   Fresh    no reduced parameter has a gradient (the first step; zero_grad setting them to
-//            none): a new [total] buffer, written, whose rows become the gradients (FSDP2's views
-//            of the reduce-scatter output, without the copy of them the flat path makes);
+//            none): the input's own row, written, then copied once into new memory whose rows
+//            become the gradients (FSDP2's views of the reduce-scatter output), as the flat
+//            path does;
 //   Grads    every gradient is this parameter's rows of the Fresh buffer a previous reduction
 //            left them in (the group remembers its storage, weakly): that buffer, added to in
 //            place (no reduce output, no add of it);
-//   Scratch  anything else (a gradient a user replaced, some with and some without): a pool
-//            buffer, written, then added into (or copied to) each gradient as the flat path does.
+//   Scratch  anything else (a gradient a user replaced, some with and some without): the input's
+//            own row, written, then added into (or copied to) each gradient as the flat path does.
 // Against the flat path (pack all N rows, reduce into the own row, then add that row into the
-// gradients) this saves copying this rank's rows into the input and, for Fresh and Grads, the
-// pass over the reduced rows. The result differs from the flat path's by rounding only (each
+// gradients) this saves copying this rank's rows into the input and, for Grads, the pass over the
+// reduced rows. The result differs from the flat path's by rounding only (each
 // contribution scaled before the sum, not the sum after; for N = 2 and Fresh, bit for bit the same).
 // The case is local, the collective is not: every case makes the same exchange, so ranks may
 // differ in it. tests/sharding/test_reduce_into_grads.cpp checks each case against the flat path.
 struct ReduceIntoGrads {
   enum class Dest { Fresh, Grads, Scratch };
   Dest kind = Dest::Scratch;
-  at::Tensor peers;  // [N - 1, total]: the rows sent to the other ranks, in rank order (pool)
+  at::Tensor input;  // [N, total] (pool): row j the rows sent to rank j; this rank's row is dest or unused
   at::Tensor dest;   // [total]: this rank's reduced rows
   double scale = 1.0;
   at::Tensor factor;                                     // scale as a 0-dim tensor (undefined for 1: plain copies)

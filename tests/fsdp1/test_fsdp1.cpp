@@ -30,11 +30,6 @@ constexpr int kSteps = 6;
 constexpr int64_t kBatch = 8;  // divisible by 2 and 4
 constexpr double kTolerance = 1e-5;
 
-std::string env(const char* name, const char* fallback) {
-  const char* v = std::getenv(name);
-  return v ? v : fallback;
-}
-
 fsdp::ShardingStrategy parse_strategy(const std::string& s) {
   using S = fsdp::ShardingStrategy;
   if (s == "FULL_SHARD") return S::FULL_SHARD;

@@ -14,6 +14,7 @@
 #include "fsdp/fsdp.h"
 #include "multiprocess.h"
 #include "parity.h"
+#include "test_helpers.h"
 
 using namespace fsdp::testing;
 using fsdp::models::GPT;
@@ -23,11 +24,6 @@ namespace {
 constexpr int kSteps = 10;
 constexpr int64_t kBatch = 6;  // divisible by 1, 2 and 3
 constexpr double kTolerance = 1e-6;
-
-std::string env(const char* name, const char* fallback) {
-  const char* v = std::getenv(name);
-  return v ? v : fallback;
-}
 
 // Remembers the buffers it handed out, so that a call can check it got one of them.
 struct Allocations {

@@ -37,11 +37,6 @@ constexpr int kSteps = 6;
 constexpr int64_t kBatch = 12;
 constexpr double kTolerance = 1e-6;
 
-std::string env(const char* name, const char* fallback) {
-  const char* v = std::getenv(name);
-  return v ? v : fallback;
-}
-
 // The reduce-scatters the flight recorder saw since record `since`: (flat, pieces).
 std::pair<int, int> reduce_scatters_since(uint64_t since) {
   int flat = 0, pieces = 0;

@@ -10,6 +10,7 @@
 #include "fsdp/fsdp.h"
 #include "multiprocess.h"
 #include "parity.h"
+#include "test_helpers.h"
 
 using namespace fsdp::testing;
 using fsdp::models::GPT;
@@ -19,11 +20,6 @@ namespace {
 constexpr int kSteps = 10;
 constexpr int64_t kBatch = 8;
 constexpr double kTolerance = 1e-6;
-
-std::string env(const char* name, const char* fallback) {
-  const char* v = std::getenv(name);
-  return v ? v : fallback;
-}
 
 }  // namespace
 

@@ -27,11 +27,6 @@ constexpr int kSteps = 10;
 constexpr int64_t kBatch = 12;  // divisible by 1, 2, 3 and 4
 constexpr double kTolerance = 1e-6;
 
-std::string env(const char* name, const char* fallback) {
-  const char* v = std::getenv(name);
-  return v ? v : fallback;
-}
-
 std::vector<fsdp::FSDPModule> shard(GPT& model, fsdp::FullyShardOptions options) {
   std::vector<fsdp::FSDPModule> units;
   for (auto& block : model->blocks) units.push_back(fsdp::fully_shard(block, options));

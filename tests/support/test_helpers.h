@@ -1,11 +1,13 @@
 #pragma once
-// Small helpers shared by the test suites: a temporary folder removed at scope exit, and "expect
-// an error whose message contains ...". Use these instead of a copy per test file.
+// Small helpers shared by the test suites: a temporary folder removed at scope exit, "expect an
+// error whose message contains ...", and a rank worker's setting from the environment. Use these
+// instead of a copy per test file.
 //
 //   fsdp::testing::TempDir dir("checkpoint_test");       // /tmp/checkpoint_test_XXXXXX
 //   std::string path = dir / "step_000001";
 //   fsdp::testing::expect_error([&] { load(path); }, "no committed checkpoint");   // in a rank worker
 //   EXPECT_ERROR_CONTAINS(load(path), "no committed checkpoint");                  // in a TEST
+//   const std::string mode = fsdp::testing::env("CASE", "plain");   // RanksOptions::env's value
 #include <cstdlib>
 #include <filesystem>
 #include <functional>
@@ -47,6 +49,13 @@ inline void expect_error(const std::function<void()>& fn, const std::string& nee
     return;
   }
   throw std::runtime_error("expected an error containing '" + needle + "', but nothing was thrown");
+}
+
+// The environment variable `name` (a rank worker's case, set through RanksOptions::env), or
+// `fallback` when it is unset.
+inline std::string env(const char* name, const char* fallback) {
+  const char* v = std::getenv(name);
+  return v ? v : fallback;
 }
 
 }  // namespace fsdp::testing

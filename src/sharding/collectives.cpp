@@ -522,29 +522,10 @@ void add_own_rows(ReduceIntoGrads& r, int rank) {
   r.grads.clear();
 }
 
-at::Tensor finish_reduce_into_grads(ReduceIntoGrads& r) {
-  at::Tensor kept;
-  if (r.kind == ReduceIntoGrads::Dest::Grads) {
-    kept = r.dest;  // added to in place: nothing left to do
-  } else if (r.kind == ReduceIntoGrads::Dest::Fresh) {
-    // One copy of the unit's reduced rows becomes every gradient (adopted as views of it), as
-    // the flat path's result does.
-    at::Tensor flat = r.dest.clone(at::MemoryFormat::Contiguous);
-    bool all = true;
-    for (auto& [p, offset] : r.placed) {
-      if (!p->adopt_sharded_grad(flat, offset)) {
-        p->accumulate_sharded_grad(flat, offset);
-        all = false;
-      }
-    }
-    if (all) kept = flat;
-  } else {
-    for (auto& [p, offset] : r.placed) p->accumulate_sharded_grad(r.dest, offset);
-  }
-  r.dest = at::Tensor();
+void release_reduce_into_grads(ReduceIntoGrads& r) {
+  r.dest = at::Tensor();  // a view of the input (Fresh, Scratch), or the gradients' buffer (Grads)
   release_buffer(r.input);
   r = ReduceIntoGrads();
-  return kept;
 }
 
 at::Tensor build_reduce_scatter_input(std::vector<std::pair<FSDPParam*, at::Tensor>>& grads, int n,

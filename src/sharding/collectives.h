@@ -118,8 +118,8 @@ void release_reduce_pieces(ReducePieces& pieces);
 //            none): the input's own row, written, then copied once into new memory whose rows
 //            become the gradients (FSDP2's views of the reduce-scatter output), as the flat
 //            path does;
-//   Grads    every gradient is this parameter's rows of the Fresh buffer a previous reduction
-//            left them in (the group remembers its storage, weakly): that buffer, added to in
+//   Grads    every gradient is this parameter's rows of the buffer a previous reduction left
+//            them in (FSDPParamGroup::write_grads remembers its storage, weakly): that buffer, added to in
 //            place (no reduce output, no add of it);
 //   Scratch  anything else (a gradient a user replaced, some with and some without): the input's
 //            own row, written, then added into (or copied to) each gradient as the flat path does.
@@ -152,9 +152,9 @@ ReduceIntoGrads build_reduce_into_grads(std::vector<std::pair<FSDPParam*, at::Te
 std::vector<std::vector<at::Tensor>> reduce_into_grads_ins(const ReduceIntoGrads& r, int rank);
 // After the reduce-scatter is issued: this rank's rows into dest, scaled; frees the gradients.
 void add_own_rows(ReduceIntoGrads& r, int rank);
-// After its wait: the gradients from dest (adopted, or added for Scratch); releases the buffers.
-// Returns the buffer the gradients are now rows of (Fresh, Grads), else undefined.
-at::Tensor finish_reduce_into_grads(ReduceIntoGrads& r);
+// After its wait, once the gradients have what dest holds (FSDPParamGroup::write_grads for Fresh
+// and Scratch, as the flat path's result): releases the buffers.
+void release_reduce_into_grads(ReduceIntoGrads& r);
 
 // The reduce-scatter input of the gradients in `grads` (consumed: each unsharded gradient is freed
 // once it is in the input, as FSDP2 does; `grads` is left empty), [n, total] in `dtype`, from the

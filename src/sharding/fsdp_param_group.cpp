@@ -710,10 +710,15 @@ void FSDPParamGroup::finish_reduce_into_grads() {
     reduce_work_.wait();
   }
   reduce_work_ = comm::Work();
-  PhaseScope timed(Phase::GradAccumulate);
-  const at::Tensor kept = detail::finish_reduce_into_grads(*reduce_into_);
+  ReduceIntoGrads& r = *reduce_into_;
+  if (r.kind != ReduceIntoGrads::Dest::Grads) {
+    // This rank's row of the input holds the result: into the gradients as the flat path's is.
+    reduced_params_ = std::move(r.placed);
+    write_grads(r.dest, /*owned=*/false);
+    reduced_params_.clear();
+  }
+  release_reduce_into_grads(r);
   reduce_into_.reset();
-  if (kept.defined()) grads_storage_ = kept.storage().getWeakStorageImpl();
 }
 
 void FSDPParamGroup::write_grads(const at::Tensor& reduced, bool owned) {
@@ -730,9 +735,16 @@ void FSDPParamGroup::write_grads(const at::Tensor& reduced, bool owned) {
     const at::Tensor& shard = params_.front()->sharded_param();
     at::Tensor flat = reduced.to(shard.device(), shard.scalar_type());
     if (flat.is_same(reduced) && !owned) flat = reduced.clone(at::MemoryFormat::Contiguous);
+    bool all = true;
     for (auto& [p, offset] : reduced_params_) {
-      if (!p->adopt_sharded_grad(flat, offset)) p->accumulate_sharded_grad(reduced, offset);
+      if (!p->adopt_sharded_grad(flat, offset)) {
+        p->accumulate_sharded_grad(reduced, offset);
+        all = false;
+      }
     }
+    // The next reduction into the gradients may add into this buffer in place ([Note: the
+    // reduce-scatter into the sharded gradients], collectives.h).
+    if (all) grads_storage_ = flat.storage().getWeakStorageImpl();
     return;
   }
   for (auto& [p, offset] : reduced_params_) p->accumulate_sharded_grad(reduced, offset);

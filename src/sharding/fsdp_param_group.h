@@ -162,8 +162,8 @@ class FSDPParamGroup {
   std::optional<GatherPieces> gather_pieces_;
   std::optional<ReducePieces> reduce_pieces_;
   // The flat reduce-scatter into the sharded gradients in flight ([Note: the reduce-scatter into the
-  // sharded gradients] in collectives.h), and the storage its Fresh buffer was, which the
-  // gradients are rows of until someone replaces them (weak: zero_grad's none frees it).
+  // sharded gradients] in collectives.h), and the storage of the buffer write_grads last made the
+  // gradients rows of, until someone replaces them (weak: zero_grad's none frees it).
   std::optional<ReduceIntoGrads> reduce_into_;
   std::optional<c10::weak_intrusive_ptr<c10::StorageImpl>> grads_storage_;
   bool all_reduce_started_ = false;  // HSDP: reduce_work_ is the all-reduce, not the reduce-scatter

@@ -158,6 +158,18 @@ compat::BackendPtr make_gloo(const compat::StorePtr& store, int rank, int size, 
   opts->threads = gloo_threads();
   auto pg = c10::make_intrusive<c10d::ProcessGroupGloo>(store, rank, size, opts);
   if (slice_us > 0) set_slice_of_new_threads(before, detail::process_thread_ids(), slice_us);
+  // [Note: a Gloo group is formed when every member has formed it]
+  // ProcessGroupGloo's constructor returns once this rank's own connections are up, which can be
+  // before a peer has finished its side of the handshake. A rank that then has nothing to send
+  // (a checkpoint load reads only files) can finish and close its sockets while that peer is
+  // still connecting, and the peer fails with Gloo's "Connection closed by peer" (pair.cc) in a
+  // job that did nothing wrong. PyTorch met the same in its own Gloo tests (pull request 61396)
+  // and fixed it the same way: a barrier on the new group, so no member leaves group formation
+  // before every member has its connections. One small message per group made, with the group's
+  // timeout.
+  c10d::BarrierOptions barrier;
+  barrier.timeout = timeout;
+  pg->barrier(barrier)->wait();
   return pg;
 }
 

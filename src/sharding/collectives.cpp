@@ -99,6 +99,13 @@ bool small_shard(const FSDPParam& p, size_t min_bytes) {
   return static_cast<size_t>(p.shard_numel()) * c10::elementSize(p.compute_dtype()) < min_bytes;
 }
 
+// Whether gradient g of p can be reduced by the point-to-point paths on the CPU: float or double,
+// already in p's reduce dtype, in CPU memory.
+bool reducible_on_cpu(const FSDPParam& p, const at::Tensor& g) {
+  const auto dtype = p.reduce_dtype();
+  return g.scalar_type() == dtype && (dtype == at::kFloat || dtype == at::kDouble) && g.is_cpu();
+}
+
 // `flat`'s pieces by rank: rank r's rows of `p` (flat: the full parameter's elements).
 std::vector<at::Tensor> pieces_by_rank(const FSDPParam& p, const at::Tensor& flat, int n) {
   std::vector<at::Tensor> pieces;
@@ -278,11 +285,7 @@ bool reduces_per_parameter(const std::vector<std::pair<FSDPParam*, at::Tensor>>&
                   [&](const auto& pg) { return small_shard(*pg.first, o.min_piece_bytes); })) {
     return false;
   }
-  for (const auto& [p, g] : grads) {
-    const auto dtype = p->reduce_dtype();
-    if (g.scalar_type() != dtype || (dtype != at::kFloat && dtype != at::kDouble) || !g.is_cpu()) return false;
-  }
-  return true;
+  return std::all_of(grads.begin(), grads.end(), [](const auto& pg) { return reducible_on_cpu(*pg.first, pg.second); });
 }
 
 ReducePieces build_reduce_pieces(std::vector<std::pair<FSDPParam*, at::Tensor>>& grads, int rank, int n) {
@@ -421,14 +424,12 @@ void copy_in_post_forward(const FSDPParams& params, const std::vector<int64_t>& 
 
 bool reduces_into_grads(const std::vector<std::pair<FSDPParam*, at::Tensor>>& grads) {
   if (grads.empty() || !cpu_collective_options().reduce_into_grads) return false;
-  for (const auto& [p, g] : grads) {
-    const auto dtype = p->reduce_dtype();
-    if (g.scalar_type() != dtype || p->dtype() != dtype || (dtype != at::kFloat && dtype != at::kDouble) ||
-        !g.is_cpu() || !p->shard_device().is_cpu()) {
-      return false;
-    }
-  }
-  return true;
+  // Besides the pieces' condition: no cast between the reduction and the gradients (the rows are
+  // added into them as they are), and gradients kept on the CPU.
+  return std::all_of(grads.begin(), grads.end(), [](const auto& pg) {
+    return reducible_on_cpu(*pg.first, pg.second) && pg.first->dtype() == pg.first->reduce_dtype() &&
+           pg.first->shard_device().is_cpu();
+  });
 }
 
 namespace {

@@ -19,6 +19,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <iostream>
+#include <map>
 #include <set>
 
 #include "fsdp/debug/cpu_collectives.h"
@@ -116,16 +117,30 @@ FSDP_RANK_WORKER(reduce_into_grads) {
   TORCH_CHECK(apart <= kTolerance, "the two sharded runs differ by ", apart);
   if (mode == "none" && n == 2) TORCH_CHECK(apart == 0, "at 2 ranks without gradients: differ by ", apart);
   // The gradients are rows of one buffer per unit (grads, none, divide, accumulate), or the test's
-  // own tensors, added into (replaced).
+  // own tensors, added into (replaced). half: the zeroed ones stay in the buffer the first step
+  // (no gradients yet) left them, one per unit; in a unit where some have gradients, each of the
+  // none ones gets a tensor of its own (write_grads' accumulate, FSDP2's).
+  std::map<const void*, size_t> unit_of;
+  for (size_t b = 0; b < into.model->blocks.size(); ++b) {
+    for (const auto& p : into.model->blocks[b]->parameters()) unit_of[p.unsafeGetTensorImpl()] = b;
+  }
   std::set<const void*> storages;
-  int64_t with_grad = 0;
+  std::set<size_t> units_zeroed;
+  int64_t with_grad = 0, index = 0, set_none = 0;
   for (const auto& p : into.model->parameters()) {
+    const bool set_to_none = index++ % 2 == 0;  // as zero_grad's half
     if (!p.grad().defined()) continue;
     ++with_grad;
     storages.insert(p.grad().storage().unsafeGetStorageImpl());
+    const auto unit = unit_of.find(p.unsafeGetTensorImpl());
+    if (set_to_none) {
+      ++set_none;
+    } else {
+      units_zeroed.insert(unit == unit_of.end() ? into.model->blocks.size() : unit->second);
+    }
   }
   const size_t want_storages = mode == "replaced" ? static_cast<size_t>(with_grad)
-                               : mode == "half"   ? storages.size()
+                               : mode == "half"   ? units_zeroed.size() + static_cast<size_t>(set_none)
                                                   : units.size();
   TORCH_CHECK(with_grad > 0 && storages.size() == want_storages, mode, ": the gradients lie in ", storages.size(),
               " storages, expected ", want_storages);

@@ -38,8 +38,10 @@ models::GPT fresh_model(const models::GPTConfig& c) {
 }
 }  // namespace
 
-TrainResult train_reference(const models::GPTConfig& c, int steps, int64_t batch, int micro_batches) {
+TrainResult train_reference(const models::GPTConfig& c, int steps, int64_t batch, int micro_batches,
+                            const std::function<void(models::GPT&)>& prepare) {
   auto model = fresh_model(c);
+  if (prepare) prepare(model);
   auto opt = make_optimizer(*model);
   TrainResult r;
   for (int s = 0; s < steps; ++s) {

@@ -27,7 +27,10 @@ struct TrainResult {
 at::Tensor global_batch(const models::GPTConfig& c, int64_t batch, int step, int micro);
 
 // One process, the whole global batch, AdamW; `micro_batches` accumulate into one step.
-TrainResult train_reference(const models::GPTConfig& c, int steps, int64_t batch, int micro_batches);
+// `prepare` (optional) changes the fresh model first, as the sharded run's `shard` does before
+// fully_shard (frozen parameters).
+TrainResult train_reference(const models::GPTConfig& c, int steps, int64_t batch, int micro_batches,
+                            const std::function<void(models::GPT&)>& prepare = {});
 
 // Applies fully_shard to a fresh model (the caller decides how), then trains with this rank's
 // slice of every global batch. `before_step(step, model)` may change settings per step.

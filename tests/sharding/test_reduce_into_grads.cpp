@@ -14,6 +14,8 @@
 //   half      every other gradient none, the rest zeroed: the same scratch path;
 //   divide    zeroed, set_gradient_divide_factor(N): sums scaled by 1/N instead of averages;
 //   accumulate  two synced micro-batches a step: the second adds into what the first wrote.
+//   frozen    zeroed; block 0's attention and wpe frozen (units partly without gradients), block
+//             1 frozen whole (a unit that reduces nothing): the single process freezes the same.
 #include <gtest/gtest.h>
 
 #include <cstdlib>
@@ -51,15 +53,22 @@ std::pair<int, int> reduce_scatters_since(uint64_t since) {
 
 }  // namespace
 
-// CASE: grads | none | replaced | half | divide | accumulate.
+// CASE: grads | none | replaced | half | divide | accumulate | frozen.
 FSDP_RANK_WORKER(reduce_into_grads) {
   const auto config = uneven_config();
   const std::string mode = env("CASE", "grads");
   const int n = fsdp::dist::world_size();
   const int micro_batches = mode == "accumulate" ? 2 : 1;
+  const auto freeze = [&](GPT& model) {
+    if (mode != "frozen") return;
+    for (auto& p : model->blocks[0]->attn->parameters()) p.set_requires_grad(false);
+    for (auto& p : model->blocks[1]->parameters()) p.set_requires_grad(false);
+    for (auto& p : model->wpe->parameters()) p.set_requires_grad(false);
+  };
   std::vector<fsdp::FSDPModule> units;
   ShardedRun run;
   run.shard = [&](GPT& model) {
+    freeze(model);
     units.clear();
     for (auto& block : model->blocks) units.push_back(fsdp::fully_shard(block));
     units.push_back(fsdp::fully_shard(model));
@@ -80,7 +89,7 @@ FSDP_RANK_WORKER(reduce_into_grads) {
       }
     }
   };
-  auto want = train_reference(config, kSteps, kBatch, micro_batches);
+  auto want = train_reference(config, kSteps, kBatch, micro_batches, freeze);
   fsdp::CpuCollectiveOptions o = fsdp::cpu_collective_options();
   o.reduce_into_grads = false;
   fsdp::set_cpu_collective_options(o);
@@ -92,9 +101,10 @@ FSDP_RANK_WORKER(reduce_into_grads) {
   const uint64_t start_into = fsdp::comm::FlightRecorder::process().recorded();
   auto into = train_sharded(config, kSteps, kBatch, micro_batches, run);
   const auto into_ops = reduce_scatters_since(start_into);
-  // One reduce-scatter per unit and micro-batch: the flat run's all flat, the other's all into
-  // the gradients (pieces of one exchange).
-  const int expected = kSteps * micro_batches * static_cast<int>(units.size());
+  // One reduce-scatter per unit (that has gradients) and micro-batch: the flat run's all flat, the
+  // other's all into the gradients (pieces of one exchange).
+  const int reducing_units = static_cast<int>(units.size()) - (mode == "frozen" ? 1 : 0);
+  const int expected = kSteps * micro_batches * reducing_units;
   TORCH_CHECK(flat_ops.first == expected && flat_ops.second == 0, "option off: ", flat_ops.first, " flat and ",
               flat_ops.second, " into-gradients reduce-scatters, expected ", expected, " flat");
   TORCH_CHECK(into_ops.first == 0 && into_ops.second == expected, "option on: ", into_ops.first, " flat and ",
@@ -141,7 +151,7 @@ FSDP_RANK_WORKER(reduce_into_grads) {
   }
   const size_t want_storages = mode == "replaced" ? static_cast<size_t>(with_grad)
                                : mode == "half"   ? units_zeroed.size() + static_cast<size_t>(set_none)
-                                                  : units.size();
+                                                  : static_cast<size_t>(reducing_units);
   TORCH_CHECK(with_grad > 0 && storages.size() == want_storages, mode, ": the gradients lie in ", storages.size(),
               " storages, expected ", want_storages);
   if (fsdp::dist::rank() == 0) {
@@ -167,11 +177,9 @@ TEST_P(ReduceIntoGrads, MatchesFlatAndSingleProcess) {
   if (r.all_ok()) std::cout << r.ranks[0].output;
 }
 
-INSTANTIATE_TEST_SUITE_P(Cases, ReduceIntoGrads,
-                         ::testing::Values(IntoGradsCase{"grads", 2}, IntoGradsCase{"grads", 3},
-                                           IntoGradsCase{"none", 2}, IntoGradsCase{"none", 3},
-                                           IntoGradsCase{"replaced", 2}, IntoGradsCase{"half", 3},
-                                           IntoGradsCase{"divide", 3}, IntoGradsCase{"accumulate", 2}),
-                         [](const auto& info) {
-                           return info.param.mode + "_" + std::to_string(info.param.world) + "ranks";
-                         });
+INSTANTIATE_TEST_SUITE_P(
+    Cases, ReduceIntoGrads,
+    ::testing::Values(IntoGradsCase{"grads", 2}, IntoGradsCase{"grads", 3}, IntoGradsCase{"none", 2},
+                      IntoGradsCase{"none", 3}, IntoGradsCase{"replaced", 2}, IntoGradsCase{"half", 3},
+                      IntoGradsCase{"divide", 3}, IntoGradsCase{"accumulate", 2}, IntoGradsCase{"frozen", 3}),
+    [](const auto& info) { return info.param.mode + "_" + std::to_string(info.param.world) + "ranks"; });

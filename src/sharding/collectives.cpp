@@ -467,8 +467,10 @@ ReduceIntoGrads build_reduce_into_grads(std::vector<std::pair<FSDPParam*, at::Te
   // [total] result) cost 2,000-4,000 more minor faults a step in bench's runs (docs/benchmarks.md).
   r.input = empty_buffer({n, total}, options, BufferOwner::ReduceScatterInput);
   if (none) {
+    // The gradients' memory itself: the flat path allocates the same [total] for them at the end
+    // (a copy of its reduced row), so this costs no allocation that it does not, and saves the copy.
     r.kind = ReduceIntoGrads::Dest::Fresh;
-    r.dest = r.input[rank];
+    r.dest = at::empty({total}, options);
   } else if (rows_of_buffer && static_cast<int64_t>(grads_storage->nbytes()) >=
                                    (base + total) * static_cast<int64_t>(first_grad.element_size())) {
     r.kind = ReduceIntoGrads::Dest::Grads;
@@ -524,7 +526,7 @@ void add_own_rows(ReduceIntoGrads& r, int rank) {
 }
 
 void release_reduce_into_grads(ReduceIntoGrads& r) {
-  r.dest = at::Tensor();  // a view of the input (Fresh, Scratch), or the gradients' buffer (Grads)
+  r.dest = at::Tensor();  // the gradients' memory (Fresh, Grads), or a view of the input (Scratch)
   release_buffer(r.input);
   r = ReduceIntoGrads();
 }

@@ -115,17 +115,17 @@ void release_reduce_pieces(ReducePieces& pieces);
 // what the peers send is added into `dest` by the reduce-scatter itself (Comm::reduce_scatter_pieces
 // with `dest` as this rank's own piece: in place). `dest` is, by case:
 //   Fresh    no reduced parameter has a gradient (the first step; zero_grad setting them to
-//            none): the input's own row, written, then copied once into new memory whose rows
-//            become the gradients (FSDP2's views of the reduce-scatter output), as the flat
-//            path does;
+//            none): new memory of the unit's rows, written and reduced into, whose rows then
+//            become the gradients (FSDP2's views of the reduce-scatter output) with no copy (the
+//            flat path copies its reduced row there; the allocation is the same one);
 //   Grads    every gradient is this parameter's rows of the buffer a previous reduction left
 //            them in (FSDPParamGroup::write_grads remembers its storage, weakly): that buffer, added to in
 //            place (no reduce output, no add of it);
 //   Scratch  anything else (a gradient a user replaced, some with and some without): the input's
 //            own row, written, then added into (or copied to) each gradient as the flat path does.
 // Against the flat path (pack all N rows, reduce into the own row, then add that row into the
-// gradients) this saves copying this rank's rows into the input and, for Grads, the pass over the
-// reduced rows. The result differs from the flat path's by rounding only (each
+// gradients) this saves copying this rank's rows into the input and, for Fresh and Grads, the pass
+// over the reduced rows. The result differs from the flat path's by rounding only (each
 // contribution scaled before the sum, not the sum after; for N = 2 and Fresh, bit for bit the same).
 // The case is local, the collective is not: every case makes the same exchange, so ranks may
 // differ in it. tests/sharding/test_reduce_into_grads.cpp checks each case against the flat path.
@@ -133,7 +133,7 @@ struct ReduceIntoGrads {
   enum class Dest { Fresh, Grads, Scratch };
   Dest kind = Dest::Scratch;
   at::Tensor input;  // [N, total] (pool): row j the rows sent to rank j; this rank's row is dest or unused
-  at::Tensor dest;   // [total]: this rank's reduced rows
+  at::Tensor dest;   // [total]: this rank's reduced rows (Fresh: memory of its own, for the gradients)
   double scale = 1.0;
   at::Tensor factor;                                     // scale as a 0-dim tensor (undefined for 1: plain copies)
   std::vector<std::pair<FSDPParam*, at::Tensor>> grads;  // until add_own_rows
@@ -152,8 +152,8 @@ ReduceIntoGrads build_reduce_into_grads(std::vector<std::pair<FSDPParam*, at::Te
 std::vector<std::vector<at::Tensor>> reduce_into_grads_ins(const ReduceIntoGrads& r, int rank);
 // After the reduce-scatter is issued: this rank's rows into dest, scaled; frees the gradients.
 void add_own_rows(ReduceIntoGrads& r, int rank);
-// After its wait, once the gradients have what dest holds (FSDPParamGroup::write_grads for Fresh
-// and Scratch, as the flat path's result): releases the buffers.
+// After its wait, once the gradients have what dest holds (FSDPParamGroup::write_grads for Fresh,
+// adopting dest, and Scratch, as the flat path's result): releases the buffers.
 void release_reduce_into_grads(ReduceIntoGrads& r);
 
 // The reduce-scatter input of the gradients in `grads` (consumed: each unsharded gradient is freed

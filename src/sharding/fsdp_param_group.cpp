@@ -712,9 +712,10 @@ void FSDPParamGroup::finish_reduce_into_grads() {
   reduce_work_ = comm::Work();
   ReduceIntoGrads& r = *reduce_into_;
   if (r.kind != ReduceIntoGrads::Dest::Grads) {
-    // This rank's row of the input holds the result: into the gradients as the flat path's is.
+    // Into the gradients as the flat path's result is: Fresh's dest is memory of its own, adopted
+    // as it is; Scratch's is this rank's row of the input, which goes back to the pool.
     reduced_params_ = std::move(r.placed);
-    write_grads(r.dest, /*owned=*/false);
+    write_grads(r.dest, /*owned=*/r.kind == ReduceIntoGrads::Dest::Fresh);
     reduced_params_.clear();
   }
   release_reduce_into_grads(r);

@@ -8,8 +8,9 @@
 // made. Each case steers the gradients into one of the destinations:
 //   grads     zeroed in place before each step: the reduction adds into the buffer the first step
 //             left them in;
-//   none      set to none before each step (LibTorch 2.x's zero_grad): a fresh buffer each step, its
-//             rows become the gradients; at 2 ranks bit for bit the flat path's result;
+//   none      set to none before each step (LibTorch 2.x's zero_grad): a fresh buffer each step,
+//             reduced into, its rows become the gradients with no copy (the flat path copies its
+//             result there: counted); at 2 ranks bit for bit the flat path's result;
 //   replaced  replaced by tensors of the test's own: a scratch buffer, added into them;
 //   half      every other gradient none, the rest zeroed: the same scratch path;
 //   divide    zeroed, set_gradient_divide_factor(N): sums scaled by 1/N instead of averages;
@@ -22,12 +23,14 @@
 #include <cstring>
 #include <iostream>
 #include <map>
+#include <optional>
 #include <set>
 
 #include "fsdp/debug/cpu_collectives.h"
 #include "fsdp/debug/flight_recorder.h"
 #include "fsdp/fsdp.h"
 #include "multiprocess.h"
+#include "op_counts.h"
 #include "parity.h"
 #include "test_helpers.h"
 
@@ -93,14 +96,23 @@ FSDP_RANK_WORKER(reduce_into_grads) {
   fsdp::CpuCollectiveOptions o = fsdp::cpu_collective_options();
   o.reduce_into_grads = false;
   fsdp::set_cpu_collective_options(o);
+  // The copies at the end of each reduction (fsdp::reduce_scatter_wait, where the result goes
+  // into the gradients): counted per run.
+  std::optional<RangeOpCounter> counter;
+  counter.emplace();
   const uint64_t start_flat = fsdp::comm::FlightRecorder::process().recorded();
   auto flat = train_sharded(config, kSteps, kBatch, micro_batches, run);
   const auto flat_ops = reduce_scatters_since(start_flat);
+  const int64_t flat_copies = counter->copies("fsdp::reduce_scatter_wait");
+  counter.reset();
   o.reduce_into_grads = true;
   fsdp::set_cpu_collective_options(o);
+  counter.emplace();
   const uint64_t start_into = fsdp::comm::FlightRecorder::process().recorded();
   auto into = train_sharded(config, kSteps, kBatch, micro_batches, run);
   const auto into_ops = reduce_scatters_since(start_into);
+  const int64_t into_copies = counter->copies("fsdp::reduce_scatter_wait");
+  counter.reset();
   // One reduce-scatter per unit (that has gradients) and micro-batch: the flat run's all flat, the
   // other's all into the gradients (pieces of one exchange).
   const int reducing_units = static_cast<int>(units.size()) - (mode == "frozen" ? 1 : 0);
@@ -110,6 +122,12 @@ FSDP_RANK_WORKER(reduce_into_grads) {
   TORCH_CHECK(into_ops.first == 0 && into_ops.second == expected, "option on: ", into_ops.first, " flat and ",
               into_ops.second, " into-gradients reduce-scatters, expected ", expected, " into the gradients");
 
+  // Without gradients (none), the flat path copies its reduced row once into the gradients' memory
+  // per unit and step; the reduction into the gradients reduces into that memory: no copy.
+  if (mode == "none") {
+    TORCH_CHECK(flat_copies == expected && into_copies == 0, "copies at the end of the reductions: ", flat_copies,
+                " flat (expected ", expected, "), ", into_copies, " into the gradients (expected 0)");
+  }
   check_losses_match(flat.losses, want.losses, kTolerance);
   check_losses_match(into.losses, want.losses, kTolerance);
   double worst = check_shards_match(into.model, want.parameters, kTolerance);

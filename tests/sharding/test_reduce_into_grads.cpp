@@ -23,8 +23,8 @@
 #include <cstring>
 #include <iostream>
 #include <map>
-#include <optional>
 #include <set>
+#include <tuple>
 
 #include "fsdp/debug/cpu_collectives.h"
 #include "fsdp/debug/flight_recorder.h"
@@ -93,26 +93,21 @@ FSDP_RANK_WORKER(reduce_into_grads) {
     }
   };
   auto want = train_reference(config, kSteps, kBatch, micro_batches, freeze);
-  fsdp::CpuCollectiveOptions o = fsdp::cpu_collective_options();
-  o.reduce_into_grads = false;
-  fsdp::set_cpu_collective_options(o);
-  // The copies at the end of each reduction (fsdp::reduce_scatter_wait, where the result goes
-  // into the gradients): counted per run.
-  std::optional<RangeOpCounter> counter;
-  counter.emplace();
-  const uint64_t start_flat = fsdp::comm::FlightRecorder::process().recorded();
-  auto flat = train_sharded(config, kSteps, kBatch, micro_batches, run);
-  const auto flat_ops = reduce_scatters_since(start_flat);
-  const int64_t flat_copies = counter->copies("fsdp::reduce_scatter_wait");
-  counter.reset();
-  o.reduce_into_grads = true;
-  fsdp::set_cpu_collective_options(o);
-  counter.emplace();
-  const uint64_t start_into = fsdp::comm::FlightRecorder::process().recorded();
-  auto into = train_sharded(config, kSteps, kBatch, micro_batches, run);
-  const auto into_ops = reduce_scatters_since(start_into);
-  const int64_t into_copies = counter->copies("fsdp::reduce_scatter_wait");
-  counter.reset();
+  // One sharded run with the option set: its result, the reduce-scatters it recorded (flat, into the
+  // gradients) and the copies at the end of its reductions (fsdp::reduce_scatter_wait, where the
+  // result goes into the gradients).
+  const auto run_with = [&](bool reduce_into_grads) {
+    fsdp::CpuCollectiveOptions o = fsdp::cpu_collective_options();
+    o.reduce_into_grads = reduce_into_grads;
+    fsdp::set_cpu_collective_options(o);
+    RangeOpCounter counter;
+    const uint64_t start = fsdp::comm::FlightRecorder::process().recorded();
+    auto result = train_sharded(config, kSteps, kBatch, micro_batches, run);
+    const auto ops = reduce_scatters_since(start);
+    return std::make_tuple(std::move(result), ops, counter.copies("fsdp::reduce_scatter_wait"));
+  };
+  auto [flat, flat_ops, flat_copies] = run_with(false);
+  auto [into, into_ops, into_copies] = run_with(true);
   // One reduce-scatter per unit (that has gradients) and micro-batch: the flat run's all flat, the
   // other's all into the gradients (pieces of one exchange).
   const int reducing_units = static_cast<int>(units.size()) - (mode == "frozen" ? 1 : 0);

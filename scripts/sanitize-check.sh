@@ -39,40 +39,37 @@ if [ "${1:-}" = "--thread" ]; then
   MODE=thread
   shift
 fi
-BUILD="${FSDP_ASAN_BUILD_DIR:-build-asan}"
-if [ "$MODE" = thread ]; then BUILD="${FSDP_TSAN_BUILD_DIR:-build-tsan}"; fi
-
-SUITES=(
-  test_buffer_pool test_comm test_p2p_collectives test_pieces_collectives test_async_watch test_dist
-  test_device_mesh test_mesh_from_groups test_desync test_flight_recorder
-  test_fully_shard test_fully_shard_local test_reduce_into_grads test_fused_copies test_mixed_precision
-  test_hsdp test_replicate test_meta_init test_clip_grad test_custom_collectives test_forward_hooks
-  test_forward_method test_shard_placement test_world_of_one test_optimizers
-  test_tensor_parallel test_tp_units test_fsdp1 test_fsdp1_wrap
-  test_activation_checkpointing test_activation_checkpointing_fsdp test_attention
-  test_safetensors test_checkpoint test_checkpoint_boxes test_checkpoint_safety test_state_dict
-  test_state_dict_options test_data test_llama_hf
-  test_train_gpt test_train_gpt_checkpoints
-)
-QUARANTINE_OFF=(test_meta_init)
-sanitize="address,undefined"
-flags="-fsanitize=address,undefined -fno-sanitize=vptr -fno-omit-frame-pointer -g1"
 if [ "$MODE" = thread ]; then
+  BUILD="${FSDP_TSAN_BUILD_DIR:-build-tsan}"
   SUITES=(test_comm test_flight_recorder test_desync test_checkpoint test_dist test_fully_shard test_replicate)
   sanitize="thread"
   flags="-fsanitize=thread -fno-omit-frame-pointer -g1"
+else
+  BUILD="${FSDP_ASAN_BUILD_DIR:-build-asan}"
+  SUITES=(
+    test_buffer_pool test_comm test_p2p_collectives test_pieces_collectives test_async_watch test_dist
+    test_device_mesh test_mesh_from_groups test_desync test_flight_recorder
+    test_fully_shard test_fully_shard_local test_reduce_into_grads test_fused_copies test_mixed_precision
+    test_hsdp test_replicate test_meta_init test_clip_grad test_custom_collectives test_forward_hooks
+    test_forward_method test_shard_placement test_world_of_one test_optimizers
+    test_tensor_parallel test_tp_units test_fsdp1 test_fsdp1_wrap
+    test_activation_checkpointing test_activation_checkpointing_fsdp test_attention
+    test_safetensors test_checkpoint test_checkpoint_boxes test_checkpoint_safety test_state_dict
+    test_state_dict_options test_data test_llama_hf
+    test_train_gpt test_train_gpt_checkpoints
+  )
+  sanitize="address,undefined"
+  flags="-fsanitize=address,undefined -fno-sanitize=vptr -fno-omit-frame-pointer -g1"
 fi
+QUARANTINE_OFF=(test_meta_init)
 if (($#)); then SUITES=("$@"); fi
 
 if [ ! -f "$BUILD/build.ninja" ]; then
   cmake -S . -B "$BUILD" -G Ninja -DCMAKE_BUILD_TYPE=Release -DCMAKE_CXX_FLAGS="$flags" \
     -DCMAKE_EXE_LINKER_FLAGS="-fsanitize=$sanitize" -DCMAKE_SHARED_LINKER_FLAGS="-fsanitize=$sanitize" >/dev/null
 fi
-targets=("${SUITES[@]}")
-for s in "${SUITES[@]}"; do
-  case "$s" in test_train_gpt*) targets+=(train_gpt fsdprun) ;; esac
-done
-nice cmake --build "$BUILD" --target "${targets[@]}"
+# The trainer's suites depend on train_gpt and fsdprun (tests/trainer/CMakeLists.txt): built with them.
+nice cmake --build "$BUILD" --target "${SUITES[@]}"
 
 base="detect_leaks=0:detect_odr_violation=0:detect_container_overflow=0:abort_on_error=0"
 export UBSAN_OPTIONS="print_stacktrace=1:halt_on_error=1"

@@ -1,21 +1,19 @@
 #!/usr/bin/env bash
-# The GPU check in one short call: build here, run there.
+# The GPU check: build on a development machine, run on a GPU machine.
 #
-#   scripts/gpu-check.sh --prepare DIR            # development machine (CPU, network once)
-#   DIR/gpu-check.sh --run DIR OUTDIR [--no-bench] # the lent GPU machine (one H200, Python's torch
-#                                                 # 2.11 for CUDA 13, no network, minutes to spare)
+#   scripts/gpu-check.sh --prepare DIR             # development machine (CPU, network once)
+#   DIR/gpu-check.sh --run DIR OUTDIR [--no-bench] # the GPU machine (Python's torch 2.11 for
+#                                                  # CUDA 13; no network needed)
 #
 # --prepare builds fsdp_build_info, the GPU tests (test_gpu), gpu_bench and train_gpt against the CUDA LibTorch
-# of the same pip torch package the GPU machines have (the venv of scripts/cuda-build-check.sh,
+# of the pip torch package the GPU machine has (the venv of scripts/cuda-build-check.sh,
 # FSDP_TORCH_CUDA_DIR, default /var/cache/fsdp/torch-cuda; installed there if missing), target by
 # target, niced and under the shared build lock (/tmp/fsdp-build.lock), then puts in DIR: the
 # stripped binaries (bin/), the shared libraries they need beyond torch's own and the system's
 # (lib/; libstdc++ and libgcc_s in lib/fallback/, used only when the machine's are older), this
 # script, benchmarks/fsdp2_gpu_bench.py, scripts/trace_summary.py and stamp.txt (torch and CUDA
-# versions, commit). DIR must be
-# inside the repository and git-ignored (.gpu-deps is), and is named in the device tool's carry:
-#   run(command=".gpu-deps/gpu-check.sh --run .gpu-deps $OUT", carry=[".gpu-deps"])
-# Its size is printed; over 60 MiB fails.
+# versions, commit). DIR must be inside the repository and git-ignored (.gpu-deps is); copy it to
+# the GPU machine beside the checkout. Its size is printed; over 60 MiB fails.
 #
 # --run: checks nvidia-smi (one line "no GPU" where there is none), that the machine's torch and
 # CUDA are the ones the binaries were built for (refused at once, naming both, when not),
@@ -24,10 +22,9 @@
 # up to 3 times; the failed ones once more with FSDP_CPU_SHARD_BUFFER=0), the benchmarks and,
 # where train_gpt is bundled, a traced step of it summarised by trace_summary.py --ops: the copies
 # and kernel launches inside each FSDP phase ([Note: one copy kernel per unit]) (--no-bench: tests
-# only). OUTDIR gets at most 3 files: summary.txt (rewritten
-# after every step, so a killed run leaves one), run.log (every step's output, concatenated) and
-# test_gpu.xml. The steps' limits keep the run under 7 minutes (a passing one: about 2); give the
-# device call timeout_s=420.
+# only). OUTDIR gets at most 3 files: summary.txt (rewritten after every step, so a run stopped
+# part-way leaves one), run.log (every step's output, concatenated) and test_gpu.xml. The steps'
+# limits keep the run under 7 minutes (a passing one: about 2).
 #
 # Settings (environment): FSDP_PYTHON (the GPU machine's Python, default python3),
 # FSDP_GPU_CONTINUE_WITHOUT_GPU=1 (a dry run on a CPU machine goes on past "no GPU": versions,
@@ -53,10 +50,10 @@ prepare() {
   dir="$(cd "$dir" && pwd)"
   case "$dir/" in
     "$repo"/*) ;;
-    *) echo "gpu-check: note: $dir is outside the repository; only the checkout travels to the GPU machine" >&2 ;;
+    *) echo "gpu-check: note: $dir is outside the repository; copy it to the GPU machine beside the checkout" >&2 ;;
   esac
   if git rev-parse --git-dir >/dev/null 2>&1 && ! git check-ignore -q "$dir"; then
-    die "$dir is not git-ignored; it would travel (and count) with every device call: use .gpu-deps"
+    die "$dir is not git-ignored; it would show in git status and could be committed: use .gpu-deps"
   fi
   local cache="${FSDP_TORCH_CUDA_DIR:-/var/cache/fsdp/torch-cuda}" spec="${FSDP_TORCH_SPEC:-torch==2.11.0}"
   local build="${FSDP_CUDA_BUILD_DIR:-build-cuda}" venv
@@ -148,7 +145,7 @@ prepare() {
   cat "$dir/stamp.txt"
   [ "$size_mib" -le "$LIMIT_MIB" ] || die "$dir holds $size_mib MiB, over the $LIMIT_MIB MiB budget"
   echo "gpu-check: $dir ready: $size_mib MiB (limit $LIMIT_MIB), prepared in $((SECONDS - t0)) s. On the GPU machine:"
-  echo "  run(command=\"${dir#"$repo"/}/gpu-check.sh --run ${dir#"$repo"/} \$OUT\", carry=[\"${dir#"$repo"/}\"], timeout_s=420)"
+  echo "  ${dir#"$repo"/}/gpu-check.sh --run ${dir#"$repo"/} OUTDIR"
 }
 
 # ---- --run ---------------------------------------------------------------------------------
@@ -229,7 +226,7 @@ run_check() {
   mkdir -p "$OUT" || die "cannot create $OUT"
   OUT="$(cd "$OUT" && pwd)"
   rm -f "$OUT/summary.txt" "$OUT/run.log" "$OUT/test_gpu.xml"
-  [ -f "$DIR/stamp.txt" ] || die "'$DIR' is not a prepared folder (no stamp.txt): run scripts/gpu-check.sh --prepare $DIR on the development machine, and carry it"
+  [ -f "$DIR/stamp.txt" ] || die "'$DIR' is not a prepared folder (no stamp.txt): run scripts/gpu-check.sh --prepare $DIR on the development machine, and copy it here"
   DIR="$(cd "$DIR" && pwd)"
   local want_torch want_cuda
   want_torch="$(sed -n 's/^torch=//p' "$DIR/stamp.txt")"

@@ -17,7 +17,7 @@
 # work (copies, collectives, the kernel's socket copies). Rows alternate within each round;
 # the median over rounds is printed, with the load average. CPU time still grows with cache and
 # core contention: under load the same binary's rows move between rounds by more than FSDP's
-# share (docs/benchmarks-history.md), so use it on a quiet machine; under load prefer fsdp_cpu_profile.sh.
+# share, so use it on a quiet machine; under load prefer fsdp_cpu_profile.sh.
 set -euo pipefail
 BUILD="${1:-build}"
 ROUNDS="${2:-2}"

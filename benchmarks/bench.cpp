@@ -46,8 +46,8 @@
 // row has no FSDP and no world, so ours and transport are 0 there by construction, and the local
 // row (a world of one) starts no transport thread; replicate's reducer times its gradient copies
 // into the buckets and its all-reduce calls as FSDP's copies and collective calls. The phase
-// timers cost two thread-clock reads per timed phase (87 phases a step on bench's GPT; a read is
-// a system call, ~0.5 us: ~0.1 ms a step); --cpu-split off leaves them off.
+// timers cost two thread-clock reads per timed phase (a read is a system call: far below the
+// step's noise); --cpu-split off leaves them off.
 #include <sched.h>
 #include <unistd.h>
 

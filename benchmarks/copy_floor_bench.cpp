@@ -1,8 +1,8 @@
 // copy_floor_bench: what FSDP's CPU copies of one step cost the memory system by themselves, no
 // FSDP and no network: the same bytes, in the same layouts, as bench's FSDP fp32 row moves, each
 // timed with its destination out of the caches as it is in a training step. It answers whether
-// the "ours: copies" of bench's CPU split (7-8 ms a rank and step on bench's GPT) is FSDP's code
-// or the machine's memory bandwidth.
+// the "ours: copies" of bench's CPU split is FSDP's code or the machine's memory bandwidth
+// (docs/benchmarks.md, "What the copies cannot go under").
 //
 //   build/bin/copy_floor_bench [--nproc 2] [--reps 30] [--layers 4] [--dim 256] [--heads 4] [--seq 128]
 //

@@ -305,7 +305,7 @@ run_check() {
     write_summary
   done
   # A test that failed runs once more with each unit's shards kept apart (FSDP_CPU_SHARD_BUFFER=0,
-  # the layout the GPU ran before 2026-12-05): passing then, its failure is the shard buffer's.
+  # FSDP2's layout): passing then, its failure is the shard buffer's.
   local failed
   failed="$(sed -nE 's/^\[  FAILED  \] ([^ ,]+)(, where .*)? \([0-9]+ ms\)$/\1/p' "$OUT/run.log" | sort -u | paste -sd: -)"
   if [ -n "$failed" ]; then

@@ -6,18 +6,16 @@
 // while both cores compute. Left to the scheduler, a woken transport thread runs where it was
 // woken: on loopback TCP the sender's core, the other rank's. Over a backward that core runs both
 // ranks' transport, its rank falls behind by that CPU, and at the last reduce-scatter the other
-// rank waits with its core idle: 13-19 ms of a 170 ms step of bench's GPT (wall minus CPU per rank,
-// 2026-12-03) against a transport of ~15 ms of CPU per rank in all. Binding each rank, its
-// transport threads with it, to its own core makes every rank pay for its own transport only, so
-// the ranks stay level; but a transport thread woken on a core whose compute thread is running
-// then waits for that thread's slice (EEVDF's base slice, scaled by the core count: 1.4 ms on the
-// 2-core VM), once per message: binding alone doubled the collectives' time (2026-12-02). Gloo's
-// threads therefore ask for the shortest slice (100 us, sched_setattr's sched_runtime, Linux
+// rank waits with its core idle for about as long as the other's lag: the same order as the whole
+// transport's CPU. Binding each rank, its transport threads with it, to its own core makes every
+// rank pay for its own transport only, so the ranks stay level; but a transport thread woken on a
+// core whose compute thread is running then waits for that thread's slice (EEVDF's base slice,
+// scaled by the core count), once per message, so binding alone makes the collectives slower.
+// Gloo's threads therefore ask for the shortest slice (100 us, sched_setattr's sched_runtime, Linux
 // 6.12+): a shorter slice is an earlier deadline, so a woken transport thread preempts the
-// compute thread at once and gives the core back after its short burst. Both together (bench's
-// GPT, 8 alternating pairs, 2026-12-03): the ranks' idle 4-8 ms per step instead of 9-22 ms, FSDP /
-// limit median 1.181 against 1.252 unbound (7 pairs of 8 faster). Not the default: binding is only right when this job
-// owns the host's cores.
+// compute thread at once and gives the core back after its short burst. Both together keep the
+// ranks level and cut the idle time (docs/benchmarks.md, "What each CPU setting buys"). Not the
+// default: binding is only right when this job owns the host's cores.
 #include "fsdp/debug/cpu_tuning.h"
 
 #include <sched.h>

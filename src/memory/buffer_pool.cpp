@@ -101,10 +101,10 @@ void* pool_get(State& s, size_t& mapped) {
   }
   // A new mapping: first give back cached blocks so that live + cached stays within 1.25x the live
   // set's high-water mark (counting this block). At exactly 1x, a model whose units ask for many
-  // sizes (every parameter its own block) unmapped, at each miss, the small blocks a later request
-  // needed: about 4 misses of 56 requests a step on the test model. The quarter's headroom removed
-  // them there and halved the misses on the 85.6M GPT (layout_bench, 2026-12-04) with no higher
-  // peak RSS (memory_bench; docs/benchmarks.md): the cache is trimmed while activations peak.
+  // sizes (every parameter its own block) would unmap, at each miss, the small blocks a later
+  // request needs, and miss again every step. A quarter's headroom keeps those blocks without
+  // raising the peak RSS, because the cache is trimmed while activations peak (docs/benchmarks.md,
+  // "Memory").
   const uint64_t limit = std::max<uint64_t>(s.pool_peak_live + s.pool_peak_live / 4, st.pool_live + mapped);
   const uint64_t footprint = st.pool_live + st.pool_cached + mapped;
   if (footprint > limit) {

@@ -464,7 +464,7 @@ ReduceIntoGrads build_reduce_into_grads(std::vector<std::pair<FSDPParam*, at::Te
   const auto options = grads.front().second.options().requires_grad(false);
   // The input keeps the flat path's [N, total] (this rank's row unsent), so that it reuses the
   // pool's blocks of the all-gathers' size: buffers of other sizes (a [N - 1, total] input and a
-  // [total] result) cost 2,000-4,000 more minor faults a step in bench's runs (docs/benchmarks.md).
+  // [total] result) would miss the pool and fault their pages in again every step.
   r.input = empty_buffer({n, total}, options, BufferOwner::ReduceScatterInput);
   if (none) {
     // The gradients' memory itself: the flat path allocates the same [total] for them at the end

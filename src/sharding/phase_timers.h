@@ -31,7 +31,7 @@ inline uint64_t thread_cpu_ns() {
 
 // Adds the scope's wall and thread CPU time to `p` when the timers are on. Hooks nest (the final
 // callback runs post_backward): only the outermost Hooks scope of a thread counts. Reading the
-// thread's CPU clock is a system call (~0.1-0.5 us; the wall clock is not), paid only when on.
+// thread's CPU clock is a system call (the wall clock is not), paid only when on.
 class PhaseScope {
  public:
   explicit PhaseScope(Phase p) : phase_(p), on_(phase_timers_on()) {

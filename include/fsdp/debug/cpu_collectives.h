@@ -17,10 +17,11 @@
 // message costs more than the copy it saves for shards of up to a few hundred KiB
 // (benchmarks/layout_bench.cpp; docs/benchmarks.md, "The per-parameter layout by default").
 //
-// Why per parameter is the default where shards are large: on the 85.6M GPT at 2 ranks (shards of
-// 1.2-4.7 MB) it took 0.89x-0.99x of the flat layout's step in each of 8 alternating runs,
-// median 0.940x (layout_bench, docs/benchmarks.md); on bench's 3.3M GPT (shards of 512 KiB and
-// less) every unit stays flat, as before.
+// Why per parameter is the default where shards are large: a large shard's rows then move in
+// place, without the flat layout's copies into and out of one buffer, and the copy saved costs
+// more than the extra messages; it was faster than flat on the 85.6M GPT at 2 ranks in every run
+// (docs/benchmarks.md, "The per-parameter layout by default"). On bench's 3.3M GPT (shards of
+// 512 KiB and less) every unit stays flat.
 //
 // In the flat layout on a Gloo group, each unit's shards (where they need no cast) live side by
 // side in one buffer for good, which is the all-gather's input: no copy-in
@@ -68,9 +69,9 @@ struct CpuCollectiveOptions {
   bool reduce_into_grads = true;
   // A unit's unsharded parameters from one allocation (FSDPParam::alloc_unsharded_together), not
   // one each. Always so on a GPU (one caching-allocator call per unit and all-gather, not two per
-  // parameter); off by default on the CPU, where each parameter comes from FSDP's buffer pool: on
-  // the 85.6M GPT with glibc's defaults one allocation per unit raised a rank's peak RSS by 30-75
-  // MB (memory_bench: 79% of the saving realized against 83-90%). FSDP_CPU_UNSHARDED_ONE_ALLOCATION=0|1.
+  // parameter); off by default on the CPU, where each parameter comes from FSDP's buffer pool: with
+  // glibc's defaults one allocation per unit raised a rank's peak RSS (docs/benchmarks.md, "What
+  // each CPU setting buys"). FSDP_CPU_UNSHARDED_ONE_ALLOCATION=0|1.
   bool unsharded_in_one_allocation = false;
 };
 void set_cpu_collective_options(const CpuCollectiveOptions& options);

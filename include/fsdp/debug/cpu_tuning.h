@@ -2,7 +2,7 @@
 // CPU settings that must be fixed before a process starts computing.
 //
 // Debian 12's OpenBLAS (0.3.21) does not recognise recent Xeons and falls back to its generic
-// "Prescott" kernels, about 5x slower on GEMM. OpenBLAS reads OPENBLAS_CORETYPE only when it is
+// "Prescott" kernels, several times slower on GEMM. OpenBLAS reads OPENBLAS_CORETYPE only when it is
 // loaded, so whoever starts the process must set it: fsdprun does for its workers, and a program
 // started without the launcher calls `tune_cpu_or_reexec(argc, argv)` first thing in main().
 #include <string>

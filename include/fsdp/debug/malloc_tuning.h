@@ -14,8 +14,8 @@
 // Fixing the mmap threshold also stops glibc from moving its trim threshold, which then stays at
 // 128 KiB: the heap's top is returned to the kernel whenever that much is free there, which on a
 // model whose activations are below 1 MiB (bench's GPT: 512 KiB each) happens every step after
-// backward, and the next forward faults the same pages in again (~30,000 faults per step, measured
-// with FSDP in a world of one). `trim_threshold` (default 256 MiB) keeps that much free heap.
+// backward, and the next forward faults the same pages in again, every step. `trim_threshold`
+// (default 256 MiB) keeps that much free heap.
 //
 // Example:
 //   fsdp::tune_malloc();  // first thing in main(), before tensors are allocated

@@ -4,7 +4,8 @@
 //   distributed runtime   fsdp/dist/runtime.h, fsdp/dist/env.h      init_distributed, rank, world
 //   meshes and groups     fsdp/mesh/device_mesh.h, fsdp/comm/comm.h  DeviceMesh, Comm collectives
 //   sharding              fsdp/sharding/fully_shard.h, policies.h, call.h, forward_method.h,
-//                         replicate.h, materialize.h, clip_grad.h, custom_collectives.h, fsdp1.h
+//                         replicate.h, materialize.h, clip_grad.h, custom_collectives.h
+//   FSDP1's API           fsdp/fsdp1/fsdp1.h                          FullyShardedDataParallel
 //   tensor parallel       fsdp/tensor_parallel/tensor_parallel.h
 //   activation ckpt       fsdp/activation/activation_checkpointing.h
 //   checkpoints           fsdp/checkpoint/{checkpoint,state_dict,optimizer_state,safetensors,
@@ -23,12 +24,12 @@
 #include "fsdp/comm/comm.h"
 #include "fsdp/dist/env.h"
 #include "fsdp/dist/runtime.h"
+#include "fsdp/fsdp1/fsdp1.h"
 #include "fsdp/mesh/device_mesh.h"
 #include "fsdp/sharding/call.h"
 #include "fsdp/sharding/clip_grad.h"
 #include "fsdp/sharding/custom_collectives.h"
 #include "fsdp/sharding/forward_method.h"
-#include "fsdp/sharding/fsdp1.h"
 #include "fsdp/sharding/fully_shard.h"
 #include "fsdp/sharding/materialize.h"
 #include "fsdp/sharding/policies.h"

@@ -9,10 +9,10 @@
 
 #include "fsdp/dist/runtime.h"
 #include "fsdp1_state.h"
-#include "fsdp_param.h"
-#include "fsdp_state.h"
-#include "recompute.h"
-#include "registry.h"
+#include "sharding/fsdp_param.h"
+#include "sharding/fsdp_state.h"
+#include "sharding/recompute.h"
+#include "sharding/registry.h"
 
 namespace fsdp {
 

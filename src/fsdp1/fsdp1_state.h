@@ -6,7 +6,7 @@
 #include <memory>
 #include <optional>
 
-#include "fsdp/sharding/fsdp1.h"
+#include "fsdp/fsdp1/fsdp1.h"
 
 namespace fsdp::detail {
 

@@ -1,5 +1,5 @@
 // FullyShardedDataParallel: FSDP1's options turned into fully_shard / replicate calls (the table
-// in fsdp/sharding/fsdp1.h), and its state-dict and gradient helpers mapped onto this library's.
+// in fsdp/fsdp1/fsdp1.h), and its state-dict and gradient helpers mapped onto this library's.
 #include <torch/torch.h>
 
 #include <stdexcept>

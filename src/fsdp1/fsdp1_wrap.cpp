@@ -8,7 +8,7 @@
 #include <stdexcept>
 #include <unordered_set>
 
-#include "fsdp/sharding/fsdp1.h"
+#include "fsdp/fsdp1/fsdp1.h"
 
 namespace fsdp {
 

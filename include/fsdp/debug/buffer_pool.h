@@ -1,3 +1,4 @@
+// layer: memory
 #pragma once
 // FSDP's own memory: the bytes of the buffers fully_shard and its collectives allocate (our
 // counting, by owner), and the caching pool they come from on the CPU. The lowest layer: comm and

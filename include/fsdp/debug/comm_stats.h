@@ -1,3 +1,4 @@
+// layer: comm
 #pragma once
 // Bytes each rank sends, per kind of collective. Benchmarks and the trainer report these.
 //

@@ -1,3 +1,4 @@
+// layer: sharding
 #pragma once
 // How fully_shard moves a unit's data on the CPU (a Gloo shard group of CPU tensors).
 //

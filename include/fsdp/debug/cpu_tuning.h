@@ -1,3 +1,4 @@
+// layer: dist
 #pragma once
 // CPU settings that must be fixed before a process starts computing.
 //

@@ -1,3 +1,4 @@
+// layer: comm
 #pragma once
 // Collective desync detection (TORCH_DISTRIBUTED_DEBUG=DETAIL, PyTorch's variable).
 //

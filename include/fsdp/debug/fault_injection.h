@@ -1,3 +1,4 @@
+// layer: checkpoint
 #pragma once
 // Failures injected into this process's checkpoint saves, for tests of crash safety: a save killed
 // half way, or one that runs out of disk, must leave the last good checkpoint loadable and nothing

@@ -1,3 +1,4 @@
+// layer: comm
 #pragma once
 // Flight recorder: every process keeps its last N collectives in a ring buffer, and writes them
 // to a file when a collective fails or times out, so that the ranks' records can be lined up

@@ -1,3 +1,4 @@
+// layer: sharding
 #pragma once
 // GPU only: how long the compute stream stood still waiting for all-gathers, i.e. the part of
 // each all-gather that overlap did not hide (see [Note: FSDP streams] in src/sharding/streams.h).

@@ -1,3 +1,4 @@
+// layer: memory
 #pragma once
 // glibc's malloc, set for training: a fixed mmap threshold, so that every freed block of at least
 // that size goes back to the kernel at once, and a fixed trim threshold, so that the heap of

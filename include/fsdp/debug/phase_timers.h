@@ -1,3 +1,4 @@
+// layer: sharding
 #pragma once
 // Where FSDP's own time goes on a rank's main thread, by phase: wall-clock nanoseconds, the
 // thread's CPU nanoseconds (CLOCK_THREAD_CPUTIME_ID) and calls, summed over all units since the

@@ -1,3 +1,4 @@
+// layer: profiler
 #pragma once
 // Chrome traces of training steps, with FSDP's phases as named ranges (Perfetto and
 // chrome://tracing open them).

@@ -19,6 +19,7 @@
 // before the first step, save at the next step or batch after it), the test kill hook
 // (kill_hook.h), the memory preflight (preflight.h), the check that every rank got the same
 // options (fingerprint.h) and the checkpoint policy (checkpoints.h).
+#include <cctype>
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
@@ -350,22 +351,59 @@ std::string checkpoint_save(const Run& run, Model& m, torch::optim::Optimizer& o
     scalars.ints["data_epoch"] = next.epoch;
     scalars.ints["data_index"] = next.index;
   }
-  // A Llama run records its config.json, so the checkpoint describes itself (fsdp-ckpt export-hf).
+  // The checkpoint records its model, so that it describes itself (fsdp-ckpt export-hf) and a
+  // resume can refuse another model (check_resume_model, model.h): a Llama run its config.json,
+  // a GPT run its configuration.
   fsdp::models::HFConfigState hf;
+  GptConfigRecord gpt;
   std::map<std::string, fsdp::checkpoint::Stateful*> extras{{"trainer", &scalars}};
   if (m.llama) {
     hf = fsdp::models::HFConfigState(m.llama->config);
     extras[fsdp::models::kHFConfigEntry] = &hf;
+  } else {
+    gpt = GptConfigRecord(gpt_config_json(run.opt));
+    extras[kGptConfigEntry] = &gpt;
   }
   fsdp::checkpoint::save(dir, fsdp::checkpoint::State{m.module(), &opt, extras, {}});
   return dir;
+}
+
+// The library names an optimizer mismatch in its own terms (LoadOptions); the trainer's fix is
+// --optimizer: one line, exit status 2. Returns when `e` is about something else.
+void throw_if_other_optimizer(const std::string& dir, const Options& o, const fsdp::checkpoint::CheckpointError& e) {
+  const std::string what = e.what();
+  if (what.find("the optimizer state") == std::string::npos) return;
+  std::string fix = "the --optimizer it was trained with";
+  const auto by = what.find("saved by "), end = what.find(" (it has");
+  if (by != std::string::npos && end != std::string::npos && end > by + 9) {
+    std::string owners = what.substr(by + 9, end - by - 9) + "/";  // "Adam/AdamW/...": the codecs' names
+    std::vector<std::string> names;                                // those --optimizer offers
+    for (size_t at = 0, slash; (slash = owners.find('/', at)) != std::string::npos; at = slash + 1) {
+      std::string name = owners.substr(at, slash - at);
+      for (char& ch : name) ch = static_cast<char>(std::tolower(static_cast<unsigned char>(ch)));
+      if (name == "adamw" || name == "adam" || name == "sgd" || name == "adagrad" || name == "rmsprop")
+        names.push_back(name);
+    }
+    if (!names.empty()) {
+      fix = "--optimizer " + names[0];
+      for (size_t k = 1; k < names.size(); ++k) fix += (k + 1 == names.size() ? " or " : ", ") + names[k];
+      fix += " (what it was trained with)";
+    }
+  }
+  throw std::invalid_argument("checkpoint " + dir + " holds the state of another optimizer than --optimizer " +
+                              o.optimizer + ": resume with " + fix + ", or give another --checkpoint-dir");
 }
 
 // Returns the number of steps the checkpoint had completed.
 int64_t checkpoint_load(const Run& run, Model& m, torch::optim::Optimizer& opt, const std::string& dir,
                         const TokenSource& data) {
   TrainerScalars scalars;
-  fsdp::checkpoint::load(dir, fsdp::checkpoint::State{m.module(), &opt, {{"trainer", &scalars}}, {}});
+  try {
+    fsdp::checkpoint::load(dir, fsdp::checkpoint::State{m.module(), &opt, {{"trainer", &scalars}}, {}});
+  } catch (const fsdp::checkpoint::CheckpointError& e) {
+    throw_if_other_optimizer(dir, run.opt, e);
+    throw;
+  }
   if (data.tokens() && scalars.ints.count("data_epoch") && run.rank == 0) {
     // The order is a function of (seed, step): another position means other shards or batch shape.
     const fsdp::data::Position here = data.position(scalars.ints["step"]);
@@ -386,8 +424,11 @@ int64_t checkpoint_load(const Run& run, Model& m, torch::optim::Optimizer& opt, 
   return scalars.ints["step"];
 }
 
-// Resuming a checkpoint of another model shape is an error before any work (one line).
-void check_checkpoint_shapes(const std::string& dir, const Shapes& expected) {
+// Resuming a checkpoint of another model is an error before any work (one line): the model the
+// checkpoint records (model.h), then every shape (all an older checkpoint without the record has).
+void check_checkpoint_shapes(const std::string& dir, const Options& o, const std::optional<LlamaConfig>& llama,
+                             const Shapes& expected) {
+  check_resume_model(dir, o, llama);
   const auto saved = fsdp::checkpoint::describe(dir);
   auto shape_str = [](const std::vector<int64_t>& s) {
     std::string out = "[";
@@ -500,7 +541,8 @@ BannerInfo banner_info(const Run& run, Model& m, const TokenSource& data,
   if (m.llama) {
     info.model = describe(m.llama->config) + (o.init_from.empty() ? " from scratch" : " from " + o.init_from);
     if (!o.init_from.empty() && resume_dir)
-      info.resume_note = "the checkpoint wins: " + o.init_from + "'s weights are not loaded";
+      info.resume_note = "the checkpoint wins: " + o.init_from +
+                         "'s weights are not loaded; its config.json matches the checkpoint's model";
   }
   return info;
 }
@@ -549,7 +591,7 @@ int run_training(const Options& options, const std::optional<LlamaConfig>& llama
     for (const auto& w : resume.warnings) std::printf("train_gpt: warning: %s\n", w.c_str());
   }
   Model m = build_model_meta(run, llama, [&](const Shapes& shapes) {
-    if (resume_dir) check_checkpoint_shapes(*resume_dir, shapes);
+    if (resume_dir) check_checkpoint_shapes(*resume_dir, o, llama, shapes);
     if (r0) {
       std::printf("train_gpt: %s\n", memory.c_str());  // then the (possibly long) allocation and init
       std::fflush(stdout);

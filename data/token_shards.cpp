@@ -2,7 +2,7 @@
 
 #include <fcntl.h>
 #include <glob.h>
-#include <sys/mman.h>
+#include <sys/resource.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -61,10 +61,16 @@ std::vector<std::string> expand_glob(const std::string& pattern) {
 
 Shard::Shard(const std::string& path) : path_(path) {
   const int fd = ::open(path.c_str(), O_RDONLY | O_NONBLOCK | O_CLOEXEC | O_NOCTTY);
+  if (fd < 0 && errno == EMFILE) {
+    fail("cannot open token shard " + quoted(path) + ": " + std::strerror(errno) +
+         " (each shard stays open while training: raise the limit, ulimit -n, or merge shards)");
+  }
   if (fd < 0) fail("cannot read token shard " + quoted(path) + ": " + std::strerror(errno) + kShardHint);
-  struct Closer {
+  struct Closer {  // kept open (fd_) once the file is known to be a shard with tokens
     int fd;
-    ~Closer() { ::close(fd); }
+    ~Closer() {
+      if (fd >= 0) ::close(fd);
+    }
   } closer{fd};
   struct stat st {};
   if (::fstat(fd, &st) != 0) fail("cannot read token shard " + quoted(path) + ": " + std::strerror(errno));
@@ -74,7 +80,6 @@ Shard::Shard(const std::string& path) : path_(path) {
     fail("token shard " + quoted(path) + " has " + std::to_string(bytes) + " bytes, less than llm.c's " +
          std::to_string(kHeaderBytes) + "-byte header" + kShardHint);
   }
-  // The header through read(): a mapping is made only once the file is known to be a shard.
   int32_t header[kHeaderInts];
   if (::pread(fd, header, sizeof header, 0) != static_cast<ssize_t>(sizeof header)) {
     fail("cannot read the header of token shard " + quoted(path) + ": " + std::strerror(errno));
@@ -108,11 +113,9 @@ Shard::Shard(const std::string& path) : path_(path) {
          " bytes after its header (truncated or damaged: write it again)");
   }
   if (tokens_ == 0) return;
-  void* m = ::mmap(nullptr, static_cast<size_t>(bytes), PROT_READ, MAP_SHARED, fd, 0);
-  if (m == MAP_FAILED) fail("cannot map token shard " + quoted(path) + ": " + std::strerror(errno));
-  map_ = static_cast<const unsigned char*>(m);
-  map_bytes_ = static_cast<size_t>(bytes);
-  tokens_at_ = map_ + kHeaderBytes;
+  fd_ = fd;
+  file_bytes_ = bytes;
+  closer.fd = -1;
 }
 
 Shard::Shard(std::string name, std::vector<uint32_t> tokens, int64_t vocab)
@@ -125,34 +128,73 @@ Shard::Shard(std::string name, std::vector<uint32_t> tokens, int64_t vocab)
 }
 
 Shard::~Shard() {
-  if (map_ != nullptr) ::munmap(const_cast<unsigned char*>(map_), map_bytes_);
+  if (fd_ >= 0) ::close(fd_);
 }
 
 Shard::Shard(Shard&& o) noexcept
     : path_(std::move(o.path_)),
-      map_(o.map_),
-      map_bytes_(o.map_bytes_),
+      fd_(o.fd_),
+      file_bytes_(o.file_bytes_),
       owned_(std::move(o.owned_)),  // a moved vector keeps its buffer: tokens_at_ stays valid
       tokens_at_(o.tokens_at_),
       tokens_(o.tokens_),
       token_bytes_(o.token_bytes_),
       vocab_(o.vocab_) {
-  o.map_ = nullptr;
+  o.fd_ = -1;
   o.tokens_at_ = nullptr;
+}
+
+// [Note: shards read with pread] A shard is read through pread(2) on the descriptor opened at
+// start, not through a mapping: a file truncated or rewritten shorter under a running job makes a
+// mapped read past the new end raise SIGBUS, which kills the process naming no file; pread
+// returns short instead, and the read fails with a DataError naming the shard. (A file replaced by
+// a rename is not seen: the descriptor keeps the file the run started with.)
+void Shard::read_bytes(int64_t offset, int64_t n, unsigned char* out) const {
+  int64_t done = 0;
+  while (done < n) {
+    const ssize_t got = ::pread(fd_, out + done, static_cast<size_t>(n - done), offset + done);
+    if (got < 0 && errno == EINTR) continue;
+    if (got < 0) fail("cannot read token shard " + quoted(path_) + ": " + std::strerror(errno));
+    if (got == 0) {
+      struct stat st {};
+      const std::string now = ::fstat(fd_, &st) == 0 ? std::to_string(st.st_size) + " bytes" : "unknown";
+      fail("token shard " + quoted(path_) + " changed under the running job: it had " + std::to_string(file_bytes_) +
+           " bytes at start and has " + now +
+           " now (truncated or rewritten: restore it, then resume from the last "
+           "checkpoint)");
+    }
+    done += got;
+  }
 }
 
 uint32_t Shard::max_token() const {
   std::call_once(max_once_, [&] {
     if (tokens_ == 0) return;
-    const unsigned char* p = tokens_at_;
-    max_token_ = token_bytes_ == 2 ? max_of(reinterpret_cast<const uint16_t*>(p), tokens_)
-                                   : max_of(reinterpret_cast<const uint32_t*>(p), tokens_);
+    if (in_memory()) {
+      max_token_ = max_of(reinterpret_cast<const uint32_t*>(tokens_at_), tokens_);
+      return;
+    }
+    constexpr int64_t kChunk = int64_t{1} << 20;  // tokens per read: one sequential pass
+    std::vector<unsigned char> buf(static_cast<size_t>(std::min(tokens_, kChunk) * token_bytes_));
+    for (int64_t at = 0; at < tokens_; at += kChunk) {
+      const int64_t n = std::min(kChunk, tokens_ - at);
+      read_bytes(kHeaderBytes + at * token_bytes_, n * token_bytes_, buf.data());
+      max_token_ = std::max(max_token_, token_bytes_ == 2 ? max_of(reinterpret_cast<const uint16_t*>(buf.data()), n)
+                                                          : max_of(reinterpret_cast<const uint32_t*>(buf.data()), n));
+    }
   });
   return max_token_;
 }
 
 void Shard::read(int64_t start, int64_t n, int64_t* out) const {
   const unsigned char* p = tokens_at_;
+  if (!in_memory()) {  // a window (seq_len + 1 tokens) at a time, through a buffer of this thread's
+    thread_local std::vector<unsigned char> staged;
+    staged.resize(static_cast<size_t>(n * token_bytes_));
+    read_bytes(kHeaderBytes + start * token_bytes_, n * token_bytes_, staged.data());
+    p = staged.data();
+    start = 0;
+  }
   if (token_bytes_ == 2) {
     widen(reinterpret_cast<const uint16_t*>(p) + start, n, out);
   } else {
@@ -161,6 +203,14 @@ void Shard::read(int64_t start, int64_t n, int64_t* out) const {
 }
 
 TokenShards::TokenShards(const std::vector<std::string>& paths) {
+  // Every shard keeps a descriptor open: many shards may need more than the soft limit (1024 by
+  // default), which the process may raise up to the hard one itself.
+  if (rlimit lim{}; ::getrlimit(RLIMIT_NOFILE, &lim) == 0 && lim.rlim_cur != RLIM_INFINITY &&
+                    lim.rlim_cur < paths.size() + 256 && lim.rlim_cur < lim.rlim_max) {
+    lim.rlim_cur =
+        lim.rlim_max == RLIM_INFINITY ? paths.size() + 256 : std::min<rlim_t>(lim.rlim_max, paths.size() + 256);
+    ::setrlimit(RLIMIT_NOFILE, &lim);
+  }
   for (const auto& path : paths) {
     shards_.push_back(std::make_unique<Shard>(path));
     starts_.push_back(total_);

@@ -1,6 +1,6 @@
 // data_loader_bench: what train_gpt's data loading costs per step on token shards: the global
 // batch of each step read as train_gpt reads it (WindowSampler's permutation, then read_windows
-// from the memory-mapped shards into int64 rows), timed alone. Divide by a step's time
+// from the shards (pread) into int64 rows), timed alone. Divide by a step's time
 // (train_gpt's ms/step at the same --batch-size and --seq-len) for the loader's share.
 //
 //   build/bin/data_loader_bench --data 'data/web_train_*.bin' --batch-size 16 --seq-len 1024 --steps 200

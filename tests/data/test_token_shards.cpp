@@ -97,6 +97,32 @@ TEST(TokenShards, BadInputIsOneLineNamingTheProblem) {
   }
 }
 
+// A shard truncated while it is being read (another job rewriting it, a full disk): the next read
+// past its new end is a DataError naming the file, where a memory mapping raised SIGBUS. Reads
+// before the new end, and max_token before the truncation, stay as they were.
+TEST(TokenShards, ShardTruncatedWhileOpenIsAnErrorNamingIt) {
+  fsdp::testing::TempDir dir("data_test");
+  for (const bool u32 : {false, true}) {
+    const std::string path = dir / (u32 ? "u32.bin" : "u16.bin");
+    write_shard(path, iota_tokens(5000), u32);
+    TokenShards shards({path});
+    EXPECT_EQ(shards.max_token(), 4999u);
+    std::vector<int64_t> out(10);
+    shards.read(4990, 10, out.data());
+    EXPECT_EQ(out.front(), 4990);
+    EXPECT_EQ(out.back(), 4999);
+    std::filesystem::resize_file(path, kHeaderBytes + 1000 * (u32 ? 4 : 2));  // 1000 tokens left
+    shards.read(990, 10, out.data());
+    EXPECT_EQ(out.back(), 999);
+    EXPECT_ERROR_CONTAINS(shards.read(4990, 10, out.data()),
+                          "token shard '" + path + "' changed under the running job: it had " +
+                              std::to_string(kHeaderBytes + 5000 * (u32 ? 4 : 2)) + " bytes at start and has " +
+                              std::to_string(kHeaderBytes + 1000 * (u32 ? 4 : 2)) + " bytes now");
+    std::filesystem::resize_file(path, 0);
+    EXPECT_ERROR_CONTAINS(shards.read(0, 1, out.data()), "changed under the running job");
+  }
+}
+
 TEST(WindowSampler, EachEpochIsAPermutationOfTheWindows) {
   WindowSampler w(1001, 10, 4, 7);  // 100 windows
   ASSERT_EQ(w.windows(), 100);

@@ -1,5 +1,5 @@
 #pragma once
-// Token shards in llm.c's format, memory-mapped, and the order in which a trainer reads them.
+// Token shards in llm.c's format, read where needed, and the order in which a trainer reads them.
 //
 // A shard is a 256 x int32 header (magic, version, token count, ...) followed by the tokens:
 // uint16 in llm.c's GPT-2 data (magic 20240520, version 1), uint32 in its Llama 3 variant
@@ -39,8 +39,10 @@ class DataError : public std::invalid_argument {
 // exist), else glob(3)'s matches. Throws DataError when nothing matches.
 std::vector<std::string> expand_glob(const std::string& pattern);
 
-// One shard, memory-mapped read-only (never read whole: the kernel pages in what is touched).
-// The constructor checks the header against the file's size.
+// One shard, kept open and read with pread(2) where tokens are asked for (never read whole). The
+// constructor checks the header against the file's size; a read that finds the file shorter
+// than at start (truncated under a running job) throws DataError naming the shard, where a
+// memory mapping would have raised SIGBUS.
 class Shard {
  public:
   explicit Shard(const std::string& path);
@@ -63,11 +65,14 @@ class Shard {
   void read(int64_t start, int64_t n, int64_t* out) const;
 
  private:
+  // Bytes [offset, offset + n) of the file; throws DataError when it has become shorter.
+  void read_bytes(int64_t offset, int64_t n, unsigned char* out) const;
+
   std::string path_;
-  const unsigned char* map_ = nullptr;  // the whole file
-  size_t map_bytes_ = 0;
+  int fd_ = -1;                               // the file, open while the shard lives (none when empty or in memory)
+  int64_t file_bytes_ = 0;                    // its size when opened
   std::vector<uint32_t> owned_;               // the tokens of an in-memory shard
-  const unsigned char* tokens_at_ = nullptr;  // the first token (in the mapping, or owned_)
+  const unsigned char* tokens_at_ = nullptr;  // the first token of an in-memory shard (owned_)
   int64_t tokens_ = 0;
   int token_bytes_ = 2;
   int64_t vocab_ = 0;

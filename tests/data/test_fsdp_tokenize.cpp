@@ -211,4 +211,44 @@ TEST(FsdpTokenize, BadInputIsOneLineExitTwoAndNoShardWritten) {
   EXPECT_NE(r.output.find("old_000000.bin exists"), std::string::npos) << r.output;
 }
 
+// An output prefix that already has shards (any of them, not only PREFIX_000000.bin) is refused
+// and left as it was; --overwrite replaces every one of them (the stale ones beyond the new run's
+// count removed); a folder given as --out is refused in one line.
+TEST(FsdpTokenize, ExistingShardsNeedOverwriteWhichRemovesThemAll) {
+  fsdp::testing::TempDir dir("tokenize_test");
+  write_corpus(dir);
+  const std::string a = quote(dir / "a.txt"), prefix = dir / "x";
+  write_shard(dir / "x_000003.bin", {7, 8, 9});  // a stale shard of an earlier, longer run
+  write_shard(dir / "x_val_000000.bin", {1});    // another prefix's
+  const std::string stale = slurp(dir / "x_000003.bin");
+  auto r = run("--out " + quote(prefix) + " " + a);
+  EXPECT_EQ(r.exit_code, 2) << r.output;
+  EXPECT_NE(r.output.find("x_000003.bin exists (1 shard of an earlier run"), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("give --overwrite"), std::string::npos) << r.output;
+  EXPECT_EQ(std::count(r.output.begin(), r.output.end(), '\n'), 1) << r.output;
+  EXPECT_FALSE(fs::exists(prefix + "_000000.bin"));
+  EXPECT_EQ(slurp(dir / "x_000003.bin"), stale);
+  // --overwrite: the new run's shards, and none of the old ones.
+  r = run("--overwrite --shard-tokens 30 --out " + quote(prefix) + " " + a);
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_TRUE(fs::exists(prefix + "_000000.bin"));
+  EXPECT_FALSE(fs::exists(prefix + "_000003.bin")) << "a stale shard survived --overwrite";
+  EXPECT_TRUE(fs::exists(dir / "x_val_000000.bin")) << "another prefix's shard was removed";
+  size_t first_run = 0;
+  while (fs::exists(prefix + "_00000" + std::to_string(first_run) + ".bin")) ++first_run;
+  ASSERT_GT(first_run, 1u);
+  r = run("--overwrite --out " + quote(prefix) + " " + a);  // one shard now: the others go
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_TRUE(fs::exists(prefix + "_000000.bin"));
+  EXPECT_FALSE(fs::exists(prefix + "_000001.bin"));
+  // A folder, with or without the slash, is not a prefix.
+  for (const std::string& out : {dir.path + "/", dir.path}) {
+    r = run("--out " + quote(out) + " " + a);
+    EXPECT_EQ(r.exit_code, 2) << r.output;
+    EXPECT_NE(r.output.find("names a folder, not a prefix"), std::string::npos) << r.output;
+    EXPECT_EQ(std::count(r.output.begin(), r.output.end(), '\n'), 1) << r.output;
+  }
+  EXPECT_FALSE(fs::exists(dir / "_000000.bin"));
+}
+
 }  // namespace

@@ -45,6 +45,7 @@ struct Options {
   std::string field = "text";
   int64_t shard_tokens = 100'000'000;  // llm.c's shard size
   std::string out;
+  bool overwrite = false;  // replace the shards of an earlier run under --out (all of them)
   std::vector<std::string> inputs;
 };
 
@@ -97,8 +98,9 @@ class ShardWriter {
       if (buf_.size() == static_cast<size_t>(o_.shard_tokens)) flush();
     }
   }
-  // Writes the last shard and renames every shard in; returns their names.
-  std::vector<std::string> commit() {
+  // Writes the last shard and renames every shard in (over the earlier run's of the same names);
+  // then removes the earlier run's shards beyond them (`old`: --overwrite's). Returns the names.
+  std::vector<std::string> commit(const std::vector<std::string>& old) {
     if (!buf_.empty()) flush();
     std::vector<std::string> names;
     for (size_t i = 0; i < temps_.size(); ++i) {
@@ -106,6 +108,9 @@ class ShardWriter {
       fs::rename(temps_[i], names.back());
     }
     temps_.clear();
+    for (const auto& f : old) {
+      if (std::find(names.begin(), names.end(), f) == names.end()) fs::remove(f);
+    }
     return names;
   }
   int64_t total() const { return total_; }
@@ -149,8 +154,28 @@ class ShardWriter {
 
 double now_s() { return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count(); }
 
-// Checks that need no work: inputs readable, no shards of an earlier run under --out, the
-// output folder exists. Throws InputError.
+// The shards an earlier run wrote under `prefix`: PREFIX_<6 or more digits>.bin, sorted.
+std::vector<std::string> shards_of(const std::string& prefix) {
+  const fs::path p(prefix);
+  const fs::path dir = p.parent_path().empty() ? fs::path(".") : p.parent_path();
+  const std::string stem = p.filename().string() + "_";
+  auto is_shard = [&](const std::string& f) {  // stem + at least 6 digits + ".bin"
+    if (f.size() < stem.size() + 10 || f.compare(0, stem.size(), stem) != 0 || !f.ends_with(".bin")) return false;
+    return std::all_of(f.begin() + static_cast<std::ptrdiff_t>(stem.size()), f.end() - 4,
+                       [](char c) { return c >= '0' && c <= '9'; });
+  };
+  std::vector<std::string> out;
+  std::error_code ec;
+  for (const auto& e : fs::directory_iterator(dir, ec)) {
+    const std::string f = e.path().filename().string();
+    if (is_shard(f)) out.push_back(p.parent_path().empty() ? f : (p.parent_path() / f).string());
+  }
+  std::sort(out.begin(), out.end());
+  return out;
+}
+
+// Checks that need no work: inputs readable, --out a prefix in an existing folder, no shards of
+// an earlier run under it (unless --overwrite). Throws InputError.
 void check_inputs(const Options& o) {
   if (o.shard_tokens > INT32_MAX) throw InputError("--shard-tokens must be at most 2^31 - 1 (llm.c's int32 count)");
   for (const auto& in : o.inputs) {
@@ -158,14 +183,22 @@ void check_inputs(const Options& o) {
     if (!fs::is_regular_file(in, ec)) throw InputError("cannot read input '" + in + "': not a readable regular file");
     if (!std::ifstream(in)) throw InputError("cannot read input '" + in + "'");
   }
+  std::error_code ec;
+  if (o.out.empty() || o.out.back() == '/' || fs::is_directory(o.out, ec)) {
+    throw InputError("--out " + o.out + " names a folder, not a prefix: give a prefix inside it, e.g. --out " +
+                     (fs::path(o.out) / "corpus_train").lexically_normal().string() +
+                     " (shards corpus_train_000000.bin, ...)");
+  }
   const fs::path dir = fs::path(o.out).parent_path();
   if (!dir.empty() && !fs::is_directory(dir)) {
     throw InputError("--out " + o.out + ": folder " + dir.string() + " does not exist (create it first)");
   }
-  const std::string first = ShardWriter::shard_name(o.out, 0);
-  if (fs::exists(first)) {
-    throw InputError(first + " exists: remove the earlier shards (" + o.out +
-                     "_*.bin) or give another --out (a stale shard would join the glob)");
+  const std::vector<std::string> old = shards_of(o.out);
+  if (!old.empty() && !o.overwrite) {
+    throw InputError(old.front() + " exists (" + std::to_string(old.size()) + " shard" + (old.size() == 1 ? "" : "s") +
+                     " of an earlier run: " + o.out +
+                     "_*.bin): give --overwrite to replace them all, or another --out (a stale shard would join "
+                     "the glob)");
   }
 }
 
@@ -216,7 +249,8 @@ int run(const Options& o) {
   read_bytes = total_bytes;
   progress(true);
   const bool u32 = writer.u32();
-  const auto names = writer.commit();
+  // --overwrite: the earlier run's shards go only now, once the new ones are written.
+  const auto names = writer.commit(o.overwrite ? shards_of(o.out) : std::vector<std::string>{});
   const double secs = now_s() - t0;
   std::printf(
       "fsdp-tokenize: %zu file%s, %lld documents, %lld tokens -> %zu shard%s %s%s (%s, vocabulary %lld) in %.2f s "
@@ -248,6 +282,9 @@ int main(int argc, char** argv) {
   app.add_option("--shard-tokens", o.shard_tokens, "Tokens per shard (the last one holds the rest)")
       ->check(CLI::Range(int64_t{1}, int64_t{INT32_MAX}));
   app.add_option("--out", o.out, "Output prefix: PREFIX_000000.bin, PREFIX_000001.bin, ...")->required();
+  app.add_flag("--overwrite", o.overwrite,
+               "Replace the shards an earlier run wrote under --out (every PREFIX_*.bin; removed once the new "
+               "ones are written)");
   app.add_option("files", o.inputs, "Text or JSON-lines files")->required();
   try {
     app.parse(argc, argv);

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # A one-machine Slurm cluster for tests: munge with a fresh key, slurmctld and one slurmd on this
-# host (CPUs = this machine's cores), everything under one folder, nothing of the system's Slurm
+# host (CPUs = this machine's cores, whatever OMP_NUM_THREADS says), everything under one folder, nothing of the system's Slurm
 # configuration touched.
 #
 #   scripts/slurm-local.sh up      # start it; prints `export SLURM_CONF=...` for srun/sbatch/sinfo
@@ -74,7 +74,12 @@ up() {
     die "munged did not start; see $DIR/log/munged.log"
   local host cpus nodes k
   host="$(hostname -s)"
-  cpus="$(nproc)"
+  # Every core this host lets us run on, whatever the caller's OMP_NUM_THREADS: nproc honours
+  # OMP_NUM_THREADS and OMP_THREAD_LIMIT (clusters often export OMP_NUM_THREADS=1, which made a
+  # node of 1 CPU, and `srun -n 2` waited forever). Without them nproc counts the CPUs of this
+  # process's affinity (a cgroup cpuset included), which slurmd can give its tasks; `nproc --all`
+  # would count installed CPUs that a cpuset excludes.
+  cpus="$(env -u OMP_NUM_THREADS -u OMP_THREAD_LIMIT nproc)"
   nodes="NodeName=$host CPUs=$cpus State=UNKNOWN"
   if [ "$HOSTS" != 0 ]; then
     [[ "$HOSTS" =~ ^[0-9]+$ ]] || die "SLURM_LOCAL_HOSTS='$HOSTS' is not a number of hosts; give e.g. 2"

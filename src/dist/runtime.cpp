@@ -6,12 +6,15 @@
 
 #include <algorithm>
 #include <cerrno>
+#include <condition_variable>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <future>
 #include <mutex>
+#include <optional>
 #include <set>
+#include <system_error>
 #include <thread>
 
 #include "fsdp/comm/backend.h"
@@ -167,6 +170,108 @@ void release_bounded(std::unique_ptr<Runtime> rt, std::chrono::milliseconds limi
   finished.wait_for(limit);
 }
 
+// [Note: waiting for peers] A rank that waits for the others (at the store, then in the world
+// group's rendezvous) says so every FSDP_WAIT_REPORT_S seconds (default 30, as torchrun's agent
+// does; 0: silent) on stderr: "fsdp: rank 0 waiting for 1 of 2 ranks at 127.0.0.1:29500 (30.0 s
+// so far, timeout 300.0 s)". Each rank adds 1 to kArrivedKey once it reaches the store; the
+// reporter reads the count on a connection of its own, opened only once it has something to say,
+// since a c10d store holds its lock through a blocking wait (the rendezvous's) and a read on the
+// same connection would wait behind it. The rendezvous itself runs as it did without the reporter.
+constexpr const char* kArrivedKey = "fsdp/arrived/world";
+
+std::chrono::milliseconds wait_report_interval() {
+  const char* v = std::getenv("FSDP_WAIT_REPORT_S");
+  if (v == nullptr || *v == '\0') return std::chrono::seconds(30);
+  char* end = nullptr;
+  const double s = std::strtod(v, &end);
+  if (end == v || *end != '\0' || !(s >= 0) || s > 86400) {
+    throw DistError(std::string("fsdp: FSDP_WAIT_REPORT_S='") + v +
+                    "' is not a number of seconds (0 to 86400; 0: no lines while waiting for the other ranks)");
+  }
+  return std::chrono::milliseconds(static_cast<int64_t>(s * 1000.0 + 0.5));
+}
+
+// A second connection to the job's store, as a client, for the reporter's reads (short timeout).
+compat::StorePtr open_reader(const LaunchEnv& env, const StoreEnv& store_env, std::chrono::milliseconds timeout) {
+  compat::StorePtr store;
+  if (!store_env.file.empty()) {
+    store = compat::file_store(store_env.file, timeout);
+  } else {
+    c10d::TCPStoreOptions opts = compat::tcp_store_options();
+    opts.port = static_cast<std::uint16_t>(env.master_port);
+    opts.isServer = false;
+    opts.waitWorkers = false;
+    opts.timeout = timeout;
+    store = c10::make_intrusive<c10d::TCPStore>(env.master_addr, opts);
+  }
+  if (env.use_agent_store) return c10::make_intrusive<c10d::PrefixStore>(env.store_prefix(), store);
+  return store;
+}
+
+// While alive, prints the waiting line every `interval` from a thread of its own (none for 0).
+class WaitReporter {
+ public:
+  WaitReporter(const LaunchEnv& env, const StoreEnv& store_env, std::chrono::milliseconds interval,
+               std::chrono::milliseconds timeout)
+      : env_(env), store_env_(store_env), interval_(interval), timeout_(timeout) {
+    if (interval_.count() > 0) thread_ = std::thread([this] { run(); });
+  }
+  ~WaitReporter() {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      done_ = true;
+    }
+    cv_.notify_all();
+    if (thread_.joinable()) thread_.join();
+  }
+  WaitReporter(const WaitReporter&) = delete;
+  WaitReporter& operator=(const WaitReporter&) = delete;
+
+ private:
+  void run() {
+    const auto start = std::chrono::steady_clock::now();
+    const std::string where = store_env_.file.empty() ? env_.master_addr + ":" + std::to_string(env_.master_port)
+                                                      : "the store file " + store_env_.file;
+    compat::StorePtr reader;
+    std::unique_lock<std::mutex> lock(mu_);
+    while (!cv_.wait_for(lock, interval_, [this] { return done_; })) {
+      lock.unlock();
+      std::string whom = "the store (rank 0 or the launcher hosts it)";
+      try {
+        // Tried again at the next line while it cannot connect (within a line's interval, at most 5 s).
+        if (!reader)
+          reader = open_reader(env_, store_env_,
+                               std::clamp(interval_, std::chrono::milliseconds(100), std::chrono::milliseconds(5000)));
+        const int64_t arrived = reader->add(kArrivedKey, 0);
+        whom = arrived >= env_.world_size
+                   ? std::string()  // all there: the group is connecting
+                   : std::to_string(env_.world_size - arrived) + " of " + std::to_string(env_.world_size) + " ranks";
+      } catch (const std::exception&) {
+        // Not reachable yet: the line says what this rank waits for.
+      }
+      const auto waited =
+          std::chrono::duration_cast<std::chrono::milliseconds>(std::chrono::steady_clock::now() - start);
+      lock.lock();
+      if (done_) break;
+      lock.unlock();
+      if (!whom.empty()) {
+        std::fprintf(stderr, "fsdp: rank %d waiting for %s at %s (%s so far, timeout %s)\n", env_.rank, whom.c_str(),
+                     where.c_str(), seconds(waited).c_str(), seconds(timeout_).c_str());
+        std::fflush(stderr);
+      }
+      lock.lock();
+    }
+  }
+
+  const LaunchEnv env_;
+  const StoreEnv store_env_;
+  const std::chrono::milliseconds interval_, timeout_;
+  std::mutex mu_;
+  std::condition_variable cv_;
+  bool done_ = false;
+  std::thread thread_;
+};
+
 }  // namespace
 
 void init_distributed(const InitOptions& options) {
@@ -192,6 +297,7 @@ void init_distributed(const InitOptions& options) {
     }
   }
   if (env.world_size > 1) {
+    (void)wait_report_interval();  // a bad value named before any rank waits for this one
     CpuBind bind = CpuBind::None;
     try {
       bind = cpu_bind_from_env();
@@ -220,14 +326,23 @@ void init_distributed(const InitOptions& options) {
     return;
   }
   rt->store_env = read_store_env(env);
+  std::optional<WaitReporter> reporter;  // [Note: waiting for peers]
+  try {
+    reporter.emplace(env, rt->store_env, wait_report_interval(), options.timeout);
+  } catch (const std::system_error& e) {  // no thread: the job goes on without the lines
+    std::fprintf(stderr, "fsdp: rank %d: no waiting lines (%s)\n", env.rank, e.what());
+  }
   rt->store = connect_store(env, rt->store_env, options.timeout);
   std::vector<int> all(static_cast<size_t>(env.world_size));
   for (int r = 0; r < env.world_size; ++r) all[static_cast<size_t>(r)] = r;
   try {
+    rt->store->add(kArrivedKey, 1);
     auto group_store = c10::make_intrusive<c10d::PrefixStore>("fsdp/world", rt->store);
     rt->world = comm::make_comm(rt->backend, group_store, all, env.rank, options.timeout, "world", gloo_host(*rt));
+    reporter.reset();
     if (rt->backend == comm::BackendKind::Nccl) release_at_exit_once();
   } catch (const std::exception& e) {
+    reporter.reset();
     std::string message =
         "fsdp: rank " + std::to_string(env.rank) + " could not form the world group of " +
         std::to_string(env.world_size) + " ranks (timeout " + seconds(options.timeout) +

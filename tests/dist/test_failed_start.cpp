@@ -115,3 +115,51 @@ TEST(FailedStart, LoneRankOnAFileStoreExits) {
       {rank_spec(0, 2, 29500, kExpect, {{"TORCHELASTIC_USE_AGENT_STORE", "True"}, {"FSDP_STORE_FILE", dir / "store"}})},
       "rank 0 of 2 on a FileStore");
 }
+
+// A rank waiting for its peers says so every FSDP_WAIT_REPORT_S seconds (default 30) instead of
+// waiting the whole timeout in silence: how many of how many ranks, and where (the TCP store's
+// address, or the store file); before the store is reachable, that it waits for the store.
+TEST(FailedStart, WaitingRankSaysForWhomAndWhere) {
+  const std::map<std::string, std::string> fast = {{"FSDP_COLLECTIVE_TIMEOUT_S", "4"}, {"FSDP_WAIT_REPORT_S", "1"}};
+  const int port = fsdp::testing::pick_free_port();
+  ProcessResult r = Child(rank_spec(0, 2, port, kExpect, fast)).wait();
+  EXPECT_TRUE(r.ok()) << r.output;
+  EXPECT_NE(r.output.find("fsdp: rank 0 waiting for 1 of 2 ranks at 127.0.0.1:" + std::to_string(port) + " ("),
+            std::string::npos)
+      << r.output;
+  EXPECT_NE(r.output.find("so far, timeout 4.0 s)"), std::string::npos) << r.output;
+  size_t lines = 0;
+  for (auto at = r.output.find("waiting for 1 of 2"); at != std::string::npos;
+       at = r.output.find("waiting for 1 of 2", at + 1))
+    ++lines;
+  EXPECT_GE(lines, 2u) << "a line a second through a 4 s timeout\n" << r.output;
+
+  fsdp::testing::TempDir dir("fsdp_filestore");
+  auto file = fast;
+  file["FSDP_STORE_FILE"] = dir / "store";
+  r = Child(rank_spec(1, 3, 29500, kExpect, file)).wait();
+  EXPECT_TRUE(r.ok()) << r.output;
+  EXPECT_NE(r.output.find("fsdp: rank 1 waiting for 2 of 3 ranks at the store file " + dir / "store"),
+            std::string::npos)
+      << r.output;
+
+  // Rank 1 of a TCP store nobody hosts: it waits for the store.
+  r = Child(rank_spec(1, 2, fsdp::testing::pick_free_port(), "could not reach the store", fast)).wait();
+  EXPECT_TRUE(r.ok()) << r.output;
+  EXPECT_NE(r.output.find("fsdp: rank 1 waiting for the store (rank 0 or the launcher hosts it) at 127.0.0.1:"),
+            std::string::npos)
+      << r.output;
+
+  // 0: silent, as before; a bad value is named before any wait.
+  auto quiet = fast;
+  quiet["FSDP_WAIT_REPORT_S"] = "0";
+  r = Child(rank_spec(0, 2, fsdp::testing::pick_free_port(), kExpect, quiet)).wait();
+  EXPECT_TRUE(r.ok()) << r.output;
+  EXPECT_EQ(r.output.find("waiting for"), std::string::npos) << r.output;
+  auto bad = fast;
+  bad["FSDP_WAIT_REPORT_S"] = "soon";
+  r = Child(
+          rank_spec(0, 2, fsdp::testing::pick_free_port(), "FSDP_WAIT_REPORT_S='soon' is not a number of seconds", bad))
+          .wait();
+  EXPECT_TRUE(r.ok()) << r.output;
+}

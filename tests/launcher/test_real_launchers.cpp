@@ -4,6 +4,7 @@
 // test skips, saying why, when its launcher is absent (Debian's openmpi-bin, which
 // scripts/setup.sh installs; torchrun from python3-torch 2.x, e.g. the sid chroot of
 // scripts/libtorch2-check.sh).
+#include <sched.h>
 #include <unistd.h>
 
 #include <csignal>
@@ -388,7 +389,11 @@ class Slurm : public ::testing::Test {
     dir_ = std::make_unique<fsdp::testing::TempDir>("slurm_local");
     const int port = fsdp::testing::pick_free_port();
     ProcessSpec up = scrubbed({SLURM_LOCAL_SCRIPT, "up"}, 60s);
-    up.env_set = {{"SLURM_LOCAL_DIR", dir_->path + "/cluster"}, {"SLURM_LOCAL_PORT", std::to_string(port)}};
+    // OMP_NUM_THREADS=1, as clusters often export it: the node still gets every core (nproc
+    // honours the variable; a node of 1 CPU left `srun -n 2` waiting forever).
+    up.env_set = {{"SLURM_LOCAL_DIR", dir_->path + "/cluster"},
+                  {"SLURM_LOCAL_PORT", std::to_string(port)},
+                  {"OMP_NUM_THREADS", "1"}};
     const auto r = run_process(up);
     if (!r.ok()) {
       skip_ = "scripts/slurm-local.sh up failed here: " + r.output;
@@ -416,6 +421,16 @@ class Slurm : public ::testing::Test {
   static inline std::unique_ptr<fsdp::testing::TempDir> dir_;
   static inline std::string conf_, skip_;
 };
+
+// The node's CPUs are the cores this process may run on, though `up` ran with OMP_NUM_THREADS=1.
+TEST_F(Slurm, NodeHasEveryCoreWhateverOmpNumThreads) {
+  cpu_set_t set;
+  CPU_ZERO(&set);
+  ASSERT_EQ(::sched_getaffinity(0, sizeof set, &set), 0);
+  std::ifstream in(conf_);
+  const std::string conf((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  EXPECT_NE(conf.find(" CPUs=" + std::to_string(CPU_COUNT(&set)) + " "), std::string::npos) << conf;
+}
 
 TEST_F(Slurm, SrunTrainsWithFsdprunsLosses) {
   TempDir dir;

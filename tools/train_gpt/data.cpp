@@ -2,6 +2,7 @@
 
 #include "fsdp/data/hf_tokenizer.h"
 #include "fsdp/data/text_tokens.h"
+#include "fsdp/dist/env.h"
 #include "options.h"
 
 #include <fcntl.h>
@@ -10,10 +11,12 @@
 
 #include <algorithm>
 #include <cerrno>
+#include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <filesystem>
 #include <optional>
+#include <set>
 #include <stdexcept>
 #include <string>
 #include <thread>
@@ -161,6 +164,53 @@ struct TokenData {
 
 namespace {
 
+// Under --init-from: every id below config.json's vocab_size, or one line naming the shard and
+// the fix (the model's tokenizer; --vocab-size cannot change a pretrained model's vocabulary).
+void check_ids_fit_model(const fsdp::data::TokenShards& shards, int64_t vocab, const std::string& init_from) {
+  if (shards.size() == 0) return;
+  std::string where;
+  const int64_t top = shards.max_token(&where);
+  if (top < vocab) return;
+  throw std::invalid_argument("token shard '" + where + "' holds token id " + std::to_string(top) + ", at or above " +
+                              init_from + "/config.json's vocab_size " + std::to_string(vocab) +
+                              ": tokenize the data with that model's tokenizer (fsdp-tokenize --tokenizer " +
+                              init_from + "/tokenizer.model)");
+}
+
+// Rank 0 (or a process without a launcher) prints what is allowed but probably a mistake.
+void warn(const std::string& text) {
+  try {
+    if (fsdp::dist::read_launch_env().rank != 0) return;
+  } catch (const std::exception&) {
+    // A launcher's variables this process cannot read: run_training() names them; warn here anyway.
+  }
+  std::fprintf(stderr, "train_gpt: warning: %s\n", text.c_str());
+  std::fflush(stderr);
+}
+
+// Two warnings, before any work: validation data that is the training data (the validation loss
+// then measures memorisation), and shards that record a larger vocabulary than the model's (made
+// by another tokenizer, though every id present happens to fit).
+void warn_probable_mistakes(const TokenData& d, const Options& o) {
+  std::set<std::string> train;
+  for (const auto& f : d.train_files) train.insert(std::filesystem::weakly_canonical(f).string());
+  for (const auto& f : d.val_files) {
+    if (o.val_data.empty() || !train.count(std::filesystem::weakly_canonical(f).string())) continue;
+    warn("--val-data " + o.val_data + " reads " + f + ", which is training data too (--data " + o.data +
+         "): the validation loss then measures memorisation; give held-out data");
+    break;
+  }
+  for (const auto* shards : {d.train.get(), d.val.get()}) {
+    for (const auto& s : shards->shards()) {
+      if (s->vocab() <= d.vocab) continue;
+      warn("token shard '" + s->path() + "' records a vocabulary of " + std::to_string(s->vocab()) +
+           ", larger than the model's " + std::to_string(d.vocab) + " (" + d.vocab_origin +
+           "): were the shards made with another tokenizer than the model's?");
+      return;
+    }
+  }
+}
+
 std::shared_ptr<const TokenData> open_token_data(const Options& o) {
   auto d = std::make_shared<TokenData>();
   d->data = o.data;
@@ -218,7 +268,7 @@ std::shared_ptr<const TokenData> open_token_data(const Options& o) {
   if (!d->val) d->val = std::make_unique<fsdp::data::TokenShards>(d->val_files);
   if (o.vocab_size > 0) {
     d->vocab = o.vocab_size;
-    d->vocab_origin = "--vocab-size";
+    d->vocab_origin = o.init_from.empty() ? "--vocab-size" : o.init_from + "/config.json";
   } else if (d->train->header_vocab() > 0 && d->val->header_vocab() > 0) {
     d->vocab = std::max(d->train->header_vocab(), d->val->header_vocab());
     d->vocab_origin = is_text(o.data) ? "the tokenizer's" : "recorded in the shards";
@@ -226,8 +276,13 @@ std::shared_ptr<const TokenData> open_token_data(const Options& o) {
     d->vocab = int64_t{std::max(d->train->max_token(), d->val->max_token())} + 1;
     d->vocab_origin = "the largest id + 1; --vocab-size sets it";
   }
+  if (!o.init_from.empty()) {  // the vocabulary is config.json's: --vocab-size is no fix
+    check_ids_fit_model(*d->train, d->vocab, o.init_from);
+    check_ids_fit_model(*d->val, d->vocab, o.init_from);
+  }
   d->train->check_vocab(d->vocab);
   d->val->check_vocab(d->vocab);
+  warn_probable_mistakes(*d, o);
   d->order = std::make_unique<fsdp::data::WindowSampler>(d->train->size(), o.seq_len, o.batch_size, o.seed);
   fsdp::data::validation_windows(d->val->size(), o.seq_len, o.batch_size, 0);  // at least one batch
   if (!o.tokenizer.empty()) d->decoder = fsdp::data::SampleDecoder::load(o.tokenizer);

@@ -199,7 +199,14 @@ std::string check_memory(const Options& o, int world_size, int local_world_size)
         e.state_bytes + e.working_bytes >= e.activation_bytes && e.state_bytes + e.working_bytes >= e.data_bytes;
     const bool data_dominates = !model_dominates && e.data_bytes > e.activation_bytes;
     std::string culprit, fix;
-    if (model_dominates) {
+    if (model_dominates && !o.init_from.empty()) {
+      // The sizes are config.json's: --layers/--dim cannot change them (--init-from refuses them).
+      culprit = o.init_from + "/config.json's model (" + i(o.layers) + " layers, hidden " + i(o.dim) + ", vocab " +
+                i(o.vocab_size) + ": " + params + " parameters)";
+      fix = o.parallel == "fsdp" || o.parallel == "hsdp"
+                ? "shard it over more ranks (more processes or hosts), or fine-tune a smaller model"
+                : "shard it with --parallel fsdp over more ranks, or fine-tune a smaller model";
+    } else if (model_dominates) {
       culprit = "--layers " + i(o.layers) + " --dim " + i(o.dim) + " (" + params + " parameters)";
       fix = o.parallel == "fsdp" || o.parallel == "hsdp"
                 ? "lower --layers or --dim, or shard over more ranks"

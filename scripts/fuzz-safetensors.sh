@@ -38,11 +38,11 @@ mkdir -p "$FUZZ_DIR"
 bin="$FUZZ_DIR/fuzz_safetensors"
 srcs=(src/checkpoint/safetensors.cpp tests/checkpoint/fuzz/fuzz_safetensors.cpp)
 ignorelist=tests/checkpoint/fuzz/coverage_ignorelist.txt
-if [ ! -x "$bin" ] || [ -n "$(find "${srcs[@]}" "$ignorelist" include/fsdp/checkpoint/safetensors.h -newer "$bin")" ]; then
+if [ ! -x "$bin" ] || [ -n "$(find "${srcs[@]}" "$ignorelist" include/fsdp/checkpoint/safetensors.h src/checkpoint/safetensors_format.h -newer "$bin")" ]; then
   echo "fuzz: building $bin"
   clang++ -std=c++17 -O1 -g -fsanitize=fuzzer,address,undefined -fno-sanitize-recover=undefined \
     -fsanitize-coverage-ignorelist="$ignorelist" \
-    -Iinclude -I"$TORCH_PREFIX/include" -I"$TORCH_PREFIX/include/torch/csrc/api/include" \
+    -Iinclude -Isrc -I"$TORCH_PREFIX/include" -I"$TORCH_PREFIX/include/torch/csrc/api/include" \
     "${srcs[@]}" -o "$bin" -L"$TORCH_PREFIX/lib" -Wl,-rpath,"$TORCH_PREFIX/lib" -ltorch_cpu -lc10 -lz
 fi
 

@@ -27,6 +27,7 @@ PACKAGES=(
 TEST_PACKAGES=(
   gnuplot-nox           # tools/plot: metrics -> PNG
   clang-format          # the pinned formatter (14): the CTest test `format`
+  universal-ctags       # the CTest test `public_names`: the names the user's include declares
   sentencepiece         # spm_train/spm_encode: the tokenizer tests' other side
   openmpi-bin           # mpirun: tests/launcher/test_real_launchers starts train_gpt with Open MPI (docs/launching.md)
   slurmd slurmctld slurm-client munge  # srun/sbatch: scripts/slurm-local.sh, a one-machine cluster for test_real_launchers

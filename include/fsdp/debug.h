@@ -12,8 +12,10 @@
 //   buffer_pool.h      FSDP's own buffers: counted by owner, cached on the CPU
 //   malloc_tuning.h    glibc malloc settings for training processes
 //   cpu_tuning.h       threads per rank and BLAS settings
+//   comm/backend.h     Gloo's threads, scheduler slice and fallback collectives (and backend creation)
 //   fault_injection.h  failures injected into checkpoint saves (tests of crash safety)
 //   profiler.h         Chrome traces of steps with FSDP's phases as named ranges
+#include "fsdp/comm/backend.h"
 #include "fsdp/debug/buffer_pool.h"
 #include "fsdp/debug/comm_stats.h"
 #include "fsdp/debug/cpu_collectives.h"

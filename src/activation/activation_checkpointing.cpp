@@ -185,11 +185,11 @@ fsdp::detail::CallWrapper make_wrapper(const CheckpointOptions& options,
 bool mark_checkpointed(const std::shared_ptr<torch::nn::Module>& module, const CheckpointOptions& options) {
   if (!module) throw std::invalid_argument("fsdp::activation::checkpoint_wrapper: the module is null");
   const bool was = is_checkpointed(*module);
-  fsdp::hooks::set_call_wrapper(module, detail::make_wrapper(options, module));
+  fsdp::hooks::detail::set_call_wrapper(module, detail::make_wrapper(options, module));
   return !was;
 }
 
-bool is_checkpointed(const torch::nn::Module& module) { return fsdp::hooks::find_call_wrapper(&module) != nullptr; }
+bool is_checkpointed(const torch::nn::Module& module) { return fsdp::hooks::detail::find_call_wrapper(&module) != nullptr; }
 
 size_t apply_activation_checkpointing(torch::nn::Module& model, const CheckpointPredicate& predicate,
                                       const CheckpointOptions& options) {
@@ -209,7 +209,7 @@ size_t apply_activation_checkpointing(torch::nn::Module& model, const Checkpoint
 }
 
 void remove_activation_checkpointing(torch::nn::Module& model) {
-  for (const auto& m : model.modules(/*include_self=*/true)) fsdp::hooks::set_call_wrapper(m, nullptr);
+  for (const auto& m : model.modules(/*include_self=*/true)) fsdp::hooks::detail::set_call_wrapper(m, nullptr);
 }
 
 }  // namespace fsdp::activation

@@ -17,6 +17,7 @@
 
 #include "checkpoint_index.h"
 #include "fsdp/checkpoint/safetensors.h"
+#include "checkpoint/safetensors_format.h"
 
 namespace fsdp::checkpoint {
 

@@ -5,6 +5,7 @@
 // hostile file fails here with a message instead of feeding garbage (or out-of-bounds offsets)
 // to the loader. nlohmann-json stays private to this file.
 #include "fsdp/checkpoint/safetensors.h"
+#include "checkpoint/safetensors_format.h"
 
 #include <zlib.h>
 #include <nlohmann/json.hpp>

@@ -7,6 +7,7 @@
 #include <stdexcept>
 
 #include "comm/async_watch.h"
+#include "fsdp/comm/backend.h"
 #include "fsdp/debug/desync.h"
 #include "fsdp/debug/flight_recorder.h"
 #include "memory/buffer_alloc.h"

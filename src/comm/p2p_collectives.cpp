@@ -36,6 +36,7 @@
 #include <stdexcept>
 #include <string>
 
+#include "fsdp/comm/backend.h"
 #include "fsdp/comm/comm.h"
 #include "memory/buffer_alloc.h"
 

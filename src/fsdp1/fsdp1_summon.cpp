@@ -129,7 +129,7 @@ SummonFullParams::SummonFullParams(torch::nn::Module& module, bool writeback, bo
   // Gather (collective: every rank, module order), then, under rank0_only, free again off rank 0.
   for (const auto& s : states) {
     const bool sharded = s->group() && s->group()->state() == detail::FSDPParamGroup::State::Sharded;
-    if (sharded) FSDPModule(s).unshard();
+    if (sharded) detail::make_fsdp_module(s).unshard();
     impl_->gathered_here.push_back(sharded);
     if (sharded && !impl_->holds_full) s->group()->reshard();
     detail::summoned_states().insert(s.get());

@@ -10,6 +10,8 @@
 
 namespace fsdp::hooks {
 
+using detail::CallWrapper;
+
 namespace {
 
 template <typename T>
@@ -67,7 +69,7 @@ void register_forward_hooks(const std::shared_ptr<torch::nn::Module>& module, Fo
   r.any.store(true);
 }
 
-std::shared_ptr<const HookList> find_forward_hooks(const torch::nn::Module* module) {
+std::shared_ptr<const HookList> detail::find_forward_hooks(const torch::nn::Module* module) {
   return hook_registry().find(module);
 }
 
@@ -82,7 +84,7 @@ void remove_forward_hooks(const torch::nn::Module* module, HookOrder order) {
   it->second.value = std::move(list);
 }
 
-void set_call_wrapper(const std::shared_ptr<torch::nn::Module>& module, CallWrapper wrapper) {
+void detail::set_call_wrapper(const std::shared_ptr<torch::nn::Module>& module, CallWrapper wrapper) {
   auto& r = wrapper_registry();
   std::lock_guard<std::mutex> lock(r.mu);
   r.drop_dead();
@@ -94,7 +96,7 @@ void set_call_wrapper(const std::shared_ptr<torch::nn::Module>& module, CallWrap
   r.any.store(true);
 }
 
-std::shared_ptr<const CallWrapper> find_call_wrapper(const torch::nn::Module* module) {
+std::shared_ptr<const CallWrapper> detail::find_call_wrapper(const torch::nn::Module* module) {
   return wrapper_registry().find(module);
 }
 

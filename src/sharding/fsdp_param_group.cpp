@@ -9,6 +9,7 @@
 #include <sstream>
 
 #include "collectives.h"
+#include "fsdp/comm/backend.h"
 #include "fsdp/debug/profiler.h"
 #include "memory/buffer_alloc.h"
 #include "phase_timers.h"

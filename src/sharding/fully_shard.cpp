@@ -298,7 +298,7 @@ FSDPModule register_fsdp_state(const std::vector<std::shared_ptr<torch::nn::Modu
     if (auto s = weak.lock()) s->abort_forward();
   };
   for (const auto& m : modules) hooks::register_forward_hooks(m, h);
-  return FSDPModule(state);
+  return detail::make_fsdp_module(state);
 }
 
 }  // namespace
@@ -307,6 +307,7 @@ FSDPModule register_fsdp_state(const std::vector<std::shared_ptr<torch::nn::Modu
 
 namespace detail {
 FSDPState* state_of(const FSDPModule& module) { return module.state_.get(); }
+FSDPModule make_fsdp_module(std::shared_ptr<FSDPState> state) { return FSDPModule(std::move(state)); }
 }  // namespace detail
 
 FSDPModule fully_shard(const std::shared_ptr<torch::nn::Module>& module, FullyShardOptions options) {
@@ -339,7 +340,7 @@ FSDPModule fully_shard(const std::vector<std::shared_ptr<torch::nn::Module>>& mo
 std::optional<FSDPModule> fsdp_module(const torch::nn::Module& module) {
   auto s = detail::lookup_state(&module);
   if (!s) return std::nullopt;
-  return FSDPModule(s);
+  return detail::make_fsdp_module(s);
 }
 
 void UnshardHandle::wait() {

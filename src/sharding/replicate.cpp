@@ -57,13 +57,17 @@ ReplicateModule replicate(const std::shared_ptr<torch::nn::Module>& module, Repl
   reducer->install_hooks();
   // Every submodule too: fully_shard on a part of a replicated model is refused.
   for (const auto& sub : module->modules(/*include_self=*/true)) register_replicated(sub, reducer);
-  return ReplicateModule(reducer);
+  return detail::make_replicate_module(reducer);
+}
+
+ReplicateModule detail::make_replicate_module(std::shared_ptr<Reducer> reducer) {
+  return ReplicateModule(std::move(reducer));
 }
 
 std::optional<ReplicateModule> replicate_module(const torch::nn::Module& module) {
   auto r = detail::lookup_replicated(&module);
   if (!r) return std::nullopt;
-  return ReplicateModule(r);
+  return detail::make_replicate_module(r);
 }
 
 void ReplicateModule::set_requires_gradient_sync(bool requires_sync) {

@@ -1,7 +1,7 @@
 // Tests of the safetensors format layer: round trips of every dtype, partial reads, the exact
 // on-disk layout (checked by an independent reader), one test per validation rule of
 // parse_header, writer errors, crc32, and a replay of the fuzzer's corpus.
-#include "fsdp/checkpoint/safetensors.h"
+#include "checkpoint/safetensors_format.h"  // the parser and crc32 (src/: internals)
 
 #include "minimal_safetensors_reader.h"
 

@@ -7,6 +7,7 @@
 
 #include <cstdlib>
 
+#include "fsdp/comm/backend.h"
 #include "fsdp/debug/buffer_pool.h"
 #include "fsdp/fsdp.h"
 #include "multiprocess.h"

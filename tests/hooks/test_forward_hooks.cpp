@@ -86,9 +86,9 @@ TEST(ForwardHooks, AnEntryDiesWithItsModule) {
     Throwing m;
     address = m.ptr().get();
     fsdp::hooks::register_forward_hooks(m.ptr(), tracing(HookOrder::kUser, "old", log));
-    EXPECT_NE(fsdp::hooks::find_forward_hooks(address), nullptr);
+    EXPECT_NE(fsdp::hooks::detail::find_forward_hooks(address), nullptr);
   }
-  EXPECT_EQ(fsdp::hooks::find_forward_hooks(address), nullptr);
+  EXPECT_EQ(fsdp::hooks::detail::find_forward_hooks(address), nullptr);
 }
 
 }  // namespace

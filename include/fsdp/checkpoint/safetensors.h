@@ -5,7 +5,7 @@
 // Layout: u64 little-endian N, N bytes of JSON header, then the data buffer. The header maps each
 // tensor name to {"dtype", "shape", "data_offsets": [begin, end)} (offsets relative to the buffer)
 // plus an optional "__metadata__" string-to-string map. The reader checks everything a hostile or
-// damaged file can get wrong (see parse_header) before any byte of data is trusted.
+// damaged file can get wrong (src/checkpoint/safetensors_format.h) before any byte of data is trusted.
 #include <ATen/ATen.h>
 
 #include <cstdint>
@@ -23,9 +23,6 @@ class SafetensorsError : public std::runtime_error {
  public:
   using std::runtime_error::runtime_error;
 };
-
-// The format's upper bound on the JSON header (the reference implementation's MAX_HEADER_SIZE).
-constexpr uint64_t kMaxHeaderBytes = 100'000'000;
 
 // "F32" <-> at::kFloat, ... (BOOL U8 I8 I16 I32 I64 F16 BF16 F32 F64). Throws for others.
 std::string dtype_name(at::ScalarType dtype);
@@ -48,18 +45,10 @@ struct Header {
   const TensorEntry* find(const std::string& name) const;  // nullptr when absent
 };
 
-// Parses and validates a header. `bytes` holds the start of the file (at least 8 + N bytes, or
-// the whole file when it is shorter); `file_size` is the whole file's size. Checks: the length
-// prefix fits the file and kMaxHeaderBytes, valid UTF-8 JSON object, known dtypes, non-negative
-// shapes without overflow, end - begin == numel * element size, offsets inside the buffer, sorted
-// offsets contiguous from 0 with no overlap or hole, buffer size == file_size - data_start,
-// no duplicate names, __metadata__ a string map. Throws SafetensorsError naming `source`.
-Header parse_header(const uint8_t* bytes, size_t size, uint64_t file_size, const std::string& source = "<memory>");
-
 // Reads a safetensors file with positioned reads (no mmap; a rank reads only what it needs).
 class Reader {
  public:
-  explicit Reader(const std::string& path);  // opens + parse_header; throws SafetensorsError
+  explicit Reader(const std::string& path);  // opens and validates the header; throws SafetensorsError
   ~Reader();
   Reader(const Reader&) = delete;
   Reader& operator=(const Reader&) = delete;
@@ -120,8 +109,5 @@ class StreamWriter {
   size_t next_ = 0;
   int fd_ = -1;
 };
-
-// CRC-32 (zlib's polynomial) of a byte range, continuing from `crc` (0 to start).
-uint32_t crc32(const void* data, size_t length, uint32_t crc = 0);
 
 }  // namespace fsdp::safetensors

@@ -30,6 +30,18 @@ size_t shutdown_nccl_groups(std::chrono::milliseconds wait_limit = std::chrono::
 // is not 1 to 64 throws std::invalid_argument naming the variable.
 int gloo_threads();
 
+// How Comm builds the collectives Gloo lacks on CPU tensors (reduce_scatter_tensor everywhere; the
+// flat all_gather_into_tensor, whose Gloo implementation copies through a flat buffer of its own): PointToPoint
+// (default) over the backend's send/recv, defined in comm/p2p_collectives.cpp: the reduce-scatter sends each rank its
+// chunk and adds what arrives one chunk at a time (scratch: 1/N of the input; for N > 2 only the first chunk moves
+// before wait()), the all-gather receives every chunk straight into the output (no scratch, no
+// copy back); Collective: all_to_all into a scratch as large as the input, then a local sum, and
+// the list all-gather (through c10d's own flat buffer). Same bytes either way. The environment
+// variable FSDP_GLOO_FALLBACK=p2p|collective sets the default; set_gloo_fallback overrides it.
+enum class GlooFallback { PointToPoint, Collective };
+void set_gloo_fallback(GlooFallback fallback);
+GlooFallback gloo_fallback();
+
 // The scheduler slice, in microseconds, that Gloo's threads of every group made from now on ask
 // for (Linux 6.12+'s EEVDF custom slice, sched_setattr's sched_runtime): FSDP_TRANSPORT_SLICE_US,
 // else what set_default_transport_slice_us() set (init_distributed: 100 under FSDP_CPU_BIND=cores),

@@ -36,18 +36,6 @@ struct Capabilities {
   static Capabilities for_backend(BackendKind kind);
 };
 
-// How Comm builds the collectives Gloo lacks on CPU tensors (reduce_scatter_tensor everywhere; the
-// flat all_gather_into_tensor, whose Gloo implementation copies through a flat buffer of its own): PointToPoint
-// (default) over the backend's send/recv, defined in comm/p2p_collectives.cpp: the reduce-scatter sends each rank its
-// chunk and adds what arrives one chunk at a time (scratch: 1/N of the input; for N > 2 only the first chunk moves
-// before wait()), the all-gather receives every chunk straight into the output (no scratch, no
-// copy back); Collective: all_to_all into a scratch as large as the input, then a local sum, and
-// the list all-gather (through c10d's own flat buffer). Same bytes either way. The environment
-// variable FSDP_GLOO_FALLBACK=p2p|collective sets the default; set_gloo_fallback overrides it.
-enum class GlooFallback { PointToPoint, Collective };
-void set_gloo_fallback(GlooFallback fallback);
-GlooFallback gloo_fallback();
-
 // Default timeout of every collective: FSDP_COLLECTIVE_TIMEOUT_S when set, else 5 minutes.
 std::chrono::milliseconds default_collective_timeout();
 

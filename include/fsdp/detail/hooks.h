@@ -9,6 +9,17 @@
 
 namespace fsdp::hooks::detail {
 
+// `module`'s hooks sorted by order, or null (cheap when no module has any).
+std::shared_ptr<const HookList> find_forward_hooks(const torch::nn::Module* module);
+
+// The call wrapper interface: `call` runs the module's hooks and forward on the given tensors.
+using TensorFn = std::function<std::vector<at::Tensor>(const std::vector<at::Tensor>&)>;
+using CallWrapper = std::function<std::vector<at::Tensor>(const TensorFn& call, const std::vector<at::Tensor>& inputs)>;
+// Registers (or, with an empty wrapper, removes) `module`'s wrapper; kept while the module lives.
+void set_call_wrapper(const std::shared_ptr<torch::nn::Module>& module, CallWrapper wrapper);
+// The wrapper of `module`, or null. The pointer stays valid until the entry is replaced.
+std::shared_ptr<const CallWrapper> find_call_wrapper(const torch::nn::Module* module);
+
 // Runs the hooks' `pre` in order and returns the arguments to use; on a throw, aborts those that ran.
 std::vector<at::Tensor> run_pre(const HookList& hooks, std::vector<at::Tensor> args);
 // Runs the hooks' `post` in order (a throw propagates: the caller runs run_abort).

@@ -26,8 +26,8 @@ namespace detail {
 // methods); nothing when `module` is not a unit. Defined in src/sharding/forward_method.cpp.
 void reshard_subtree(torch::nn::Module& module);
 
-using hooks::CallWrapper;
-using hooks::TensorFn;
+using hooks::detail::CallWrapper;
+using hooks::detail::TensorFn;
 
 template <typename M>
 torch::nn::Module* module_pointer(M& module) {
@@ -114,7 +114,7 @@ class ArgumentVector {
 // of fsdp::call (fn: forward) and fsdp::call_method (fn: another method).
 template <typename Fn, typename... Args>
 auto call_with_hooks(const torch::nn::Module* module, Fn&& fn, Args&&... args) {
-  auto hooks = hooks::find_forward_hooks(module);
+  auto hooks = hooks::detail::find_forward_hooks(module);
   if (hooks == nullptr || hooks->empty()) return fn(std::forward<Args>(args)...);
 
   ArgumentVector kept;  // [Note: the argument vectors kept between calls]

@@ -178,7 +178,6 @@ struct FSDP1State;
 // set_requires_gradient_sync(false)). Nestable.
 class NoSyncGuard {
  public:
-  explicit NoSyncGuard(std::shared_ptr<detail::FSDP1State> state);
   NoSyncGuard(NoSyncGuard&& other) noexcept : state_(std::move(other.state_)) {}
   NoSyncGuard(const NoSyncGuard&) = delete;
   NoSyncGuard& operator=(const NoSyncGuard&) = delete;
@@ -186,6 +185,8 @@ class NoSyncGuard {
   ~NoSyncGuard();
 
  private:
+  friend class FullyShardedDataParallelBase;  // no_sync() makes one
+  explicit NoSyncGuard(std::shared_ptr<detail::FSDP1State> state);
   std::shared_ptr<detail::FSDP1State> state_;
 };
 

@@ -14,7 +14,9 @@
 //    output collective before FSDP's reshard), and in registration order within one order.
 //  - call wrappers (CallWrapper): the whole call, hooks and forward, handed to the wrapper as a
 //    function of its tensor arguments that it may run again later (activation checkpointing's
-//    recompute during backward).
+//    recompute during backward). The library's capabilities register them
+//    (fsdp/detail/hooks.h: the plumbing, not an API); users reach them through
+//    fsdp::activation::checkpoint_wrapper.
 // A new capability (pipeline or context parallel, say) registers here; fsdp::call does not change.
 // The layer depends on LibTorch only, so every layer above may register.
 //
@@ -57,17 +59,7 @@ using HookList = std::vector<ForwardHooks>;
 
 // Adds `hooks` to `module`'s, kept while the module lives (a dead module's entry is dropped).
 void register_forward_hooks(const std::shared_ptr<torch::nn::Module>& module, ForwardHooks hooks);
-// `module`'s hooks sorted by order, or null (cheap when no module has any).
-std::shared_ptr<const HookList> find_forward_hooks(const torch::nn::Module* module);
 // Removes `module`'s hooks of `order` (all of them).
 void remove_forward_hooks(const torch::nn::Module* module, HookOrder order);
-
-// The call wrapper interface: `call` runs the module's hooks and forward on the given tensors.
-using TensorFn = std::function<std::vector<at::Tensor>(const std::vector<at::Tensor>&)>;
-using CallWrapper = std::function<std::vector<at::Tensor>(const TensorFn& call, const std::vector<at::Tensor>& inputs)>;
-// Registers (or, with an empty wrapper, removes) `module`'s wrapper; kept while the module lives.
-void set_call_wrapper(const std::shared_ptr<torch::nn::Module>& module, CallWrapper wrapper);
-// The wrapper of `module`, or null. The pointer stays valid until the entry is replaced.
-std::shared_ptr<const CallWrapper> find_call_wrapper(const torch::nn::Module* module);
 
 }  // namespace fsdp::hooks

@@ -33,7 +33,7 @@ namespace fsdp {
 
 template <typename M, typename... Args>
 auto call(M& module, Args&&... args) {
-  if (auto wrapper = hooks::find_call_wrapper(detail::module_pointer(module))) {
+  if (auto wrapper = hooks::detail::find_call_wrapper(detail::module_pointer(module))) {
     std::decay_t<M> handle = module;  // a holder or pointer: the wrapper may call again in backward
     return detail::call_through(
         *wrapper,

@@ -42,8 +42,10 @@ namespace fsdp {
 class FSDPModule;
 namespace detail {
 class FSDPState;
-// The library's own access to a handle's state (src/sharding); not for users.
+// The library's own access to a handle's state and construction of handles (src/sharding); not
+// for users.
 FSDPState* state_of(const FSDPModule& module);
+FSDPModule make_fsdp_module(std::shared_ptr<FSDPState> state);
 }  // namespace detail
 
 // Example:
@@ -89,10 +91,11 @@ struct FullyShardOptions {
 class UnshardHandle {
  public:
   UnshardHandle() = default;
-  explicit UnshardHandle(detail::FSDPState* state) : state_(state) {}
   void wait();
 
  private:
+  friend class FSDPModule;
+  explicit UnshardHandle(detail::FSDPState* state) : state_(state) {}
   detail::FSDPState* state_ = nullptr;
 };
 
@@ -100,8 +103,6 @@ class UnshardHandle {
 // the module (fully_shard keeps it in a registry keyed by the module).
 class FSDPModule {
  public:
-  explicit FSDPModule(std::shared_ptr<detail::FSDPState> state) : state_(std::move(state)) {}
-
   // All-gather this unit's parameters (not its children's). pre-forward waits for it.
   UnshardHandle unshard(bool async_op = false);
   // Free the unsharded parameters (not the children's).
@@ -165,6 +166,8 @@ class FSDPModule {
 
  private:
   friend detail::FSDPState* detail::state_of(const FSDPModule& module);
+  friend FSDPModule detail::make_fsdp_module(std::shared_ptr<detail::FSDPState> state);
+  explicit FSDPModule(std::shared_ptr<detail::FSDPState> state) : state_(std::move(state)) {}
   std::shared_ptr<detail::FSDPState> state_;
 };
 

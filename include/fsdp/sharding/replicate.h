@@ -22,9 +22,11 @@
 
 namespace fsdp {
 
+class ReplicateModule;
 namespace detail {
 class Reducer;
-}
+ReplicateModule make_replicate_module(std::shared_ptr<Reducer> reducer);  // the library's; not for users
+}  // namespace detail
 
 // Example: ReplicateOptions o; o.bucket_cap_bytes = 50 << 20;   // DDP's bucket_cap_mb = 50
 struct ReplicateOptions {
@@ -40,8 +42,6 @@ struct ReplicateOptions {
 // The handle replicate returns. Copyable; the state lives as long as the module.
 class ReplicateModule {
  public:
-  explicit ReplicateModule(std::shared_ptr<detail::Reducer> reducer) : reducer_(std::move(reducer)) {}
-
   // false: backward leaves the local gradients to accumulate in .grad, without communication; the
   // next backward with sync on all-reduces the accumulated sum (DDP's no_sync).
   void set_requires_gradient_sync(bool requires_sync);
@@ -49,6 +49,8 @@ class ReplicateModule {
   size_t num_buckets() const;
 
  private:
+  friend ReplicateModule detail::make_replicate_module(std::shared_ptr<detail::Reducer> reducer);
+  explicit ReplicateModule(std::shared_ptr<detail::Reducer> reducer) : reducer_(std::move(reducer)) {}
   std::shared_ptr<detail::Reducer> reducer_;
 };
 

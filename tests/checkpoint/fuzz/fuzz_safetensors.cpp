@@ -2,7 +2,7 @@
 // parse_header must either accept it or throw SafetensorsError; any other exception escapes and
 // libFuzzer reports it, as it does crashes and sanitizer findings. Built and run by
 // scripts/fuzz-safetensors.sh; its corpus is replayed by test_safetensors (SafetensorsCorpus).
-#include "fsdp/checkpoint/safetensors.h"
+#include "checkpoint/safetensors_format.h"  // the parser and crc32 (src/: internals)
 
 #include <cstddef>
 #include <cstdint>

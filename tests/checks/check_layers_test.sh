@@ -39,6 +39,7 @@ done
 
 copy_tree # a layer folder named in ARCHITECTURE.md but not in the script's table
 mkdir -p "$TMP/tree/include/fsdp/zz_layer"
+# shellcheck disable=SC2016 # the backquotes are Markdown's
 echo '| `include/fsdp/zz_layer/` | a test |' >>"$TMP/tree/ARCHITECTURE.md"
 expect 1 "include/fsdp/zz_layer/: not a layer"
 

@@ -19,9 +19,11 @@
 #include "fsdp/checkpoint/inspect.h"
 #include "fsdp/checkpoint/safetensors.h"
 #include "fsdp/checkpoint/state_dict.h"
+#include "fsdp/comm/comm.h"
 #include "fsdp/dist/runtime.h"
 #include "fsdp/sharding/fully_shard.h"
 #include "fsdp/tensor_parallel/placement.h"
+#include "models/llama/hf_folder.h"
 
 namespace fsdp::models {
 
@@ -61,11 +63,22 @@ struct Weights {
   std::map<std::string, safetensors::Header> headers;  // file -> header
 };
 
+// A weight_map entry as a path inside the folder `d` (a subfolder is inside; '..' out of it or an
+// absolute path is not).
+fs::path file_in_folder(const fs::path& d, const std::string& index, const std::string& name, const std::string& f) {
+  const fs::path rel = fs::path(f).lexically_normal();
+  if (f.empty() || rel.is_absolute() || rel.empty() || *rel.begin() == ".." || !rel.has_filename() ||
+      rel.filename() == "." || rel.filename() == "..")
+    throw HFError(index + ": weight_map['" + name + "'] names a file outside the folder: '" + f +
+                  "'; every shard must be inside the model folder");
+  return d / rel;
+}
+
 Weights find_weights(const std::string& dir) {
   const fs::path d(dir);
   Weights w;
   const fs::path index = d / "model.safetensors.index.json", single = d / "model.safetensors";
-  if (fs::exists(index)) {
+  if (detail::check_regular_file(index)) {  // stat first: a FIFO must not block open()
     w.path = index.string();
     nlohmann::json j;
     try {
@@ -76,21 +89,23 @@ Weights find_weights(const std::string& dir) {
     }
     if (!j.is_object() || !j.contains("weight_map") || !j["weight_map"].is_object())
       throw HFError(w.path + ": no \"weight_map\" object (a Hugging Face index maps tensor names to files)");
+    if (j["weight_map"].empty())
+      throw HFError(w.path +
+                    ": \"weight_map\" is empty, so the index lists no weights; remake the index (it maps "
+                    "each tensor name to its shard file) or download the folder again");
     for (const auto& [name, file] : j["weight_map"].items()) {
       if (!file.is_string()) throw HFError(w.path + ": weight_map['" + name + "'] is not a file name");
-      const std::string f = file.get<std::string>();
-      if (f.empty() || f.find('/') != std::string::npos || f == "." || f == "..")
-        throw HFError(w.path + ": weight_map['" + name + "'] names a file outside the folder: '" + f + "'");
-      w.file_of[name] = (d / f).string();
+      w.file_of[name] = file_in_folder(d, w.path, name, file.get<std::string>()).string();
     }
-  } else if (fs::exists(single)) {
+  } else if (detail::check_regular_file(single)) {
     w.path = single.string();
   } else if (fs::exists(d / "pytorch_model.bin") || fs::exists(d / "pytorch_model.bin.index.json")) {
     throw HFError(dir +
                   ": holds pytorch_model.bin weights only, which are not loaded (pickle can run code); convert "
                   "them to safetensors, e.g. transformers' save_pretrained(dir, safe_serialization=True)");
   } else {
-    throw HFError(dir + ": no model.safetensors or model.safetensors.index.json (not a Hugging Face model folder?)");
+    throw HFError(dir + ": no model.safetensors or model.safetensors.index.json (not a Hugging Face model folder?)" +
+                  detail::interrupted_export_note(d));
   }
 
   // Every file's header, parsed and checked against its size (a damaged or short file is named).
@@ -98,7 +113,8 @@ Weights find_weights(const std::string& dir) {
   for (const auto& [name, file] : w.file_of) files.insert(file);
   if (w.file_of.empty()) files.insert(w.path);
   for (const auto& file : files) {
-    if (!fs::exists(file)) throw HFError(file + ": listed by " + w.path + " but missing; copy the whole folder");
+    if (!detail::check_regular_file(file))
+      throw HFError(file + ": listed by " + w.path + " but missing; copy the whole folder");
     try {
       w.headers.emplace(file, safetensors::Reader(file).header());
     } catch (const safetensors::SafetensorsError& e) {
@@ -145,13 +161,39 @@ bool ignored_key(const std::string& name, const LlamaConfig& c) {
   return ends_with(name, ".rotary_emb.inv_freq") || (c.tie_word_embeddings && name == "lm_head.weight");
 }
 
+// NaN or Inf in the loaded parameters: each rank looks at what it holds; a sharded model's ranks
+// add their flags up (one all-reduce over the world) so that every rank refuses the same tensor.
+void check_finite(LlamaImpl& model, const std::string& dir) {
+  const auto params = model.named_parameters();
+  at::Tensor flags = at::zeros({static_cast<int64_t>(params.size())}, at::kLong);
+  bool sharded = false;
+  for (size_t i = 0; i < params.size(); ++i) {
+    const at::Tensor& local = params[i].value();
+    sharded = sharded || fsdp::shard_info(local) || fsdp::tp::tp_placement(local);
+    if (local.numel() > 0 && !at::isfinite(local).all().item<bool>()) flags[static_cast<int64_t>(i)] = 1;
+  }
+  if (sharded && fsdp::dist::is_initialized() && fsdp::dist::world_size() > 1)
+    fsdp::dist::world_comm()->all_reduce(flags, fsdp::comm::ReduceOp::Sum);
+  const auto bad = flags.nonzero();
+  if (bad.numel() == 0) return;
+  const std::string name = params[static_cast<size_t>(bad[0][0].item<int64_t>())].key();
+  throw HFError(dir + ": '" + name + "' holds NaN or Inf values (the first of " + std::to_string(bad.size(0)) +
+                " tensors that do); the weights are damaged: download them again, or load them as they are with "
+                "HFLoadOptions::allow_nonfinite (train_gpt --allow-nonfinite-weights)");
+}
+
 }  // namespace
 
 LlamaConfig read_hf_config(const std::string& dir) {
-  return LlamaConfig::from_file((fs::path(dir) / "config.json").string());
+  const fs::path path = fs::path(dir) / "config.json";
+  if (!detail::check_regular_file(path)) {
+    const std::string note = detail::interrupted_export_note(dir);
+    if (!note.empty()) throw HFError(path.string() + ": missing" + note);
+  }
+  return LlamaConfig::from_file(path.string());
 }
 
-void load_hf_weights(LlamaImpl& model, const std::string& dir) {
+void load_hf_weights(LlamaImpl& model, const std::string& dir, const HFLoadOptions& options) {
   const std::string config_path = (fs::path(dir) / "config.json").string();
   check_config(read_hf_config(dir), model.config, config_path);
   const Weights w = find_weights(dir);
@@ -188,15 +230,24 @@ void load_hf_weights(LlamaImpl& model, const std::string& dir) {
     throw HFError(msg + "; check config.json against the weights");
   }
 
-  // The copy: each rank its own rows of each tensor, converted to the parameter's dtype.
+  // The copy: each rank its own rows of each tensor, converted to the parameter's dtype, file by
+  // file (so that a shard in a subfolder is read where the index says).
+  std::set<std::string> files, loaded;
+  for (const auto& [name, file] : w.file_of) files.insert(file);
   try {
-    const auto result = fsdp::checkpoint::load_safetensors(model, w.path, /*strict=*/false);
-    if (!result.missing_keys.empty())  // checked above; a file changed while loading
-      throw HFError(w.path + ": " + std::to_string(result.missing_keys.size()) + " missing while loading (" +
-                    some_keys(result.missing_keys) + ")");
+    for (const auto& file : files) {
+      const auto result = fsdp::checkpoint::load_safetensors(model, file, /*strict=*/false);
+      const std::set<std::string> missing(result.missing_keys.begin(), result.missing_keys.end());
+      for (const auto& key : wanted)
+        if (!missing.count(key)) loaded.insert(key);
+    }
   } catch (const fsdp::checkpoint::CheckpointError& e) {
     throw HFError(e.what());
   }
+  if (loaded.size() != wanted.size())  // checked above; a file changed while loading
+    throw HFError(w.path + ": " + std::to_string(wanted.size() - loaded.size()) +
+                  " tensors missing while loading; a file changed under the load: load it again");
+  if (!options.allow_nonfinite) check_finite(model, dir);
 }
 
 namespace {
@@ -207,30 +258,66 @@ void check_save_dtype(const HFSaveOptions& options) {
                   " is not supported (kFloat, kBFloat16)");
 }
 
-// Everything but the weights (rank 0): the folder, cleared of an earlier export's weights (its
-// shards would be read with the new index's names), config.json, and the files copied along.
-std::vector<std::string> write_folder(const LlamaConfig& config, const std::string& dir, const HFSaveOptions& options) {
-  std::vector<std::string> written;
-  fs::create_directories(dir);
-  for (const auto& entry : fs::directory_iterator(dir)) {
-    const std::string name = entry.path().filename().string();
-    if (name == "model.safetensors" || name == "model.safetensors.index.json" ||
-        (name.rfind("model-", 0) == 0 && ends_with(name, ".safetensors")))
-      fs::remove(entry.path());
+const char* dtype_name(const HFSaveOptions& options) { return options.dtype == at::kBFloat16 ? "bfloat16" : "float32"; }
+
+// Everything but the weights, into the export's temporary folder: config.json and the files
+// copied along (regular files only: a FIFO there is refused, never opened).
+void write_config_and_copies(detail::ExportFolder& folder, const LlamaConfig& config, const HFSaveOptions& options) {
+  const fs::path config_path = folder.dir() / "config.json";
+  {
+    std::ofstream out(config_path, std::ios::trunc);
+    out << config.to_json(dtype_name(options));
+    out.close();
+    if (!out) throw HFExportError("cannot write " + config_path.string());
   }
-  const std::string config_path = (fs::path(dir) / "config.json").string();
-  std::ofstream(config_path, std::ios::trunc)
-      << config.to_json(options.dtype == at::kBFloat16 ? "bfloat16" : "float32");
-  written.push_back(config_path);
-  if (!options.copy_from.empty())
-    for (const char* name : {"generation_config.json", "tokenizer.model", "tokenizer.json", "tokenizer_config.json",
-                             "special_tokens_map.json"}) {
-      const fs::path from = fs::path(options.copy_from) / name;
-      if (!fs::exists(from)) continue;
-      fs::copy_file(from, fs::path(dir) / name, fs::copy_options::overwrite_existing);
-      written.push_back((fs::path(dir) / name).string());
-    }
-  return written;
+  folder.file_written();
+  if (options.copy_from.empty()) return;
+  for (const auto& name : detail::copied_file_names()) {
+    const fs::path from = fs::path(options.copy_from) / name;
+    if (!detail::check_regular_file(from)) continue;
+    fs::copy_file(from, folder.dir() / name);
+    folder.file_written();
+  }
+}
+
+// Runs one step of an export; "" when it succeeded, else the verdict every rank will throw: 'R'
+// and the refusal (HFError) or 'W' and what failed (HFExportError), each saying what is left where.
+template <class Step>
+std::string export_step(const std::string& dir, detail::ExportFolder* folder, Step&& step) {
+  auto left = [&] { return folder ? folder->abandon() : std::string(); };
+  try {
+    step();
+    return "";
+  } catch (const HFError& e) {
+    return "R" + std::string(e.what()) + left();
+  } catch (const std::exception& e) {
+    return "W" + std::string("export to ") + dir + " failed: " + e.what() + left();
+  }
+}
+
+// Rank 0's verdict to every rank of the world (a no-op alone), so that a failure on rank 0 is the
+// same error on every rank instead of a hang or a peer's closed connection.
+std::string agree(const std::string& verdict) {
+  if (!fsdp::dist::is_initialized() || fsdp::dist::world_size() < 2) return verdict;
+  constexpr int64_t kMax = 4096;
+  at::Tensor buf = at::zeros({kMax + 1}, at::kLong);
+  if (fsdp::dist::rank() == 0) {
+    const int64_t n = std::min<int64_t>(static_cast<int64_t>(verdict.size()), kMax);
+    auto* p = buf.data_ptr<int64_t>();
+    p[0] = n;
+    for (int64_t i = 0; i < n; ++i) p[i + 1] = static_cast<unsigned char>(verdict[static_cast<size_t>(i)]);
+  }
+  fsdp::dist::world_comm()->broadcast(buf, 0);
+  const auto* p = buf.data_ptr<int64_t>();
+  std::string out;
+  for (int64_t i = 0; i < p[0]; ++i) out.push_back(static_cast<char>(p[i + 1]));
+  return out;
+}
+
+void throw_verdict(const std::string& verdict) {
+  if (verdict.empty()) return;
+  if (verdict[0] == 'R') throw HFError(verdict.substr(1));
+  throw HFExportError(verdict.substr(1));
 }
 
 }  // namespace
@@ -253,6 +340,7 @@ void HFConfigState::load_state_dict(const std::map<std::string, at::Tensor>& sta
 std::vector<std::string> export_hf_from_checkpoint(const std::string& checkpoint_dir, const std::string& dir,
                                                    const HFSaveOptions& options) {
   check_save_dtype(options);
+  detail::check_export_destination(dir, "");  // before reading anything
   fsdp::checkpoint::CheckpointReader reader(checkpoint_dir);
   if (!reader.info().find(kHFConfigKey))
     throw HFError(checkpoint_dir +
@@ -302,16 +390,16 @@ std::vector<std::string> export_hf_from_checkpoint(const std::string& checkpoint
     return std::string(buf);
   };
   config.device = torch::kCPU;
-  std::vector<std::string> written = write_folder(config, dir, options);
-  nlohmann::json weight_map = nlohmann::json::object();
-  uint64_t total = 0;
-  for (size_t f = 0; f < files.size(); ++f) {
-    const fs::path out = fs::path(dir) / file_name(f);
-    const std::string tmp = out.string() + ".tmp";
-    std::vector<safetensors::TensorSpec> specs;
-    for (size_t i : files[f]) specs.push_back({items[i].name, options.dtype, items[i].shape});
-    {
-      safetensors::StreamWriter writer(tmp, specs, {{"format", "pt"}});
+  detail::ExportFolder folder(dir, options.copy_from);
+  std::vector<std::string> written;
+  try {
+    write_config_and_copies(folder, config, options);
+    nlohmann::json weight_map = nlohmann::json::object();
+    uint64_t total = 0;
+    for (size_t f = 0; f < files.size(); ++f) {
+      std::vector<safetensors::TensorSpec> specs;
+      for (size_t i : files[f]) specs.push_back({items[i].name, options.dtype, items[i].shape});
+      safetensors::StreamWriter writer((folder.dir() / file_name(f)).string(), specs, {{"format", "pt"}});
       for (size_t i : files[f]) {
         at::Tensor full = reader.read("model." + items[i].name).to(options.dtype).contiguous();
         writer.append(full);
@@ -319,16 +407,22 @@ std::vector<std::string> export_hf_from_checkpoint(const std::string& checkpoint
         total += static_cast<uint64_t>(full.numel()) * element;
       }
       writer.finish();
+      folder.file_written();
     }
-    fs::rename(tmp, out);
-    written.push_back(out.string());
-  }
-  if (files.size() > 1) {
-    const fs::path index_path = fs::path(dir) / "model.safetensors.index.json";
-    nlohmann::json index{{"metadata", {{"total_size", total}}}, {"weight_map", weight_map}};
-    std::ofstream(index_path.string() + ".tmp", std::ios::trunc) << index.dump(2);
-    fs::rename(index_path.string() + ".tmp", index_path);
-    written.push_back(index_path.string());
+    if (files.size() > 1) {
+      nlohmann::json index{{"metadata", {{"total_size", total}}}, {"weight_map", weight_map}};
+      std::ofstream out(folder.dir() / "model.safetensors.index.json", std::ios::trunc);
+      out << index.dump(2);
+      out.close();
+      if (!out) throw HFExportError("cannot write " + (folder.dir() / "model.safetensors.index.json").string());
+    }
+    written = folder.commit(dtype_name(options));
+  } catch (const HFError& e) {
+    throw HFError(e.what() + folder.abandon());
+  } catch (const fsdp::checkpoint::CheckpointError& e) {
+    throw fsdp::checkpoint::CheckpointError(e.what() + folder.abandon());
+  } catch (const std::exception& e) {
+    throw HFExportError("export to " + dir + " failed: " + e.what() + folder.abandon());
   }
   return written;
 }
@@ -336,13 +430,32 @@ std::vector<std::string> export_hf_from_checkpoint(const std::string& checkpoint
 std::vector<std::string> save_hf(LlamaImpl& model, const std::string& dir, const HFSaveOptions& options) {
   check_save_dtype(options);
   const bool root = !fsdp::dist::is_initialized() || fsdp::dist::rank() == 0;
-  std::vector<std::string> written;
-  if (root) written = write_folder(model.config, dir, options);
+  // Rank 0: the destination checked, the temporary folder made, config.json and the copies.
+  std::unique_ptr<detail::ExportFolder> folder;
+  std::string verdict;
+  if (root) {
+    verdict =
+        export_step(dir, nullptr, [&] { folder = std::make_unique<detail::ExportFolder>(dir, options.copy_from); });
+    if (verdict.empty())
+      verdict = export_step(dir, folder.get(), [&] { write_config_and_copies(*folder, model.config, options); });
+  }
+  throw_verdict(agree(verdict));
   // Collective: gathered tensor by tensor, written by rank 0 (names are already transformers').
-  auto files = fsdp::checkpoint::export_safetensors(
-      model, (fs::path(dir) / "model.safetensors").string(),
-      fsdp::checkpoint::ExportOptions{.max_file_bytes = options.max_shard_size, .dtype = options.dtype});
-  written.insert(written.end(), files.begin(), files.end());
+  // A write that fails on rank 0 keeps it in the gathers; the verdict below tells every rank.
+  const fs::path target = (root ? folder->dir() : fs::path(dir)) / "model.safetensors";
+  std::vector<std::string> files, written;
+  verdict = export_step(dir, folder.get(), [&] {
+    files = fsdp::checkpoint::export_safetensors(
+        model, target.string(),
+        fsdp::checkpoint::ExportOptions{.max_file_bytes = options.max_shard_size, .dtype = options.dtype});
+  });
+  if (!root && !verdict.empty()) throw_verdict(verdict);  // this rank's own failure (a collective's)
+  if (root && verdict.empty())
+    verdict = export_step(dir, folder.get(), [&] {
+      folder->file_written(static_cast<int>(files.size()));
+      written = folder->commit(dtype_name(options));
+    });
+  throw_verdict(agree(verdict));
   return written;
 }
 

@@ -29,8 +29,16 @@
 
 namespace fsdp::models {
 
-// Every problem with a folder or its files, in one line: the file, what is wrong, the fix.
+// Every problem with a folder or its files, in one line: the file, what is wrong, the fix. A bad
+// input or destination (train_gpt and fsdp-ckpt exit 2 for it).
 class HFError : public std::runtime_error {
+ public:
+  using std::runtime_error::runtime_error;
+};
+
+// An export whose writing failed (a full disk, an I/O error): one line saying what is left where.
+// The destination is as it was before the export (train_gpt and fsdp-ckpt exit 1 for it).
+class HFExportError : public std::runtime_error {
  public:
   using std::runtime_error::runtime_error;
 };
@@ -46,8 +54,18 @@ LlamaConfig read_hf_config(const std::string& dir);
 // safetensors weights (pytorch_model.bin is refused: pickle is not loaded), a bad header or a file
 // shorter than its header says, config.json not describing this model, missing or unexpected
 // keys (five named and the count), a shape that differs (key, expected, found), a non-float
-// dtype. Not collective (every rank calls it; none waits for another).
-void load_hf_weights(LlamaImpl& model, const std::string& dir);
+// dtype, a file that is not a regular file (a FIFO, a folder, a device: refused from its stat,
+// never opened; symlinks to regular files, as in Hugging Face's cache, are fine), an index with
+// an empty weight_map or naming a file outside the folder (a shard in a subfolder is inside).
+// After the copy, NaN or Inf in any parameter is refused naming the first such tensor (the model
+// then holds the loaded values) unless HFLoadOptions::allow_nonfinite. Each rank checks the rows
+// it read; a sharded model in a process group (fully_shard or TP) agrees on the verdict with one
+// all-reduce over the world, so every rank of the world must call it then (as the recipe above
+// does); an unsharded model is checked without talking to the other ranks.
+struct HFLoadOptions {
+  bool allow_nonfinite = false;  // true: NaN or Inf in the weights are loaded as they are
+};
+void load_hf_weights(LlamaImpl& model, const std::string& dir, const HFLoadOptions& options = {});
 
 struct HFSaveOptions {
   // Split into model-0000k-of-0000n.safetensors of at most this many bytes, listed by
@@ -61,10 +79,40 @@ struct HFSaveOptions {
   std::string copy_from;
 };
 
-// Collective (every rank of the model's meshes calls it): config.json and the weights, written by
-// global rank 0 while the ranks gather one tensor at a time (no process holds the whole model);
-// every file carries __metadata__ {"format": "pt"}. Returns the files written (rank 0).
+// The marker every export writes into its folder: one line of JSON ({"format": "fsdp-hf-export",
+// ...}). A destination holding it and nothing but the files an export writes is an earlier export,
+// which a new export may replace; any other non-empty folder is refused.
+inline constexpr const char* kHFExportMarker = ".fsdp-export";
+
+// Where an export may go, checked before any work (train_gpt --export-hf at start, fsdp-ckpt
+// export-hf before reading the checkpoint; save_hf and export_hf_from_checkpoint check again):
+// not `init_from` (nor a path reaching it through a symlink), not a symlink, not a file, not a
+// folder holding anything but an earlier export of ours (kHFExportMarker) or nothing, not a path
+// under a regular file, and a parent folder this process can create and write in (probed). With
+// `init_from`, the files an export copies from it must be regular files. Throws HFError (one line
+// naming the folder and the fix). Creates the parent folders.
+void check_hf_export_dir(const std::string& dir, const std::string& init_from = "");
+
+// Collective (every rank of the world calls it when a process group is initialised): config.json
+// and the weights, written by global rank 0 while the ranks gather one tensor at a time (no
+// process holds the whole model); every file carries __metadata__ {"format": "pt"}. Returns the
+// files written (rank 0). The checkpoint's commit protocol: rank 0 writes into a new temporary
+// folder next to `dir` (".<name>.fsdp-export-tmp-<id>"), fsyncs every file and the folder, then
+// renames it into place; an existing `dir` is replaced only when it is empty or an earlier export
+// (kHFExportMarker), and only once the new folder is complete. Every rank throws the same error:
+// HFError for a destination refused (check_hf_export_dir's rules; `dir` == copy_from included),
+// HFExportError for a write that failed (the temporary folder removed, `dir` as it was).
 std::vector<std::string> save_hf(LlamaImpl& model, const std::string& dir, const HFSaveOptions& options = {});
+
+// Failures injected into this process's exports, for tests (tests/models/test_llama_hf.cpp):
+// after this many files are complete in the temporary folder (config.json and each file copied
+// along count one each; save_hf's weights count once they are all written) the export fails as
+// on a full disk, before its commit. -1: never. Never set in training.
+struct HFExportFaults {
+  int fail_after_files = -1;
+};
+void set_hf_export_faults(const HFExportFaults& faults);
+HFExportFaults hf_export_faults();
 
 // Checks that `dir` is a Hugging Face folder whose weights can be read (config.json aside): the
 // single file or the index and every file it lists, each header parsed and sized, without a
@@ -91,8 +139,10 @@ class HFConfigState : public fsdp::checkpoint::Stateful {
 // fsdp-ckpt export-hf: a checkpoint of a Llama run (one that recorded its config.json) written as
 // a Hugging Face folder, the same files save_hf writes from the live model (same names, order,
 // split and dtype), one full tensor in memory at a time, each verified against its CRC-32s. Not
-// collective. Throws HFError for a checkpoint without a recorded config.json (a GPT's: no Hugging
-// Face architecture) or whose tensors do not match it, CheckpointError for a damaged one.
+// collective. The destination is checked first (check_hf_export_dir) and written as save_hf
+// writes it (temporary folder, commit by rename). Throws HFError for a destination refused or a
+// checkpoint without a recorded config.json (a GPT's: no Hugging Face architecture) or whose
+// tensors do not match it, CheckpointError for a damaged one, HFExportError for a failed write.
 std::vector<std::string> export_hf_from_checkpoint(const std::string& checkpoint_dir, const std::string& dir,
                                                    const HFSaveOptions& options = {});
 

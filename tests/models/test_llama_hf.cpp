@@ -4,20 +4,30 @@
 // 2 and 3 ranks, and give the same logits within 1e-5 x max |theirs|; what we export loads back with the
 // same logits (and, when FSDP_TEST_HF_PYTHON names a Python with transformers, in transformers);
 // config.json in both transformers spellings; every bad input is one line and leaves the model as
-// it was. No Python at test time otherwise: the fixtures are committed.
+// it was (a FIFO in the folder included: refused, never opened; NaN weights refused on every rank).
+// Exports never lose data: the --init-from folder and someone's files are refused, a re-export
+// replaces an earlier one only once complete, a failed one leaves it byte-identical. No Python at
+// test time otherwise: the fixtures are committed.
 #include <gtest/gtest.h>
 
 #include <nlohmann/json.hpp>
 
+#include <sys/stat.h>
+
+#include <cmath>
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
+#include <functional>
+#include <set>
 
+#include "fsdp/checkpoint/checkpoint.h"
 #include "fsdp/checkpoint/safetensors.h"
 #include "fsdp/fsdp.h"
 #include "models/llama/hf.h"
 #include "multiprocess.h"
 #include "subprocess.h"
+#include "test_helpers.h"
 
 using namespace fsdp::testing;
 namespace fs = std::filesystem;
@@ -461,4 +471,293 @@ TEST_F(LlamaHFFiles, EveryBadInputIsOneLineAndTouchesNothing) {
   EXPECT_NE(load_error(qwen, fixture("mistral"))
                 .find("config.json: architectures is Qwen2ForCausalLM but the model was built with MistralForCausalLM"),
             std::string::npos);
+}
+
+// ---- exports never lose data; model folders refused before work ------------------------------
+
+namespace {
+
+// Every regular file under `dir` (relative path -> bytes): "byte-identical afterwards".
+std::map<std::string, std::string> folder_bytes(const fs::path& dir) {
+  std::map<std::string, std::string> out;
+  for (const auto& e : fs::recursive_directory_iterator(dir)) {
+    if (!e.is_regular_file()) continue;
+    std::ifstream in(e.path(), std::ios::binary);
+    out[fs::relative(e.path(), dir).string()] = std::string(std::istreambuf_iterator<char>(in), {});
+  }
+  return out;
+}
+
+std::set<std::string> names_in(const fs::path& dir) {
+  std::set<std::string> out;
+  for (const auto& e : fs::directory_iterator(dir)) out.insert(e.path().filename().string());
+  return out;
+}
+
+// The HFError of `fn` (one line), or a note saying what happened instead.
+std::string hf_refusal(const std::function<void()>& fn) {
+  try {
+    fn();
+  } catch (const HFError& e) {
+    const std::string msg = e.what();
+    EXPECT_EQ(msg.find('\n'), std::string::npos) << msg;
+    return msg;
+  } catch (const std::exception& e) {
+    return std::string("(wrong exception type: ") + e.what() + ")";
+  }
+  return "(accepted)";
+}
+
+void expect_contains(const std::string& text, const std::string& needle) {
+  EXPECT_NE(text.find(needle), std::string::npos) << "want '" << needle << "' in: " << text;
+}
+
+void write_text(const fs::path& path, const std::string& text) { std::ofstream(path, std::ios::binary) << text; }
+
+at::Tensor param(Llama& model, const std::string& name) { return model->named_parameters()[name]; }
+
+}  // namespace
+
+// The --init-from folder (directly, through a symlinked parent, or as a link), a folder of someone
+// else's files, a Hugging Face folder that is not ours, a file, a path under a file: each refused
+// in one line before anything is written, every file there byte-identical, nothing left behind.
+TEST_F(LlamaHFFiles, ExportRefusesTheInitFromFolderAndSomeoneElsesFiles) {
+  const fs::path init = dir_ / "init";
+  fs::copy(fixture("qwen2"), init);
+  fs::create_directories(dir_ / "notes");
+  write_text(dir_ / "notes" / "notes.txt", "mine");
+  write_text(dir_ / "notes" / "model-00001-of-00002.safetensors", "also mine");
+  fs::copy(fixture("mistral"), dir_ / "hub");
+  fs::remove(dir_ / "hub" / "reference.safetensors");  // what transformers' save_pretrained wrote, no more
+  write_text(dir_ / "file", "a file");
+  fs::create_directory_symlink(dir_, dir_ / "link");
+  fs::create_directory_symlink(init, dir_ / "init_link");
+  const auto before = folder_bytes(dir_);
+  auto model = load_unsharded(init.string());
+  auto refused = [&](const fs::path& out, const std::string& copy_from) {
+    return hf_refusal([&] { fsdp::models::save_hf(*model, out.string(), {.copy_from = copy_from}); });
+  };
+  expect_contains(refused(init, init.string()), init.string() + ": is the --init-from folder");
+  expect_contains(refused(dir_ / "link" / "init", init.string()), "is the --init-from folder");
+  expect_contains(refused(dir_ / "init_link", init.string()), "is the --init-from folder");
+  expect_contains(refused(dir_ / "init_link", ""), "is a symbolic link");
+  expect_contains(refused(dir_ / "notes", ""), "holds files an export does not write ('");
+  expect_contains(refused(dir_ / "hub", ""), "holds a Hugging Face folder that is not an export of ours");
+  expect_contains(refused(dir_ / "file", ""), "exists and is not a folder");
+  expect_contains(refused(dir_ / "file" / "sub", ""), "which is not a folder");
+  EXPECT_EQ(folder_bytes(dir_), before);
+  EXPECT_EQ(names_in(dir_), (std::set<std::string>{"init", "notes", "hub", "file", "link", "init_link"}));
+  // check_hf_export_dir (train_gpt's and fsdp-ckpt's check at start) says the same.
+  expect_contains(hf_refusal([&] { fsdp::models::check_hf_export_dir((dir_ / "notes").string()); }),
+                  "holds files an export does not write");
+}
+
+// An export writes the marker; a second export into the same folder (another split this time)
+// replaces the first completely; an empty folder is replaced too; nothing else is left around.
+TEST_F(LlamaHFFiles, ReExportReplacesAnEarlierExport) {
+  auto model = load_unsharded(fixture("qwen2"));
+  const fs::path out = dir_ / "out";
+  fsdp::models::save_hf(*model, out.string());
+  std::ifstream marker(out / fsdp::models::kHFExportMarker);
+  ASSERT_TRUE(marker) << "no " << fsdp::models::kHFExportMarker;
+  EXPECT_EQ(nlohmann::json::parse(marker).value("format", ""), "fsdp-hf-export");
+  {
+    torch::NoGradGuard no_grad;
+    param(model, "model.norm.weight").fill_(2.0);
+  }
+  const auto written = fsdp::models::save_hf(*model, out.string(), {.max_shard_size = 30'000});
+  EXPECT_FALSE(fs::exists(out / "model.safetensors")) << "the earlier export's weights are still there";
+  EXPECT_TRUE(fs::exists(out / "model.safetensors.index.json"));
+  for (const auto& f : written) EXPECT_TRUE(fs::exists(f)) << f;
+  auto again = load_unsharded(out.string());
+  EXPECT_TRUE(at::equal(param(again, "model.norm.weight"), at::full({32}, 2.0)));
+  fs::create_directories(dir_ / "empty");
+  fsdp::models::save_hf(*model, (dir_ / "empty").string());
+  EXPECT_TRUE(fs::exists(dir_ / "empty" / "config.json"));
+  EXPECT_EQ(names_in(dir_), (std::set<std::string>{"out", "empty"}));
+}
+
+// A re-export that fails on rank 0 (a full disk, injected: after config.json, before the gathers;
+// and after the weights, before the commit) is the same one-line HFExportError on both ranks (no
+// hang, no peer's closed connection), removes its temporary folder, and leaves the earlier export.
+FSDP_RANK_WORKER(llama_export_fails_on_rank0) {
+  auto model = load_sharded(fixture("qwen2"));
+  const std::string out = env("EXPORT_DIR") + "/out";
+  for (int after : {1, 3}) {  // config.json | + generation_config.json + model.safetensors
+    if (fsdp::dist::rank() == 0) fsdp::models::set_hf_export_faults({.fail_after_files = after});
+    std::string msg = "(accepted)";
+    try {
+      fsdp::models::save_hf(*model, out, {.copy_from = fixture("qwen2")});
+    } catch (const fsdp::models::HFExportError& e) {
+      msg = e.what();
+    }
+    fsdp::models::set_hf_export_faults({});
+    TORCH_CHECK(msg.find("export to " + out + " failed: cannot write") != std::string::npos &&
+                    msg.find("No space left on device") != std::string::npos &&
+                    msg.find("removed its temporary folder") != std::string::npos &&
+                    msg.find(out + " is as it was") != std::string::npos && msg.find('\n') == std::string::npos,
+                "after ", after, " files: ", msg);
+  }
+}
+
+TEST_F(LlamaHFFiles, FailedReExportLeavesTheEarlierExportAtTwoRanks) {
+  auto model = load_unsharded(fixture("qwen2"));
+  {
+    torch::NoGradGuard no_grad;
+    param(model, "model.norm.weight").fill_(3.0);
+  }
+  const fs::path out = dir_ / "out";
+  fsdp::models::save_hf(*model, out.string());
+  const auto before = folder_bytes(out);
+  RanksOptions options;
+  options.env["EXPORT_DIR"] = dir_.string();
+  options.timeout = std::chrono::seconds(120);
+  EXPECT_RANKS_PASS(2, "llama_export_fails_on_rank0", options);
+  EXPECT_EQ(folder_bytes(out), before);
+  EXPECT_EQ(names_in(dir_), std::set<std::string>{"out"}) << "a temporary folder was left";
+  auto again = load_unsharded(out.string());
+  EXPECT_TRUE(at::equal(param(again, "model.norm.weight"), at::full({32}, 3.0)));
+}
+
+// fsdp-ckpt export-hf's library call: the destination is checked before the checkpoint is read;
+// a re-export failing half way (after config.json and one of the shards) leaves the earlier one.
+TEST_F(LlamaHFFiles, CheckpointExportIsCheckedFirstAndFailsWithoutLoss) {
+  auto model = load_unsharded(fixture("llama_untied_sharded"));
+  fsdp::models::HFConfigState hf(model->config);
+  const fs::path ck = dir_ / "ck", out = dir_ / "out";
+  fsdp::checkpoint::save(ck.string(), {model.ptr(), nullptr, {{fsdp::models::kHFConfigEntry, &hf}}, {}});
+  fsdp::models::export_hf_from_checkpoint(ck.string(), out.string(), {.max_shard_size = 30'000});
+  const auto before = folder_bytes(out);
+  ASSERT_GT(before.size(), 4u);
+  fsdp::models::set_hf_export_faults({.fail_after_files = 3});
+  std::string msg = "(accepted)";
+  try {
+    fsdp::models::export_hf_from_checkpoint(ck.string(), out.string(), {.max_shard_size = 30'000});
+  } catch (const fsdp::models::HFExportError& e) {
+    msg = e.what();
+  }
+  fsdp::models::set_hf_export_faults({});
+  expect_contains(msg, "No space left on device");
+  expect_contains(msg, "removed its temporary folder");
+  EXPECT_EQ(folder_bytes(out), before);
+  EXPECT_EQ(names_in(dir_), (std::set<std::string>{"ck", "out"}));
+  load_unsharded(out.string());
+  // Refused before reading: the checkpoint folder as the destination (named, not the checkpoint).
+  expect_contains(hf_refusal([&] { fsdp::models::export_hf_from_checkpoint((dir_ / "absent").string(), ck.string()); }),
+                  ck.string() + ": holds files an export does not write");
+  fsdp::models::export_hf_from_checkpoint(ck.string(), out.string(), {.dtype = at::kBFloat16});
+  EXPECT_EQ(LlamaConfig::from_file((out / "config.json").string()).torch_dtype, "bfloat16");
+  EXPECT_FALSE(fs::exists(out / "model.safetensors.index.json"));
+}
+
+// A FIFO where a model folder has a file (config.json, model.safetensors, the index, a shard it
+// names, a file an export copies along) is refused from its stat in one line, never opened (which
+// would block forever): the worker's timeout fails the test if anything hangs.
+FSDP_RANK_WORKER(llama_fifo_refused) {
+  const fs::path root = env("FIFO_DIR");
+  auto fifo_at = [&](const std::string& fixture_name, const std::string& file) {
+    const fs::path dir = root / (fixture_name + "_" + fs::path(file).stem().string());
+    fs::copy(fixture(fixture_name), dir);
+    fs::remove(dir / file);
+    TORCH_CHECK(::mkfifo((dir / file).c_str(), 0644) == 0, "mkfifo failed");
+    return dir;
+  };
+  auto expect_fifo = [](const std::function<void()>& fn, const fs::path& where) {
+    fsdp::testing::expect_error(fn, where.string() + ": is a FIFO (named pipe), not a regular file");
+  };
+  const fs::path config = fifo_at("qwen2", "config.json");
+  expect_fifo([&] { fsdp::models::read_hf_config(config.string()); }, config / "config.json");
+  auto c = fsdp::models::read_hf_config(fixture("qwen2"));
+  Llama qwen(c);
+  for (const std::string file : {"model.safetensors"}) {
+    const fs::path dir = fifo_at("qwen2", file);
+    expect_fifo([&] { fsdp::models::load_hf_weights(*qwen, dir.string()); }, dir / file);
+    expect_fifo([&] { fsdp::models::check_hf_weights(dir.string()); }, dir / file);
+  }
+  auto s = fsdp::models::read_hf_config(fixture("llama_untied_sharded"));
+  Llama sharded(s);
+  for (const std::string file : {"model.safetensors.index.json", "model-00002-of-00005.safetensors"}) {
+    const fs::path dir = fifo_at("llama_untied_sharded", file);
+    expect_fifo([&] { fsdp::models::load_hf_weights(*sharded, dir.string()); }, dir / file);
+  }
+  const fs::path gen = fifo_at("qwen2", "generation_config.json");
+  expect_fifo([&] { fsdp::models::save_hf(*qwen, (root / "out").string(), {.copy_from = gen.string()}); },
+              gen / "generation_config.json");
+  TORCH_CHECK(!fs::exists(root / "out"), "a refused export left its folder");
+}
+
+TEST_F(LlamaHFFiles, FifoInAModelFolderIsRefusedWithinSeconds) {
+  RanksOptions options;
+  options.env["FIFO_DIR"] = dir_.string();
+  options.timeout = std::chrono::seconds(30);
+  options.init_runtime = false;
+  EXPECT_RANKS_PASS(1, "llama_fifo_refused", options);
+}
+
+// NaN or Inf in the weights: refused naming the first such tensor, unless allowed. At FSDP 2 ranks
+// the bad rows are rank 1's alone (the last rows), and both ranks refuse the same tensor.
+FSDP_RANK_WORKER(llama_nonfinite_refused_on_every_rank) {
+  auto c = fsdp::models::read_hf_config(env("NAN_DIR"));
+  c.device = torch::kMeta;
+  Llama model(c);
+  for (auto& layer : model->layers()) fsdp::fully_shard(layer);
+  fsdp::fully_shard(model);
+  fsdp::to_empty(*model, torch::kCPU);
+  fsdp::testing::expect_error(
+      [&] { fsdp::models::load_hf_weights(*model, env("NAN_DIR")); },
+      "'model.layers.1.mlp.down_proj.weight' holds NaN or Inf values (the first of 2 tensors that do)");
+}
+
+TEST_F(LlamaHFFiles, NonFiniteWeightsAreRefusedUnlessAllowed) {
+  const std::string qwen = fixture("qwen2");
+  const fs::path bad = dir_ / "nan";
+  rewrite(qwen, bad, [](auto& t) {
+    t["model.layers.1.mlp.down_proj.weight"][-1][0] = std::nan("");
+    t["lm_head.weight"][-1][1] = INFINITY;
+  });
+  auto c = fsdp::models::read_hf_config(qwen);
+  Llama model(c);
+  expect_contains(
+      hf_refusal([&] { fsdp::models::load_hf_weights(*model, bad.string()); }),
+      bad.string() +
+          ": 'model.layers.1.mlp.down_proj.weight' holds NaN or Inf values (the first of 2 tensors that do)");
+  fsdp::models::load_hf_weights(*model, bad.string(), {.allow_nonfinite = true});
+  EXPECT_TRUE(std::isnan(param(model, "model.layers.1.mlp.down_proj.weight")[-1][0].item<float>()));
+  RanksOptions options;
+  options.env["NAN_DIR"] = bad.string();
+  EXPECT_RANKS_PASS(2, "llama_nonfinite_refused_on_every_rank", options);
+}
+
+// A shard in a subfolder of the model folder is inside it: loaded. '..' out of the folder and an
+// empty weight_map are refused in one line.
+TEST_F(LlamaHFFiles, IndexShardInASubfolderLoadsAndEscapesAreRefused) {
+  const std::string src = fixture("llama_untied_sharded");
+  const std::string moved = "model-00002-of-00005.safetensors";
+  auto with_index = [&](const std::string& name, const std::function<void(nlohmann::json&)>& edit) {
+    const fs::path dir = dir_ / name;
+    fs::copy(src, dir);
+    std::ifstream in(dir / "model.safetensors.index.json");
+    auto index = nlohmann::json::parse(in);
+    edit(index);
+    write_text(dir / "model.safetensors.index.json", index.dump(2));
+    return dir;
+  };
+  auto remap = [&](const std::string& to) {
+    return [&, to](nlohmann::json& index) {
+      for (auto& [name, file] : index["weight_map"].items())
+        if (file == moved) file = to;
+    };
+  };
+  const fs::path sub = with_index("sub", remap("shards/" + moved));
+  fs::create_directories(sub / "shards");
+  fs::rename(sub / moved, sub / "shards" / moved);
+  auto model = load_unsharded(sub.string());
+  const auto ref = reference(src);
+  EXPECT_LE(rel_diff(logits_of(model, ref.tokens), ref.logits), 1e-5);
+
+  const fs::path escape = with_index("escape", remap("../sub/shards/" + moved));
+  expect_contains(load_error(escape, src), "names a file outside the folder: '../sub/shards/" + moved + "'");
+  const fs::path empty =
+      with_index("empty", [](nlohmann::json& index) { index["weight_map"] = nlohmann::json::object(); });
+  expect_contains(load_error(empty, src), "\"weight_map\" is empty");
 }

@@ -12,7 +12,11 @@
 // Exit status: 0 success (verify: intact; diff: no tensor differs beyond --atol), 1 the
 // checkpoint is damaged or unreadable (verify, describe, consolidate) or the checkpoints differ
 // (diff), 2 a bad command line, or (diff) a checkpoint that cannot be read, or (export-hf) a
-// checkpoint with no Hugging Face architecture (a GPT's).
+// checkpoint with no Hugging Face architecture (a GPT's) or an OUT that may not be written (the
+// checkpoint folder, someone's files, a path under a file: refused before anything is read).
+// export-hf writes OUT as train_gpt --export-hf does: into a temporary folder next to it, renamed
+// into place once complete; an earlier export there is replaced only then (exit 1 if writing
+// fails: OUT is left as it was).
 #include <CLI/CLI.hpp>
 
 #include <algorithm>
@@ -235,7 +239,7 @@ int export_hf(const std::string& dir, const std::string& out, const std::string&
   std::vector<std::string> written;
   try {
     written = fsdp::models::export_hf_from_checkpoint(dir, out, options);
-  } catch (const fsdp::models::HFError& e) {  // not a Llama checkpoint: a usage error
+  } catch (const fsdp::models::HFError& e) {  // not a Llama checkpoint, or OUT refused: a usage error
     std::fprintf(stderr, "fsdp-ckpt: error: %s\n", e.what());
     return kUsage;
   }
@@ -289,7 +293,9 @@ int main(int argc, char** argv) {
       "a checkpoint of a Llama run (train_gpt --model llama or --init-from: it records config.json) as a Hugging "
       "Face folder: config.json, model.safetensors or model-0000k-of-0000n.safetensors + index, streaming");
   export_cmd->add_option("DIR", dir, "checkpoint folder")->required();
-  export_cmd->add_option("OUT", out, "output folder (created; an earlier export's weights there are replaced)")
+  export_cmd
+      ->add_option("OUT", out,
+                   "output folder: new, empty, or an earlier export (replaced once the new one is complete)")
       ->required();
   export_cmd->add_option("--dtype", dtype, "fp32 | bf16: the files' dtype")->check(CLI::IsMember({"fp32", "bf16"}));
   export_cmd->add_option("--max-shard-size", max_shard_size,

@@ -12,6 +12,7 @@
 
 #include "fsdp/checkpoint/checkpoint.h"
 #include "fsdp/comm/comm.h"
+#include "models/llama/hf.h"
 
 namespace train_gpt {
 
@@ -78,6 +79,15 @@ void check_checkpoint_dir(const Options& o) {
   ::close(fd);
   ::unlink(probe.c_str());
   if (!wrote) fail(std::string("cannot write in it: ") + std::strerror(err));
+}
+
+void check_export_dir(const Options& o) {
+  if (o.export_hf.empty()) return;
+  try {
+    fsdp::models::check_hf_export_dir(o.export_hf, o.init_from);
+  } catch (const fsdp::models::HFError& e) {
+    throw std::invalid_argument(std::string("--export-hf ") + e.what());
+  }
 }
 
 ckpt::DirectoryLock lock_checkpoint_dir(const Options& o, int rank, fsdp::comm::Comm* world) {

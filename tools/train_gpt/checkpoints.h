@@ -27,6 +27,13 @@ namespace train_gpt {
 // std::invalid_argument (exit status 2) with one line. Nothing to do for --checkpoint-dir ''.
 void check_checkpoint_dir(const Options& o);
 
+// --export-hf's destination, checked at start as --checkpoint-dir is (every rank, before the
+// group): not the --init-from folder (nor a link to it), not a folder holding anything but an
+// earlier export (fsdp::models::kHFExportMarker), not a file or a path under one, a parent this
+// process can write in (fsdp::models::check_hf_export_dir). Throws std::invalid_argument (exit
+// status 2) with one line. Nothing to do without --export-hf.
+void check_export_dir(const Options& o);
+
 // Rank 0 takes the DirectoryLock on --checkpoint-dir for the run's life; its verdict (and the
 // holder's record) is broadcast over `world` (null: one process), so every rank of a refused run
 // throws the same one-line error before any work. The lock is released when the returned object

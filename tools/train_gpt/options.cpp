@@ -203,6 +203,9 @@ std::optional<Options> parse_options(int argc, char** argv, int& exit_code) {
                  "and --init-from's generation_config.json and tokenizer files) that transformers loads");
   app.add_option("--export-dtype", o.export_dtype, "fp32 | bf16: the dtype of --export-hf's files")
       ->check(CLI::IsMember({"fp32", "bf16"}));
+  app.add_flag("--allow-nonfinite-weights", o.allow_nonfinite_weights,
+               "--init-from: load weights holding NaN or Inf as they are (by default refused, naming the first "
+               "such tensor)");
 
   try {
     app.parse(argc, argv);

@@ -85,7 +85,8 @@ struct Options {
   // Written at the end of training: a Hugging Face folder (config.json, safetensors, and the
   // --init-from folder's generation_config.json and tokenizer files). --model llama only.
   std::string export_hf;
-  std::string export_dtype = "fp32";  // fp32 | bf16: the exported files' dtype
+  std::string export_dtype = "fp32";     // fp32 | bf16: the exported files' dtype
+  bool allow_nonfinite_weights = false;  // --init-from: load NaN/Inf weights as they are (refused by default)
 
   bool synthetic() const { return data == "synthetic"; }
   // Token data: shards (tokens:PATTERN) or a text file encoded on the fly (text:FILE).

@@ -568,6 +568,7 @@ int evaluate_only(const Run& run, Model& m, const TokenSource& data, int64_t ste
 int run_training(const Options& options, const std::optional<LlamaConfig>& llama) {
   // Every rank, before any work: a directory it cannot write stops it here (--eval-only writes none).
   if (!options.eval_only) check_checkpoint_dir(options);
+  check_export_dir(options);  // --export-hf: not --init-from, not someone's files, writable (checkpoints.h)
   // Memory preflight (preflight.h), before the process group and any allocation. Every rank
   // computes the same estimate; rank 0 prints it before the model is allocated.
   const fsdp::dist::LaunchEnv env =
@@ -599,7 +600,8 @@ int run_training(const Options& options, const std::optional<LlamaConfig>& llama
   });
   // --init-from: each rank reads its own rows of the Hugging Face weights, unless a checkpoint
   // to resume is there (it wins: it holds the weights trained since).
-  if (!o.init_from.empty() && !resume_dir) fsdp::models::load_hf_weights(*m.llama, o.init_from);
+  if (!o.init_from.empty() && !resume_dir)
+    fsdp::models::load_hf_weights(*m.llama, o.init_from, {.allow_nonfinite = o.allow_nonfinite_weights});
   // -- 3
   auto opt = build_optimizer(run, m);
   // -- 5 (load)
@@ -718,6 +720,9 @@ int main(int argc, char** argv) {
     if (options->llama() && !llama) llama = resolve_model(*options);  // from scratch: sized by the options
     return run_training(*options, llama);
   } catch (const std::invalid_argument& e) {
+    std::fprintf(stderr, "train_gpt: error: %s\n", error_text(e).c_str());
+    return 2;
+  } catch (const fsdp::models::HFError& e) {  // a bad model folder or export destination: bad input too
     std::fprintf(stderr, "train_gpt: error: %s\n", error_text(e).c_str());
     return 2;
   } catch (const std::exception& e) {

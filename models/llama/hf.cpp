@@ -337,6 +337,50 @@ void HFConfigState::load_state_dict(const std::map<std::string, at::Tensor>& sta
   json.assign(reinterpret_cast<const char*>(bytes.data_ptr<uint8_t>()), static_cast<size_t>(bytes.numel()));
 }
 
+namespace {
+
+struct CheckpointItem {
+  std::string name;
+  std::vector<int64_t> shape;
+};
+
+// The checkpoint's tensors into the export's folder, `files` as planned (file -> items), one full
+// tensor in memory at a time; the index too when there are several files.
+void write_checkpoint_weights(detail::ExportFolder& folder, fsdp::checkpoint::CheckpointReader& reader,
+                              const std::vector<CheckpointItem>& items, const std::vector<std::vector<size_t>>& files,
+                              at::ScalarType dtype) {
+  auto file_name = [&](size_t f) {
+    if (files.size() == 1) return std::string("model.safetensors");
+    char buf[64];
+    std::snprintf(buf, sizeof(buf), "model-%05zu-of-%05zu.safetensors", f + 1, files.size());
+    return std::string(buf);
+  };
+  nlohmann::json weight_map = nlohmann::json::object();
+  uint64_t total = 0;
+  for (size_t f = 0; f < files.size(); ++f) {
+    std::vector<safetensors::TensorSpec> specs;
+    for (size_t i : files[f]) specs.push_back({items[i].name, dtype, items[i].shape});
+    safetensors::StreamWriter writer((folder.dir() / file_name(f)).string(), specs, {{"format", "pt"}});
+    for (size_t i : files[f]) {
+      at::Tensor full = reader.read("model." + items[i].name).to(dtype).contiguous();
+      writer.append(full);
+      weight_map[items[i].name] = file_name(f);
+      total += static_cast<uint64_t>(full.numel()) * c10::elementSize(dtype);
+    }
+    writer.finish();
+    folder.file_written();
+  }
+  if (files.size() == 1) return;
+  const fs::path index_path = folder.dir() / "model.safetensors.index.json";
+  nlohmann::json index{{"metadata", {{"total_size", total}}}, {"weight_map", weight_map}};
+  std::ofstream out(index_path, std::ios::trunc);
+  out << index.dump(2);
+  out.close();
+  if (!out) throw HFExportError("cannot write " + index_path.string());
+}
+
+}  // namespace
+
 std::vector<std::string> export_hf_from_checkpoint(const std::string& checkpoint_dir, const std::string& dir,
                                                    const HFSaveOptions& options) {
   check_save_dtype(options);
@@ -352,11 +396,7 @@ std::vector<std::string> export_hf_from_checkpoint(const std::string& checkpoint
   // The parameters' names, order and shapes, from the model built on the meta device (no memory).
   config.device = torch::kMeta;
   Llama model(config);
-  struct Item {
-    std::string name;
-    std::vector<int64_t> shape;
-  };
-  std::vector<Item> items;
+  std::vector<CheckpointItem> items;
   for (const auto& p : model->named_parameters()) {
     const std::string key = "model." + p.key();
     const auto* t = reader.info().find(key);
@@ -383,39 +423,12 @@ std::vector<std::string> export_hf_from_checkpoint(const std::string& checkpoint
     files.back().push_back(i);
     in_file += bytes;
   }
-  auto file_name = [&](size_t f) {
-    if (files.size() == 1) return std::string("model.safetensors");
-    char buf[64];
-    std::snprintf(buf, sizeof(buf), "model-%05zu-of-%05zu.safetensors", f + 1, files.size());
-    return std::string(buf);
-  };
   config.device = torch::kCPU;
   detail::ExportFolder folder(dir, options.copy_from);
   std::vector<std::string> written;
   try {
     write_config_and_copies(folder, config, options);
-    nlohmann::json weight_map = nlohmann::json::object();
-    uint64_t total = 0;
-    for (size_t f = 0; f < files.size(); ++f) {
-      std::vector<safetensors::TensorSpec> specs;
-      for (size_t i : files[f]) specs.push_back({items[i].name, options.dtype, items[i].shape});
-      safetensors::StreamWriter writer((folder.dir() / file_name(f)).string(), specs, {{"format", "pt"}});
-      for (size_t i : files[f]) {
-        at::Tensor full = reader.read("model." + items[i].name).to(options.dtype).contiguous();
-        writer.append(full);
-        weight_map[items[i].name] = file_name(f);
-        total += static_cast<uint64_t>(full.numel()) * element;
-      }
-      writer.finish();
-      folder.file_written();
-    }
-    if (files.size() > 1) {
-      nlohmann::json index{{"metadata", {{"total_size", total}}}, {"weight_map", weight_map}};
-      std::ofstream out(folder.dir() / "model.safetensors.index.json", std::ios::trunc);
-      out << index.dump(2);
-      out.close();
-      if (!out) throw HFExportError("cannot write " + (folder.dir() / "model.safetensors.index.json").string());
-    }
+    write_checkpoint_weights(folder, reader, items, files, options.dtype);
     written = folder.commit(dtype_name(options));
   } catch (const HFError& e) {
     throw HFError(e.what() + folder.abandon());

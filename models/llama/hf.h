@@ -107,9 +107,11 @@ std::vector<std::string> save_hf(LlamaImpl& model, const std::string& dir, const
 // Failures injected into this process's exports, for tests (tests/models/test_llama_hf.cpp):
 // after this many files are complete in the temporary folder (config.json and each file copied
 // along count one each; save_hf's weights count once they are all written) the export fails as
-// on a full disk, before its commit. -1: never. Never set in training.
+// on a full disk, before its commit; or the process aborts there (std::abort: a kill, which
+// cleans nothing up). -1: never. Never set in training.
 struct HFExportFaults {
   int fail_after_files = -1;
+  int abort_after_files = -1;
 };
 void set_hf_export_faults(const HFExportFaults& faults);
 HFExportFaults hf_export_faults();

@@ -12,6 +12,7 @@
 
 #include <algorithm>
 #include <cerrno>
+#include <cstdlib>
 #include <cstring>
 #include <mutex>
 #include <random>
@@ -282,8 +283,10 @@ ExportFolder::~ExportFolder() {
 }
 
 void ExportFolder::file_written(int n) {
-  const int limit = hf_export_faults().fail_after_files;
+  const HFExportFaults faults = hf_export_faults();
   files_ += n;
+  if (faults.abort_after_files >= 0 && files_ >= faults.abort_after_files) std::abort();
+  const int limit = faults.fail_after_files;
   if (limit >= 0 && files_ >= limit)
     throw HFExportError("cannot write " + tmp_.string() + ": " + std::strerror(ENOSPC) +
                         " (HFExportFaults::fail_after_files, injected by a test)");

@@ -15,6 +15,7 @@
 #include <sys/stat.h>
 
 #include <cmath>
+#include <csignal>
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
@@ -760,4 +761,42 @@ TEST_F(LlamaHFFiles, IndexShardInASubfolderLoadsAndEscapesAreRefused) {
   const fs::path empty =
       with_index("empty", [](nlohmann::json& index) { index["weight_map"] = nlohmann::json::object(); });
   expect_contains(load_error(empty, src), "\"weight_map\" is empty");
+}
+
+// A re-export killed half way (std::abort after config.json and two shards: no clean-up runs)
+// leaves the earlier export byte-identical and loadable; its temporary folder is the only thing
+// added, and the next export succeeds beside it.
+FSDP_RANK_WORKER(llama_export_killed) {
+  fsdp::models::set_hf_export_faults({.abort_after_files = 3});
+  fsdp::models::export_hf_from_checkpoint(env("EXPORT_DIR") + "/ck", env("EXPORT_DIR") + "/out",
+                                          {.max_shard_size = 30'000});
+}
+
+TEST_F(LlamaHFFiles, KilledReExportLeavesTheEarlierExport) {
+  auto model = load_unsharded(fixture("llama_untied_sharded"));
+  fsdp::models::HFConfigState hf(model->config);
+  const fs::path ck = dir_ / "ck", out = dir_ / "out";
+  fsdp::checkpoint::save(ck.string(), {model.ptr(), nullptr, {{fsdp::models::kHFConfigEntry, &hf}}, {}});
+  fsdp::models::export_hf_from_checkpoint(ck.string(), out.string(), {.dtype = at::kBFloat16});
+  const auto before = folder_bytes(out);
+  RanksOptions options;
+  options.env["EXPORT_DIR"] = dir_.string();
+  options.init_runtime = false;
+  const auto result = run_ranks(1, "llama_export_killed", options);
+  ASSERT_EQ(result.ranks.size(), 1u);
+  EXPECT_EQ(result.ranks[0].term_signal, SIGABRT) << result.report();
+  EXPECT_EQ(folder_bytes(out), before);
+  load_unsharded(out.string());
+  std::vector<std::string> added;
+  for (const auto& name : names_in(dir_))
+    if (name != "ck" && name != "out") added.push_back(name);
+  ASSERT_EQ(added.size(), 1u);
+  EXPECT_EQ(added[0].rfind(".out.fsdp-export-tmp-", 0), 0u) << added[0];
+  const auto left = names_in(dir_ / added[0]);  // config.json and two shards, no marker
+  EXPECT_EQ(left.size(), 3u);
+  EXPECT_TRUE(left.count("config.json"));
+  EXPECT_FALSE(left.count(fsdp::models::kHFExportMarker));
+  fsdp::models::export_hf_from_checkpoint(ck.string(), out.string());
+  EXPECT_TRUE(fs::exists(out / "model.safetensors"));
+  EXPECT_TRUE(fs::exists(dir_ / added[0])) << "another export's temporary folder was removed";
 }

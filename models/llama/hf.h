@@ -112,6 +112,7 @@ std::vector<std::string> save_hf(LlamaImpl& model, const std::string& dir, const
 struct HFExportFaults {
   int fail_after_files = -1;
   int abort_after_files = -1;
+  bool no_rename_exchange = false;  // replace as on a file system without RENAME_EXCHANGE (the backup path)
 };
 void set_hf_export_faults(const HFExportFaults& faults);
 HFExportFaults hf_export_faults();

@@ -318,7 +318,8 @@ std::vector<std::string> ExportFolder::commit(const std::string& dtype_name) {
   if (!replace) {
     fs::rename(tmp_, dest_, ec);
     if (ec) throw HFExportError("cannot rename " + tmp_.string() + " to " + user_dest_ + ": " + ec.message());
-  } else if (::renameat2(AT_FDCWD, tmp_.c_str(), AT_FDCWD, dest_.c_str(), RENAME_EXCHANGE) == 0) {
+  } else if (!hf_export_faults().no_rename_exchange &&
+             ::renameat2(AT_FDCWD, tmp_.c_str(), AT_FDCWD, dest_.c_str(), RENAME_EXCHANGE) == 0) {
     // Swapped atomically: the destination is the new export, tmp_ the old one (removed below).
     // A crash now leaves the new export in place and the old one under the temporary name.
     done_ = true;

@@ -575,6 +575,12 @@ TEST_F(LlamaHFFiles, ReExportReplacesAnEarlierExport) {
   fs::create_directories(dir_ / "empty");
   fsdp::models::save_hf(*model, (dir_ / "empty").string());
   EXPECT_TRUE(fs::exists(dir_ / "empty" / "config.json"));
+  // Without RENAME_EXCHANGE (the backup-name path): replaced too, the backup removed.
+  fsdp::models::set_hf_export_faults({.no_rename_exchange = true});
+  fsdp::models::save_hf(*model, out.string());
+  fsdp::models::set_hf_export_faults({});
+  EXPECT_TRUE(fs::exists(out / "model.safetensors"));
+  EXPECT_FALSE(fs::exists(out / "model.safetensors.index.json"));
   EXPECT_EQ(names_in(dir_), (std::set<std::string>{"out", "empty"}));
 }
 

@@ -166,15 +166,18 @@ namespace {
 
 // Under --init-from: every id below config.json's vocab_size, or one line naming the shard and
 // the fix (the model's tokenizer; --vocab-size cannot change a pretrained model's vocabulary).
-void check_ids_fit_model(const fsdp::data::TokenShards& shards, int64_t vocab, const std::string& init_from) {
+void check_ids_fit_model(const fsdp::data::TokenShards& shards, int64_t vocab, const Options& o) {
+  const std::string& init_from = o.init_from;
   if (shards.size() == 0) return;
   std::string where;
   const int64_t top = shards.max_token(&where);
   if (top < vocab) return;
   throw std::invalid_argument("token shard '" + where + "' holds token id " + std::to_string(top) + ", at or above " +
                               init_from + "/config.json's vocab_size " + std::to_string(vocab) +
-                              ": tokenize the data with that model's tokenizer (fsdp-tokenize --tokenizer " +
-                              init_from + "/tokenizer.model)");
+                              ": tokenize the data with that model's tokenizer (" +
+                              (is_text(o.data) ? "--tokenizer " + init_from + "/tokenizer.model or tokenizer.json"
+                                               : "fsdp-tokenize --tokenizer " + init_from + "/tokenizer.model") +
+                              ")");
 }
 
 // Rank 0 (or a process without a launcher) prints what is allowed but probably a mistake.
@@ -277,8 +280,8 @@ std::shared_ptr<const TokenData> open_token_data(const Options& o) {
     d->vocab_origin = "the largest id + 1; --vocab-size sets it";
   }
   if (!o.init_from.empty()) {  // the vocabulary is config.json's: --vocab-size is no fix
-    check_ids_fit_model(*d->train, d->vocab, o.init_from);
-    check_ids_fit_model(*d->val, d->vocab, o.init_from);
+    check_ids_fit_model(*d->train, d->vocab, o);
+    check_ids_fit_model(*d->val, d->vocab, o);
   }
   d->train->check_vocab(d->vocab);
   d->val->check_vocab(d->vocab);

@@ -131,18 +131,29 @@ TEST(TrainGptExport, DestinationRefusedAtStartAndLeftUntouched) {
   EXPECT_FALSE(fs::exists(m)) << "training started";
 }
 
-// A read-only destination or parent is refused at start (root writes anywhere: skipped as root).
-TEST(TrainGptExport, ReadOnlyDestinationRefusedAtStart) {
-  if (::geteuid() == 0) GTEST_SKIP() << "running as root: permissions do not stop root's writes";
+// A destination whose parent cannot be written in is refused at start, by every rank: a read-only
+// folder, or (as root, whom permissions do not stop) sysfs, which refuses root a new folder too.
+TEST(TrainGptExport, UnwritableDestinationRefusedAtStart) {
   TempDir tmp;
-  const std::string ro = tmp.path + "/ro";
-  fs::create_directories(ro);
-  fs::permissions(ro, fs::perms::owner_read | fs::perms::owner_exec);
-  const auto a = alone(from_folder(fixture("qwen2"), "", {"--export-hf", ro + "/hf"}), 60s);
-  const auto b = alone(from_folder(fixture("qwen2"), "", {"--export-hf", ro}), 60s);
-  fs::permissions(ro, fs::perms::owner_all);
-  expect_one_line_error(a, "train_gpt", "--export-hf " + ro + "/hf: cannot write in its parent folder " + ro);
-  expect_one_line_error(b, "train_gpt", "--export-hf " + ro + ": ");
+  const bool root = ::geteuid() == 0;
+  const std::string parent = root ? "/sys" : tmp.path + "/ro";
+  if (root && ::mkdir("/sys/fsdp_export_probe", 0755) == 0) {
+    ::rmdir("/sys/fsdp_export_probe");
+    GTEST_SKIP() << "/sys is writable here: no folder refuses root";
+  }
+  if (!root) {
+    fs::create_directories(parent);
+    fs::permissions(parent, fs::perms::owner_read | fs::perms::owner_exec);
+  }
+  const auto a = alone(from_folder(fixture("qwen2"), "", {"--export-hf", parent + "/hf"}), 60s);
+  const auto b = ranks(2, from_folder(fixture("qwen2"), "", {"--export-hf", parent + "/hf"}), 60s);
+  const auto c = alone(from_folder(fixture("qwen2"), "", {"--export-hf", parent}), 60s);
+  if (!root) fs::permissions(parent, fs::perms::owner_all);
+  expect_one_line_error(a, "train_gpt", "--export-hf " + parent + "/hf: cannot write in its parent folder " + parent);
+  expect_every_rank_refuses(b, "cannot write in its parent folder " + parent);
+  // The read-only folder itself (it may not be replaced), or sysfs's non-empty root.
+  expect_one_line_error(c, "train_gpt", "--export-hf " + parent + ": ");
+  EXPECT_FALSE(fs::exists(parent + "/hf"));
 }
 
 // A second run exporting to the same folder replaces the first export (the marker says it is

@@ -6,6 +6,7 @@
 #
 #   level 0  compat memory hooks profiler  LibTorch differences, FSDP's buffers, module hooks,
 #                                          profiler traces
+#            optim                         fused CPU optimizers (fsdp::optim)
 #   level 1  comm                          process groups and collectives
 #   level 2  dist                          the runtime: launchers, world group, CPU tuning
 #   level 3  mesh                          DeviceMesh
@@ -38,7 +39,7 @@ if [[ ! -f ARCHITECTURE.md || ! -d include/fsdp || ! -d src ]]; then
 fi
 
 declare -A LEVEL=([compat]=0 [memory]=0 [hooks]=0 [profiler]=0 [comm]=1 [dist]=2 [mesh]=3 [tensor_parallel]=4
-  [sharding]=5 [activation]=6 [checkpoint]=7 [fsdp1]=8 [detail]=0)
+  [sharding]=5 [activation]=6 [checkpoint]=7 [fsdp1]=8 [detail]=0 [optim]=0)
 # Folders of include/fsdp/ that are tiers, not layers: their headers take a layer each (above).
 TIERS=(debug detail)
 bad=0

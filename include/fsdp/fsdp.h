@@ -10,6 +10,7 @@
 //   activation ckpt       fsdp/activation/activation_checkpointing.h
 //   checkpoints           fsdp/checkpoint/{checkpoint,state_dict,optimizer_state,safetensors,
 //                         inspect,lock}.h
+//   fused CPU optimizers  fsdp/optim/fused.h                          FusedAdamW, FusedAdam, FusedSGD
 //
 // Diagnostics and tuning (phase timers, communication counters, flight recorder, desync checks,
 // buffer pool, malloc and CPU tuning) are a separate include: fsdp/debug.h. Version differences of
@@ -26,6 +27,7 @@
 #include "fsdp/dist/runtime.h"
 #include "fsdp/fsdp1/fsdp1.h"
 #include "fsdp/mesh/device_mesh.h"
+#include "fsdp/optim/fused.h"
 #include "fsdp/sharding/call.h"
 #include "fsdp/sharding/clip_grad.h"
 #include "fsdp/sharding/custom_collectives.h"

@@ -16,6 +16,7 @@
 #include <unordered_set>
 
 #include "fsdp/compat/optim.h"
+#include "fsdp/optim/fused.h"
 #include "state_items.h"
 
 namespace fsdp::checkpoint {
@@ -40,19 +41,30 @@ OptimizerCodec adam_like(const char* name) {
       .build();
 }
 
+template <typename Opt>
+OptimizerCodec sgd_like(const char* name) {
+  namespace o = torch::optim;
+  return OptimizerCodecBuilder<Opt, o::SGDParamState, o::SGDOptions>(name)
+      .state("momentum_buffer", [](o::SGDParamState& s) -> at::Tensor& { return s.momentum_buffer(); })
+      .hyperparameter("lr", [](o::SGDOptions& x) -> double& { return x.lr(); })
+      .hyperparameter("momentum", [](o::SGDOptions& x) -> double& { return x.momentum(); })
+      .hyperparameter("dampening", [](o::SGDOptions& x) -> double& { return x.dampening(); })
+      .hyperparameter("weight_decay", [](o::SGDOptions& x) -> double& { return x.weight_decay(); })
+      .hyperparameter("nesterov", [](o::SGDOptions& x) -> bool& { return x.nesterov(); })
+      .build();
+}
+
 std::vector<OptimizerCodec> builtin_codecs() {
   namespace o = torch::optim;
   std::vector<OptimizerCodec> codecs;
   codecs.push_back(adam_like<o::Adam, o::AdamParamState, o::AdamOptions>("Adam"));
   codecs.push_back(adam_like<o::AdamW, o::AdamWParamState, o::AdamWOptions>("AdamW"));
-  codecs.push_back(OptimizerCodecBuilder<o::SGD, o::SGDParamState, o::SGDOptions>("SGD")
-                       .state("momentum_buffer", [](o::SGDParamState& s) -> at::Tensor& { return s.momentum_buffer(); })
-                       .hyperparameter("lr", [](o::SGDOptions& x) -> double& { return x.lr(); })
-                       .hyperparameter("momentum", [](o::SGDOptions& x) -> double& { return x.momentum(); })
-                       .hyperparameter("dampening", [](o::SGDOptions& x) -> double& { return x.dampening(); })
-                       .hyperparameter("weight_decay", [](o::SGDOptions& x) -> double& { return x.weight_decay(); })
-                       .hyperparameter("nesterov", [](o::SGDOptions& x) -> bool& { return x.nesterov(); })
-                       .build());
+  codecs.push_back(sgd_like<o::SGD>("SGD"));
+  // fsdp::optim's fused optimizers keep their base's state and options classes: the same keys, so a
+  // checkpoint of torch::optim::AdamW loads into FusedAdamW and back (the name is only in messages).
+  codecs.push_back(adam_like<fsdp::optim::FusedAdam, o::AdamParamState, o::AdamOptions>("FusedAdam"));
+  codecs.push_back(adam_like<fsdp::optim::FusedAdamW, o::AdamWParamState, o::AdamWOptions>("FusedAdamW"));
+  codecs.push_back(sgd_like<fsdp::optim::FusedSGD>("FusedSGD"));
   codecs.push_back(OptimizerCodecBuilder<o::Adagrad, o::AdagradParamState, o::AdagradOptions>("Adagrad")
                        .state("sum", [](o::AdagradParamState& s) -> at::Tensor& { return s.sum(); })
                        .state("step", [](o::AdagradParamState& s) -> int64_t& { return s.step(); })
@@ -156,7 +168,8 @@ const OptimizerCodec& optimizer_codec(const torch::optim::Optimizer& optimizer) 
         "line search needs the loss over all ranks; use another optimizer with fully_shard, or leave "
         "State::optimizer unset and keep LBFGS's state per rank yourself");
   throw CheckpointError("checkpoint: optimizer type '" + c10::demangle(typeid(optimizer).name()) +
-                        "' has no registered state codec (built in: Adam, AdamW, SGD, Adagrad, RMSprop); register "
+                        "' has no registered state codec (built in: Adam, AdamW, SGD, Adagrad, RMSprop and "
+                        "fsdp::optim's FusedAdam, FusedAdamW, FusedSGD); register "
                         "one with fsdp::checkpoint::register_optimizer (see fsdp/checkpoint/optimizer_state.h), or "
                         "leave State::optimizer unset and save its state yourself");
 }

@@ -2,8 +2,10 @@
 // How an optimizer's state travels in checkpoints and state dicts: a registry of codecs, one per
 // optimizer class, naming its per-parameter state fields and its param-group hyperparameters.
 //
-// Built in: torch::optim::Adam, AdamW, SGD, Adagrad, RMSprop. LBFGS is refused (see below). Any
-// other class is refused with an error naming it and pointing here; register yours:
+// Built in: torch::optim::Adam, AdamW, SGD, Adagrad, RMSprop, and fsdp::optim::FusedAdam,
+// FusedAdamW, FusedSGD (fsdp/optim/fused.h: their base's keys, so each loads the other's state).
+// LBFGS is refused (see below). Any other class is refused with an error naming it and pointing
+// here; register yours:
 //
 // Example:
 //   struct MyState : torch::optim::OptimizerCloneableParamState<MyState> {

@@ -1,7 +1,10 @@
 #pragma once
 // --optimizer: the LibTorch optimizer train_gpt trains with (adamw | adam | sgd | adagrad |
-// rmsprop), over the local shards. Every one of them is saved and resumed with its state and its
-// param groups' hyperparameters (fsdp/checkpoint/optimizer_state.h).
+// rmsprop), or fsdp::optim's fused one (fused-adamw | fused-adam | fused-sgd: the same update in one
+// pass over memory per parameter on the CPU, fsdp/optim/fused.h), over the local shards. Every one
+// of them is saved and resumed with its state and its param groups' hyperparameters
+// (fsdp/checkpoint/optimizer_state.h); a fused one and its LibTorch twin read each other's
+// checkpoints.
 #include <torch/optim/optimizer.h>
 
 #include <memory>
@@ -12,7 +15,8 @@
 namespace train_gpt {
 
 // adamw: betas (0.9, 0.95) and --weight-decay; adam: betas (0.9, 0.95), no weight decay;
-// sgd: momentum 0.9; adagrad, rmsprop: LibTorch's defaults. All at --lr (the schedule's peak).
+// sgd: momentum 0.9; adagrad, rmsprop: LibTorch's defaults; fused-X: as X. All at --lr (the
+// schedule's peak).
 std::unique_ptr<torch::optim::Optimizer> make_optimizer(const Options& o, const std::vector<at::Tensor>& params);
 
 // Sets every param group's learning rate.

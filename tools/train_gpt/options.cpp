@@ -137,8 +137,10 @@ std::optional<Options> parse_options(int argc, char** argv, int& exit_code) {
   app.add_option("--weight-decay", o.weight_decay, "AdamW weight decay")->check(bounded(0, 100, false));
   app.add_option("--optimizer", o.optimizer,
                  "adamw | adam | sgd (momentum 0.9) | adagrad | rmsprop, at --lr; checkpoints keep its state and "
-                 "hyperparameters, so resume with the same one")
-      ->check(CLI::IsMember({"adamw", "adam", "sgd", "adagrad", "rmsprop"}));
+                 "hyperparameters, so resume with the same one; fused-adamw | fused-adam | fused-sgd: the same "
+                 "update in one multi-threaded pass over memory per parameter (CPU fp32 parameters; "
+                 "fsdp/optim/fused.h), resuming its LibTorch twin's checkpoints and the reverse")
+      ->check(CLI::IsMember({"adamw", "adam", "sgd", "adagrad", "rmsprop", "fused-adamw", "fused-adam", "fused-sgd"}));
   app.add_option("--clip", o.clip, "Clip the global gradient norm to this (0: off)")->check(bounded(0, 1e9, false));
   app.add_option("--seed", o.seed, "Seed of the initialisation, the data order and the sample")
       ->check(bounded(0, 18446744073709551615.0, true));

@@ -56,7 +56,7 @@ struct Options {
   double lr = 3e-3;
   int64_t warmup = 20;
   double weight_decay = 0.1;
-  std::string optimizer = "adamw";  // adamw | adam | sgd | adagrad | rmsprop (optimizer.h)
+  std::string optimizer = "adamw";  // adamw | adam | sgd | adagrad | rmsprop | fused-adamw | fused-adam | fused-sgd
   double clip = 1.0;                // 0: no clipping
   uint64_t seed = 0;
   // parallelism

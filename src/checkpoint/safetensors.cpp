@@ -217,7 +217,10 @@ const TensorEntry* Header::find(const std::string& name) const {
   return nullptr;
 }
 
-Header parse_header(const uint8_t* bytes, size_t size, uint64_t file_size, const std::string& source) {
+namespace {
+
+// Reads and bounds-checks the 8-byte little-endian header length prefix.
+uint64_t read_header_length(const uint8_t* bytes, size_t size, uint64_t file_size, const std::string& source) {
   if (size < 8 || file_size < 8)
     fail(source, "truncated: " + std::to_string(std::min<uint64_t>(size, file_size)) +
                      " bytes, less than the 8-byte header length prefix");
@@ -232,7 +235,11 @@ Header parse_header(const uint8_t* bytes, size_t size, uint64_t file_size, const
   if (size - 8 < n)
     fail(source,
          "truncated: only " + std::to_string(size) + " of the " + std::to_string(8 + n) + " header bytes were given");
-  const uint8_t* text = bytes + 8;
+  return n;
+}
+
+// The header text as a JSON object: strict UTF-8, no NUL byte, no duplicate key.
+json parse_header_object(const uint8_t* text, uint64_t n, const std::string& source) {
   if (size_t bad = find_invalid_utf8(text, n); bad != std::string::npos)
     fail(source, "header is not valid UTF-8 (byte " + std::to_string(bad) + ")");
 
@@ -243,90 +250,112 @@ Header parse_header(const uint8_t* bytes, size_t size, uint64_t file_size, const
          "header is not valid JSON: NUL byte at offset " + std::to_string(static_cast<const uint8_t*>(nul) - text));
   json root = parse_json(reinterpret_cast<const char*>(text), reinterpret_cast<const char*>(text + n), source);
   if (!root.is_object()) fail(source, std::string("header is not a JSON object (got ") + root.type_name() + ")");
+  return root;
+}
 
-  Header h;
-  h.data_start = 8 + n;
-  const uint64_t buffer_size = file_size - h.data_start;
-  h.tensors.reserve(root.size());
-  for (auto& [name, value] : root.items()) {
-    if (name == kMetadataKey) {
-      if (!value.is_object())
-        fail(source, std::string("__metadata__ must be an object of strings, got ") + value.type_name());
-      for (auto& [k, v] : value.items()) {
-        if (!v.is_string())
-          fail(source, "__metadata__ value for " + quoted(k) + " must be a string, got " + v.type_name());
-        h.metadata.emplace(k, v.get<std::string>());
-      }
-      continue;
-    }
-    if (!value.is_object()) fail_tensor(source, name, std::string("entry must be an object, got ") + value.type_name());
-    auto dtype_it = value.find("dtype");
-    auto shape_it = value.find("shape");
-    auto offsets_it = value.find("data_offsets");
-    if (dtype_it == value.end() || shape_it == value.end() || offsets_it == value.end())
-      fail_tensor(source, name,
-                  "entry is missing field '" +
-                      std::string(dtype_it == value.end()   ? "dtype"
-                                  : shape_it == value.end() ? "shape"
-                                                            : "data_offsets") +
-                      "'");
-    if (!dtype_it->is_string())
-      fail_tensor(source, name, std::string("dtype must be a string, got ") + dtype_it->type_name());
-    if (!shape_it->is_array())
-      fail_tensor(source, name, std::string("shape must be an array, got ") + shape_it->type_name());
-    if (!offsets_it->is_array() || offsets_it->size() != 2)
-      fail_tensor(source, name, "data_offsets must be an array of two integers [begin, end]");
-
-    TensorEntry e;
-    e.name = name;
-    try {
-      e.dtype = dtype_from_name(dtype_it->get<std::string>());
-    } catch (const SafetensorsError& err) {
-      fail_tensor(source, name, err.what());
-    }
-    // numel * element size with checked arithmetic. A zero dim makes the tensor empty whatever
-    // the other dims are, so it is checked first (no spurious overflow).
-    bool empty = false;
-    e.shape.reserve(shape_it->size());
-    for (const auto& d : *shape_it) {
-      uint64_t v = get_u64(d, source, name, "shape");
-      if (v > static_cast<uint64_t>(std::numeric_limits<int64_t>::max()))
-        fail_tensor(source, name, "shape dimension " + std::to_string(v) + " is too large");
-      e.shape.push_back(static_cast<int64_t>(v));
-      empty = empty || v == 0;
-    }
-    uint64_t numel = empty ? 0 : 1;
-    for (int64_t d : e.shape) {
-      if (empty) break;
-      if (__builtin_mul_overflow(numel, static_cast<uint64_t>(d), &numel) ||
-          numel > static_cast<uint64_t>(std::numeric_limits<int64_t>::max()))
-        fail_tensor(source, name, "shape " + shape_str(e.shape) + " overflows the element count");
-    }
-    uint64_t need = 0;
-    if (__builtin_mul_overflow(numel, element_size(e.dtype), &need))
-      fail_tensor(source, name, "shape " + shape_str(e.shape) + " overflows the byte size");
-    e.begin = get_u64((*offsets_it)[0], source, name, "data_offsets");
-    e.end = get_u64((*offsets_it)[1], source, name, "data_offsets");
-    const std::string range = "data_offsets [" + std::to_string(e.begin) + ", " + std::to_string(e.end) + ")";
-    if (e.end < e.begin) fail_tensor(source, name, range + " end before begin");
-    if (e.end > buffer_size)
-      fail_tensor(source, name,
-                  range + " run beyond the data buffer of " + std::to_string(buffer_size) + " bytes (file truncated?)");
-    if (e.end - e.begin != need)
-      fail_tensor(source, name,
-                  range + " hold " + std::to_string(e.end - e.begin) + " bytes but " + dtype_name(e.dtype) + " shape " +
-                      shape_str(e.shape) + " needs " + std::to_string(need));
-    h.tensors.push_back(std::move(e));
+void read_metadata(const json& value, Header& h, const std::string& source) {
+  if (!value.is_object())
+    fail(source, std::string("__metadata__ must be an object of strings, got ") + value.type_name());
+  for (auto& [k, v] : value.items()) {
+    if (!v.is_string()) fail(source, "__metadata__ value for " + quoted(k) + " must be a string, got " + v.type_name());
+    h.metadata.emplace(k, v.get<std::string>());
   }
+}
 
-  // Sorted by (begin, end): empty tensors sharing an offset with a real one come first. The
-  // entries must tile the buffer exactly from 0: no overlap (two tensors aliasing the same
-  // bytes), no hole and no trailing bytes (data nobody accounts for).
-  std::sort(h.tensors.begin(), h.tensors.end(), [](const TensorEntry& a, const TensorEntry& b) {
+// The three fields of a tensor entry, each present and of the right JSON type.
+struct EntryFields {
+  const json& dtype;
+  const json& shape;
+  const json& offsets;
+};
+
+EntryFields entry_fields(const std::string& name, const json& value, const std::string& source) {
+  if (!value.is_object()) fail_tensor(source, name, std::string("entry must be an object, got ") + value.type_name());
+  auto dtype_it = value.find("dtype");
+  auto shape_it = value.find("shape");
+  auto offsets_it = value.find("data_offsets");
+  if (dtype_it == value.end() || shape_it == value.end() || offsets_it == value.end())
+    fail_tensor(source, name,
+                "entry is missing field '" +
+                    std::string(dtype_it == value.end()   ? "dtype"
+                                : shape_it == value.end() ? "shape"
+                                                          : "data_offsets") +
+                    "'");
+  if (!dtype_it->is_string())
+    fail_tensor(source, name, std::string("dtype must be a string, got ") + dtype_it->type_name());
+  if (!shape_it->is_array())
+    fail_tensor(source, name, std::string("shape must be an array, got ") + shape_it->type_name());
+  if (!offsets_it->is_array() || offsets_it->size() != 2)
+    fail_tensor(source, name, "data_offsets must be an array of two integers [begin, end]");
+  return {*dtype_it, *shape_it, *offsets_it};
+}
+
+// numel * element size with checked arithmetic. A zero dim makes the tensor empty whatever the
+// other dims are, so it is checked first (no spurious overflow). Fills e.shape.
+uint64_t read_shape_bytes(const json& shape, TensorEntry& e, const std::string& source) {
+  const std::string& name = e.name;
+  bool empty = false;
+  e.shape.reserve(shape.size());
+  for (const auto& d : shape) {
+    uint64_t v = get_u64(d, source, name, "shape");
+    if (v > static_cast<uint64_t>(std::numeric_limits<int64_t>::max()))
+      fail_tensor(source, name, "shape dimension " + std::to_string(v) + " is too large");
+    e.shape.push_back(static_cast<int64_t>(v));
+    empty = empty || v == 0;
+  }
+  uint64_t numel = empty ? 0 : 1;
+  for (int64_t d : e.shape) {
+    if (empty) break;
+    if (__builtin_mul_overflow(numel, static_cast<uint64_t>(d), &numel) ||
+        numel > static_cast<uint64_t>(std::numeric_limits<int64_t>::max()))
+      fail_tensor(source, name, "shape " + shape_str(e.shape) + " overflows the element count");
+  }
+  uint64_t need = 0;
+  if (__builtin_mul_overflow(numel, element_size(e.dtype), &need))
+    fail_tensor(source, name, "shape " + shape_str(e.shape) + " overflows the byte size");
+  return need;
+}
+
+// Fills e.begin/e.end and checks they lie in the buffer and span exactly `need` bytes.
+void read_offsets(const json& offsets, uint64_t need, uint64_t buffer_size, TensorEntry& e, const std::string& source) {
+  const std::string& name = e.name;
+  e.begin = get_u64(offsets[0], source, name, "data_offsets");
+  e.end = get_u64(offsets[1], source, name, "data_offsets");
+  const std::string range = "data_offsets [" + std::to_string(e.begin) + ", " + std::to_string(e.end) + ")";
+  if (e.end < e.begin) fail_tensor(source, name, range + " end before begin");
+  if (e.end > buffer_size)
+    fail_tensor(source, name,
+                range + " run beyond the data buffer of " + std::to_string(buffer_size) + " bytes (file truncated?)");
+  if (e.end - e.begin != need)
+    fail_tensor(source, name,
+                range + " hold " + std::to_string(e.end - e.begin) + " bytes but " + dtype_name(e.dtype) + " shape " +
+                    shape_str(e.shape) + " needs " + std::to_string(need));
+}
+
+TensorEntry parse_tensor_entry(const std::string& name, const json& value, uint64_t buffer_size,
+                               const std::string& source) {
+  const EntryFields fields = entry_fields(name, value, source);
+  TensorEntry e;
+  e.name = name;
+  try {
+    e.dtype = dtype_from_name(fields.dtype.get<std::string>());
+  } catch (const SafetensorsError& err) {
+    fail_tensor(source, name, err.what());
+  }
+  const uint64_t need = read_shape_bytes(fields.shape, e, source);
+  read_offsets(fields.offsets, need, buffer_size, e, source);
+  return e;
+}
+
+// Sorted by (begin, end): empty tensors sharing an offset with a real one come first. The
+// entries must tile the buffer exactly from 0: no overlap (two tensors aliasing the same
+// bytes), no hole and no trailing bytes (data nobody accounts for).
+void check_tiling(std::vector<TensorEntry>& tensors, uint64_t buffer_size, const std::string& source) {
+  std::sort(tensors.begin(), tensors.end(), [](const TensorEntry& a, const TensorEntry& b) {
     return std::tie(a.begin, a.end, a.name) < std::tie(b.begin, b.end, b.name);
   });
   uint64_t expected = 0;
-  for (const auto& e : h.tensors) {
+  for (const auto& e : tensors) {
     if (e.begin < expected)
       fail_tensor(source, e.name,
                   "data_offsets [" + std::to_string(e.begin) + ", " + std::to_string(e.end) +
@@ -340,6 +369,25 @@ Header parse_header(const uint8_t* bytes, size_t size, uint64_t file_size, const
   if (expected != buffer_size)
     fail(source, "data buffer holds " + std::to_string(buffer_size) + " bytes but the tensors " + "cover " +
                      std::to_string(expected) + " (trailing bytes after the last tensor)");
+}
+
+}  // namespace
+
+Header parse_header(const uint8_t* bytes, size_t size, uint64_t file_size, const std::string& source) {
+  const uint64_t n = read_header_length(bytes, size, file_size, source);
+  json root = parse_header_object(bytes + 8, n, source);
+
+  Header h;
+  h.data_start = 8 + n;
+  const uint64_t buffer_size = file_size - h.data_start;
+  h.tensors.reserve(root.size());
+  for (auto& [name, value] : root.items()) {
+    if (name == kMetadataKey)
+      read_metadata(value, h, source);
+    else
+      h.tensors.push_back(parse_tensor_entry(name, value, buffer_size, source));
+  }
+  check_tiling(h.tensors, buffer_size, source);
   return h;
 }
 

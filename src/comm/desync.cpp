@@ -148,6 +148,92 @@ std::string rank_list(const std::vector<int>& ranks) {
   return os.str();
 }
 
+Fingerprint make_fingerprint(uint64_t seq, OpKind op, const at::Tensor& in, const at::Tensor& out, int reduce_op,
+                             int root) {
+  Fingerprint mine;
+  mine[kMagic] = kMagicValue;
+  mine[kSeq] = static_cast<int64_t>(seq);
+  mine[kOp] = static_cast<int64_t>(op);
+  mine[kReduceOp] = reduce_op;
+  mine[kRoot] = root;
+  const at::Tensor& any = in.defined() ? in : out;
+  mine[kDevice] = any.defined() ? static_cast<int64_t>(any.device().type()) : -1;
+  put_tensor(mine, kIn, in);
+  put_tensor(mine, kOut, out);
+  return mine;
+}
+
+// The exchange runs on the group's own backend: NCCL takes CUDA tensors only (the device of
+// the call's tensors, else the current CUDA device); Gloo takes CPU ones.
+at::Device exchange_device(const Comm& comm, const at::Tensor& any) {
+  if (comm.backend_kind() != BackendKind::Nccl) return at::Device(at::kCPU);
+  if (any.defined() && any.is_cuda()) return any.device();
+  return c10::impl::VirtualGuardImpl(c10::DeviceType::CUDA).getDevice();
+}
+
+// All-gathers every rank's fingerprint (in rank order) over the group's backend.
+std::vector<Fingerprint> gather_fingerprints(const Comm& comm, uint64_t seq, Fingerprint& mine,
+                                             const at::Device& device) {
+  const int n = comm.size();
+  at::Tensor local = at::from_blob(mine.data(), {kFields}, at::kLong).to(device, /*non_blocking=*/false, /*copy=*/true);
+  at::Tensor gathered = at::empty({n, kFields}, local.options());
+  std::vector<std::vector<at::Tensor>> outputs{gathered.unbind(0)};
+  std::vector<at::Tensor> inputs{local};
+  c10d::AllgatherOptions opts;
+  opts.timeout = comm.timeout();
+
+  std::ostringstream where;
+  where << "fsdp: " << op_name(mine[kOp]) << " on group '" << comm.name() << "' (" << backend_name(comm.backend_kind())
+        << ", this is rank " << comm.global_ranks()[comm.rank()]
+        << "; its desync check, TORCH_DISTRIBUTED_DEBUG=DETAIL, "
+        << "sequence number " << seq << ")";
+  {
+    Work work(comm.backend()->allgather(outputs, inputs, opts), nullptr,
+              comm.backend_kind() == BackendKind::Nccl ? compat::kNoWaitTimeout : comm.timeout(), where.str());
+    work.wait();
+  }
+  g_checks.fetch_add(1, std::memory_order_relaxed);
+  g_bytes.fetch_add(static_cast<uint64_t>(n - 1) * sizeof(Fingerprint), std::memory_order_relaxed);
+
+  const at::Tensor all = gathered.to(at::kCPU).contiguous();
+  const int64_t* p = all.data_ptr<int64_t>();
+  std::vector<Fingerprint> prints(static_cast<size_t>(n));
+  for (int r = 0; r < n; ++r) std::copy(p + r * kFields, p + (r + 1) * kFields, prints[r].begin());
+  return prints;
+}
+
+// The message every rank throws: each distinct call with the ranks that issued it.
+std::string desync_message(const Comm& comm, uint64_t seq, const std::vector<Fingerprint>& prints) {
+  const int n = static_cast<int>(prints.size());
+  bool same_seq = true;
+  for (int r = 0; r < n; ++r)
+    if (prints[r][kSeq] != prints[0][kSeq]) same_seq = false;
+  std::vector<std::pair<Fingerprint, std::vector<int>>> groups;  // distinct calls, in rank order
+  for (int r = 0; r < n; ++r) {
+    auto it = std::find_if(groups.begin(), groups.end(), [&](const auto& g) { return g.first == prints[r]; });
+    if (it == groups.end())
+      groups.push_back({prints[r], {comm.global_ranks()[r]}});
+    else
+      it->second.push_back(comm.global_ranks()[r]);
+  }
+  std::ostringstream msg;
+  msg << "fsdp: collective desync in group '" << comm.name() << "' ";
+  if (same_seq)
+    msg << "at sequence number " << seq;
+  else
+    msg << "(the ranks are at different sequence numbers; this rank at " << seq << ")";
+  msg << ": ";
+  const size_t shown = std::min<size_t>(groups.size(), 8);
+  for (size_t i = 0; i < shown; ++i) {
+    msg << (i ? ", " : "") << rank_list(groups[i].second) << " called " << describe_call(groups[i].first, !same_seq);
+  }
+  if (groups.size() > shown) msg << ", and " << groups.size() - shown << " other calls";
+  msg << ". Every rank of a group must issue the same collectives in the same order with the same dtypes and "
+         "shapes (a model or data that differs between ranks, or a collective inside a rank-dependent branch); "
+         "checked because TORCH_DISTRIBUTED_DEBUG=DETAIL";
+  return msg.str();
+}
+
 }  // namespace
 
 bool desync_detection_enabled() {
@@ -173,85 +259,12 @@ namespace detail {
 void check_collective_matches(const Comm& comm, uint64_t seq, OpKind op, const at::Tensor& in, const at::Tensor& out,
                               int reduce_op, int root) {
   if (comm.size() < 2 || comm.backend_kind() == BackendKind::Local || !desync_detection_enabled()) return;
-
-  Fingerprint mine;
-  mine[kMagic] = kMagicValue;
-  mine[kSeq] = static_cast<int64_t>(seq);
-  mine[kOp] = static_cast<int64_t>(op);
-  mine[kReduceOp] = reduce_op;
-  mine[kRoot] = root;
-  const at::Tensor& any = in.defined() ? in : out;
-  mine[kDevice] = any.defined() ? static_cast<int64_t>(any.device().type()) : -1;
-  put_tensor(mine, kIn, in);
-  put_tensor(mine, kOut, out);
-
-  // The exchange runs on the group's own backend: NCCL takes CUDA tensors only (the device of
-  // the call's tensors, else the current CUDA device); Gloo takes CPU ones.
-  at::Device device(at::kCPU);
-  if (comm.backend_kind() == BackendKind::Nccl) {
-    if (any.defined() && any.is_cuda()) {
-      device = any.device();
-    } else {
-      device = c10::impl::VirtualGuardImpl(c10::DeviceType::CUDA).getDevice();
-    }
-  }
-  const int n = comm.size();
-  at::Tensor local = at::from_blob(mine.data(), {kFields}, at::kLong).to(device, /*non_blocking=*/false, /*copy=*/true);
-  at::Tensor gathered = at::empty({n, kFields}, local.options());
-  std::vector<std::vector<at::Tensor>> outputs{gathered.unbind(0)};
-  std::vector<at::Tensor> inputs{local};
-  c10d::AllgatherOptions opts;
-  opts.timeout = comm.timeout();
-
-  std::ostringstream where;
-  where << "fsdp: " << op_name(mine[kOp]) << " on group '" << comm.name() << "' (" << backend_name(comm.backend_kind())
-        << ", this is rank " << comm.global_ranks()[comm.rank()]
-        << "; its desync check, TORCH_DISTRIBUTED_DEBUG=DETAIL, "
-        << "sequence number " << seq << ")";
-  {
-    Work work(comm.backend()->allgather(outputs, inputs, opts), nullptr,
-              comm.backend_kind() == BackendKind::Nccl ? compat::kNoWaitTimeout : comm.timeout(), where.str());
-    work.wait();
-  }
-  g_checks.fetch_add(1, std::memory_order_relaxed);
-  g_bytes.fetch_add(static_cast<uint64_t>(n - 1) * sizeof(Fingerprint), std::memory_order_relaxed);
-
-  const at::Tensor all = gathered.to(at::kCPU).contiguous();
-  const int64_t* p = all.data_ptr<int64_t>();
-  std::vector<Fingerprint> prints(static_cast<size_t>(n));
-  bool same = true, same_seq = true;
-  for (int r = 0; r < n; ++r) {
-    std::copy(p + r * kFields, p + (r + 1) * kFields, prints[r].begin());
-    if (prints[r] != prints[0]) same = false;
-    if (prints[r][kSeq] != prints[0][kSeq]) same_seq = false;
-  }
-  if (same) return;
-
+  Fingerprint mine = make_fingerprint(seq, op, in, out, reduce_op, root);
+  const std::vector<Fingerprint> prints =
+      gather_fingerprints(comm, seq, mine, exchange_device(comm, in.defined() ? in : out));
+  if (std::all_of(prints.begin(), prints.end(), [&](const Fingerprint& f) { return f == prints[0]; })) return;
   // Every rank sees every fingerprint, so every rank throws the same message.
-  std::vector<std::pair<Fingerprint, std::vector<int>>> groups;  // distinct calls, in rank order
-  for (int r = 0; r < n; ++r) {
-    auto it = std::find_if(groups.begin(), groups.end(), [&](const auto& g) { return g.first == prints[r]; });
-    if (it == groups.end())
-      groups.push_back({prints[r], {comm.global_ranks()[r]}});
-    else
-      it->second.push_back(comm.global_ranks()[r]);
-  }
-  std::ostringstream msg;
-  msg << "fsdp: collective desync in group '" << comm.name() << "' ";
-  if (same_seq)
-    msg << "at sequence number " << seq;
-  else
-    msg << "(the ranks are at different sequence numbers; this rank at " << seq << ")";
-  msg << ": ";
-  const size_t shown = std::min<size_t>(groups.size(), 8);
-  for (size_t i = 0; i < shown; ++i) {
-    msg << (i ? ", " : "") << rank_list(groups[i].second) << " called " << describe_call(groups[i].first, !same_seq);
-  }
-  if (groups.size() > shown) msg << ", and " << groups.size() - shown << " other calls";
-  msg << ". Every rank of a group must issue the same collectives in the same order with the same dtypes and "
-         "shapes (a model or data that differs between ranks, or a collective inside a rank-dependent branch); "
-         "checked because TORCH_DISTRIBUTED_DEBUG=DETAIL";
-  throw CommError(msg.str());
+  throw CommError(desync_message(comm, seq, prints));
 }
 
 }  // namespace detail

@@ -15,10 +15,7 @@
 // Plain: the fp32 model is the optimizer's; a bf16 copy computes (copied in before each step,
 // gradients handed back in fp32): the same arithmetic as FSDP's MixedPrecisionPolicy.
 // fsdp_keep is fully_shard with reshard_after_forward=false (no all-gather in backward): what
-// backward's gathers cost. fsdp_apart is fsdp with each shard kept on its own
-// (CpuCollectiveOptions::shards_in_one_buffer off): copy-in then copies the shards one by one
-// (one _foreach_copy_), as FSDP2 does, where fsdp copies the unit's one shard buffer (one copy_):
-// what that buffer buys on the device. fsdp_timers is fsdp again with FSDP's phase timers and all-gather wait
+// backward's gathers cost. fsdp_timers is fsdp again with FSDP's phase timers and all-gather wait
 // timing on (a clock system call a phase, two events a gather): the phase table and how long the
 // compute stream waited on all-gathers come from it; the rows compared with plain run without them.
 //
@@ -307,13 +304,8 @@ Result run_plain(const Options& o) {
 // instrumented: with the phase timers (two clock reads a phase, one of them a system call) and the
 // all-gather wait timing (two events an all-gather) on, for the phase table; the rows compared
 // with plain run without them, as plain runs without anything of the kind.
-Result run_fsdp(const Options& o, bool reshard_after_forward, bool instrumented, bool shards_in_one_buffer = true) {
+Result run_fsdp(const Options& o, bool reshard_after_forward, bool instrumented) {
   reset_peak();
-  // Read at the first all-gather, when a unit's shards move to its buffer; restored at the end.
-  const fsdp::CpuCollectiveOptions defaults = fsdp::cpu_collective_options();
-  fsdp::CpuCollectiveOptions layout = defaults;
-  layout.shards_in_one_buffer = shards_in_one_buffer;
-  fsdp::set_cpu_collective_options(layout);
   fsdp::models::GPT model(config_of(o, torch::kMeta));
   fsdp::FullyShardOptions so;
   so.mp_policy.param_dtype = at::kBFloat16;
@@ -338,7 +330,6 @@ Result run_fsdp(const Options& o, bool reshard_after_forward, bool instrumented,
   });
   fsdp::set_phase_timers(false);
   fsdp::set_all_gather_wait_timing(false);
-  fsdp::set_cpu_collective_options(defaults);
   r.instrumented = instrumented;
   return r;
 }
@@ -395,23 +386,20 @@ int main(int argc, char** argv) {
       static_cast<long long>(o.shape.layers), static_cast<long long>(o.shape.dim),
       static_cast<long long>(o.shape.heads), static_cast<long long>(o.shape.seq), static_cast<long long>(o.shape.batch),
       o.steps, o.warmup, o.rounds);
-  Result best_plain, best_fsdp, best_keep, best_apart;
+  Result best_plain, best_fsdp, best_keep;
   for (int round = 0; round < o.rounds; ++round) {  // alternate; keep each one's best median
     Result p = run_plain(o);
     Result f = run_fsdp(o, /*reshard_after_forward=*/true, /*instrumented=*/false);
     Result k = run_fsdp(o, /*reshard_after_forward=*/false, /*instrumented=*/false);
-    Result a = run_fsdp(o, /*reshard_after_forward=*/true, /*instrumented=*/false, /*shards_in_one_buffer=*/false);
     if (round == 0 || p.step_s < best_plain.step_s) best_plain = p;
     if (round == 0 || f.step_s < best_fsdp.step_s) best_fsdp = f;
     if (round == 0 || k.step_s < best_keep.step_s) best_keep = k;
-    if (round == 0 || a.step_s < best_apart.step_s) best_apart = a;
   }
   // Once more with the phase timers on, for the table below (and what they cost: against fsdp).
   const Result timed = run_fsdp(o, /*reshard_after_forward=*/true, /*instrumented=*/true);
   print_row("plain", o, best_plain, nullptr);
   print_row("fsdp", o, best_fsdp, &best_plain);
   print_row("fsdp_keep", o, best_keep, &best_plain);
-  print_row("fsdp_apart", o, best_apart, &best_plain);
   print_row("fsdp_timers", o, timed, &best_plain);
   std::printf(
       "bound plain=%s fsdp=%s fsdp_keep=%s (backlog_ms at %s issued: host where under 0.5 ms at all, device where "
@@ -424,7 +412,7 @@ int main(int argc, char** argv) {
   if (o.dry_run_on_cpu) {
     // The rows train the same model from the same values on the same tokens with the same
     // arithmetic: on the CPU their last losses agree (a GPU's kernels may round differently).
-    const Result* sharded[] = {&best_fsdp, &best_keep, &best_apart, &timed};
+    const Result* sharded[] = {&best_fsdp, &best_keep, &timed};
     for (const Result* r : sharded) {
       if (std::abs(r->loss - best_plain.loss) > 1e-3) {
         std::fprintf(stderr, "gpu_bench: the fully_shard rows do not train as the plain one does: loss %.6f vs %.6f\n",

@@ -19,7 +19,7 @@
 # CUDA are the ones the binaries were built for (refused at once, naming both, when not),
 # LD_LIBRARY_PATH from the torch package, that fsdp_build_info says cuda=yes nccl=yes (a build
 # without them fails), then runs the GPU tests (the ones a crash or hang did not reach run again,
-# up to 3 times; the failed ones once more with FSDP_CPU_SHARD_BUFFER=0), the benchmarks and,
+# up to 3 times), the benchmarks and,
 # where train_gpt is bundled, a traced step of it summarised by trace_summary.py --ops: the copies
 # and kernel launches inside each FSDP phase ([Note: one copy kernel per unit]) (--no-bench: tests
 # only). OUTDIR gets at most 3 files: summary.txt (rewritten after every step, so a run stopped
@@ -304,19 +304,6 @@ run_check() {
     ((pass <= 3)) || { NOTES+=("gave up after 3 reruns: $(echo "$remaining" | paste -sd' ' -)"); break; }
     write_summary
   done
-  # A test that failed runs once more with each unit's shards kept apart (FSDP_CPU_SHARD_BUFFER=0,
-  # FSDP2's layout): passing then, its failure is the shard buffer's.
-  local failed
-  failed="$(sed -nE 's/^\[  FAILED  \] ([^ ,]+)(, where .*)? \([0-9]+ ms\)$/\1/p' "$OUT/run.log" | sort -u | paste -sd: -)"
-  if [ -n "$failed" ]; then
-    if step "failed GPU tests again, shards apart" 45 -- env FSDP_CPU_SHARD_BUFFER=0 "$DIR/bin/test_gpu" \
-      "--gtest_filter=$failed"; then
-      NOTES+=("$failed passed with FSDP_CPU_SHARD_BUFFER=0: the failure is the unit's shard buffer's")
-    else
-      NOTES+=("$failed failed with FSDP_CPU_SHARD_BUFFER=0 too: not (only) the shard buffer")
-    fi
-    write_summary
-  fi
   if [ "$bench" = 1 ] && [ "$GPU_LINE" != none ]; then
     step "GPU benchmark (LibTorch, fully_shard)" 50 -- "$DIR/bin/gpu_bench" --steps 10 --warmup 3 --rounds 1
     step "GPU benchmark (PyTorch FSDP2)" 35 -- "$py" "$DIR/fsdp2_gpu_bench.py" --steps 10 --warmup 3

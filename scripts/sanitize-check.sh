@@ -49,7 +49,7 @@ else
   SUITES=(
     test_buffer_pool test_comm test_p2p_collectives test_pieces_collectives test_async_watch test_dist
     test_device_mesh test_mesh_from_groups test_desync test_flight_recorder
-    test_fully_shard test_fully_shard_local test_reduce_into_grads test_fused_copies test_mixed_precision
+    test_fully_shard test_fully_shard_local test_fused_copies test_mixed_precision
     test_hsdp test_replicate test_meta_init test_clip_grad test_custom_collectives test_forward_hooks
     test_forward_method test_shard_placement test_world_of_one test_optimizers
     test_tensor_parallel test_tp_units test_fsdp1 test_fsdp1_wrap

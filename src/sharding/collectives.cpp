@@ -19,46 +19,38 @@ namespace {
 // ranks whose rows all exist are one copy (a strided [k, padded_rows * row_numel] view of `out`
 // from the contiguous rows of `full`), not one per rank; only a rank at the end with fewer rows
 // (or none) than padded_rows takes a copy and a zero fill of its own.
-// `scale` (a 0-dim tensor) where defined: the rows are multiplied by it as they are copied.
 void split_rows(const at::Tensor& full, const at::Tensor& out, int64_t offset, int first_rank, int64_t rows,
-                int64_t row_numel, int64_t padded_rows, const at::Tensor& scale = at::Tensor()) {
-  auto copy = [&scale](at::Tensor dst, const at::Tensor& src) {
-    if (scale.defined())
-      at::mul_out(dst, src, scale);
-    else
-      dst.copy_(src);
-  };
+                int64_t row_numel, int64_t padded_rows) {
   const int64_t count = out.size(0), chunk = padded_rows * row_numel;
   const int64_t start = static_cast<int64_t>(first_rank) * padded_rows;
   const int64_t whole = std::clamp<int64_t>(padded_rows > 0 ? (rows - start) / padded_rows : 0, 0, count);
   if (whole > 0) {
-    copy(out.narrow(0, 0, whole).narrow(1, offset, chunk),
-         full.narrow(0, start * row_numel, whole * chunk).view({whole, chunk}));
+    out.narrow(0, 0, whole)
+        .narrow(1, offset, chunk)
+        .copy_(full.narrow(0, start * row_numel, whole * chunk).view({whole, chunk}));
   }
   for (int64_t i = whole; i < count; ++i) {
     const int64_t first = start + i * padded_rows;
     const int64_t n = std::max<int64_t>(0, std::min<int64_t>(padded_rows, rows - first));
-    if (n > 0) copy(out[i].narrow(0, offset, n * row_numel), full.narrow(0, first * row_numel, n * row_numel));
+    if (n > 0) out[i].narrow(0, offset, n * row_numel).copy_(full.narrow(0, first * row_numel, n * row_numel));
     if (n < padded_rows) out[i].narrow(0, offset + n * row_numel, (padded_rows - n) * row_numel).zero_();
   }
 }
 
-// gathered [k, total] holds ranks first_rank .. first_rank + k - 1 of `params`' shards, side by
-// side from column 0 (their unsharded storage allocated): those rows of each storage seen by rank
+// gathered [N, total] holds every rank's shards of `params`, side by side from column 0 (their
+// unsharded storage allocated): the rows of each storage seen by rank
 // (FSDPParam::unsharded_by_rank: room for every rank's padded rows, so the padding comes along).
 // One op into all their storages where they compute in its dtype ([Note: one copy kernel per
 // unit]), else a strided copy each (the inverse of split_rows).
-void copy_out_side_by_side(const std::vector<FSDPParam*>& params, const at::Tensor& gathered, int64_t first_rank = 0) {
+void copy_out_side_by_side(const std::vector<FSDPParam*>& params, const at::Tensor& gathered) {
   std::vector<at::Tensor> outs;
   std::vector<int64_t> sizes;
   outs.reserve(params.size());
   sizes.reserve(params.size());
   bool one_op = !params.empty();
   int64_t total = 0;
-  const int64_t k = gathered.size(0);
   for (FSDPParam* p : params) {
-    const at::Tensor by_rank = p->unsharded_by_rank();
-    outs.push_back(first_rank == 0 && k == by_rank.size(0) ? by_rank : by_rank.narrow(0, first_rank, k));
+    outs.push_back(p->unsharded_by_rank());
     sizes.push_back(p->shard_numel());
     one_op = one_op && p->compute_dtype() == gathered.scalar_type();
     total += p->shard_numel();
@@ -93,6 +85,15 @@ std::vector<FSDPParam*> allocated_side_by_side(const FSDPParams& params, const s
 std::pair<int64_t, int64_t> rows_of(const FSDPParam& p, int r) {
   const int64_t first = std::min<int64_t>(static_cast<int64_t>(r) * p.padded_rows(), p.rows());
   return {first, std::max<int64_t>(0, std::min<int64_t>(p.padded_rows(), p.rows() - first))};
+}
+
+// Whether every shard can be sent as it lies: no cast to the compute dtype, shard and compute on
+// the CPU, memory allocated (not meta).
+bool shards_sent_as_they_are(const FSDPParams& params) {
+  return std::all_of(params.begin(), params.end(), [](const auto& p) {
+    return p->compute_dtype() == p->dtype() && p->device().is_cpu() && p->shard_device().is_cpu() &&
+           !p->padded_shard().is_meta();
+  });
 }
 
 bool small_shard(const FSDPParam& p, size_t min_bytes) {
@@ -151,29 +152,9 @@ size_t min_piece_bytes_from_env(size_t fallback) {
                               "sends every unit per parameter) or unset it");
 }
 
-// A 0|1 variable: `value` unchanged when unset; anything else is refused, naming both settings.
-void switch_from_env(const char* name, bool& value, const char* when_1, const char* when_0) {
-  const char* v = std::getenv(name);
-  if (!v || !*v) return;
-  const std::string s = v;
-  if (s != "0" && s != "1") {
-    throw std::invalid_argument(std::string("fsdp: ") + name + "='" + s + "' is not 0 or 1; use 1 (" + when_1 +
-                                ") or 0 (" + when_0 + ")");
-  }
-  value = s == "1";
-}
-
 CpuCollectiveOptions options_from_env() {
   CpuCollectiveOptions o;
   o.min_piece_bytes = min_piece_bytes_from_env(o.min_piece_bytes);
-  switch_from_env("FSDP_CPU_SHARD_BUFFER", o.shards_in_one_buffer,
-                  "the default: each unit's shards in one buffer, no copy-in",
-                  "copied into the all-gather input each time");
-  switch_from_env("FSDP_CPU_REDUCE_INTO_GRADS", o.reduce_into_grads,
-                  "the default: the flat reduce-scatter adds this rank's rows straight into the gradients",
-                  "the flat reduce-scatter input holds every rank's rows, as FSDP2's");
-  switch_from_env("FSDP_CPU_UNSHARDED_ONE_ALLOCATION", o.unsharded_in_one_allocation, "a unit's from one allocation",
-                  "the default on the CPU: each unsharded parameter from the buffer pool");
   const char* v = std::getenv("FSDP_CPU_COLLECTIVES");
   const std::string s = v ? v : "";
   if (s == "flat") {
@@ -227,13 +208,6 @@ bool gathers_per_parameter(const FSDPParams& params) {
     return false;
   }
   return shards_sent_as_they_are(params);
-}
-
-bool shards_sent_as_they_are(const FSDPParams& params) {
-  return std::all_of(params.begin(), params.end(), [](const auto& p) {
-    return p->compute_dtype() == p->dtype() && p->device().is_cpu() && p->shard_device().is_cpu() &&
-           !p->padded_shard().is_meta();
-  });
 }
 
 GatherPieces build_gather_pieces(const FSDPParams& params, int rank, int n) {
@@ -338,8 +312,8 @@ void release_reduce_pieces(ReducePieces& pieces) {
 // one per parameter (the H200's trace of train_gpt counted 293 copy-in and 293 copy-out copies a
 // step, docs/gpu.md):
 //  - copy-in: one copy_ of the unit's shard buffer into the input, the cast inside, where the
-//    shards lie in one buffer ([Note: the shards in one buffer], fsdp_param_group.cpp: on a GPU
-//    and under mixed precision from the first all-gather on; no per-parameter op at all). Else
+//    shards lie in one buffer ([Note: the shards in one buffer], fsdp_param_group.cpp: from the
+//    first all-gather on; no per-parameter op at all). Else
 //    at::cat_out of the shards where they have the input's dtype; under mixed precision (a cast)
 //    at::_foreach_copy_ into the input's slices (one multi-tensor kernel on CUDA, LibTorch 2.1+:
 //    compat/fused_copies.h); a copy per parameter otherwise (1.13, or offloaded shards: a
@@ -347,9 +321,7 @@ void release_reduce_pieces(ReducePieces& pieces) {
 //  - copy-out: at::split_with_sizes_copy_out of the all-gather output [N, total] along dim 1 into
 //    each parameter's unsharded storage seen as [N, shard_numel] (FSDPParam::unsharded_by_rank:
 //    the storage holds the padding rows, as FSDP2's padded unsharded parameters do). One kernel on
-//    CUDA (2.3+); on the CPU one op still (its copies inside). The CPU's default, gathering from
-//    the shard buffer, takes this rank's rows from that buffer: one op per block of ranks (before
-//    it, it, after it; FullyShardCopies.CopyOutFromTheShardBufferIsOneOpPerBlockOfRanks).
+//    CUDA (2.3+); on the CPU one op still (its copies inside).
 //  - reduce-scatter input: at::_chunk_cat_out (LibTorch 2.4+) on CUDA, the padding zeroed and a
 //    bf16 gradient cast to a float32 reduction in the same kernel. On the CPU split_rows stays: it
 //    frees each gradient as soon as it is copied, which _chunk_cat (all inputs at once) cannot.
@@ -400,19 +372,6 @@ void copy_out_all_gather_output(const FSDPParams& params, const std::vector<int6
   copy_out_side_by_side(allocated_side_by_side(params, offsets), gathered);
 }
 
-void copy_out_all_gather_output(const FSDPParams& params, const std::vector<int64_t>& offsets, const at::Tensor& output,
-                                int64_t total, const at::Tensor& own, int rank) {
-  torch::NoGradGuard no_grad;
-  const at::Tensor gathered = output.view({-1, total});
-  const int64_t n = gathered.size(0), after = n - rank - 1;
-  // One op per block of ranks (those before this one, this one's rows from `own`, those after),
-  // not three copies a parameter.
-  const std::vector<FSDPParam*> in_order = allocated_side_by_side(params, offsets);
-  if (rank > 0) copy_out_side_by_side(in_order, gathered.narrow(0, 0, rank));
-  copy_out_side_by_side(in_order, own.narrow(0, 0, total).view({1, total}), rank);
-  if (after > 0) copy_out_side_by_side(in_order, gathered.narrow(0, rank + 1, after), rank + 1);
-}
-
 void copy_in_post_forward(const FSDPParams& params, const std::vector<int64_t>& offsets, const at::Tensor& out,
                           int first_rank) {
   torch::NoGradGuard no_grad;
@@ -420,115 +379,6 @@ void copy_in_post_forward(const FSDPParams& params, const std::vector<int64_t>& 
     const FSDPParam& p = *params[i];
     split_rows(p.unsharded_alias().view(-1), out, offsets[i], first_rank, p.rows(), p.row_numel(), p.padded_rows());
   }
-}
-
-bool reduces_into_grads(const std::vector<std::pair<FSDPParam*, at::Tensor>>& grads) {
-  if (grads.empty() || !cpu_collective_options().reduce_into_grads) return false;
-  // Besides the pieces' condition: no cast between the reduction and the gradients (the rows are
-  // added into them as they are), and gradients kept on the CPU.
-  return std::all_of(grads.begin(), grads.end(), [](const auto& pg) {
-    return reducible_on_cpu(*pg.first, pg.second) && pg.first->dtype() == pg.first->reduce_dtype() &&
-           pg.first->shard_device().is_cpu();
-  });
-}
-
-namespace {
-
-// Whether p's gradient is its rows at `offset` of a buffer on `storage` that starts at element
-// `base` (as adopt_sharded_grad made it).
-bool grad_is_rows_of(const FSDPParam& p, const c10::StorageImpl* storage, int64_t base, int64_t offset) {
-  const at::Tensor& grad = p.sharded_param().grad();
-  return grad.defined() && grad.storage().unsafeGetStorageImpl() == storage &&
-         grad.scalar_type() == p.sharded_param().scalar_type() && grad.storage_offset() == base + offset &&
-         grad.sizes() == p.sharded_param().sizes() && grad.strides() == p.sharded_param().strides();
-}
-
-}  // namespace
-
-ReduceIntoGrads build_reduce_into_grads(std::vector<std::pair<FSDPParam*, at::Tensor>>& grads, int rank, int n,
-                                        double scale, const c10::StorageImpl* grads_storage) {
-  ReduceIntoGrads r;
-  r.scale = scale;
-  const at::Tensor& first_grad = grads.front().first->sharded_param().grad();
-  const int64_t base = first_grad.defined() ? first_grad.storage_offset() : 0;
-  int64_t total = 0;
-  bool none = true, rows_of_buffer = grads_storage != nullptr;
-  for (const auto& [p, g] : grads) {
-    r.placed.emplace_back(p, total);
-    none = none && !p->sharded_param().grad().defined();
-    rows_of_buffer = rows_of_buffer && grad_is_rows_of(*p, grads_storage, base, total);
-    total += p->shard_numel();
-    r.grad_bytes += static_cast<int64_t>(g.nbytes());
-  }
-  count_buffer(BufferOwner::UnshardedGrads, r.grad_bytes);
-  const auto options = grads.front().second.options().requires_grad(false);
-  // The input keeps the flat path's [N, total] (this rank's row unsent), so that it reuses the
-  // pool's blocks of the all-gathers' size: buffers of other sizes (a [N - 1, total] input and a
-  // [total] result) would miss the pool and fault their pages in again every step.
-  r.input = empty_buffer({n, total}, options, BufferOwner::ReduceScatterInput);
-  if (none) {
-    // The gradients' memory itself: the flat path allocates the same [total] for them at the end
-    // (a copy of its reduced row), so this costs no allocation that it does not, and saves the copy.
-    r.kind = ReduceIntoGrads::Dest::Fresh;
-    r.dest = at::empty({total}, options);
-  } else if (rows_of_buffer && static_cast<int64_t>(grads_storage->nbytes()) >=
-                                   (base + total) * static_cast<int64_t>(first_grad.element_size())) {
-    r.kind = ReduceIntoGrads::Dest::Grads;
-    r.dest = at::empty({0}, options).set_(first_grad.storage(), base, {total}, {1});
-  } else {
-    r.kind = ReduceIntoGrads::Dest::Scratch;
-    r.dest = r.input[rank];
-  }
-  torch::NoGradGuard no_grad;
-  if (scale != 1.0) r.factor = at::scalar_tensor(scale, options);
-  const at::Tensor& factor = r.factor;
-  const at::Tensor before = r.input.narrow(0, 0, rank), after = r.input.narrow(0, rank + 1, n - rank - 1);
-  for (size_t i = 0; i < grads.size(); ++i) {
-    auto& [p, g] = grads[i];
-    g = g.contiguous().view(-1);
-    const int64_t offset = r.placed[i].second;
-    if (rank > 0) split_rows(g, before, offset, 0, p->rows(), p->row_numel(), p->padded_rows(), factor);
-    if (rank < n - 1) split_rows(g, after, offset, rank + 1, p->rows(), p->row_numel(), p->padded_rows(), factor);
-  }
-  r.grads = std::move(grads);
-  grads.clear();
-  return r;
-}
-
-std::vector<std::vector<at::Tensor>> reduce_into_grads_ins(const ReduceIntoGrads& r, int rank) {
-  std::vector<at::Tensor> rows;
-  for (int j = 0; j < r.input.size(0); ++j) rows.push_back(j == rank ? r.dest : r.input[j]);
-  return {std::move(rows)};
-}
-
-void add_own_rows(ReduceIntoGrads& r, int rank) {
-  torch::NoGradGuard no_grad;
-  const bool write = r.kind != ReduceIntoGrads::Dest::Grads;
-  for (size_t i = 0; i < r.grads.size(); ++i) {
-    const auto& [p, g] = r.grads[i];
-    const int64_t offset = r.placed[i].second, rn = p->row_numel();
-    const auto [first, count] = rows_of(*p, rank);
-    at::Tensor dst = r.dest.narrow(0, offset, count * rn);
-    const at::Tensor src = g.narrow(0, first * rn, count * rn);
-    if (!write) {
-      dst.add_(src, r.scale);
-      continue;
-    }
-    if (r.factor.defined())
-      at::mul_out(dst, src, r.factor);
-    else
-      dst.copy_(src);
-    if (count < p->padded_rows()) r.dest.narrow(0, offset + count * rn, (p->padded_rows() - count) * rn).zero_();
-  }
-  count_buffer(BufferOwner::UnshardedGrads, -r.grad_bytes);
-  r.grad_bytes = 0;
-  r.grads.clear();
-}
-
-void release_reduce_into_grads(ReduceIntoGrads& r) {
-  r.dest = at::Tensor();  // the gradients' memory (Fresh, Grads), or a view of the input (Scratch)
-  release_buffer(r.input);
-  r = ReduceIntoGrads();
 }
 
 at::Tensor build_reduce_scatter_input(std::vector<std::pair<FSDPParam*, at::Tensor>>& grads, int n,

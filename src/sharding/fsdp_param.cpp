@@ -9,7 +9,6 @@
 #include <utility>
 #include <vector>
 
-#include "fsdp/debug/cpu_collectives.h"
 #include "memory/buffer_alloc.h"
 #include "module_access.h"
 #include "registry.h"
@@ -198,8 +197,7 @@ void FSDPParam::alloc_unsharded_together(const std::vector<FSDPParam*>& params) 
     if (!p->unsharded_) todo.push_back(p);
   }
   c10::StorageImpl* first = todo.empty() ? nullptr : todo.front()->unsharded_storage();
-  bool together =
-      todo.size() > 1 && (!first->device().is_cpu() || cpu_collective_options().unsharded_in_one_allocation);
+  bool together = todo.size() > 1 && !first->device().is_cpu();
   for (const FSDPParam* p : todo) {
     const c10::StorageImpl* storage = p->unsharded_storage();
     together = together && storage->device() == first->device() && storage->allocator() == first->allocator() &&

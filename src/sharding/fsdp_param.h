@@ -28,9 +28,9 @@
 // forward that bypasses fsdp::call fails on shapes instead of reading freed memory). Unsharding
 // re-allocates the same StorageImpl and copies the gathered rows in through a separate alias, so
 // the views forward saved for backward (e.g. weight.t()) see the new data, and the parameter's own
-// version counter never moves ("modified by an inplace operation" would otherwise fire). A unit's
-// parameters are re-allocated together, from one allocation (alloc_unsharded_together): each
-// storage points into it and keeps it alive, and the last one freed returns it.
+// version counter never moves ("modified by an inplace operation" would otherwise fire). On a GPU
+// a unit's parameters are re-allocated together, from one allocation (alloc_unsharded_together):
+// each storage points into it and keeps it alive, and the last one freed returns it.
 #include <ATen/ATen.h>
 #include <torch/nn/module.h>
 
@@ -99,11 +99,12 @@ class FSDPParam {
   // fsdp_param_group.h); drop_kept_shape() then makes it zero elements, as free_unsharded() does.
   void free_unsharded(bool keep_shape = false);
   void drop_kept_shape();
-  // alloc_unsharded for those of `params` not allocated yet, from one allocation of their total
-  // (each parameter's memory 256-byte aligned inside it): one allocator call for a unit, not one a
-  // parameter, which on a GPU is host time at every all-gather. Each parameter's storage keeps a
-  // share of the block, which is freed when the last of them is (free_unsharded, as ever). On the
-  // CPU only with CpuCollectiveOptions::unsharded_in_one_allocation (off by default: peak RSS).
+  // alloc_unsharded for those of `params` not allocated yet. Off the CPU from one allocation of
+  // their total (each parameter's memory 256-byte aligned inside it): one allocator call for a
+  // unit, not one a parameter, which on a GPU is host time at every all-gather. Each parameter's
+  // storage keeps a share of the block, which is freed when the last of them is (free_unsharded,
+  // as ever). On the CPU each parameter comes from FSDP's buffer pool (one block a unit would
+  // raise a rank's peak RSS under glibc's defaults).
   static void alloc_unsharded_together(const std::vector<FSDPParam*>& params);
   // The unsharded storage as a contiguous tensor of the full shape in the compute dtype, with its own
   // version counter: collectives.cpp copies rows in and out through it (see the note above). Its

@@ -130,34 +130,13 @@ void FSDPParamGroup::unshard(bool async_op, const c10::Event* after) {
     if (!async_op) wait_for_unshard();
     return;
   }
-  if (gathers_from_shard_buffer()) {
-    // [Note: the shards in one buffer]: no copy-in; the peers' rows land in the output, this
-    // rank's row of it is left unwritten (copy-out takes those rows from the buffer).
-    if (!shards_in_buffer()) {
-      PhaseScope timed(Phase::CopyIn);
-      const profiler::Range range("fsdp::copy_in", label);
-      move_shards_to_buffer();
-    }
-    std::vector<at::Tensor> rows;
-    rows.reserve(static_cast<size_t>(n));
-    for (int r = 0; r < n; ++r) rows.push_back(r == comm_->rank() ? shard_buffer_ : all_gather_output_[r]);
-    {
-      PhaseScope timed(Phase::AllGatherIssue);
-      const profiler::Range range("fsdp::all_gather", label);
-      all_gather_work_ = comm_->all_gather_pieces({shard_buffer_}, {rows}, /*async_op=*/true);
-    }
-    gathered_from_buffer_ = true;
-    state_ = State::Unsharding;
-    if (!async_op) wait_for_unshard();
-    return;
-  }
   // In place: the input is this rank's row of the output (FSDP2's layout), no buffer of its own.
   at::Tensor input = all_gather_output_[comm_->rank()];
   // [Note: the shards in one buffer]: copy-in is one copy of the buffer (the cast inside). The
   // first all-gather moves the shards there, on the current stream.
   bool moved = false, in_buffer = shards_in_buffer();
   if (!in_buffer && keeps_shards_in_buffer()) {
-    PhaseScope timed(Phase::CopyIn);
+    // Once per unit (not a phase of its own: the phase timers count each copy-in once a gather).
     const profiler::Range range("fsdp::move_shards_to_buffer", label);
     move_shards_to_buffer();
     moved = in_buffer = true;
@@ -263,12 +242,7 @@ void FSDPParamGroup::wait_for_unshard() {
   {
     PhaseScope timed(Phase::CopyOut);
     const profiler::Range range("fsdp::copy_out", label);
-    if (gathered_from_buffer_)
-      copy_out_all_gather_output(params_, offsets_, all_gather_output_, total_shard_numel_, shard_buffer_,
-                                 comm_->rank());
-    else
-      copy_out_all_gather_output(params_, offsets_, all_gather_output_, total_shard_numel_);
-    gathered_from_buffer_ = false;
+    copy_out_all_gather_output(params_, offsets_, all_gather_output_, total_shard_numel_);
   }
   // Freed: only the unsharded parameters hold the data now. On a GPU the current stream has waited
   // for every stream that used these buffers, and they were allocated on it. On the CPU the memory
@@ -381,31 +355,6 @@ void FSDPParamGroup::post_backward() {
       reduce_work_ = comm_->reduce_scatter_pieces(pieces.outs, pieces.ins, op, /*async_op=*/true);
     }
     reduce_pieces_ = std::move(pieces);
-    return;
-  }
-  if (reduces_into_grads(with_grad)) {
-    // Only the peers' rows are packed; this rank's go straight into the sharded gradients while the
-    // data moves ([Note: the reduce-scatter into the sharded gradients], collectives.h).
-    const int n = comm_->size(), rank = comm_->rank();
-    const double scale = 1.0 / (divide ? *divide : static_cast<double>(n));
-    std::optional<c10::intrusive_ptr<c10::StorageImpl>> storage;
-    if (grads_storage_) storage = grads_storage_->lock();
-    ReduceIntoGrads r;
-    {
-      PhaseScope timed(Phase::ReduceScatterInput);
-      const profiler::Range range("fsdp::reduce_scatter_input", label);
-      r = build_reduce_into_grads(with_grad, rank, n, scale, storage ? storage->get() : nullptr);
-    }
-    {
-      PhaseScope timed(Phase::ReduceScatterIssue);
-      reduce_work_ = comm_->reduce_scatter_pieces({r.dest}, reduce_into_grads_ins(r, rank), comm::ReduceOp::Sum,
-                                                  /*async_op=*/true);
-    }
-    {
-      PhaseScope timed(Phase::GradAccumulate);
-      add_own_rows(r, rank);
-    }
-    reduce_into_ = std::move(r);
     return;
   }
   // The reduce-scatter runs in reduce_dtype (the input is cast to it); the unsharded gradients
@@ -611,41 +560,20 @@ bool FSDPParamGroup::gathers_pieces() const {
 }
 
 // [Note: the shards in one buffer]
-// FSDP2 copies a unit's shards into the all-gather input at every all-gather (copy-in: 1/N of the
-// unit's bytes, read and written, twice a step with resharding after forward). Where the shard
-// needs no cast and no transfer, the input can be the shards themselves if they lie side by side:
-// on a Gloo group of CPU tensors (Comm's point-to-point collectives) the flat all-gather moves each
-// unit's padded shards, at their offsets_, from one buffer that holds them for good. The first
-// all-gather moves them there once (FSDPParam::move_shard_to): each sharded parameter stays the
-// same tensor object (registered in the module, held by the optimizer and keyed in its state) and
-// becomes a view of the buffer, so the optimizer's in-place updates are what the next all-gather
-// sends. The gather is Comm::all_gather_pieces with one piece, the buffer itself standing for this
-// rank's row of the output: that row is never written, and copy-out takes this rank's rows of each
-// parameter from the buffer instead (copy_out_all_gather_output with `own`), so the bytes copied
-// are copy-out's alone. A shard replaced later (materialize) sends the unit back to the move.
-// Shards are not written while a gather is in flight: the optimizer runs between steps, and every
-// all-gather is waited for before backward ends. (A gather the user issues with
-// FSDPModule::unshard(async) sends the shards as they are until it is waited for, not as they
-// were at the call: change no shard in between, as FSDP2 would have sent the old values.)
-// Where the shards cannot be sent as they are (a GPU: side streams and NCCL's in-place gather; a
-// cast under mixed precision), they still move to the buffer at the first all-gather, and copy-in
-// is one copy of it into the input (the cast inside): one op and one kernel, with no per-parameter
-// slice to make, where FSDP2 makes a view per parameter and a multi-tensor copy every all-gather.
-// On a GPU the move runs on the current stream, and that first copy-in waits for the current
-// stream, not only for the post-optim event. Not where the shards are offloaded to the host (a
-// transfer each) or of mixed dtypes. Off with CpuCollectiveOptions::shards_in_one_buffer = false
-// (FSDP_CPU_SHARD_BUFFER=0), on every device.
-bool FSDPParamGroup::gathers_from_shard_buffer() const {
-  if (streams() || custom_all_gather || comm_->size() < 2 || post_forward_shard_.defined() || params_.empty() ||
-      !cpu_collective_options().shards_in_one_buffer || comm::gloo_fallback() != comm::GlooFallback::PointToPoint ||
-      !comm_->takes_pieces(params_.front()->padded_shard())) {
-    return false;
-  }
-  return shards_sent_as_they_are(params_);
-}
-
+// FSDP2 copies a unit's shards into the all-gather input at every all-gather with a view per
+// parameter and a multi-tensor copy (one per parameter where LibTorch has no _foreach_copy_, as
+// 1.13). Here a flat unit's padded shards live side by side, at their offsets_, in one buffer
+// that holds them for good, so copy-in is one copy_ of that buffer into the input (the cast to
+// the compute dtype inside): one op and one kernel per unit on every LibTorch. The first
+// all-gather moves them there once (FSDPParam::move_shard_to), on the current stream: each sharded
+// parameter stays the same tensor object (registered in the module, held by the optimizer and
+// keyed in its state) and becomes a view of the buffer, so the optimizer's in-place updates are
+// what the next copy-in reads. A shard replaced later (materialize) sends the unit back to the
+// move. On a GPU that first copy-in waits for the current stream, not only for the post-optim
+// event. Not where the shards are offloaded to the host (a transfer each), of mixed dtypes or not
+// contiguous; the CPU's per-parameter all-gather sends the shards as they lie and never moves them.
 bool FSDPParamGroup::keeps_shards_in_buffer() const {
-  if (params_.empty() || !cpu_collective_options().shards_in_one_buffer) return false;
+  if (params_.empty()) return false;
   const at::ScalarType dtype = params_.front()->padded_shard().scalar_type();
   return std::all_of(params_.begin(), params_.end(), [&](const auto& p) {
     const at::Tensor& shard = p->padded_shard();
@@ -699,30 +627,6 @@ void FSDPParamGroup::finish_reduce_pieces() {
   reduce_pieces_.reset();
 }
 
-bool FSDPParamGroup::reduces_into_grads(const std::vector<std::pair<FSDPParam*, at::Tensor>>& grads) const {
-  return !streams() && !replicate_comm_ && !all_reduce_hook && !custom_reduce_scatter && !offloaded_grads() &&
-         comm_->size() > 1 && comm_->takes_pieces(grads.front().second) &&
-         comm::gloo_fallback() == comm::GlooFallback::PointToPoint && detail::reduces_into_grads(grads);
-}
-
-void FSDPParamGroup::finish_reduce_into_grads() {
-  {
-    PhaseScope timed(Phase::ReduceScatterWait);
-    reduce_work_.wait();
-  }
-  reduce_work_ = comm::Work();
-  ReduceIntoGrads& r = *reduce_into_;
-  if (r.kind != ReduceIntoGrads::Dest::Grads) {
-    // Into the gradients as the flat path's result is: Fresh's dest is memory of its own, adopted
-    // as it is; Scratch's is this rank's row of the input, which goes back to the pool.
-    reduced_params_ = std::move(r.placed);
-    write_grads(r.dest, /*owned=*/r.kind == ReduceIntoGrads::Dest::Fresh);
-    reduced_params_.clear();
-  }
-  release_reduce_into_grads(r);
-  reduce_into_.reset();
-}
-
 void FSDPParamGroup::write_grads(const at::Tensor& reduced, bool owned) {
   PhaseScope timed(Phase::GradAccumulate);
   if (reduced_params_.empty()) return;
@@ -737,16 +641,9 @@ void FSDPParamGroup::write_grads(const at::Tensor& reduced, bool owned) {
     const at::Tensor& shard = params_.front()->sharded_param();
     at::Tensor flat = reduced.to(shard.device(), shard.scalar_type());
     if (flat.is_same(reduced) && !owned) flat = reduced.clone(at::MemoryFormat::Contiguous);
-    bool all = true;
     for (auto& [p, offset] : reduced_params_) {
-      if (!p->adopt_sharded_grad(flat, offset)) {
-        p->accumulate_sharded_grad(reduced, offset);
-        all = false;
-      }
+      if (!p->adopt_sharded_grad(flat, offset)) p->accumulate_sharded_grad(reduced, offset);
     }
-    // The next reduction into the gradients may add into this buffer in place ([Note: the
-    // reduce-scatter into the sharded gradients], collectives.h).
-    if (all) grads_storage_ = flat.storage().getWeakStorageImpl();
     return;
   }
   for (auto& [p, offset] : reduced_params_) p->accumulate_sharded_grad(reduced, offset);
@@ -758,7 +655,6 @@ void FSDPParamGroup::finish_reduce() {
   if (needs_all_reduce_start()) start_all_reduce();
   if (!has_pending_reduce()) return;
   if (reduce_pieces_) return finish_reduce_pieces();
-  if (reduce_into_) return finish_reduce_into_grads();
   at::Tensor reduced = reduce_output_;
   bool owned = false;
   if (DeviceStreams* s = streams()) {

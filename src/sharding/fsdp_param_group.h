@@ -91,9 +91,7 @@ class FSDPParamGroup {
   // gradients (asynchronously) and releases them; with it off, leaves them to accumulate.
   // Reshards afterwards when reshard_after_backward.
   void post_backward();
-  bool has_pending_reduce() const {
-    return reduce_output_.defined() || reduce_pieces_.has_value() || reduce_into_.has_value();
-  }
+  bool has_pending_reduce() const { return reduce_output_.defined() || reduce_pieces_.has_value(); }
   // One step of a pending reduction, called from the next unit's backward. On the CPU: under
   // HSDP, a finished reduce-scatter starts its all-reduce over the replicas (asynchronously, so it
   // overlaps the next unit's backward); otherwise, or once that is in flight, finish_reduce(). On
@@ -145,7 +143,6 @@ class FSDPParamGroup {
   // [Note: the shards in one buffer] (fsdp_param_group.cpp): every padded shard, side by side at
   // offsets_, from the first all-gather on where keeps_shards_in_buffer() holds; undefined before.
   at::Tensor shard_buffer_;
-  bool gathered_from_buffer_ = false;  // the gather in flight left the output's own row to shard_buffer_
   at::Tensor all_gather_output_;
   comm::Work all_gather_work_;
 
@@ -161,11 +158,6 @@ class FSDPParamGroup {
   // write them).
   std::optional<GatherPieces> gather_pieces_;
   std::optional<ReducePieces> reduce_pieces_;
-  // The flat reduce-scatter into the sharded gradients in flight ([Note: the reduce-scatter into the
-  // sharded gradients] in collectives.h), and the storage of the buffer write_grads last made the
-  // gradients rows of, until someone replaces them (weak: zero_grad's none frees it).
-  std::optional<ReduceIntoGrads> reduce_into_;
-  std::optional<c10::weak_intrusive_ptr<c10::StorageImpl>> grads_storage_;
   bool all_reduce_started_ = false;  // HSDP: reduce_work_ is the all-reduce, not the reduce-scatter
   // GPU: what post_backward queued after the reduce-scatter (queue_post_reduce). The stream that
   // writes reduce_output_ last (reduce_scatter, or all_reduce under HSDP), which the current
@@ -204,20 +196,15 @@ class FSDPParamGroup {
   at::Tensor custom_buffer(bool all_gather, int64_t numel, const at::TensorOptions& options) const;
   // The CPU's per-parameter collectives apply (Gloo shard group of CPU tensors, no side streams).
   bool gathers_pieces() const;
-  // The flat all-gather sends from shard_buffer_ (a Gloo group of CPU tensors taking point-to-point
-  // collectives, shards that need no cast or transfer, no post-forward shards).
-  bool gathers_from_shard_buffer() const;
   // Every padded shard is where shard_buffer_ has it (false after materialize replaced one).
   bool shards_in_buffer() const;
   // The shards can live in shard_buffer_: one dtype, on the compute device (not offloaded), not
-  // meta, and CpuCollectiveOptions::shards_in_one_buffer on.
+  // meta, contiguous.
   bool keeps_shards_in_buffer() const;
   void move_shards_to_buffer();
   void drop_kept_shapes();
   bool reduces_pieces(const std::vector<std::pair<FSDPParam*, at::Tensor>>& grads) const;
   void finish_reduce_pieces();
-  bool reduces_into_grads(const std::vector<std::pair<FSDPParam*, at::Tensor>>& grads) const;
-  void finish_reduce_into_grads();
   // CPU only: a GPU's all-reduce is queued by post_backward (queue_post_reduce).
   bool needs_all_reduce_start() const {
     return replicate_comm_ && has_pending_reduce() && !all_reduce_started_ && !streams();

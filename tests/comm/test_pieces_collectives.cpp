@@ -198,23 +198,3 @@ TEST(Pieces, PieceBytesSetting) {
     EXPECT_RANKS_PASS(1, "piece_bytes_setting", o);
   }
 }
-
-// FSDP_CPU_SHARD_BUFFER (read with the other settings, once per process): 0 or 1, else named.
-FSDP_RANK_WORKER(shard_buffer_setting) {
-  const std::string v = std::getenv("FSDP_CPU_SHARD_BUFFER");
-  if (v == "yes") {
-    fsdp::testing::expect_error([] { fsdp::cpu_collective_options(); },
-                                "FSDP_CPU_SHARD_BUFFER='yes' is not 0 or 1; use 1 (the default");
-    return;
-  }
-  TORCH_CHECK(fsdp::cpu_collective_options().shards_in_one_buffer == (v == "1"), "shards_in_one_buffer for ", v);
-}
-
-TEST(Pieces, ShardBufferSetting) {
-  EXPECT_TRUE(fsdp::CpuCollectiveOptions().shards_in_one_buffer);  // the default
-  for (const char* v : {"0", "1", "yes"}) {
-    fsdp::testing::RanksOptions o;
-    o.env = {{"FSDP_CPU_SHARD_BUFFER", v}};
-    EXPECT_RANKS_PASS(1, "shard_buffer_setting", o);
-  }
-}

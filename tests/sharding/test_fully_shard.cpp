@@ -6,6 +6,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstdlib>
+#include <functional>
 #include <iostream>
 #include <map>
 #include <set>
@@ -16,7 +17,6 @@
 #include "fsdp/debug.h"
 #include "fsdp/fsdp.h"
 #include "multiprocess.h"
-#include "op_counts.h"
 #include "parity.h"
 
 using namespace fsdp::testing;
@@ -39,6 +39,14 @@ void shard_blocks_then_root(GPT& model, fsdp::FullyShardOptions options = {}) {
   fsdp::fully_shard(model, options);
 }
 
+// Block 0's attention and wpe frozen (units partly without gradients), block 1 frozen whole (a
+// unit that reduces nothing).
+void freeze_some(GPT& model) {
+  for (auto& p : model->blocks[0]->attn->parameters()) p.set_requires_grad(false);
+  for (auto& p : model->blocks[1]->parameters()) p.set_requires_grad(false);
+  for (auto& p : model->wpe->parameters()) p.set_requires_grad(false);
+}
+
 void report(const std::string& what, const TrainResult& got, const TrainResult& want, double worst) {
   if (fsdp::dist::rank() != 0) return;
   std::cout << what << ": " << got.losses.size() << " steps, first loss " << got.losses.front() << " last "
@@ -54,6 +62,7 @@ FSDP_RANK_WORKER(gpt_parity) {
   ShardedRun run;
   int micro_batches = 1;
   std::vector<fsdp::FSDPModule> units;  // blocks, then root
+  std::function<void(GPT&)> prepare;    // applied to the single process's model too
   if (m == "default") {
     run.shard = [](GPT& model) { shard_blocks_then_root(model); };
   } else if (m == "reshard_true" || m == "reshard_false") {
@@ -128,17 +137,22 @@ FSDP_RANK_WORKER(gpt_parity) {
     o.min_piece_bytes = m == "packed_pieces" ? 1024 : 3000;
     fsdp::set_cpu_collective_options(o);
     run.shard = [](GPT& model) { shard_blocks_then_root(model); };
-  } else if (m == "flat" || m == "flat_copy_in" || m == "every_piece") {
+  } else if (m == "flat" || m == "every_piece") {
     // The CPU collectives' two layouts (fsdp/debug/cpu_collectives.h): flat buffers for every
-    // unit, or every parameter its own message; flat_copy_in: FSDP2's flat layout throughout, the
-    // copy-in at every gather instead of the shards kept in one buffer, and the reduce-scatter
-    // input of every rank's rows instead of the reduction into the gradients.
+    // unit, or every parameter its own message.
     fsdp::CpuCollectiveOptions o;
     o.gather_per_parameter = o.reduce_per_parameter = (m == "every_piece");
-    o.shards_in_one_buffer = o.reduce_into_grads = m != "flat_copy_in";
     o.min_piece_bytes = 0;
     fsdp::set_cpu_collective_options(o);
     run.shard = [](GPT& model) { shard_blocks_then_root(model); };
+  } else if (m == "frozen") {
+    // Units partly without gradients (block 0's attention and wpe frozen) and one that reduces
+    // nothing (block 1 frozen whole); the single process freezes the same.
+    prepare = freeze_some;
+    run.shard = [](GPT& model) {
+      freeze_some(model);
+      shard_blocks_then_root(model);
+    };
   } else if (m == "tied") {
     // The head shares the token embedding; both sit in the root's group.
     run.shard = [](GPT& model) { shard_blocks_then_root(model); };
@@ -164,19 +178,19 @@ FSDP_RANK_WORKER(gpt_parity) {
   }
   auto cfg = config;
   if (m == "tied") cfg.tie_weights = true;
-  auto want = train_reference(cfg, kSteps, kBatch, micro_batches);
+  auto want = train_reference(cfg, kSteps, kBatch, micro_batches, prepare);
   auto got = train_sharded(cfg, kSteps, kBatch, micro_batches, run);
   check_losses_match(got.losses, want.losses, kTolerance);
   const double worst = check_shards_match(got.model, want.parameters, kTolerance);
   for (const auto& p : got.model->parameters()) {
-    TORCH_CHECK(p.device().is_cpu() && p.grad().device().is_cpu(), "shards and their gradients live on the CPU");
+    TORCH_CHECK(p.device().is_cpu() && (!p.grad().defined() || p.grad().device().is_cpu()),
+                "shards and their gradients live on the CPU");
+    TORCH_CHECK(p.grad().defined() == p.requires_grad(), "a gradient exactly where the parameter is trained");
   }
-  if (fsdp::dist::world_size() > 1 && (m == "default" || m == "flat" || m == "flat_copy_in" || m == "every_piece" ||
-                                       m == "packed_pieces" || m == "per_unit")) {
+  if (fsdp::dist::world_size() > 1 &&
+      (m == "default" || m == "flat" || m == "every_piece" || m == "packed_pieces" || m == "per_unit")) {
     // Which collectives moved the data (the flight recorder keeps their names). By default this
-    // model's shards are all below min_piece_bytes (1 MiB), so every unit is flat, and its
-    // all-gathers send the shards from the unit's shard buffer: all_gather_pieces with the buffer
-    // as the one piece ([Note: the shards in one buffer], fsdp_param_group.cpp).
+    // model's shards are all below min_piece_bytes (1 MiB), so every unit is flat.
     int gathers_flat = 0, gathers_pieces = 0, reduces_flat = 0, reduces_pieces = 0;
     for (const auto& r : fsdp::comm::FlightRecorder::process().snapshot()) {
       const std::string op = r.op;
@@ -185,22 +199,17 @@ FSDP_RANK_WORKER(gpt_parity) {
       reduces_pieces += op == "reduce_scatter_pieces";
       reduces_flat += op == "reduce_scatter_tensor";
     }
-    // default under FSDP_CPU_PIECE_BYTES=0 (the suite on the per-parameter path, tests/README.md).
+    // default under FSDP_CPU_PIECE_BYTES=0 (test_fully_shard_per_parameter, tests/README.md).
     const fsdp::CpuCollectiveOptions o = fsdp::cpu_collective_options();
     const bool every_piece_by_env =
         m == "default" && o.min_piece_bytes == 0 && o.gather_per_parameter && o.reduce_per_parameter;
     const bool per_parameter = m == "every_piece" || m == "packed_pieces" || every_piece_by_env;
-    // A flat unit's reduce-scatter goes into the gradients by default: one exchange of pieces
-    // ([Note: the reduce-scatter into the sharded gradients], collectives.h).
-    const bool into = o.reduce_into_grads;
-    const bool ok =
-        m == "flat_copy_in" ? (gathers_flat > 0 && gathers_pieces == 0 && reduces_flat > 0 && reduces_pieces == 0)
-        : per_parameter     ? (gathers_flat == 0 && gathers_pieces > 0 && reduces_flat == 0 && reduces_pieces > 0)
-        : m == "per_unit"
-            ? (gathers_flat == 0 && gathers_pieces > 0 && (reduces_flat > 0) != into && reduces_pieces > 0)
-            : (gathers_flat == 0 && gathers_pieces > 0 && (reduces_flat > 0) != into && (reduces_pieces > 0) == into);
+    const bool ok = per_parameter ? (gathers_flat == 0 && gathers_pieces > 0 && reduces_flat == 0 && reduces_pieces > 0)
+                    : m == "per_unit"
+                        ? (gathers_flat > 0 && gathers_pieces > 0 && reduces_flat > 0 && reduces_pieces > 0)
+                        : (gathers_flat > 0 && gathers_pieces == 0 && reduces_flat > 0 && reduces_pieces == 0);
     TORCH_CHECK(ok, m, ": the data moved in ", gathers_flat, " flat all-gathers, ", gathers_pieces,
-                " all-gathers of pieces or shard buffers, ", reduces_flat, " flat reduce-scatters and ", reduces_pieces,
+                " all-gathers of pieces, ", reduces_flat, " flat reduce-scatters and ", reduces_pieces,
                 " reduce-scatters of pieces");
     // Where the flat layout keeps them, a block's shards live side by side in one buffer, in the
     // order of its parameters, and the optimizer's parameters are those same tensors.
@@ -216,7 +225,7 @@ FSDP_RANK_WORKER(gpt_parity) {
         }
         prev = &p;
       }
-      const size_t want = buffered ? 1 : (m == "flat_copy_in" ? block->parameters().size() : storages.size());
+      const size_t want = buffered ? 1 : storages.size();
       TORCH_CHECK(storages.size() == want, m, ": a block's ", block->parameters().size(), " shards live in ",
                   storages.size(), " storages, expected ", want);
     }
@@ -247,7 +256,7 @@ INSTANTIATE_TEST_SUITE_P(
                       ParityCase{"grad_accumulation", 3}, ParityCase{"sync_every_micro_batch", 2},
                       ParityCase{"cpu_offload", 2}, ParityCase{"explicit_unshard", 2},
                       ParityCase{"explicit_prefetch", 3}, ParityCase{"tied", 2}, ParityCase{"flat", 2},
-                      ParityCase{"flat_copy_in", 2}, ParityCase{"every_piece", 2}, ParityCase{"every_piece", 3},
+                      ParityCase{"frozen", 3}, ParityCase{"every_piece", 2}, ParityCase{"every_piece", 3},
                       ParityCase{"packed_pieces", 2}, ParityCase{"per_unit", 2}, ParityCase{"embeddings_apart", 1},
                       ParityCase{"embeddings_apart", 2}, ParityCase{"embeddings_apart_accumulation", 3}),
     [](const auto& info) { return info.param.mode + "_" + std::to_string(info.param.world) + "ranks"; });
@@ -420,89 +429,4 @@ FSDP_RANK_WORKER(grads_share_unit_buffer) {
 TEST(FullyShardGradients, NewGradientsShareOneBufferPerUnit) {
   auto r = run_ranks(2, "grads_share_unit_buffer");
   EXPECT_TRUE(r.all_ok()) << r.report();
-}
-
-// [Note: one copy kernel per unit] on the CPU's default path, the shards in one buffer
-// ([Note: the shards in one buffer], fsdp_param_group.cpp): copy-out takes this rank's rows from
-// the unit's shard buffer and the other ranks' from the all-gather output, one
-// split_with_sizes_copy per block of ranks (those before this one, this one, those after) however
-// many parameters the unit has: two on the first and last rank, three on a middle one.
-FSDP_RANK_WORKER(copy_out_from_shard_buffer_ops) {
-  const fsdp::testing::FlatCpuCollectives flat;  // restores the options below too
-  fsdp::CpuCollectiveOptions o = fsdp::cpu_collective_options();
-  o.shards_in_one_buffer = true;
-  fsdp::set_cpu_collective_options(o);
-  const auto c = uneven_config();
-  const int n = fsdp::dist::world_size(), rank = fsdp::dist::rank();
-  torch::manual_seed(42);
-  GPT model(c);
-  shard_blocks_then_root(model);
-  torch::optim::AdamW opt(model->parameters(), torch::optim::AdamWOptions(3e-3));
-  auto step = [&](int s) {
-    opt.zero_grad();
-    const auto data = global_batch(c, 6, s, 0).narrow(0, rank * (6 / n), 6 / n);
-    fsdp::models::gpt_loss(fsdp::call(model, data.narrow(1, 0, c.block_size)), data.narrow(1, 1, c.block_size))
-        .backward();
-    opt.step();
-  };
-  step(0);
-  fsdp::testing::RangeOpCounter counter;
-  step(1);
-  const int64_t gathers = counter.ranges("fsdp::copy_out"), blocks = 1 + (rank > 0) + (rank + 1 < n);
-  TORCH_CHECK(gathers >= c.n_layer + 1, "expected every unit gathered; ", counter.describe("fsdp::copy_out"));
-  TORCH_CHECK(counter.ops("fsdp::copy_out")["aten::split_with_sizes_copy"] == blocks * gathers &&
-                  counter.copies("fsdp::copy_out") == blocks * gathers,
-              "rank ", rank, " of ", n, ": ", blocks,
-              " split_with_sizes_copy per copy-out and no other copy expected; ", counter.describe("fsdp::copy_out"));
-}
-
-// A unit's unsharded parameters come from one allocation (FSDPParam::alloc_unsharded_together;
-// always on a GPU, on the CPU with FSDP_CPU_UNSHARDED_ONE_ALLOCATION=1): each in turn, 256-byte
-// aligned, in the unit's order, in every CPU layout that gathers them, and freed with the unit.
-// Each parameter allocated on its own would not lie one after the other.
-FSDP_RANK_WORKER(unsharded_params_one_allocation) {
-  const auto c = uneven_config();
-  torch::manual_seed(42);
-  GPT model(c);
-  std::vector<fsdp::FSDPModule> units;
-  for (auto& b : model->blocks) units.push_back(fsdp::fully_shard(b));
-  fsdp::fully_shard(model);
-  auto& attn = model->blocks[0]->attn->c_attn;
-  auto& fc = model->blocks[0]->mlp->c_fc;
-  units[0].unshard();
-  for (auto* lin : {&attn, &fc}) {
-    const at::Tensor w = (*lin)->weight, b = (*lin)->bias;
-    TORCH_CHECK(w.numel() > 0 && b.numel() > 0, "unshard() left a parameter without memory");
-    const auto bytes = static_cast<int64_t>(w.storage().nbytes());
-    const int64_t gap = static_cast<char*>(b.data_ptr()) - static_cast<char*>(w.data_ptr());
-    TORCH_CHECK(gap == (bytes + 255) / 256 * 256, "the bias lies ", gap, " bytes after its weight (", bytes,
-                " bytes): not one allocation in the unit's order");
-    TORCH_CHECK(reinterpret_cast<uintptr_t>(b.data_ptr()) % 256 == reinterpret_cast<uintptr_t>(w.data_ptr()) % 256,
-                "a parameter's memory is not 256-byte aligned within the block");
-  }
-  units[0].reshard();
-  TORCH_CHECK(attn->weight.numel() == 0 && fc->bias.numel() == 0, "reshard() kept unsharded memory");
-  // The unit trains as before: a step after the explicit unshard / reshard.
-  const auto data = global_batch(c, 6, 0, 0).narrow(0, 0, 2);
-  const at::Tensor loss =
-      fsdp::models::gpt_loss(fsdp::call(model, data.narrow(1, 0, c.block_size)), data.narrow(1, 1, c.block_size));
-  loss.backward();
-  TORCH_CHECK(std::isfinite(loss.item<double>()), "loss ", loss.item<double>());
-}
-
-TEST(FullyShardMemory, AUnitsUnshardedParametersAreOneAllocation) {
-  for (const char* layout : {"", "flat"}) {
-    RanksOptions o;
-    o.env["FSDP_CPU_UNSHARDED_ONE_ALLOCATION"] = "1";
-    if (*layout) o.env["FSDP_CPU_COLLECTIVES"] = layout;
-    auto r = run_ranks(2, "unsharded_params_one_allocation", o);
-    EXPECT_TRUE(r.all_ok()) << (*layout ? layout : "default") << ": " << r.report();
-  }
-}
-
-TEST(FullyShardCopies, CopyOutFromTheShardBufferIsOneOpPerBlockOfRanks) {
-  for (int n : {2, 3}) {
-    auto r = run_ranks(n, "copy_out_from_shard_buffer_ops");
-    EXPECT_TRUE(r.all_ok()) << n << " ranks: " << r.report();
-  }
 }

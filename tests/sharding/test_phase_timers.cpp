@@ -45,11 +45,6 @@ uint64_t calls(const fsdp::PhaseTimes& t, Phase p) { return t.calls[static_cast<
 }  // namespace
 
 FSDP_RANK_WORKER(phase_timers_count_every_phase) {
-  // FSDP2's copy-in at every gather (by default the flat layout's shards stay in one buffer and
-  // copy-in runs once per unit: test_fully_shard's flat modes check that).
-  fsdp::CpuCollectiveOptions o = fsdp::cpu_collective_options();
-  o.shards_in_one_buffer = false;
-  fsdp::set_cpu_collective_options(o);
   fsdp::set_phase_timers(true);
   fsdp::reset_phase_timers();
   const auto blocks = static_cast<uint64_t>(train_two_steps());

@@ -19,7 +19,6 @@
 #include <vector>
 
 #include "fsdp/activation/activation_checkpointing.h"
-#include "fsdp/debug/cpu_collectives.h"
 #include "fsdp/debug/profiler.h"
 #include "fsdp/fsdp.h"
 #include "models/gpt.h"
@@ -147,9 +146,7 @@ FSDP_RANK_WORKER(trace_has_every_units_phases_per_step) {
       // The root keeps its parameters for backward (nothing to gather again); the blocks gather.
       if (u != "root") {
         wanted.push_back("fsdp::pre_backward_all_gather (" + u + ")");
-        // Copy-in runs at every gather unless the shards stay in one buffer (the CPU's flat layout
-        // by default: [Note: the shards in one buffer]), where it runs once, at step 1.
-        if (!fsdp::cpu_collective_options().shards_in_one_buffer) wanted.push_back("fsdp::copy_in (" + u + ")");
+        wanted.push_back("fsdp::copy_in (" + u + ")");
         wanted.push_back("fsdp::all_gather (" + u + ")");
         wanted.push_back("fsdp::reshard (" + u + ")");
       }

@@ -2,8 +2,8 @@
 // FSDP's CPU collectives in the flat layout for a scope, whatever FSDP_CPU_COLLECTIVES and
 // FSDP_CPU_PIECE_BYTES say; the options before come back at scope exit. For checks that assume one
 // padded flat message per unit (byte counts, a unit's gradients as rows of one buffer): the
-// per-parameter layout sends each rank's own rows, without padding (tests/README.md, "The whole
-// suite on the per-parameter path").
+// per-parameter layout sends each rank's own rows, without padding (tests/README.md, "The
+// per-parameter path").
 //
 //   const fsdp::testing::FlatCpuCollectives flat;   // at the top of a rank worker
 #include "fsdp/debug/cpu_collectives.h"

@@ -18,10 +18,10 @@
 //   fsdp::fully_shard(block).set_custom_all_gather(gather);
 //
 // A unit with either one takes FSDP's general path for that collective: one flat buffer per unit,
-// as FSDP2 lays it out, never the CPU's per-parameter rows, the shards sent from their own buffer,
-// or a world of one's direct hand-over. They apply to every all-gather or reduce-scatter of the
-// unit, including backward's within the post-forward group of an integer reshard_after_forward
-// (`group` is then that group). HSDP's all-reduce over the replicas stays FSDP's.
+// as FSDP2 lays it out, never the CPU's per-parameter rows or a world of one's direct hand-over.
+// They apply to every all-gather or reduce-scatter of the unit, including backward's within the
+// post-forward group of an integer reshard_after_forward (`group` is then that group). HSDP's
+// all-reduce over the replicas stays FSDP's.
 #include <ATen/ATen.h>
 
 #include "fsdp/comm/comm.h"

@@ -177,74 +177,92 @@ struct Target {
   std::optional<KindInfo> kind;
 };
 
+// The checks of validate(): each fails naming `where` (the module and its style).
+void need_kind(const Target& t, const std::string& where) {
+  if (!t.kind) {
+    fail(where + " is a " + t.module->name() + "; " + style_name(*t.style) +
+         " takes Linear or Embedding modules (torch::nn::Linear/Embedding, or a type registered with "
+         "fsdp::tp::register_linear_type<T>() / register_embedding_type<T>())");
+  }
+}
+
+void check_divides(const at::Tensor& w, int64_t dim, const std::string& what, int64_t n, const std::string& where) {
+  if (!w.defined() || w.dim() != 2) fail(where + " has no 2-D weight; a Linear or Embedding weight is [out, in]");
+  if (w.size(dim) % n != 0) {
+    fail(where + " has " + std::to_string(w.size(dim)) + " " + what + ", which the tp size " + std::to_string(n) +
+         " does not divide; choose a tp size that divides it (or resize the layer)");
+  }
+}
+
+// Shard(999) in `ok` stands for any Shard(d).
+constexpr int64_t kAnyShardDim = 999;
+
+void check_layout(const std::optional<Layout>& l, std::initializer_list<Layout> ok, const char* field,
+                  const std::string& where) {
+  if (!l) return;
+  for (const auto& o : ok) {
+    if (*l == o || (l->is_shard() && o.is_shard() && o.dim == kAnyShardDim)) return;
+  }
+  std::string allowed;
+  for (const auto& o : ok)
+    allowed += (allowed.empty() ? "" : " or ") + (o.dim == kAnyShardDim ? std::string("Shard(d)") : o.to_string());
+  fail(where + ": " + field + " " + l->to_string() + " is not supported; use " + allowed);
+}
+
+void validate_fused(const Target& t, const ColwiseParallel& c, const at::Tensor& w, int64_t n,
+                    const std::string& where) {
+  if (c.fused < 1)
+    fail(where + ": fused " + std::to_string(c.fused) +
+         " is not a block count; use 1 (plain) or more (3 for a fused q|k|v)");
+  if (c.fused <= 1) return;
+  if (t.kind->kind != ModuleKind::Linear) fail(where + ": fused applies to a Linear only; drop it for an Embedding");
+  if (c.output_layouts && !c.output_layouts->is_shard())
+    fail(where + ": fused " + std::to_string(c.fused) +
+         " with output_layouts Replicate() is not supported; keep Shard(-1) and split the local blocks");
+  if (w.defined() && w.dim() == 2 && w.size(0) % c.fused != 0)
+    fail(where + " has " + std::to_string(w.size(0)) + " output features, which do not split into " +
+         std::to_string(c.fused) + " fused blocks; fix fused or the layer");
+  if (w.defined() && w.dim() == 2 && (w.size(0) / c.fused) % n != 0)
+    fail(where + " has fused blocks of " + std::to_string(w.size(0) / c.fused) +
+         " output features, which the tp size " + std::to_string(n) +
+         " does not divide; choose a tp size that divides each block (e.g. the head count)");
+}
+
+void validate_colwise(const Target& t, const ColwiseParallel& c, int64_t n, const std::string& where) {
+  need_kind(t, where);
+  at::Tensor w = own_param(*t.module, "weight");
+  validate_fused(t, c, w, n, where);
+  if (t.kind->kind == ModuleKind::Linear) {
+    check_divides(w, 0, "output features", n, where);
+    check_layout(c.input_layouts, {Replicate(), Shard(kAnyShardDim)}, "input_layouts", where);
+  } else {
+    check_divides(w, 1, "embedding dims", n, where);
+    check_layout(c.input_layouts, {Replicate()}, "input_layouts", where);
+  }
+  check_layout(c.output_layouts, {Replicate(), Shard(-1)}, "output_layouts", where);
+}
+
+void validate_rowwise(const Target& t, const RowwiseParallel& r, int64_t n, const std::string& where) {
+  need_kind(t, where);
+  at::Tensor w = own_param(*t.module, "weight");
+  if (t.kind->kind == ModuleKind::Linear) {
+    check_divides(w, 1, "input features", n, where);
+    check_layout(r.input_layouts, {Replicate(), Shard(-1)}, "input_layouts", where);
+  } else {
+    check_divides(w, 0, "vocabulary rows", n, where);
+    check_layout(r.input_layouts, {Replicate()}, "input_layouts", where);
+  }
+  check_layout(r.output_layouts, {Replicate(), Shard(kAnyShardDim)}, "output_layouts", where);
+}
+
 // Everything that can be refused, before anything changes.
 void validate(const Target& t, const DeviceMesh& mesh) {
   const int64_t n = mesh.size(0);
   const std::string where = in_quotes(t.fqn) + " (" + style_name(*t.style) + ")";
-  auto need_kind = [&] {
-    if (!t.kind) {
-      fail(where + " is a " + t.module->name() + "; " + style_name(*t.style) +
-           " takes Linear or Embedding modules (torch::nn::Linear/Embedding, or a type registered with "
-           "fsdp::tp::register_linear_type<T>() / register_embedding_type<T>())");
-    }
-  };
-  auto check_divides = [&](const at::Tensor& w, int64_t dim, const std::string& what) {
-    if (!w.defined() || w.dim() != 2) fail(where + " has no 2-D weight; a Linear or Embedding weight is [out, in]");
-    if (w.size(dim) % n != 0) {
-      fail(where + " has " + std::to_string(w.size(dim)) + " " + what + ", which the tp size " + std::to_string(n) +
-           " does not divide; choose a tp size that divides it (or resize the layer)");
-    }
-  };
-  auto check_layout = [&](const std::optional<Layout>& l, std::initializer_list<Layout> ok, const char* field) {
-    if (!l) return;
-    for (const auto& o : ok) {
-      if (*l == o || (l->is_shard() && o.is_shard() && o.dim == 999)) return;
-    }
-    std::string allowed;
-    for (const auto& o : ok)
-      allowed += (allowed.empty() ? "" : " or ") + (o.dim == 999 ? std::string("Shard(d)") : o.to_string());
-    fail(where + ": " + field + " " + l->to_string() + " is not supported; use " + allowed);
-  };
-  const Layout any_shard = Shard(999);
   if (const auto* c = std::get_if<ColwiseParallel>(t.style)) {
-    need_kind();
-    at::Tensor w = own_param(*t.module, "weight");
-    if (c->fused < 1)
-      fail(where + ": fused " + std::to_string(c->fused) +
-           " is not a block count; use 1 (plain) or more (3 for a fused q|k|v)");
-    if (c->fused > 1) {
-      if (t.kind->kind != ModuleKind::Linear)
-        fail(where + ": fused applies to a Linear only; drop it for an Embedding");
-      if (c->output_layouts && !c->output_layouts->is_shard())
-        fail(where + ": fused " + std::to_string(c->fused) +
-             " with output_layouts Replicate() is not supported; keep Shard(-1) and split the local blocks");
-      if (w.defined() && w.dim() == 2 && w.size(0) % c->fused != 0)
-        fail(where + " has " + std::to_string(w.size(0)) + " output features, which do not split into " +
-             std::to_string(c->fused) + " fused blocks; fix fused or the layer");
-      if (w.defined() && w.dim() == 2 && (w.size(0) / c->fused) % n != 0)
-        fail(where + " has fused blocks of " + std::to_string(w.size(0) / c->fused) +
-             " output features, which the tp size " + std::to_string(n) +
-             " does not divide; choose a tp size that divides each block (e.g. the head count)");
-    }
-    if (t.kind->kind == ModuleKind::Linear) {
-      check_divides(w, 0, "output features");
-      check_layout(c->input_layouts, {Replicate(), any_shard}, "input_layouts");
-    } else {
-      check_divides(w, 1, "embedding dims");
-      check_layout(c->input_layouts, {Replicate()}, "input_layouts");
-    }
-    check_layout(c->output_layouts, {Replicate(), Shard(-1)}, "output_layouts");
+    validate_colwise(t, *c, n, where);
   } else if (const auto* r = std::get_if<RowwiseParallel>(t.style)) {
-    need_kind();
-    at::Tensor w = own_param(*t.module, "weight");
-    if (t.kind->kind == ModuleKind::Linear) {
-      check_divides(w, 1, "input features");
-      check_layout(r->input_layouts, {Replicate(), Shard(-1)}, "input_layouts");
-    } else {
-      check_divides(w, 0, "vocabulary rows");
-      check_layout(r->input_layouts, {Replicate()}, "input_layouts");
-    }
-    check_layout(r->output_layouts, {Replicate(), any_shard}, "output_layouts");
+    validate_rowwise(t, *r, n, where);
   } else if (const auto* pi = std::get_if<PrepareModuleInput>(t.style)) {
     if (pi->input_layouts.size() != pi->desired_input_layouts.size()) {
       fail(where + ": " + std::to_string(pi->input_layouts.size()) + " input_layouts but " +
@@ -265,112 +283,156 @@ void validate(const Target& t, const DeviceMesh& mesh) {
   }
 }
 
-void apply(const Target& t, const DeviceMesh& mesh) {
+// The hooks of each style (apply() shards the parameters through these too).
+fsdp::hooks::ForwardHooks colwise_hooks(const Target& t, const ColwiseParallel& c, const DeviceMesh& mesh) {
   auto comm = mesh.comm(0);
   torch::nn::Module* m = t.module.get();
   fsdp::hooks::ForwardHooks hooks;
-  hooks.order = fsdp::hooks::HookOrder::kTensorParallel;
-  if (const auto* c = std::get_if<ColwiseParallel>(t.style)) {
-    const Layout in = c->input_layouts.value_or(Replicate()), out = c->output_layouts.value_or(Shard(-1));
-    if (t.kind->kind == ModuleKind::Linear) {
-      shard_in_place(own_param(*m, "weight"), 0, mesh, c->fused);
-      if (at::Tensor b = own_param(*m, "bias"); b.defined()) shard_in_place(b, 0, mesh, c->fused);
-      hooks.pre = [in, comm](std::vector<at::Tensor> args) {
-        if (!args.empty())
-          args[0] = in.is_shard() ? gather_along_dim(args[0], in.dim, comm) : copy_to_tp_region(args[0], comm);
-        return args;
-      };
-    } else {
-      shard_in_place(own_param(*m, "weight"), 1, mesh);
-    }
-    if (!out.is_shard()) {
-      hooks.post = [comm](std::vector<at::Tensor>& outs) {
-        for (auto& o : outs) o = gather_replicated_along_dim(o, -1, comm);
-      };
-    }
-  } else if (const auto* r = std::get_if<RowwiseParallel>(t.style)) {
-    const Layout out = r->output_layouts.value_or(Replicate());
-    auto reduce = [out, comm](const at::Tensor& y) {
-      return out.is_shard() ? reduce_scatter_along_dim(y, out.dim, comm) : reduce_from_tp_region(y, comm);
-    };
-    if (t.kind->kind == ModuleKind::Linear) {
-      const Layout in = r->input_layouts.value_or(Shard(-1));
-      shard_in_place(own_param(*m, "weight"), 1, mesh);
-      if (!in.is_shard()) {
-        hooks.pre = [comm](std::vector<at::Tensor> args) {
-          if (!args.empty()) args[0] = split_along_dim(args[0], -1, comm);
-          return args;
-        };
-      }
-      // Every rank added the (replicated) bias to its partial sum: take it out before the
-      // reduction and add it once after. Under a sharded output each rank's bias gradient covers
-      // its part of the sequence only, so the added bias goes through copy_to_tp_region (its
-      // gradient is all-reduced); with a replicated output that gradient is already whole.
-      auto bias_of = t.kind->bias;
-      hooks.post = [m, bias_of, reduce, out, comm](std::vector<at::Tensor>& outs) {
-        at::Tensor b = bias_of(*m);
-        for (auto& y : outs) {
-          if (!b.defined()) {
-            y = reduce(y);
-          } else {
-            y = reduce(y - b) + (out.is_shard() ? copy_to_tp_region(b, comm) : b);
-          }
-        }
-      };
-    } else {
-      const at::Tensor w = own_param(*m, "weight");
-      const int64_t rows = w.size(0) / mesh.size(0), first = mesh.get_local_rank(0) * rows;
-      shard_in_place(w, 0, mesh);
-      // Ids outside this rank's vocabulary slice look up row 0 and are zeroed after the lookup;
-      // the sum over the ranks then holds every id's row exactly once (PyTorch's MaskPartial).
-      auto masks = std::make_shared<std::vector<at::Tensor>>();
-      hooks.pre = [masks, rows, first](std::vector<at::Tensor> args) {
-        if (args.empty()) return args;
-        at::Tensor ids = args[0];
-        at::Tensor outside = (ids < first).logical_or(ids >= first + rows);
-        masks->push_back(outside);
-        args[0] = (ids - first).masked_fill(outside, 0);
-        return args;
-      };
-      hooks.post = [masks, reduce](std::vector<at::Tensor>& outs) {
-        if (masks->empty()) return;
-        at::Tensor outside = masks->back();
-        masks->pop_back();
-        for (auto& y : outs) y = reduce(y.masked_fill(outside.unsqueeze(-1), 0));
-      };
-    }
-  } else if (std::holds_alternative<SequenceParallel>(*t.style)) {
-    auto grads = std::make_shared<GradAllReduce>();
-    grads->comm = comm;
-    grads->params = m->parameters(/*recurse=*/true);
-    grads->nodes.resize(grads->params.size());
-    grads->hooked.resize(grads->params.size(), nullptr);
-    hooks.post = [grads](std::vector<at::Tensor>&) { grads->install(); };
-    hooks.keep_alive = grads;
-  } else if (const auto* pi = std::get_if<PrepareModuleInput>(t.style)) {
-    const auto from = pi->input_layouts, to = pi->desired_input_layouts;
-    const std::string fqn = t.fqn;
-    hooks.pre = [from, to, comm, fqn](std::vector<at::Tensor> args) {
-      if (args.size() != from.size()) {
-        throw std::invalid_argument("fsdp::tp::PrepareModuleInput: module " + in_quotes(fqn) + " was called with " +
-                                    std::to_string(args.size()) + " tensor arguments but its plan gives " +
-                                    std::to_string(from.size()) + " layouts; give one layout per tensor argument");
-      }
-      for (size_t i = 0; i < args.size(); ++i) args[i] = convert(args[i], from[i], to[i], comm);
+  const Layout in = c.input_layouts.value_or(Replicate()), out = c.output_layouts.value_or(Shard(-1));
+  if (t.kind->kind == ModuleKind::Linear) {
+    shard_in_place(own_param(*m, "weight"), 0, mesh, c.fused);
+    if (at::Tensor b = own_param(*m, "bias"); b.defined()) shard_in_place(b, 0, mesh, c.fused);
+    hooks.pre = [in, comm](std::vector<at::Tensor> args) {
+      if (!args.empty())
+        args[0] = in.is_shard() ? gather_along_dim(args[0], in.dim, comm) : copy_to_tp_region(args[0], comm);
       return args;
     };
-  } else if (const auto* po = std::get_if<PrepareModuleOutput>(t.style)) {
-    const auto from = po->output_layouts, to = po->desired_output_layouts;
-    const std::string fqn = t.fqn;
-    hooks.post = [from, to, comm, fqn](std::vector<at::Tensor>& outs) {
-      if (outs.size() != from.size()) {
-        throw std::invalid_argument("fsdp::tp::PrepareModuleOutput: module " + in_quotes(fqn) + " returned " +
-                                    std::to_string(outs.size()) + " tensors but its plan gives " +
-                                    std::to_string(from.size()) + " layouts; give one layout per output tensor");
-      }
-      for (size_t i = 0; i < outs.size(); ++i) outs[i] = convert(outs[i], from[i], to[i], comm);
+  } else {
+    shard_in_place(own_param(*m, "weight"), 1, mesh);
+  }
+  if (!out.is_shard()) {
+    hooks.post = [comm](std::vector<at::Tensor>& outs) {
+      for (auto& o : outs) o = gather_replicated_along_dim(o, -1, comm);
     };
   }
+  return hooks;
+}
+
+using ReduceFn = std::function<at::Tensor(const at::Tensor&)>;
+
+fsdp::hooks::ForwardHooks rowwise_linear_hooks(const Target& t, const RowwiseParallel& r, const DeviceMesh& mesh,
+                                               const Layout& out, const ReduceFn& reduce) {
+  auto comm = mesh.comm(0);
+  torch::nn::Module* m = t.module.get();
+  fsdp::hooks::ForwardHooks hooks;
+  const Layout in = r.input_layouts.value_or(Shard(-1));
+  shard_in_place(own_param(*m, "weight"), 1, mesh);
+  if (!in.is_shard()) {
+    hooks.pre = [comm](std::vector<at::Tensor> args) {
+      if (!args.empty()) args[0] = split_along_dim(args[0], -1, comm);
+      return args;
+    };
+  }
+  // Every rank added the (replicated) bias to its partial sum: take it out before the
+  // reduction and add it once after. Under a sharded output each rank's bias gradient covers
+  // its part of the sequence only, so the added bias goes through copy_to_tp_region (its
+  // gradient is all-reduced); with a replicated output that gradient is already whole.
+  auto bias_of = t.kind->bias;
+  hooks.post = [m, bias_of, reduce, out, comm](std::vector<at::Tensor>& outs) {
+    at::Tensor b = bias_of(*m);
+    for (auto& y : outs) {
+      if (!b.defined()) {
+        y = reduce(y);
+      } else {
+        y = reduce(y - b) + (out.is_shard() ? copy_to_tp_region(b, comm) : b);
+      }
+    }
+  };
+  return hooks;
+}
+
+fsdp::hooks::ForwardHooks rowwise_embedding_hooks(const Target& t, const DeviceMesh& mesh, const ReduceFn& reduce) {
+  fsdp::hooks::ForwardHooks hooks;
+  const at::Tensor w = own_param(*t.module, "weight");
+  const int64_t rows = w.size(0) / mesh.size(0), first = mesh.get_local_rank(0) * rows;
+  shard_in_place(w, 0, mesh);
+  // Ids outside this rank's vocabulary slice look up row 0 and are zeroed after the lookup;
+  // the sum over the ranks then holds every id's row exactly once (PyTorch's MaskPartial).
+  auto masks = std::make_shared<std::vector<at::Tensor>>();
+  hooks.pre = [masks, rows, first](std::vector<at::Tensor> args) {
+    if (args.empty()) return args;
+    at::Tensor ids = args[0];
+    at::Tensor outside = (ids < first).logical_or(ids >= first + rows);
+    masks->push_back(outside);
+    args[0] = (ids - first).masked_fill(outside, 0);
+    return args;
+  };
+  hooks.post = [masks, reduce](std::vector<at::Tensor>& outs) {
+    if (masks->empty()) return;
+    at::Tensor outside = masks->back();
+    masks->pop_back();
+    for (auto& y : outs) y = reduce(y.masked_fill(outside.unsqueeze(-1), 0));
+  };
+  return hooks;
+}
+
+fsdp::hooks::ForwardHooks rowwise_hooks(const Target& t, const RowwiseParallel& r, const DeviceMesh& mesh) {
+  auto comm = mesh.comm(0);
+  const Layout out = r.output_layouts.value_or(Replicate());
+  auto reduce = [out, comm](const at::Tensor& y) {
+    return out.is_shard() ? reduce_scatter_along_dim(y, out.dim, comm) : reduce_from_tp_region(y, comm);
+  };
+  if (t.kind->kind == ModuleKind::Linear) return rowwise_linear_hooks(t, r, mesh, out, reduce);
+  return rowwise_embedding_hooks(t, mesh, reduce);
+}
+
+fsdp::hooks::ForwardHooks sequence_parallel_hooks(const Target& t, const DeviceMesh& mesh) {
+  fsdp::hooks::ForwardHooks hooks;
+  auto grads = std::make_shared<GradAllReduce>();
+  grads->comm = mesh.comm(0);
+  grads->params = t.module->parameters(/*recurse=*/true);
+  grads->nodes.resize(grads->params.size());
+  grads->hooked.resize(grads->params.size(), nullptr);
+  hooks.post = [grads](std::vector<at::Tensor>&) { grads->install(); };
+  hooks.keep_alive = grads;
+  return hooks;
+}
+
+fsdp::hooks::ForwardHooks prepare_input_hooks(const Target& t, const PrepareModuleInput& pi, const DeviceMesh& mesh) {
+  fsdp::hooks::ForwardHooks hooks;
+  const auto from = pi.input_layouts, to = pi.desired_input_layouts;
+  const std::string fqn = t.fqn;
+  hooks.pre = [from, to, comm = mesh.comm(0), fqn](std::vector<at::Tensor> args) {
+    if (args.size() != from.size()) {
+      throw std::invalid_argument("fsdp::tp::PrepareModuleInput: module " + in_quotes(fqn) + " was called with " +
+                                  std::to_string(args.size()) + " tensor arguments but its plan gives " +
+                                  std::to_string(from.size()) + " layouts; give one layout per tensor argument");
+    }
+    for (size_t i = 0; i < args.size(); ++i) args[i] = convert(args[i], from[i], to[i], comm);
+    return args;
+  };
+  return hooks;
+}
+
+fsdp::hooks::ForwardHooks prepare_output_hooks(const Target& t, const PrepareModuleOutput& po, const DeviceMesh& mesh) {
+  fsdp::hooks::ForwardHooks hooks;
+  const auto from = po.output_layouts, to = po.desired_output_layouts;
+  const std::string fqn = t.fqn;
+  hooks.post = [from, to, comm = mesh.comm(0), fqn](std::vector<at::Tensor>& outs) {
+    if (outs.size() != from.size()) {
+      throw std::invalid_argument("fsdp::tp::PrepareModuleOutput: module " + in_quotes(fqn) + " returned " +
+                                  std::to_string(outs.size()) + " tensors but its plan gives " +
+                                  std::to_string(from.size()) + " layouts; give one layout per output tensor");
+    }
+    for (size_t i = 0; i < outs.size(); ++i) outs[i] = convert(outs[i], from[i], to[i], comm);
+  };
+  return hooks;
+}
+
+void apply(const Target& t, const DeviceMesh& mesh) {
+  fsdp::hooks::ForwardHooks hooks;
+  if (const auto* c = std::get_if<ColwiseParallel>(t.style)) {
+    hooks = colwise_hooks(t, *c, mesh);
+  } else if (const auto* r = std::get_if<RowwiseParallel>(t.style)) {
+    hooks = rowwise_hooks(t, *r, mesh);
+  } else if (std::holds_alternative<SequenceParallel>(*t.style)) {
+    hooks = sequence_parallel_hooks(t, mesh);
+  } else if (const auto* pi = std::get_if<PrepareModuleInput>(t.style)) {
+    hooks = prepare_input_hooks(t, *pi, mesh);
+  } else if (const auto* po = std::get_if<PrepareModuleOutput>(t.style)) {
+    hooks = prepare_output_hooks(t, *po, mesh);
+  }
+  hooks.order = fsdp::hooks::HookOrder::kTensorParallel;
   fsdp::hooks::register_forward_hooks(t.module, std::move(hooks));
 }
 

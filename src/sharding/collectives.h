@@ -22,9 +22,28 @@
 #include <utility>
 #include <vector>
 
+#include "fsdp/sharding/custom_collectives.h"
 #include "fsdp_param.h"
 
 namespace fsdp::detail {
+
+// FSDP's own flat all-gather and reduce-scatter: the group's collectives, behind the interfaces a
+// user's custom ones implement (fsdp/sharding/custom_collectives.h), so that a unit calls the one
+// or the other the same way (FSDPParamGroup::all_gather(), reduce_scatter()). Their buffers come
+// from FSDP's pool (the group allocates them; allocate() is a user's hook).
+class GroupAllGather final : public AllGather {
+ public:
+  comm::Work operator()(const at::Tensor& output, const at::Tensor& input, comm::Comm& group, bool async_op) override {
+    return group.all_gather_into_tensor(output, input, async_op);
+  }
+};
+class GroupReduceScatter final : public ReduceScatter {
+ public:
+  comm::Work operator()(const at::Tensor& output, const at::Tensor& input, comm::Comm& group, comm::ReduceOp op,
+                        bool async_op) override {
+    return group.reduce_scatter_tensor(output, input, op, async_op);
+  }
+};
 
 using FSDPParams = std::vector<std::unique_ptr<FSDPParam>>;
 

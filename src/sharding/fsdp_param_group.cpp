@@ -54,99 +54,110 @@ void FSDPParamGroup::unshard(bool async_op, const c10::Event* after) {
     return;
   }
   const auto on_device = device_guard();
-  const int n = comm_->size();
-  const auto& first = params_.front()->padded_shard();
-  // Copy-in: every padded shard side by side in one flat input, this rank's row of the output.
-  // Copy-in casts to the compute dtype: with bf16 params the all-gather moves half the bytes.
-  // On the compute device (a CPU-offloaded shard is copied there here).
-  // On a GPU both buffers are allocated here, on the current stream, before the side streams wait
-  // on it ([Note: FSDP streams]).
-  const auto options = first.options().device(params_.front()->device()).dtype(params_.front()->compute_dtype());
-  DeviceStreams* s = streams();
-  if (gathers_directly()) {
-    // Nothing to gather: the unsharded parameter is the shard's memory itself where dtype and
-    // device agree (no copy, no allocation), else the shard is copied (cast) straight into its
-    // unsharded storage, one pass, no all-gather buffers. Synchronous: a prefetch only moves it
-    // earlier.
-    torch::NoGradGuard no_grad;
-    for (auto& p : params_) {
-      if (p->alias_shard_as_unsharded()) continue;
-      p->alloc_unsharded();
-      p->copy_shard_to_unsharded();
-    }
-    // Counted as the all-gather it stands for (0 bytes), as a group of one's collective is.
-    comm_->stats().record(comm::OpKind::AllGather, 0);
-    comm::process_comm_stats().record(comm::OpKind::AllGather, 0);
-    state_ = State::Unsharded;
-    return;
+  switch (gather_path()) {
+    case GatherPath::Direct: return unshard_directly();
+    case GatherPath::Pieces: issue_gather_pieces(); break;
+    case GatherPath::PostForward: issue_post_forward_gather(); break;
+    case GatherPath::Flat: issue_flat_gather(after); break;
   }
-  if (!post_forward_shard_.defined() && gathers_pieces()) {
-    // Per parameter: the rows go from the shards straight into the unsharded parameters
-    // ([Note: FSDP's CPU collectives, per parameter]).
-    GatherPieces pieces;
-    {
-      PhaseScope timed(Phase::CopyIn);  // allocating the unsharded parameters, packing the small shards
-      const profiler::Range range("fsdp::copy_in", label);
-      pieces = build_gather_pieces(params_, comm_->rank(), n);
-    }
-    {
-      PhaseScope timed(Phase::AllGatherIssue);  // includes this rank's own rows, copied while the data moves
-      const profiler::Range range("fsdp::all_gather", label);
-      all_gather_work_ = comm_->all_gather_pieces(pieces.ins, pieces.outs, /*async_op=*/true);
-    }
-    gather_pieces_ = std::move(pieces);
-    state_ = State::Unsharding;
-    if (!async_op) wait_for_unshard();
-    return;
+  state_ = State::Unsharding;
+  if (!async_op) wait_for_unshard();
+}
+
+FSDPParamGroup::GatherPath FSDPParamGroup::gather_path() const {
+  if (gathers_directly()) return GatherPath::Direct;
+  if (post_forward_shard_.defined()) return GatherPath::PostForward;
+  if (gathers_pieces()) return GatherPath::Pieces;
+  return GatherPath::Flat;
+}
+
+void FSDPParamGroup::unshard_directly() {
+  // Nothing to gather: the unsharded parameter is the shard's memory itself where dtype and
+  // device agree (no copy, no allocation), else the shard is copied (cast) straight into its
+  // unsharded storage, one pass, no all-gather buffers. Synchronous: a prefetch only moves it
+  // earlier.
+  torch::NoGradGuard no_grad;
+  for (auto& p : params_) {
+    if (p->alias_shard_as_unsharded()) continue;
+    p->alloc_unsharded();
+    p->copy_shard_to_unsharded();
+  }
+  // Counted as the all-gather it stands for (0 bytes), as a group of one's collective is.
+  comm_->stats().record(comm::OpKind::AllGather, 0);
+  comm::process_comm_stats().record(comm::OpKind::AllGather, 0);
+  state_ = State::Unsharded;
+}
+
+void FSDPParamGroup::issue_gather_pieces() {
+  // Per parameter: the rows go from the shards straight into the unsharded parameters
+  // ([Note: FSDP's CPU collectives, per parameter]).
+  GatherPieces pieces;
+  {
+    PhaseScope timed(Phase::CopyIn);  // allocating the unsharded parameters, packing the small shards
+    const profiler::Range range("fsdp::copy_in", label);
+    pieces = build_gather_pieces(params_, comm_->rank(), comm_->size());
   }
   {
-    // After the post-optim event, copy-in waits on that event only, not on the current stream: a
-    // block of the current stream's pool may have been freed after the event while a kernel queued
-    // after it still reads it, and copy-in would write under that reader. So the output (which
-    // copy-in writes: the input is its row) comes from the all-gather stream's pool then, as
-    // FSDP2's foreach_all_gather allocates it under the all-gather stream. It is released after the
-    // current stream's copy-out; the next allocation from that pool is the next step's, after the
-    // next event, which follows that copy-out.
-    std::optional<c10::StreamGuard> on_all_gather;
-    if (s && after && !post_forward_shard_.defined()) on_all_gather.emplace(s->all_gather);
-    all_gather_output_ =
-        custom_all_gather
-            ? custom_buffer(/*all_gather=*/true, n * total_shard_numel_, options).view({n, total_shard_numel_})
-            : empty_buffer({n, total_shard_numel_}, options, BufferOwner::AllGatherOutput);
+    PhaseScope timed(Phase::AllGatherIssue);  // includes this rank's own rows, copied while the data moves
+    const profiler::Range range("fsdp::all_gather", label);
+    all_gather_work_ = comm_->all_gather_pieces(pieces.ins, pieces.outs, /*async_op=*/true);
   }
-  if (post_forward_shard_.defined()) {
-    // Backward after an integer reshard: the k ranks of the post-forward group hold, together,
-    // every row of the [S, total] output (see the header).
-    if (s) {
-      DeviceStreams::wait_stream(s->all_gather, s->current());
-      c10::StreamGuard on_all_gather(s->all_gather);
-      all_gather_work_ =
-          issue_all_gather(*post_forward_comm, all_gather_output_.view(-1), post_forward_shard_.view(-1));
-    } else {
-      all_gather_work_ =
-          issue_all_gather(*post_forward_comm, all_gather_output_.view(-1), post_forward_shard_.view(-1));
-    }
-    state_ = State::Unsharding;
-    if (!async_op) wait_for_unshard();
-    return;
+  gather_pieces_ = std::move(pieces);
+}
+
+at::Tensor FSDPParamGroup::alloc_all_gather_output(const c10::Event* after) {
+  // Copy-in casts to the compute dtype (with bf16 params the all-gather moves half the bytes), on
+  // the compute device (a CPU-offloaded shard is copied there). On a GPU the output is allocated
+  // here, on the current stream, before the side streams wait on it ([Note: FSDP streams]).
+  // After the post-optim event, copy-in waits on that event only, not on the current stream: a
+  // block of the current stream's pool may have been freed after the event while a kernel queued
+  // after it still reads it, and copy-in would write under that reader. So the output (which
+  // copy-in writes: the input is its row) comes from the all-gather stream's pool then, as
+  // FSDP2's foreach_all_gather allocates it under the all-gather stream. It is released after the
+  // current stream's copy-out; the next allocation from that pool is the next step's, after the
+  // next event, which follows that copy-out.
+  DeviceStreams* s = streams();
+  std::optional<c10::StreamGuard> on_all_gather;
+  if (s && after) on_all_gather.emplace(s->all_gather);
+  const int64_t n = comm_->size();
+  const auto& p0 = params_.front();
+  const auto options = p0->padded_shard().options().device(p0->device()).dtype(p0->compute_dtype());
+  if (custom_all_gather)
+    return custom_buffer(/*all_gather=*/true, n * total_shard_numel_, options).view({n, total_shard_numel_});
+  return empty_buffer({n, total_shard_numel_}, options, BufferOwner::AllGatherOutput);
+}
+
+void FSDPParamGroup::issue_post_forward_gather() {
+  // Backward after an integer reshard: the k ranks of the post-forward group hold, together,
+  // every row of the [S, total] output (see the header).
+  all_gather_output_ = alloc_all_gather_output(/*after=*/nullptr);
+  std::optional<c10::StreamGuard> on_all_gather;
+  if (DeviceStreams* s = streams()) {
+    DeviceStreams::wait_stream(s->all_gather, s->current());
+    on_all_gather.emplace(s->all_gather);
   }
+  all_gather_work_ =
+      all_gather()(all_gather_output_.view(-1), post_forward_shard_.view(-1), *post_forward_comm, /*async_op=*/true);
+}
+
+bool FSDPParamGroup::place_shards_in_buffer() {
+  if (shards_in_buffer() || !keeps_shards_in_buffer()) return false;
+  // Once per unit (not a phase of its own: the phase timers count each copy-in once a gather).
+  const profiler::Range range("fsdp::move_shards_to_buffer", label);
+  move_shards_to_buffer();
+  return true;
+}
+
+void FSDPParamGroup::issue_flat_gather(const c10::Event* after) {
+  all_gather_output_ = alloc_all_gather_output(after);
   // In place: the input is this rank's row of the output (FSDP2's layout), no buffer of its own.
-  at::Tensor input = all_gather_output_[comm_->rank()];
+  const at::Tensor input = all_gather_output_[comm_->rank()];
   // [Note: the shards in one buffer]: copy-in is one copy of the buffer (the cast inside). The
   // first all-gather moves the shards there, on the current stream.
-  bool moved = false, in_buffer = shards_in_buffer();
-  if (!in_buffer && keeps_shards_in_buffer()) {
-    // Once per unit (not a phase of its own: the phase timers count each copy-in once a gather).
-    const profiler::Range range("fsdp::move_shards_to_buffer", label);
-    move_shards_to_buffer();
-    moved = in_buffer = true;
-  }
-  const at::Tensor from_buffer = in_buffer ? shard_buffer_ : at::Tensor();
-  auto copy_in = [&] {
-    PhaseScope timed(Phase::CopyIn);
-    const profiler::Range range("fsdp::copy_in", label);
-    copy_in_all_gather_input(params_, offsets_, input, from_buffer);
-  };
+  const bool moved = place_shards_in_buffer();
+  const at::Tensor from_buffer = moved || shards_in_buffer() ? shard_buffer_ : at::Tensor();
+  DeviceStreams* s = streams();
+  std::optional<c10::StreamGuard> on_stream;
   if (s) {
     // The shards may have just been updated on the current stream (the optimizer): copy after it,
     // or after the post-optim event when the root was given one (not when they were just moved to
@@ -155,34 +166,32 @@ void FSDPParamGroup::unshard(bool async_op, const c10::Event* after) {
       DeviceStreams::wait_event(s->copy_in, *after);
     else
       DeviceStreams::wait_stream(s->copy_in, s->current());
-    {
-      c10::StreamGuard on_copy_in(s->copy_in);
-      copy_in();
-    }
-    DeviceStreams::wait_stream(s->all_gather, s->copy_in);
-    c10::StreamGuard on_all_gather(s->all_gather);
-    PhaseScope timed(Phase::AllGatherIssue);
-    const profiler::Range range("fsdp::all_gather", label);
-    all_gather_work_ = issue_all_gather(*comm_, all_gather_output_.view(-1), input);
-    all_gather_input_ = input;
-  } else {
-    copy_in();
-    PhaseScope timed(Phase::AllGatherIssue);
-    const profiler::Range range("fsdp::all_gather", label);
-    all_gather_work_ = issue_all_gather(*comm_, all_gather_output_.view(-1), input);
+    on_stream.emplace(s->copy_in);
   }
-  state_ = State::Unsharding;
-  if (!async_op) wait_for_unshard();
+  {
+    PhaseScope timed(Phase::CopyIn);
+    const profiler::Range range("fsdp::copy_in", label);
+    copy_in_all_gather_input(params_, offsets_, input, from_buffer);
+  }
+  if (s) {
+    on_stream.reset();
+    DeviceStreams::wait_stream(s->all_gather, s->copy_in);
+    on_stream.emplace(s->all_gather);
+    all_gather_input_ = input;  // kept until the wait: the all-gather stream reads it
+  }
+  PhaseScope timed(Phase::AllGatherIssue);
+  const profiler::Range range("fsdp::all_gather", label);
+  all_gather_work_ = all_gather()(all_gather_output_.view(-1), input, *comm_, /*async_op=*/true);
 }
 
-comm::Work FSDPParamGroup::issue_all_gather(comm::Comm& group, const at::Tensor& output, const at::Tensor& input) {
-  if (custom_all_gather) return (*custom_all_gather)(output, input, group, /*async_op=*/true);
-  return group.all_gather_into_tensor(output, input, /*async_op=*/true);
+AllGather& FSDPParamGroup::all_gather() {
+  static GroupAllGather group_all_gather;
+  return custom_all_gather ? *custom_all_gather : group_all_gather;
 }
 
-comm::Work FSDPParamGroup::issue_reduce_scatter(const at::Tensor& input, comm::ReduceOp op) {
-  if (custom_reduce_scatter) return (*custom_reduce_scatter)(reduce_output_, input, *comm_, op, /*async_op=*/true);
-  return comm_->reduce_scatter_tensor(reduce_output_, input, op, /*async_op=*/true);
+ReduceScatter& FSDPParamGroup::reduce_scatter() {
+  static GroupReduceScatter group_reduce_scatter;
+  return custom_reduce_scatter ? *custom_reduce_scatter : group_reduce_scatter;
 }
 
 at::Tensor FSDPParamGroup::custom_buffer(bool all_gather, int64_t numel, const at::TensorOptions& options) const {
@@ -310,56 +319,68 @@ void FSDPParamGroup::post_backward() {
   }
   const profiler::Range range("fsdp::post_backward_reduce_scatter", label);
   if (has_pending_reduce()) finish_reduce();
+  const bool shared = take_unsharded_grads();
+  // The parameters are no longer needed once their gradients exist: freed before the
+  // reduce-scatter input is allocated, so the two are never alive together.
+  if (reshard_after_backward) reshard();
+  if (taken_grads_.empty() && !shared) return;
+  if (reduces_directly()) return hand_over_grads();
+  if (taken_grads_.empty()) return;
+  if (reduces_pieces(taken_grads_)) return issue_reduce_pieces();
+  issue_flat_reduce();
+}
+
+bool FSDPParamGroup::take_unsharded_grads() {
   // Only parameters that received a gradient take part (the same ones on every rank), listed in the
   // group's own vector, emptied after use: its capacity stays (no allocation per backward).
-  auto& with_grad = taken_grads_;
-  with_grad.clear();
-  int64_t total = 0;
+  taken_grads_.clear();
   bool shared = false;  // some gradient was accumulated by autograd into the sharded one
   for (auto& p : params_) {
     shared = shared || p->shares_sharded_grad();
     at::Tensor g = p->take_unsharded_grad();
     p->drop_kept_shape();  // [Note: unshard_in_backward]
-    if (!g.defined()) continue;
-    with_grad.emplace_back(p.get(), std::move(g));
-    total += p->shard_numel();
+    if (g.defined()) taken_grads_.emplace_back(p.get(), std::move(g));
   }
-  // The parameters are no longer needed once their gradients exist: freed before the
-  // reduce-scatter input is allocated, so the two are never alive together.
-  if (reshard_after_backward) reshard();
-  if (with_grad.empty() && !shared) return;
-  if (reduces_directly()) {
-    // Nothing to reduce: each gradient becomes (or is added to) the sharded gradient as it is.
-    for (auto& [p, g] : with_grad) p->accumulate_full_grad(std::move(g), gradient_divide_factor);
-    with_grad.clear();
-    comm_->stats().record(comm::OpKind::ReduceScatter, 0);
-    comm::process_comm_stats().record(comm::OpKind::ReduceScatter, 0);
-    return;
-  }
-  if (with_grad.empty()) return;
+  return shared;
+}
+
+void FSDPParamGroup::hand_over_grads() {
+  // Nothing to reduce: each gradient becomes (or is added to) the sharded gradient as it is.
+  for (auto& [p, g] : taken_grads_) p->accumulate_full_grad(std::move(g), gradient_divide_factor);
+  taken_grads_.clear();
+  comm_->stats().record(comm::OpKind::ReduceScatter, 0);
+  comm::process_comm_stats().record(comm::OpKind::ReduceScatter, 0);
+}
+
+comm::ReduceOp FSDPParamGroup::begin_reduce() {
   // Default: average over the data-parallel ranks. A custom factor, or sums forced: sum, then
   // divide (by the factor, or by the data-parallel size).
-  const std::optional<double> divide = post_divide();
-  const auto op = divide ? comm::ReduceOp::Sum : comm::ReduceOp::Avg;
-  if (reduces_pieces(with_grad)) {
-    // Per parameter: each gradient's rows are sent from the gradient, this rank's rows of it
-    // become the reduced shard ([Note: FSDP's CPU collectives, per parameter]).
-    ReducePieces pieces;
-    {
-      PhaseScope timed(Phase::ReduceScatterInput);  // views, and packing the small gradients
-      pieces = build_reduce_pieces(with_grad, comm_->rank(), comm_->size());
-    }
-    pending_divide_ = divide;
-    {
-      PhaseScope timed(Phase::ReduceScatterIssue);
-      reduce_work_ = comm_->reduce_scatter_pieces(pieces.outs, pieces.ins, op, /*async_op=*/true);
-    }
-    reduce_pieces_ = std::move(pieces);
-    return;
+  pending_divide_ = post_divide();
+  return pending_divide_ ? comm::ReduceOp::Sum : comm::ReduceOp::Avg;
+}
+
+void FSDPParamGroup::issue_reduce_pieces() {
+  // Per parameter: each gradient's rows are sent from the gradient, this rank's rows of it
+  // become the reduced shard ([Note: FSDP's CPU collectives, per parameter]).
+  ReducePieces pieces;
+  {
+    PhaseScope timed(Phase::ReduceScatterInput);  // views, and packing the small gradients
+    pieces = build_reduce_pieces(taken_grads_, comm_->rank(), comm_->size());
   }
+  const comm::ReduceOp op = begin_reduce();
+  {
+    PhaseScope timed(Phase::ReduceScatterIssue);
+    reduce_work_ = comm_->reduce_scatter_pieces(pieces.outs, pieces.ins, op, /*async_op=*/true);
+  }
+  reduce_pieces_ = std::move(pieces);
+}
+
+void FSDPParamGroup::issue_flat_reduce() {
+  int64_t total = 0;
+  for (const auto& [p, g] : taken_grads_) total += p->shard_numel();
   // The reduce-scatter runs in reduce_dtype (the input is cast to it); the unsharded gradients
   // are consumed: each is freed once it is in the input, as FSDP2 does.
-  const auto reduce_dtype = with_grad.front().first->reduce_dtype();
+  const auto reduce_dtype = taken_grads_.front().first->reduce_dtype();
   at::Tensor input;
   {
     PhaseScope timed(Phase::ReduceScatterInput);
@@ -371,7 +392,7 @@ void FSDPParamGroup::post_backward() {
         return custom_buffer(/*all_gather=*/false, numel, options);
       };
     }
-    input = build_reduce_scatter_input(with_grad, comm_->size(), reduce_dtype, reduced_params_, allocate);
+    input = build_reduce_scatter_input(taken_grads_, comm_->size(), reduce_dtype, reduced_params_, allocate);
   }
   // On the CPU the output is this rank's row of the input (in place, no buffer of its own: the
   // reduce-scatter in flight holds one unit of input + Gloo's scratch of 1/N); a GPU's gets its own.
@@ -380,21 +401,20 @@ void FSDPParamGroup::post_backward() {
                    : s ? empty_buffer({total}, input.options(), BufferOwner::ReduceScatterOutput)
                                          : input[comm_->rank()];
   reduce_input_ = input;
-  pending_divide_ = divide;
+  const comm::ReduceOp op = begin_reduce();
+  std::optional<c10::StreamGuard> on_reduce_scatter;
   if (s) {
     // The input was written on the current stream; the reduce-scatter stream waits for it, and the
     // collective then overlaps the backward of the units still to come.
     DeviceStreams::wait_stream(s->reduce_scatter, s->current());
-    {
-      c10::StreamGuard on_reduce_scatter(s->reduce_scatter);
-      PhaseScope timed(Phase::ReduceScatterIssue);
-      reduce_work_ = issue_reduce_scatter(input.view(-1), op);
-    }
-    queue_post_reduce(*s);
-  } else {
-    PhaseScope timed(Phase::ReduceScatterIssue);
-    reduce_work_ = issue_reduce_scatter(input.view(-1), op);
+    on_reduce_scatter.emplace(s->reduce_scatter);
   }
+  {
+    PhaseScope timed(Phase::ReduceScatterIssue);
+    reduce_work_ = reduce_scatter()(reduce_output_, input.view(-1), *comm_, op, /*async_op=*/true);
+  }
+  on_reduce_scatter.reset();
+  if (s) queue_post_reduce(*s);
 }
 
 void FSDPParamGroup::start_all_reduce() {
@@ -497,7 +517,10 @@ void FSDPParamGroup::queue_post_reduce(DeviceStreams& s) {
     all_reduce_hook(reduce_output_);
   }
   c10::StreamGuard on_post(post);
-  if (!offloaded_grads() || reduced_params_.empty()) return;
+  if (offloaded_grads() && !reduced_params_.empty()) queue_offload_copy();
+}
+
+void FSDPParamGroup::queue_offload_copy() {
   // CPU offload: the reduced gradients go to pinned host memory with a non-blocking copy on this
   // stream (FSDP2's foreach_reduce with offload_to_cpu), cast to the shard dtype on the device
   // first; the host waits for it once, at the end of backward (finish_reduce). Where no gradient

@@ -9,6 +9,10 @@
 // unshard() only issues the all-gather (copy-in of every padded shard into one flat buffer), so a
 // prefetch can overlap it with compute; wait_for_unshard() waits, re-allocates the unsharded
 // parameters and copies the rows out. reshard() frees them (waiting first if a gather is in flight).
+// unshard() takes one of four paths (GatherPath): the flat layout above (FSDP2's, the only one on
+// a GPU and the one a custom all-gather takes), the CPU's per-parameter rows, the post-forward
+// group's gather, or a direct world of one; post_backward() likewise hands the gradients over
+// (world of one), reduces them per parameter (CPU) or flat. Each is a named step below.
 //
 // Integer reshard_after_forward (k): reshard_post_forward() keeps, besides the shard, the padded
 // shards of the S/k shard ranks this rank stands for within its group of k consecutive ranks
@@ -172,6 +176,31 @@ class FSDPParamGroup {
   bool offload_adopt_ = false;  // offload_host_ is a fresh buffer that becomes the gradients (there were none)
   at::Tensor offload_staging_;  // persistent pinned buffer, the copy's target when gradients exist (added to)
 
+  // How unshard() gathers, chosen at each call from the group's state (cheap checks): a direct
+  // world of one (no collective), the post-forward group's gather after an integer
+  // reshard_after_forward, the CPU's per parameter rows, or the flat layout (FSDP2's, where a
+  // custom all-gather applies).
+  enum class GatherPath { Direct, PostForward, Pieces, Flat };
+  GatherPath gather_path() const;
+  // unshard()'s steps, one per path; each leaves the gather in flight (Direct: done).
+  void unshard_directly();
+  void issue_gather_pieces();
+  void issue_post_forward_gather();
+  void issue_flat_gather(const c10::Event* after);
+  // The flat all-gather's output [N, total] in the compute dtype (a custom all-gather's allocate).
+  at::Tensor alloc_all_gather_output(const c10::Event* after);
+  // Moves the shards into shard_buffer_ where they can live there and are not yet; true if moved.
+  bool place_shards_in_buffer();
+  // post_backward()'s steps: the unsharded gradients into taken_grads_ (true where some gradient
+  // was shared with the sharded one), then one of: handed over as they are (a direct world of
+  // one), reduced per parameter (the CPU) or flat.
+  bool take_unsharded_grads();
+  void hand_over_grads();
+  void issue_reduce_pieces();
+  void issue_flat_reduce();
+  // Sets pending_divide_ and returns the collective's op (Avg, or Sum where a divide follows).
+  comm::ReduceOp begin_reduce();
+
   // The side streams of the parameters' device; null on the CPU (see streams.h).
   DeviceStreams* streams() const;
   bool offloaded_grads() const;  // gradients go back to (pinned) host memory
@@ -188,10 +217,10 @@ class FSDPParamGroup {
   bool reduces_directly() const { return direct_world_of_one() && !all_reduce_hook && !custom_reduce_scatter; }
   // The same for unshard: a custom all-gather is called in a world of one too.
   bool gathers_directly() const { return direct_world_of_one() && !custom_all_gather; }
-  // The all-gather of `input` (row of `output`) over `group`: the custom one where set.
-  comm::Work issue_all_gather(comm::Comm& group, const at::Tensor& output, const at::Tensor& input);
-  // The reduce-scatter of `input` into reduce_output_ over the shard group: the custom one where set.
-  comm::Work issue_reduce_scatter(const at::Tensor& input, comm::ReduceOp op);
+  // The flat collectives: the custom ones where set, else the group's own (GroupAllGather,
+  // GroupReduceScatter in collectives.h), called the same way.
+  AllGather& all_gather();
+  ReduceScatter& reduce_scatter();
   // A buffer from the custom collective's allocate, checked (sizes, dtype, device, contiguous).
   at::Tensor custom_buffer(bool all_gather, int64_t numel, const at::TensorOptions& options) const;
   // The CPU's per-parameter collectives apply (Gloo shard group of CPU tensors, no side streams).
@@ -216,6 +245,9 @@ class FSDPParamGroup {
   // GPU: after the reduce-scatter is issued, HSDP's all-reduce, the divide and CPU offload's copy to
   // the host, all queued on side streams (FSDP2's foreach_reduce), no host wait.
   void queue_post_reduce(DeviceStreams& s);
+  // GPU with CPU offload: the reduced gradients' copy to pinned host memory, queued on the current
+  // (post-reduce) stream.
+  void queue_offload_copy();
   // GPU: the current stream waits for the reduce-scatter, then its input goes back.
   void release_reduce_input(DeviceStreams& s);
   // The end of a reduction where the result has to wait on the side streams: HSDP's all-reduce or

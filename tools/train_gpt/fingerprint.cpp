@@ -45,7 +45,7 @@ std::vector<std::pair<std::string, std::string>> rank_agreed_options(const Optio
       {"--data", o.data},
       {"--val-data", o.val_data},
       {"--vocab-size", i(o.vocab_size)},
-      {"--model", to_string(o.model)},
+      {"--model", o.model},
       {"--init-from", o.init_from},
       {"--layers", i(o.layers)},
       {"--dim", i(o.dim)},

@@ -2,6 +2,7 @@
 
 #include "data.h"
 #include "profile.h"
+#include "spec.h"
 
 #include <CLI/CLI.hpp>
 
@@ -14,8 +15,6 @@
 #include <string>
 
 namespace train_gpt {
-
-const char* to_string(ModelKind kind) { return kind == ModelKind::llama ? "llama" : "gpt"; }
 
 namespace {
 
@@ -66,26 +65,32 @@ constexpr double kMaxCount = 1e12;  // steps, cadences
 
 }  // namespace
 
-std::optional<Options> parse_options(int argc, char** argv, int& exit_code) {
-  Options o;
-  CLI::App app{
-      "train_gpt: the reference FSDP trainer. A byte-level GPT built on the meta device, sharded with\n"
-      "fully_shard (blocks, then the root), materialised shard-locally, trained with AdamW.\n\n"
-      "  fsdprun --nproc-per-node N -- train_gpt [options]     N ranks (FSDP)\n"
-      "  train_gpt --parallel none [options]                   one process, no process group\n\n"
-      "Rank 0 prints progress, writes the metrics file (JSON lines) and the checkpoints' index.\n\n"
-      "Before any work: options out of their ranges, a --data that is not a regular file, and a\n"
-      "model that cannot fit the memory (estimated per rank) are refused with one line (exit 2);\n"
-      "once the ranks have joined, they check that they all got the same options.\n\n"
-      "SIGINT/SIGTERM: until the first step has finished (parsing, data, building and initialising\n"
-      "the model, loading a checkpoint) the process exits at once with status 128+signal, nothing\n"
-      "to save. After it, the ranks stop at the next step boundary, validation batch or sampled\n"
-      "token, save a checkpoint and exit 0: at most one step (or batch) plus one save from the\n"
-      "signal. A second signal exits at once without saving.",
-      "train_gpt"};
-  app.get_formatter()->column_width(34);
-  app.option_defaults()->always_capture_default();
+namespace {
 
+// --help's description: the trainer as it is.
+std::string description() {
+  std::string models;
+  for (const auto& spec : model_specs()) models += "  --model " + spec.name + ": " + spec.summary + "\n";
+  return "train_gpt: the reference FSDP trainer. A model of one of these architectures (spec.h),\n" + models +
+         "built on the meta device, parallelised (tensor parallel with --tp-size, activation checkpointing,\n"
+         "then fully_shard: blocks, then the root; or replicate), materialised shard-locally, and trained\n"
+         "with --optimizer (AdamW by default; Adam, SGD, Adagrad, RMSprop, fused AdamW/Adam/SGD) under\n"
+         "--parallel fsdp, hsdp (shard within groups, replicate across), replicate or none.\n\n"
+         "  fsdprun --nproc-per-node N -- train_gpt [options]     N ranks (FSDP)\n"
+         "  train_gpt --parallel none [options]                   one process, no process group\n\n"
+         "Rank 0 prints progress, writes the metrics file (JSON lines) and the checkpoints' index.\n\n"
+         "Before any work: options out of their ranges, a --data that is not a regular file, and a\n"
+         "model that cannot fit the memory (estimated per rank) are refused with one line (exit 2);\n"
+         "once the ranks have joined, they check that they all got the same options.\n\n"
+         "SIGINT/SIGTERM: until the first step has finished (parsing, data, building and initialising\n"
+         "the model, loading a checkpoint) the process exits at once with status 128+signal, nothing\n"
+         "to save. After it, the ranks stop at the next step boundary, validation batch or sampled\n"
+         "token, save a checkpoint and exit 0: at most one step (or batch) plus one save from the\n"
+         "signal. A second signal exits at once without saving.";
+}
+
+// The data: what is read, its vocabulary and how it is decoded.
+void add_data_options(CLI::App& app, Options& o) {
   app.add_option("--data", o.data,
                  "Training text read as bytes (90% train, 10% validation), or 'synthetic' "
                  "(tokens drawn from the seed, for benchmarks), or tokens:PATTERN: llm.c token shards (a file "
@@ -104,13 +109,17 @@ std::optional<Options> parse_options(int argc, char** argv, int& exit_code) {
                  "A SentencePiece tokenizer.model or a Hugging Face tokenizer.json: decodes the sample of "
                  "token data, and (tokenizer.model) encodes --data text:FILE (without it, ids "
                  "are shown as <N>, or as bytes for byte-level shards)");
-  app.add_option("--model", o.model,
-                 "gpt (the byte-level GPT) | llama (a Llama-family decoder with Hugging Face's names: RMSNorm, "
-                 "rotary embeddings, grouped-query attention, SwiGLU; --export-hf writes it for transformers)")
-      ->transform(CLI::CheckedTransformer(
-                      std::map<std::string, ModelKind>{{"gpt", ModelKind::gpt}, {"llama", ModelKind::llama}})
-                      .description(""))
-      ->type_name("{gpt,llama}");
+}
+
+// The model: its architecture (--model, the registry of spec.h), a Hugging Face folder, its sizes.
+void add_model_options(CLI::App& app, Options& o) {
+  std::vector<std::string> names;
+  for (const auto& spec : model_specs()) names.push_back(spec.name);
+  std::string list;
+  for (const auto& name : names) list += (list.empty() ? "" : "|") + name;
+  app.add_option("--model", o.model, "The architecture (described above); --init-from implies llama")
+      ->check(CLI::IsMember(names))
+      ->type_name("{" + list + "}");
   app.add_option("--init-from", o.init_from,
                  "A Hugging Face folder (config.json + model.safetensors or its index; LlamaForCausalLM, "
                  "MistralForCausalLM, Qwen2ForCausalLM): architecture, size and weights from it, each rank reading "
@@ -126,6 +135,10 @@ std::optional<Options> parse_options(int argc, char** argv, int& exit_code) {
       ->check(bounded(0, kMaxDim * 16, true));
   app.add_option("--seq-len", o.seq_len, "Tokens per sequence (the model's context)")
       ->check(bounded(1, kMaxSeqLen, true));
+}
+
+// The optimisation: batch, steps, schedule, optimizer.
+void add_optimization_options(CLI::App& app, Options& o) {
   app.add_option("--batch-size", o.batch_size,
                  "Global sequences per optimizer step (world size x grad-accum must divide it)")
       ->check(bounded(1, kMaxBatch, true));
@@ -144,6 +157,10 @@ std::optional<Options> parse_options(int argc, char** argv, int& exit_code) {
   app.add_option("--clip", o.clip, "Clip the global gradient norm to this (0: off)")->check(bounded(0, 1e9, false));
   app.add_option("--seed", o.seed, "Seed of the initialisation, the data order and the sample")
       ->check(bounded(0, 18446744073709551615.0, true));
+}
+
+// The parallelism and the device: FSDP, HSDP, replicate, TP; precision, resharding, recomputation.
+void add_parallel_options(CLI::App& app, Options& o) {
   app.add_option("--parallel", o.parallel, "fsdp | hsdp | replicate | none (one process, no process group)")
       ->check(CLI::IsMember({"fsdp", "hsdp", "replicate", "none"}));
   app.add_option("--shard-size", o.shard_size, "HSDP: ranks per shard group (0: the ranks per node)")
@@ -173,6 +190,10 @@ std::optional<Options> parse_options(int argc, char** argv, int& exit_code) {
          "tuned (fsdp::tune_malloc: freed tensors of 1 MiB+ go back to the kernel, so peak RSS follows what is "
          "alive; about 20% lower peak, 13-42% slower steps on the CPU); docs/benchmarks.md, \"The malloc policy\"")
       ->check(CLI::IsMember({"warm", "glibc", "default", "tuned"}));
+}
+
+// Checkpoints: where, how often, which to resume, how many to keep.
+void add_checkpoint_options(CLI::App& app, Options& o) {
   app.add_option("--checkpoint-dir", o.checkpoint_dir,
                  "Checkpoints go to DIR/step_NNNNNN ('' : none); needs a filesystem every rank sees");
   app.add_option("--checkpoint-every", o.checkpoint_every,
@@ -189,6 +210,10 @@ std::optional<Options> parse_options(int argc, char** argv, int& exit_code) {
                  "After each save keep the newest K committed step_NNNNNN folders and delete older ones "
                  "(0: keep all); damaged, uncommitted and other folders are never deleted")
       ->check(bounded(0, kMaxCount, true));
+}
+
+// Evaluation and output: validation, the sample, metrics, the profiler, --eval-only, --export-hf.
+void add_output_options(CLI::App& app, Options& o) {
   app.add_option("--eval-every", o.eval_every, "Validation loss every N steps and at the end (0: never)")
       ->check(bounded(0, kMaxCount, true));
   app.add_option("--eval-batches", o.eval_batches, "Global batches per validation")->check(bounded(1, 1e6, true));
@@ -208,7 +233,21 @@ std::optional<Options> parse_options(int argc, char** argv, int& exit_code) {
   app.add_flag("--allow-nonfinite-weights", o.allow_nonfinite_weights,
                "--init-from: load weights holding NaN or Inf as they are (by default refused, naming the first "
                "such tensor)");
+}
 
+}  // namespace
+
+std::optional<Options> parse_options(int argc, char** argv, int& exit_code) {
+  Options o;
+  CLI::App app{description(), "train_gpt"};
+  app.get_formatter()->column_width(34);
+  app.option_defaults()->always_capture_default();
+  add_data_options(app, o);
+  add_model_options(app, o);
+  add_optimization_options(app, o);
+  add_parallel_options(app, o);
+  add_checkpoint_options(app, o);
+  add_output_options(app, o);
   try {
     app.parse(argc, argv);
   } catch (const CLI::CallForHelp& e) {
@@ -227,7 +266,7 @@ std::optional<Options> parse_options(int argc, char** argv, int& exit_code) {
   for (const char* name : {"--layers", "--dim", "--heads", "--kv-heads", "--ffn-dim", "--vocab-size"})
     if (app.count(name) > 0) o.sizing_given.push_back(name);
   o.model_given = app.count("--model") > 0;
-  if (!o.init_from.empty() && !o.model_given) o.model = ModelKind::llama;  // a Hugging Face folder is a Llama
+  if (!o.init_from.empty() && !o.model_given) o.model = "llama";  // a Hugging Face folder is a Llama
   exit_code = 0;
   return o;
 }

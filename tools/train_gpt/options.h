@@ -2,7 +2,6 @@
 // train_gpt's command line (CLI11). Names are a contract: scripts, tests and the README use them.
 #include <cstdint>
 #include <optional>
-#include <ostream>
 #include <string>
 #include <vector>
 
@@ -21,13 +20,6 @@ inline constexpr int64_t kMaxHeads = 4096;
 inline constexpr int64_t kMaxSeqLen = 1 << 20;
 inline constexpr int64_t kMaxBatch = 1 << 20;  // --batch-size, --grad-accum
 
-// The architecture trained (--model): the project's byte-level GPT (models/gpt.h) or a
-// Llama-family decoder with Hugging Face's names (models/llama/llama.h), from scratch or from a
-// Hugging Face folder (--init-from).
-enum class ModelKind { gpt, llama };
-const char* to_string(ModelKind kind);
-inline std::ostream& operator<<(std::ostream& out, ModelKind kind) { return out << to_string(kind); }
-
 // Options, e.g. `train_gpt --layers 6 --dim 256 --heads 8 --batch-size 32 --steps 2000`.
 // Example: Options o; o.layers = 6; o.dim = 256; validate(o);
 struct Options {
@@ -36,7 +28,7 @@ struct Options {
   std::string val_data;               // tokens:PATTERN ("": the shards of --data named *_val_*)
   int64_t vocab_size = 0;             // 0: from the data (256 for bytes; main() resolves it, data.h)
   std::string tokenizer;              // SentencePiece tokenizer.model: decodes the sample of token shards
-  ModelKind model = ModelKind::gpt;   // --model; --init-from implies llama
+  std::string model = "gpt";          // --model: an architecture of spec.h's registry; --init-from implies llama
   int64_t layers = 4;
   int64_t dim = 128;
   int64_t heads = 4;
@@ -91,7 +83,7 @@ struct Options {
   bool synthetic() const { return data == "synthetic"; }
   // Token data: shards (tokens:PATTERN) or a text file encoded on the fly (text:FILE).
   bool tokens() const { return data.rfind("tokens:", 0) == 0 || data.rfind("text:", 0) == 0; }
-  bool llama() const { return model == ModelKind::llama; }
+  bool llama() const { return model == "llama"; }
   int64_t resolved_kv_heads() const { return kv_heads > 0 ? kv_heads : heads; }
   int64_t resolved_ffn_dim() const { return ffn_dim > 0 ? ffn_dim : (8 * dim / 3 + 7) / 8 * 8; }
   // --activation-checkpointing as "checkpoint every K-th block": 0 for none, 1 for full.

@@ -41,14 +41,8 @@ void Reporter::banner(const BannerInfo& info) {
   if (!active_) return;
   const Options& o = o_;
   const double share = 100.0 * static_cast<double>(info.local_params) / static_cast<double>(info.n_params);
-  if (info.model.empty()) {
-    std::printf("train_gpt: GPT %lld layers, dim %lld, %lld heads, seq %lld: %.2fM parameters (%.0f%% on this rank)\n",
-                static_cast<long long>(o.layers), static_cast<long long>(o.dim), static_cast<long long>(o.heads),
-                static_cast<long long>(o.seq_len), static_cast<double>(info.n_params) / 1e6, share);
-  } else {
-    std::printf("train_gpt: %s, seq %lld: %.2fM parameters (%.0f%% on this rank)\n", info.model.c_str(),
-                static_cast<long long>(o.seq_len), static_cast<double>(info.n_params) / 1e6, share);
-  }
+  std::printf("train_gpt: %s, seq %lld: %.2fM parameters (%.0f%% on this rank)\n", info.model.c_str(),
+              static_cast<long long>(o.seq_len), static_cast<double>(info.n_params) / 1e6, share);
   std::printf("train_gpt: --parallel %s, %d rank%s x %d thread%s, %s, batch %lld x %lld tokens (grad-accum %lld)\n",
               o.parallel.c_str(), info.world, info.world > 1 ? "s" : "", info.threads, info.threads > 1 ? "s" : "",
               o.mixed_precision.c_str(), static_cast<long long>(o.batch_size), static_cast<long long>(o.seq_len),

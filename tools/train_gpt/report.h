@@ -26,7 +26,7 @@ struct BannerInfo {
   int64_t local_params = 0;  // this rank's
   std::string data;          // TokenSource::describe()
   std::optional<std::string> resumed_dir;
-  std::string model;        // "" : the GPT of --layers/--dim/--heads; else its description (model.h)
+  std::string model;        // the architecture's description (spec.h TrainModel::describe)
   std::string resume_note;  // added to the "resumed ..." line (e.g. the checkpoint wins over --init-from)
 };
 

@@ -1,23 +1,25 @@
-// train_gpt: the reference trainer. A byte-level GPT, or a Llama-family decoder (--model llama,
-// from scratch or from a Hugging Face folder with --init-from), trained with FSDP2's recipe, in
-// five blocks:
+// train_gpt: the reference trainer. An architecture of spec.h's registry (--model: the byte-level
+// GPT, or a Llama-family decoder from scratch or from a Hugging Face folder with --init-from),
+// trained with FSDP2's recipe in torchtitan's shape: the trainer calls the architecture's steps
+// and names no model type.
 //
-//   1. init_distributed()    the process group (none with --parallel none)
-//   2. build_model_meta()    the model on the meta device -> fully_shard blocks (decoder layers),
-//                            then the root -> materialise this rank's shards -> deterministic init
-//                            (or each rank reads its rows of the --init-from weights)
-//   3. build_optimizer()     AdamW (--optimizer) over the local shards
+//   1. init_distributed()    the process group and mesh (none with --parallel none)
+//   2. build_model()         the ModelSpec's model on the meta device -> apply_tp -> apply_ac ->
+//                            apply_fsdp (blocks, then the root) or apply_replicate -> materialise
+//                            this rank's shards -> deterministic init (or --init-from's weights)
+//   3. build_optimizer()     --optimizer (optimizer.h) over the local shards
 //   4. train_step()          micro-batches (gradient sync on the last), clip, step
 //   5. checkpoint_save() / checkpoint_load()   sharded checkpoints, resumable at any world size
 //
 //   fsdprun --nproc-per-node 2 -- build/bin/train_gpt            # the README's first command
 //   build/bin/train_gpt --parallel none                          # one process, no process group
 //
-// run_training() at the bottom only wires them into the loop (step, evaluate, report, save);
-// the helpers live in files of their own: rank 0's output and the metrics file (report.h), what
-// a step measures (step_stats.h), a clean stop on SIGINT/SIGTERM (stop_signal.h: exit at once
-// before the first step, save at the next step or batch after it), the test kill hook
-// (kill_hook.h), the memory preflight (preflight.h), the check that every rank got the same
+// run_training() at the bottom only wires the steps of a run (set-up checks, the blocks above,
+// the loop {step, agree, evaluate, report, save}, export, sample, finish); the helpers live in
+// files of their own: the architectures (spec.h), rank 0's output and the metrics file
+// (report.h), what a step measures (step_stats.h), a clean stop on SIGINT/SIGTERM (stop_signal.h:
+// exit at once before the first step, save at the next step or batch after it), the test kill
+// hook (kill_hook.h), the memory preflight (preflight.h), the check that every rank got the same
 // options (fingerprint.h) and the checkpoint policy (checkpoints.h).
 #include <cctype>
 #include <cmath>
@@ -27,6 +29,7 @@
 #include <functional>
 #include <limits>
 #include <map>
+#include <memory>
 #include <optional>
 #include <string>
 #include <vector>
@@ -42,26 +45,19 @@
 #include "fsdp/fsdp.h"
 #include "kill_hook.h"
 #include "lr_schedule.h"
-#include "model.h"
-#include "models/gpt.h"
-#include "models/gpt_tp.h"
 #include "models/llama/hf.h"
-#include "models/llama/llama_tp.h"
 #include "optimizer.h"
 #include "options.h"
 #include "preflight.h"
 #include "profile.h"
 #include "report.h"
+#include "spec.h"
 #include "step_stats.h"
 #include "stop_signal.h"
 
 namespace {
 
 using namespace train_gpt;
-using fsdp::models::GPT;
-using fsdp::models::GPTConfig;
-using fsdp::models::Llama;
-using fsdp::models::LlamaConfig;
 using Shapes = std::map<std::string, std::vector<int64_t>>;
 
 // What the blocks share about the process group.
@@ -89,41 +85,21 @@ struct Run {
   bool sharded() const { return distributed() && opt.parallel != "replicate"; }
 };
 
-// The model trained: exactly one of gpt and llama is set (Options::model says which).
+// The model trained (spec.h) and what the trainer keeps of its parallelisation.
 struct Model {
-  GPT gpt{nullptr};
-  Llama llama{nullptr};
+  std::unique_ptr<TrainModel> net;           // the architecture's model (--model)
   std::vector<fsdp::FSDPModule> units;       // the blocks, then the root (empty: unsharded)
   std::optional<fsdp::ReplicateModule> ddp;  // --parallel replicate
   Shapes full_shapes;                        // "model.<fqn>" -> unsharded shape (checkpoint keys)
   int64_t n_params = 0;
-  // A Llama under tensor parallelism (models/llama/llama_tp.h): its logits are split over the
-  // vocabulary (loss_parallel) and its sequences over the tp ranks (T divisible by the tp size).
-  std::optional<fsdp::DeviceMesh> llama_tp;
 
-  std::shared_ptr<torch::nn::Module> module() const {
-    return gpt ? std::static_pointer_cast<torch::nn::Module>(gpt.ptr())
-               : std::static_pointer_cast<torch::nn::Module>(llama.ptr());
-  }
+  std::shared_ptr<torch::nn::Module> module() const { return net->module(); }
   std::vector<at::Tensor> parameters() const { return module()->parameters(); }
   // idx [B, T] -> logits [B, T, vocab] (through the root's FSDP hooks).
-  at::Tensor logits(const at::Tensor& idx) { return gpt ? fsdp::call(gpt, idx) : fsdp::call(llama, idx); }
-  // The mean cross-entropy of logits [B, T, vocab] (or the vocabulary slice, llama_tp) against targets [B, T].
-  at::Tensor loss(const at::Tensor& logits, const at::Tensor& targets) const {
-    if (llama_tp) return fsdp::tp::loss_parallel(logits.to(at::kFloat), targets, *llama_tp);
-    return fsdp::models::gpt_loss(logits.to(at::kFloat), targets);
-  }
+  at::Tensor logits(const at::Tensor& idx) { return net->logits(idx); }
+  at::Tensor loss(const at::Tensor& logits, const at::Tensor& targets) const { return net->loss(logits, targets); }
   // The last position's logits [B, vocab], for sampling (gathered, then resharded on return).
-  at::Tensor next_token_logits(const at::Tensor& idx) {
-    if (gpt) return fsdp::call_method(gpt, &fsdp::models::GPTImpl::next_token_logits, idx);
-    if (!llama_tp) return fsdp::call(llama, idx).select(1, -1);
-    // Sequence parallel: a length divisible by the tp size (the last positions, or the first token repeated).
-    const int64_t tp = llama_tp->size(0), len = idx.size(1);
-    at::Tensor window = len >= tp ? idx.narrow(1, len - len / tp * tp, len / tp * tp)
-                                  : at::cat({idx.narrow(1, 0, 1).expand({idx.size(0), tp - len}), idx}, 1);
-    at::Tensor local = fsdp::call(llama, window.contiguous()).select(1, -1).contiguous();
-    return fsdp::tp::gather_replicated_along_dim(local, 1, llama_tp->comm());
-  }
+  at::Tensor next_token_logits(const at::Tensor& idx) { return net->next_token_logits(idx); }
 };
 
 // Sum over ranks, in place (a no-op when alone(): Run). Through the device: NCCL takes CUDA tensors.
@@ -192,83 +168,45 @@ Run init_distributed(const Options& o) {
 }
 
 // ======================================================================================== 2
-// build_model_meta(): construct on meta (no memory), shard block by block then the root,
-// allocate only this rank's shards, initialise them to the unsharded model's values.
-// `before_allocating` sees the full shapes while nothing is allocated yet (checks, a banner).
-// `llama`: the Llama's configuration (--model llama, model.h), else the GPT is built.
-Model build_model_meta(const Run& run, const std::optional<LlamaConfig>& llama,
-                       const std::function<void(const Shapes&)>& before_allocating) {
+// build_model(): construct on meta (no memory), parallelise (TP, activation checkpointing,
+// fully_shard block by block then the root), allocate only this rank's shards, initialise them
+// to the unsharded model's values. `before_allocating` sees the full shapes while nothing is
+// allocated yet (checks, a banner).
+fsdp::FullyShardOptions shard_options(const Run& run) {
   const Options& o = run.opt;
-  Model m;
-  if (llama) {
-    LlamaConfig config = *llama;
-    config.device = torch::kMeta;
-    m.llama = Llama(config);
-  } else {
-    GPTConfig config;
-    config.vocab_size = o.vocab_size;  // main() resolved it: 256 for bytes, else from the data (data.h)
-    config.block_size = o.seq_len;
-    config.n_layer = o.layers;
-    config.n_head = o.heads;
-    config.n_embd = o.dim;
-    config.init_seed = o.seed;
-    config.device = torch::kMeta;
-    config.validate();
-    m.gpt = GPT(config);
+  fsdp::FullyShardOptions so;
+  so.mesh = run.mesh;  // hsdp: 2-D; fsdp: unset (all ranks)
+  if (o.mixed_precision == "bf16") {
+    so.mp_policy.param_dtype = at::kBFloat16;  // gather and compute in bf16
+    so.mp_policy.reduce_dtype = at::kFloat;    // reduce gradients in fp32; fp32 master shards
   }
+  if (o.reshard_after_forward != "default") so.reshard_after_forward = o.reshard_after_forward == "true";
+  return so;
+}
+
+// Tensor parallel first (on meta), then activation checkpointing (the chosen blocks recompute
+// their activations in backward; composes with fully_shard and replicate) and fully_shard over
+// dp, as PyTorch composes them.
+void parallelize(const Run& run, Model& m) {
+  if (run.tp_mesh) m.net->apply_tp(*run.tp_mesh);
+  if (const int64_t k = run.opt.checkpoint_every_kth_block(); k > 0) m.net->apply_ac(static_cast<int>(k));
+  if (run.sharded()) m.units = m.net->apply_fsdp(shard_options(run));
+}
+
+Model build_model(const Run& run, std::unique_ptr<TrainModel> net,
+                  const std::function<void(const Shapes&)>& before_allocating) {
+  Model m;
+  m.net = std::move(net);
+  m.net->build_meta();
   for (const auto& p : m.module()->named_parameters()) {
     m.full_shapes["model." + p.key()] = p.value().sizes().vec();
     m.n_params += p.value().numel();
   }
   before_allocating(m.full_shapes);
-  // Tensor parallel first (models/gpt_tp.h: heads and MLP split over the tp ranks, on meta), then
-  // activation checkpointing and fully_shard over dp, as PyTorch composes them.
-  if (run.tp_mesh && m.gpt) fsdp::models::parallelize_gpt(m.gpt, *run.tp_mesh);
-  if (run.tp_mesh && m.llama) {  // torchtitan's plan, sequence parallel and loss_parallel included
-    fsdp::models::parallelize_llama(m.llama, *run.tp_mesh);
-    m.llama_tp = run.tp_mesh;
-  }
-  // Activation checkpointing: the chosen blocks (decoder layers) recompute their activations in
-  // backward (every fsdp::call(block, ...) is checkpointed; composes with fully_shard below and
-  // with replicate).
-  if (const int64_t k = o.checkpoint_every_kth_block(); k > 0) {
-    if (m.gpt)
-      fsdp::activation::apply_activation_checkpointing(
-          *m.gpt, fsdp::activation::every_kth<fsdp::models::BlockImpl>(static_cast<int>(k)));
-    else
-      fsdp::activation::apply_activation_checkpointing(
-          *m.llama, fsdp::activation::every_kth<fsdp::models::LlamaDecoderLayerImpl>(static_cast<int>(k)));
-  }
-  if (run.sharded()) {
-    fsdp::FullyShardOptions so;
-    so.mesh = run.mesh;  // hsdp: 2-D; fsdp: unset (all ranks)
-    if (o.mixed_precision == "bf16") {
-      so.mp_policy.param_dtype = at::kBFloat16;  // gather and compute in bf16
-      so.mp_policy.reduce_dtype = at::kFloat;    // reduce gradients in fp32; fp32 master shards
-    }
-    if (o.reshard_after_forward != "default") so.reshard_after_forward = o.reshard_after_forward == "true";
-    if (m.gpt) {
-      for (auto& block : m.gpt->blocks) m.units.push_back(fsdp::fully_shard(block, so));  // blocks first,
-      m.units.push_back(fsdp::fully_shard(m.gpt, so));                                    // then the root
-    } else {
-      // Decoder layers, then the root (which keeps the embeddings, model.norm and lm_head: with
-      // tied embeddings the head reads model.embed_tokens.weight during the root's forward).
-      for (auto& layer : m.llama->layers()) m.units.push_back(fsdp::fully_shard(layer, so));
-      m.units.push_back(fsdp::fully_shard(m.llama, so));
-    }
-  }
+  parallelize(run, m);
   fsdp::to_empty(*m.module(), run.device);  // this rank's shards only
-  // fsdp::init: same values for any world size (--init-from's weights are read after this).
-  if (m.gpt)
-    m.gpt->reset_parameters();
-  else
-    m.llama->reset_parameters();
-  if (run.distributed() && !run.sharded()) {  // replicate: whole model per rank
-    if (m.gpt)
-      m.ddp = fsdp::replicate(m.gpt);
-    else
-      m.ddp = fsdp::replicate(m.llama);
-  }
+  m.net->init_weights();                    // fsdp::init: same values for any world size (--init-from's are read after)
+  if (run.distributed() && !run.sharded()) m.ddp = m.net->apply_replicate();  // whole model per rank
   return m;
 }
 
@@ -352,18 +290,9 @@ std::string checkpoint_save(const Run& run, Model& m, torch::optim::Optimizer& o
     scalars.ints["data_index"] = next.index;
   }
   // The checkpoint records its model, so that it describes itself (fsdp-ckpt export-hf) and a
-  // resume can refuse another model (check_resume_model, model.h): a Llama run its config.json,
-  // a GPT run its configuration.
-  fsdp::models::HFConfigState hf;
-  GptConfigRecord gpt;
-  std::map<std::string, fsdp::checkpoint::Stateful*> extras{{"trainer", &scalars}};
-  if (m.llama) {
-    hf = fsdp::models::HFConfigState(m.llama->config);
-    extras[fsdp::models::kHFConfigEntry] = &hf;
-  } else {
-    gpt = GptConfigRecord(gpt_config_json(run.opt));
-    extras[kGptConfigEntry] = &gpt;
-  }
+  // resume can refuse another model (check_resume_model, model.h): spec.h checkpoint_record.
+  const auto [entry, record] = m.net->checkpoint_record(run.opt);
+  std::map<std::string, fsdp::checkpoint::Stateful*> extras{{"trainer", &scalars}, {entry, record.get()}};
   fsdp::checkpoint::save(dir, fsdp::checkpoint::State{m.module(), &opt, extras, {}});
   return dir;
 }
@@ -426,9 +355,8 @@ int64_t checkpoint_load(const Run& run, Model& m, torch::optim::Optimizer& opt, 
 
 // Resuming a checkpoint of another model is an error before any work (one line): the model the
 // checkpoint records (model.h), then every shape (all an older checkpoint without the record has).
-void check_checkpoint_shapes(const std::string& dir, const Options& o, const std::optional<LlamaConfig>& llama,
-                             const Shapes& expected) {
-  check_resume_model(dir, o, llama);
+void check_checkpoint_shapes(const std::string& dir, const Options& o, const TrainModel& net, const Shapes& expected) {
+  net.check_resume(dir, o);
   const auto saved = fsdp::checkpoint::describe(dir);
   auto shape_str = [](const std::vector<int64_t>& s) {
     std::string out = "[";
@@ -538,13 +466,18 @@ BannerInfo banner_info(const Run& run, Model& m, const TokenSource& data,
   info.local_params = tensor_bytes(m.parameters()) / 4;
   info.data = data.describe();
   info.resumed_dir = resume_dir;
-  if (m.llama) {
-    info.model = describe(m.llama->config) + (o.init_from.empty() ? " from scratch" : " from " + o.init_from);
-    if (!o.init_from.empty() && resume_dir)
-      info.resume_note = "the checkpoint wins: " + o.init_from +
-                         "'s weights are not loaded; its config.json matches the checkpoint's model";
-  }
+  info.model = m.net->describe(o);
+  if (!o.init_from.empty() && resume_dir)
+    info.resume_note = "the checkpoint wins: " + o.init_from +
+                       "'s weights are not loaded; its config.json matches the checkpoint's model";
   return info;
+}
+
+// Every rank waits for the others, then leaves the process group (nothing with --parallel none).
+void finish_distributed(const Run& run) {
+  if (!run.distributed()) return;
+  run.comm->barrier();
+  fsdp::dist::destroy_distributed();
 }
 
 // --eval-only: the validation loss of the model as built or loaded, printed and written to the
@@ -556,147 +489,193 @@ int evaluate_only(const Run& run, Model& m, const TokenSource& data, int64_t ste
   report.banner(banner_info(run, m, data, resume_dir));
   const std::optional<double> val = evaluate(run, m, data);
   report.evaluation(step, val);
-  if (run.distributed()) {
-    run.comm->barrier();
-    fsdp::dist::destroy_distributed();
-  }
+  finish_distributed(run);
   return 0;
 }
 
-// main()'s body: set-up, then the loop that wires blocks 4 and 5 with evaluation and reporting.
-// `llama`: the Llama's configuration (model.h), nullopt for the GPT.
-int run_training(const Options& options, const std::optional<LlamaConfig>& llama) {
-  // Every rank, before any work: a directory it cannot write stops it here (--eval-only writes none).
+// ---------------------------------------------------------------------------- the steps of a run
+
+// Every rank, before the process group and any allocation: a directory it cannot write stops it
+// here (--eval-only writes none), --export-hf's destination (checkpoints.h), the memory preflight
+// (preflight.h: every rank computes the same estimate; returned for rank 0 to print before the
+// model is allocated) and --tp-size against the world size.
+std::string check_before_work(const Options& options) {
   if (!options.eval_only) check_checkpoint_dir(options);
-  check_export_dir(options);  // --export-hf: not --init-from, not someone's files, writable (checkpoints.h)
-  // Memory preflight (preflight.h), before the process group and any allocation. Every rank
-  // computes the same estimate; rank 0 prints it before the model is allocated.
+  check_export_dir(options);
   const fsdp::dist::LaunchEnv env =
       options.parallel == "none" ? fsdp::dist::LaunchEnv{} : fsdp::dist::read_launch_env();
   const std::string memory = check_memory(options, env.world_size, env.local_world_size);
   if (options.parallel != "none") validate_for_world(options, env.world_size);  // --tp-size | world, before joining
-  // -- 1
-  Run run = init_distributed(options);
-  const Options& o = run.opt;
-  validate_for_world(o, run.world);
-  const bool r0 = run.rank == 0;
-  // One run per --checkpoint-dir: rank 0 holds the lock until the process ends (checkpoints.h).
-  const auto checkpoint_lock =
-      o.eval_only ? fsdp::checkpoint::DirectoryLock{} : lock_checkpoint_dir(o, run.rank, run.comm.get());
-  TokenSource data(o);  // token shards: those resolve_vocab() opened and checked in main()
+  return memory;
+}
 
-  // -- 2 (the resume checkpoint is checked against the model's shapes before anything is allocated)
-  const ResumeChoice resume = choose_resume(o);  // --resume-from, or --resume's latest committed one
-  const std::optional<std::string> resume_dir = resume.dir;
-  if (r0) {
+// The checkpoint to continue from (--resume-from, or --resume's latest committed one); rank 0
+// prints the folders skipped on the way.
+std::optional<std::string> resume_checkpoint(const Run& run) {
+  const ResumeChoice resume = choose_resume(run.opt);
+  if (run.rank == 0) {
     for (const auto& w : resume.warnings) std::printf("train_gpt: warning: %s\n", w.c_str());
   }
-  Model m = build_model_meta(run, llama, [&](const Shapes& shapes) {
-    if (resume_dir) check_checkpoint_shapes(*resume_dir, o, llama, shapes);
-    if (r0) {
+  return resume.dir;
+}
+
+// The model of --model built, parallelised and initialised (block 2); the resume checkpoint is
+// checked against its shapes before anything is allocated. --init-from: each rank reads its own
+// rows of the weights, unless a checkpoint to resume is there (it wins: it holds the weights
+// trained since).
+Model build_and_load(const Run& run, std::unique_ptr<TrainModel> net, const std::optional<std::string>& resume_dir,
+                     const std::string& memory) {
+  const Options& o = run.opt;
+  const TrainModel& arch = *net;
+  Model m = build_model(run, std::move(net), [&](const Shapes& shapes) {
+    if (resume_dir) check_checkpoint_shapes(*resume_dir, o, arch, shapes);
+    if (run.rank == 0) {
       std::printf("train_gpt: %s\n", memory.c_str());  // then the (possibly long) allocation and init
       std::fflush(stdout);
     }
   });
-  // --init-from: each rank reads its own rows of the Hugging Face weights, unless a checkpoint
-  // to resume is there (it wins: it holds the weights trained since).
-  if (!o.init_from.empty() && !resume_dir)
-    fsdp::models::load_hf_weights(*m.llama, o.init_from, {.allow_nonfinite = o.allow_nonfinite_weights});
-  // -- 3
-  auto opt = build_optimizer(run, m);
-  // -- 5 (load)
-  int64_t start_step = 0;
-  if (resume_dir) start_step = checkpoint_load(run, m, *opt, *resume_dir, data);
-  if (o.eval_only) return evaluate_only(run, m, data, start_step, resume_dir);
-  if (resume_dir && start_step >= o.steps) {  // nothing to do: say so, leave the metrics file alone
-    if (r0) {
-      std::printf(
-          "train_gpt: checkpoint %s is at step %lld, --steps %lld: nothing to train (raise --steps to continue it)\n",
-          resume_dir->c_str(), static_cast<long long>(start_step), static_cast<long long>(o.steps));
-      std::fflush(stdout);
-    }
-    if (run.distributed()) {
-      run.comm->barrier();
-      fsdp::dist::destroy_distributed();
-    }
-    return 0;
-  }
-  check_save_targets(o, start_step);  // a scheduled save into a damaged folder: refused now, not after training
+  if (!o.init_from.empty() && !resume_dir) m.net->load_weights(o);
+  return m;
+}
 
-  Reporter report(o, r0, start_step);  // rank 0's banner, progress lines, metrics file (report.h)
+// A resumed checkpoint at or past --steps: nothing to do; says so and leaves the metrics file alone.
+bool nothing_to_train(const Run& run, const std::optional<std::string>& resume_dir, int64_t start_step) {
+  if (!resume_dir || start_step < run.opt.steps) return false;
+  if (run.rank == 0) {
+    std::printf(
+        "train_gpt: checkpoint %s is at step %lld, --steps %lld: nothing to train (raise --steps to continue it)\n",
+        resume_dir->c_str(), static_cast<long long>(start_step), static_cast<long long>(run.opt.steps));
+    std::fflush(stdout);
+  }
+  return true;
+}
+
+// Rank 0's banner, and a note on an option that does nothing in this run.
+void announce(const Run& run, Model& m, const TokenSource& data, const std::optional<std::string>& resume_dir,
+              Reporter& report) {
+  const Options& o = run.opt;
   report.banner(banner_info(run, m, data, resume_dir));
-  if (r0 && run.sharded() && run.dp_size == 1 && o.reshard_after_forward != "default") {
+  if (run.rank == 0 && run.sharded() && run.dp_size == 1 && o.reshard_after_forward != "default") {
     std::printf(
         "train_gpt: note: --reshard-after-forward %s has no effect with a data-parallel size of 1 (each "
         "rank's shards are the whole parameters: nothing is gathered or freed)\n",
         o.reshard_after_forward.c_str());
     std::fflush(stdout);
   }
-  const KillHook kill_hook = KillHook::from_env();  // tests only (kill_hook.h)
+}
 
+// Where the loop is: the steps done, the last checkpoint written, whether a signal stopped it.
+struct LoopState {
+  int64_t step = 0;
   std::string last_saved;
-  int64_t step = start_step;
   bool stopped = false;
-  StepProfiler profiler(o.profile_steps, profile_dir(o.profile_dir, o.metrics), run.rank, r0);
-  while (step < o.steps) {
-    const auto profiled = profiler.step(step + 1);  // steps A..B of --profile-steps into DIR/trace_rank<r>.json
-    kill_hook.before_step(step, run.rank);
-    // -- 4
-    const double lr = lr_at(step, o.steps, o.lr, o.warmup);
-    const StepTimer timer;
-    const StepResult r = train_step(run, m, *opt, data, step, lr);
-    stop_signal::set_phase(stop_signal::kTraining);  // from now on a signal saves a checkpoint
-    const StepCost cost = timer.finish();
-    ++step;
+};
 
-    auto [loss, stop] = agree_loss_and_stop(run, r.local_loss);
-    const RankMemory memory_now = gather_memory(run.alone() ? nullptr : run.comm.get(), run.device);
-    std::optional<double> val;
-    if (!stop && o.eval_every > 0 && (step % o.eval_every == 0 || step == o.steps)) {
-      val = evaluate(run, m, data);
-      if (!val) stop = true;  // interrupted: save this step's state and exit
-    }
-    if (r0) {
-      report.step({step, loss, lr, r.grad_norm, cost.seconds, cost.comm_bytes, tensor_bytes(m.parameters()),
-                   grad_bytes(m.parameters()), optimizer_state_bytes(*opt), memory_now.current_bytes,
-                   memory_now.peak_bytes.at(0), memory_now.max_peak_bytes(), val,
-                   data.tokens() ? std::optional(data.position(step)) : std::nullopt});
-    }
+// The validation loss when one is due after `step` (nullopt: none due, or interrupted: `stop` set).
+std::optional<double> evaluate_if_due(const Run& run, Model& m, const TokenSource& data, int64_t step, bool& stop) {
+  const Options& o = run.opt;
+  if (stop || o.eval_every <= 0 || (step % o.eval_every != 0 && step != o.steps)) return std::nullopt;
+  std::optional<double> val = evaluate(run, m, data);
+  if (!val) stop = true;  // interrupted: save this step's state and exit
+  return val;
+}
 
-    // -- 5 (save): every --checkpoint-every steps, at the end, and when asked to stop.
-    const bool due = (o.checkpoint_every > 0 && step % o.checkpoint_every == 0) || step == o.steps || stop;
-    if (!o.checkpoint_dir.empty() && due) {
-      const StepTimer save_timer;
-      last_saved = checkpoint_save(run, m, *opt, step, data);
-      if (r0) report.checkpoint_saved(step, last_saved, save_timer.finish().seconds, apply_retention(o, last_saved));
-    }
-    if (stop) {
-      stopped = true;
-      break;
-    }
-  }
+// Block 5 (save): every --checkpoint-every steps, at the end, and when asked to stop.
+void save_if_due(const Run& run, Model& m, torch::optim::Optimizer& opt, const TokenSource& data, Reporter& report,
+                 LoopState& s, bool stop) {
+  const Options& o = run.opt;
+  const bool due = (o.checkpoint_every > 0 && s.step % o.checkpoint_every == 0) || s.step == o.steps || stop;
+  if (o.checkpoint_dir.empty() || !due) return;
+  const StepTimer save_timer;
+  s.last_saved = checkpoint_save(run, m, opt, s.step, data);
+  if (run.rank == 0)
+    report.checkpoint_saved(s.step, s.last_saved, save_timer.finish().seconds, apply_retention(o, s.last_saved));
+}
 
-  // --export-hf: the trained model as a Hugging Face folder (collective: the ranks gather one
-  // tensor at a time, rank 0 writes). Not after a signal: the checkpoint holds that state
-  // (fsdp-ckpt export-hf CHECKPOINT OUT writes the same folder from it).
-  if (!stopped && !o.export_hf.empty()) {
-    fsdp::models::HFSaveOptions save;
-    save.dtype = o.export_dtype == "bf16" ? at::kBFloat16 : at::kFloat;
-    save.copy_from = o.init_from;
-    const StepTimer export_timer;
-    fsdp::models::save_hf(*m.llama, o.export_hf, save);
-    if (r0) {
-      std::printf("train_gpt: exported the model (%s) to %s for transformers (%.2f s)\n", o.export_dtype.c_str(),
-                  o.export_hf.c_str(), export_timer.finish().seconds);
-      std::fflush(stdout);
-    }
+// One pass of the loop: step (block 4), agree on the loss and on stopping, evaluate, report,
+// save. Returns false when the ranks agreed to stop.
+bool loop_once(const Run& run, Model& m, torch::optim::Optimizer& opt, const TokenSource& data, Reporter& report,
+               LoopState& s) {
+  const Options& o = run.opt;
+  const double lr = lr_at(s.step, o.steps, o.lr, o.warmup);
+  const StepTimer timer;
+  const StepResult r = train_step(run, m, opt, data, s.step, lr);
+  stop_signal::set_phase(stop_signal::kTraining);  // from now on a signal saves a checkpoint
+  const StepCost cost = timer.finish();
+  const int64_t step = ++s.step;
+
+  auto [loss, stop] = agree_loss_and_stop(run, r.local_loss);
+  const RankMemory memory_now = gather_memory(run.alone() ? nullptr : run.comm.get(), run.device);
+  const std::optional<double> val = evaluate_if_due(run, m, data, step, stop);
+  if (run.rank == 0) {
+    report.step({step, loss, lr, r.grad_norm, cost.seconds, cost.comm_bytes, tensor_bytes(m.parameters()),
+                 grad_bytes(m.parameters()), optimizer_state_bytes(opt), memory_now.current_bytes,
+                 memory_now.peak_bytes.at(0), memory_now.max_peak_bytes(), val,
+                 data.tokens() ? std::optional(data.position(step)) : std::nullopt});
   }
-  const std::string sample = !stopped && o.sample_tokens > 0 ? sample_text(run, m, data) : "";
-  report.finish(step, run.world, stopped, last_saved, sample);
-  if (run.distributed()) {
-    run.comm->barrier();
-    fsdp::dist::destroy_distributed();
+  save_if_due(run, m, opt, data, report, s, stop);
+  s.stopped = stop;
+  return !stop;
+}
+
+// The loop from `start_step` to --steps (or a stop signal), under --profile-steps and the tests' kill hook.
+LoopState train_loop(const Run& run, Model& m, torch::optim::Optimizer& opt, const TokenSource& data, Reporter& report,
+                     int64_t start_step) {
+  const KillHook kill_hook = KillHook::from_env();  // tests only (kill_hook.h)
+  StepProfiler profiler(run.opt.profile_steps, profile_dir(run.opt.profile_dir, run.opt.metrics), run.rank,
+                        run.rank == 0);
+  LoopState s;
+  s.step = start_step;
+  while (s.step < run.opt.steps) {
+    const auto profiled = profiler.step(s.step + 1);  // steps A..B of --profile-steps into DIR/trace_rank<r>.json
+    kill_hook.before_step(s.step, run.rank);
+    if (!loop_once(run, m, opt, data, report, s)) break;
   }
+  return s;
+}
+
+// --export-hf: the trained model as a Hugging Face folder (collective: the ranks gather one
+// tensor at a time, rank 0 writes). Not after a signal: the checkpoint holds that state
+// (fsdp-ckpt export-hf CHECKPOINT OUT writes the same folder from it).
+void export_model(const Run& run, Model& m) {
+  const Options& o = run.opt;
+  if (o.export_hf.empty()) return;
+  const StepTimer export_timer;
+  m.net->export_hf(o);
+  if (run.rank == 0) {
+    std::printf("train_gpt: exported the model (%s) to %s for transformers (%.2f s)\n", o.export_dtype.c_str(),
+                o.export_hf.c_str(), export_timer.finish().seconds);
+    std::fflush(stdout);
+  }
+}
+
+// main()'s body: the steps of a run, in order (llm.c's main loop: only the wiring).
+int run_training(const Options& options, std::unique_ptr<TrainModel> net) {
+  const std::string memory = check_before_work(options);
+  const Run run = init_distributed(options);  // 1
+  const Options& o = run.opt;
+  validate_for_world(o, run.world);
+  // One run per --checkpoint-dir: rank 0 holds the lock until the process ends (checkpoints.h).
+  const auto checkpoint_lock =
+      o.eval_only ? fsdp::checkpoint::DirectoryLock{} : lock_checkpoint_dir(o, run.rank, run.comm.get());
+  const TokenSource data(o);  // token shards: those resolve_vocab() opened and checked in main()
+  const std::optional<std::string> resume_dir = resume_checkpoint(run);
+  Model m = build_and_load(run, std::move(net), resume_dir, memory);                             // 2
+  auto opt = build_optimizer(run, m);                                                            // 3
+  const int64_t start_step = resume_dir ? checkpoint_load(run, m, *opt, *resume_dir, data) : 0;  // 5 (load)
+  if (o.eval_only) return evaluate_only(run, m, data, start_step, resume_dir);
+  if (nothing_to_train(run, resume_dir, start_step)) {
+    finish_distributed(run);
+    return 0;
+  }
+  check_save_targets(o, start_step);  // a scheduled save into a damaged folder: refused now, not after training
+  Reporter report(o, run.rank == 0, start_step);  // rank 0's banner, progress lines, metrics file (report.h)
+  announce(run, m, data, resume_dir, report);
+  const LoopState end = train_loop(run, m, *opt, data, report, start_step);  // 4 and 5 (save)
+  if (!end.stopped) export_model(run, m);
+  const std::string sample = !end.stopped && o.sample_tokens > 0 ? sample_text(run, m, data) : "";
+  report.finish(end.step, run.world, end.stopped, end.last_saved, sample);
+  finish_distributed(run);
   return 0;
 }
 
@@ -714,11 +693,12 @@ int main(int argc, char** argv) {
   if (options->malloc_policy == "warm") fsdp::raise_malloc_thresholds();
   try {
     validate(*options);
-    // --init-from: the sizes and the vocabulary from config.json (model.h), before the data is checked against it.
-    std::optional<LlamaConfig> llama = options->init_from.empty() ? std::nullopt : resolve_model(*options);
+    std::unique_ptr<TrainModel> model = model_spec(options->model).make();  // spec.h's registry
+    // --init-from: the sizes and the vocabulary from its config, before the data is checked against it.
+    if (!options->init_from.empty()) model->read_init_from(*options);
     options->vocab_size = resolve_vocab(*options);  // token shards checked here, before any work (data.h)
-    if (options->llama() && !llama) llama = resolve_model(*options);  // from scratch: sized by the options
-    return run_training(*options, llama);
+    model->configure(*options);                     // from scratch: sized by the options
+    return run_training(*options, std::move(model));
   } catch (const std::invalid_argument& e) {
     std::fprintf(stderr, "train_gpt: error: %s\n", error_text(e).c_str());
     return 2;

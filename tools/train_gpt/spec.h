@@ -1,0 +1,103 @@
+#pragma once
+// The architectures train_gpt trains, one ModelSpec each (torchtitan's TrainSpec and its
+// parallelize_llama): how the model is configured, built on the meta device, parallelised,
+// initialised or loaded, run, recorded in a checkpoint and exported. The trainer (train_gpt.cpp)
+// only calls these steps, in this order, and never names a model type:
+//
+//   auto model = model_spec("llama").make();      // the --model value; spec.cpp's table
+//   model->read_init_from(o);                     // --init-from DIR: its config sizes o (before the data)
+//   model->configure(o);                          // after the data: the configuration of this run
+//   model->build_meta();                          // on the meta device: no memory
+//   model->apply_tp(tp_mesh);                     // --tp-size > 1
+//   model->apply_ac(k);                           // --activation-checkpointing: every k-th block
+//   units = model->apply_fsdp(shard_options);     // blocks, then the root  (or apply_replicate())
+//   fsdp::to_empty(*model->module(), device);     // this rank's shards only
+//   model->init_weights();   model->load_weights(o);   // seeded values; --init-from's weights
+//   loss = model->loss(model->logits(idx), targets);
+//
+// Adding an architecture is one file (spec_<name>.cpp, defining a TrainModel and its ModelSpec)
+// and its line in spec.cpp's table.
+#include <torch/nn/module.h>
+
+#include <functional>
+#include <map>
+#include <memory>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "fsdp/checkpoint/checkpoint.h"
+#include "fsdp/fsdp.h"
+#include "options.h"
+
+namespace train_gpt {
+
+// One architecture's model in one run: configured, then built and parallelised once.
+class TrainModel {
+ public:
+  virtual ~TrainModel() = default;
+
+  // ---- configuration (main(), before any work)
+  // --init-from DIR: checks the folder and sets o's sizes and vocabulary from its config, before
+  // the data is checked against them. Throws std::invalid_argument (one line); the default refuses
+  // (this architecture has no pretrained folders).
+  virtual void read_init_from(Options& o);
+  // The configuration this run builds: what read_init_from read, else the sizing options (called
+  // after the data fixed o.vocab_size). Throws std::invalid_argument on a size it cannot build.
+  virtual void configure(const Options& o) = 0;
+  // The banner's description, e.g. "GPT 4 layers, dim 128, 4 heads" (report.h adds ", seq T").
+  virtual std::string describe(const Options& o) const = 0;
+  // Throws std::invalid_argument when checkpoint `dir` records another model (model.h
+  // check_resume_model): before anything is allocated.
+  virtual void check_resume(const std::string& dir, const Options& o) const = 0;
+
+  // ---- build and parallelise (in this order; every step on the meta device)
+  virtual void build_meta() = 0;
+  virtual std::shared_ptr<torch::nn::Module> module() const = 0;
+  // Tensor parallel over `tp` (the "tp" dimension of {"dp", "tp"}).
+  virtual void apply_tp(const fsdp::DeviceMesh& tp) = 0;
+  // Activation checkpointing of every k-th block (k >= 1; 1: every block).
+  virtual void apply_ac(int k) = 0;
+  // fully_shard the blocks, then the root; returns the units in that order.
+  virtual std::vector<fsdp::FSDPModule> apply_fsdp(const fsdp::FullyShardOptions& options) = 0;
+  // --parallel replicate (after init_weights: whole parameters on every rank).
+  virtual fsdp::ReplicateModule apply_replicate() = 0;
+  // After fsdp::to_empty: the seeded initialisation, the same values at any world size.
+  virtual void init_weights() = 0;
+  // --init-from: each rank reads its rows of the folder's weights. The default refuses.
+  virtual void load_weights(const Options& o);
+
+  // ---- the step
+  // idx [B, T] -> logits [B, T, vocab] (or this rank's vocabulary slice under TP), through the root's hooks.
+  virtual at::Tensor logits(const at::Tensor& idx) = 0;
+  // The mean cross-entropy of logits against targets [B, T].
+  virtual at::Tensor loss(const at::Tensor& logits, const at::Tensor& targets) const = 0;
+  // The last position's logits [B, vocab], whole on every rank, for sampling.
+  virtual at::Tensor next_token_logits(const at::Tensor& idx) = 0;
+
+  // ---- checkpoints and export
+  // What a checkpoint records of the model (its configuration), as a named Stateful entry, so
+  // that a resume can refuse another model and fsdp-ckpt can describe the checkpoint.
+  virtual std::pair<std::string, std::shared_ptr<fsdp::checkpoint::Stateful>> checkpoint_record(
+      const Options& o) const = 0;
+  // --export-hf: the trained model as a Hugging Face folder (collective). The default refuses.
+  virtual void export_hf(const Options& o);
+};
+
+// An architecture the trainer offers: its --model value, a line for --help, and its factory.
+struct ModelSpec {
+  std::string name;     // --model NAME
+  std::string summary;  // what --help says of it
+  std::function<std::unique_ptr<TrainModel>()> make;
+};
+
+// The registry (spec.cpp), in --help's order.
+const std::vector<ModelSpec>& model_specs();
+// The spec registered as `name`; throws std::invalid_argument naming the registered ones.
+const ModelSpec& model_spec(const std::string& name);
+
+// The architectures' specs, each defined in its own file (spec_gpt.cpp, spec_llama.cpp).
+ModelSpec gpt_spec();
+ModelSpec llama_spec();
+
+}  // namespace train_gpt

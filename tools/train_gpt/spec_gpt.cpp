@@ -1,0 +1,79 @@
+// --model gpt: the project's byte-level GPT (models/gpt.h), sized by the options, built from scratch.
+#include "model.h"
+#include "models/gpt.h"
+#include "models/gpt_tp.h"
+#include "spec.h"
+
+namespace train_gpt {
+
+namespace {
+
+using fsdp::models::GPT;
+
+class GptModel : public TrainModel {
+ public:
+  void configure(const Options& o) override {
+    config_.vocab_size = o.vocab_size;  // main() resolved it: 256 for bytes, else from the data (data.h)
+    config_.block_size = o.seq_len;
+    config_.n_layer = o.layers;
+    config_.n_head = o.heads;
+    config_.n_embd = o.dim;
+    config_.init_seed = o.seed;
+  }
+  std::string describe(const Options& o) const override {
+    return "GPT " + std::to_string(o.layers) + " layers, dim " + std::to_string(o.dim) + ", " +
+           std::to_string(o.heads) + " heads";
+  }
+  void check_resume(const std::string& dir, const Options& o) const override {
+    check_resume_model(dir, o, std::nullopt);
+  }
+
+  void build_meta() override {
+    fsdp::models::GPTConfig config = config_;
+    config.device = torch::kMeta;
+    config.validate();
+    gpt_ = GPT(config);
+  }
+  std::shared_ptr<torch::nn::Module> module() const override { return gpt_.ptr(); }
+  // Heads and MLP split over the tp ranks (models/gpt_tp.h), on meta.
+  void apply_tp(const fsdp::DeviceMesh& tp) override { fsdp::models::parallelize_gpt(gpt_, tp); }
+  void apply_ac(int k) override {
+    fsdp::activation::apply_activation_checkpointing(*gpt_, fsdp::activation::every_kth<fsdp::models::BlockImpl>(k));
+  }
+  std::vector<fsdp::FSDPModule> apply_fsdp(const fsdp::FullyShardOptions& options) override {
+    std::vector<fsdp::FSDPModule> units;
+    for (auto& block : gpt_->blocks) units.push_back(fsdp::fully_shard(block, options));  // blocks first,
+    units.push_back(fsdp::fully_shard(gpt_, options));                                    // then the root
+    return units;
+  }
+  fsdp::ReplicateModule apply_replicate() override { return fsdp::replicate(gpt_); }
+  void init_weights() override { gpt_->reset_parameters(); }
+
+  at::Tensor logits(const at::Tensor& idx) override { return fsdp::call(gpt_, idx); }
+  at::Tensor loss(const at::Tensor& logits, const at::Tensor& targets) const override {
+    return fsdp::models::gpt_loss(logits.to(at::kFloat), targets);
+  }
+  // A forward method (fsdp/sharding/forward_method.h): gathered, then resharded on return.
+  at::Tensor next_token_logits(const at::Tensor& idx) override {
+    return fsdp::call_method(gpt_, &fsdp::models::GPTImpl::next_token_logits, idx);
+  }
+
+  // The "gpt" entry: {"model_type": "gpt", "n_layer": ..., ...} (model.h GptConfigRecord).
+  std::pair<std::string, std::shared_ptr<fsdp::checkpoint::Stateful>> checkpoint_record(
+      const Options& o) const override {
+    return {kGptConfigEntry, std::make_shared<GptConfigRecord>(gpt_config_json(o))};
+  }
+
+ private:
+  fsdp::models::GPTConfig config_;
+  GPT gpt_{nullptr};
+};
+
+}  // namespace
+
+ModelSpec gpt_spec() {
+  return {"gpt", "the byte-level GPT of models/gpt.h, sized by --layers/--dim/--heads, from scratch",
+          [] { return std::unique_ptr<TrainModel>(new GptModel()); }};
+}
+
+}  // namespace train_gpt

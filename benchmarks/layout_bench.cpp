@@ -6,13 +6,11 @@
 //
 //   build/bin/fsdprun --nproc-per-node 2 -- build/bin/layout_bench [--steps 60] [--block 5]
 //       [--warmup 3] [--layers 4] [--dim 256] [--heads 4] [--seq 128] [--batch 8]
-//       [--pieces-kib 64,1024] [--flat 0|1] [--copy-in 0|1] [--split 0|1] [--comm-only KIB]
+//       [--pieces-kib 64,1024] [--flat 0|1] [--split 0|1] [--comm-only KIB]
 //
 // Rank 0 prints, per layout: median wall time and process CPU time per step (both ranks' CPU is
 // what two ranks on two cores share), minor page faults and the buffer pool's hits / misses /
-// unmapped blocks per step, and the ratios to the first layout (flat unless --flat 0). --copy-in 1 adds the flat
-// layout with FSDP2's copy-in at every all-gather instead of the shards kept in one buffer
-// (CpuCollectiveOptions::shards_in_one_buffer). --split 1 adds, for each size,
+// unmapped blocks per step, and the ratios to the first layout (flat unless --flat 0). --split 1 adds, for each size,
 // the all-gather alone and the reduce-scatter alone per parameter. --comm-only KIB: no model, the all-gather of KIB per
 // rank as 1, 2, 5 and 13 pieces (the cost of a message by itself).
 
@@ -31,7 +29,7 @@ using fsdp_bench::bad_input;
 struct Options {
   fsdp_bench::GptShape shape;         // bench's GPT, global batch 8
   fsdp_bench::Rotation rotation{60};  // the layouts: 60 steps in blocks of 5 after 3
-  int64_t comm_only = 0, flat = 1, copy_in = 0, split = 0;
+  int64_t comm_only = 0, flat = 1, split = 0;
   std::string pieces_kib = "64,1024";
 };
 
@@ -40,14 +38,11 @@ Options parse(int argc, char** argv) {
   fsdp_bench::Args args(
       "layout_bench",
       "usage: fsdprun --nproc-per-node N -- layout_bench [--steps N] [--block N] [--warmup N] [--layers N] [--dim N] "
-      "[--heads N] [--seq N] [--batch N] [--pieces-kib K,K,...] [--flat 0|1] [--copy-in 0|1] [--split 0|1] "
+      "[--heads N] [--seq N] [--batch N] [--pieces-kib K,K,...] [--flat 0|1] [--split 0|1] "
       "[--comm-only KIB]");
   o.shape.add_options(args);
   o.rotation.add_options(args);
-  args.option("--comm-only", &o.comm_only)
-      .option("--flat", &o.flat)
-      .option("--copy-in", &o.copy_in)
-      .option("--split", &o.split);
+  args.option("--comm-only", &o.comm_only).option("--flat", &o.flat).option("--split", &o.split);
   args.option("--pieces-kib", &o.pieces_kib);
   args.parse(argc, argv);
   return o;
@@ -105,7 +100,6 @@ int run(const Options& o) {
   }
   std::vector<Layout> layouts;
   if (o.flat) layouts.push_back({"flat", {false, false, 0}, {}});
-  if (o.copy_in) layouts.push_back({"flat, copy-in at every all-gather", {false, false, 0, false}, {}});
   std::stringstream kibs(o.pieces_kib);
   for (std::string k; std::getline(kibs, k, ',');) {
     const size_t bytes = static_cast<size_t>(std::stoll(k)) * 1024;

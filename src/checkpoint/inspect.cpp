@@ -15,9 +15,10 @@
 
 #include <nlohmann/json.hpp>
 
-#include "checkpoint_index.h"
-#include "fsdp/checkpoint/safetensors.h"
 #include "checkpoint/safetensors_format.h"
+#include "checkpoint_index.h"
+#include "file_plan.h"
+#include "fsdp/checkpoint/safetensors.h"
 
 namespace fsdp::checkpoint {
 
@@ -327,15 +328,18 @@ VerifyReport verify_checkpoint(const std::string& dir, const VerifyOptions& opti
   return report;
 }
 
-std::vector<std::string> consolidate_checkpoint(const std::string& dir, const std::string& out,
-                                                const ConsolidateOptions& options) {
-  CheckpointReader reader(dir);
+namespace {
+
+// A tensor consolidate_checkpoint writes, with its name in the output.
+struct ConsolidateItem {
+  const TensorInfo* tensor;
+  std::string name;
+};
+
+std::vector<ConsolidateItem> consolidate_items(const CheckpointReader& reader, const std::string& dir,
+                                               const ConsolidateOptions& options) {
   const std::string prefix = "model.";
-  struct Item {
-    const TensorInfo* tensor;
-    std::string name;  // in the output
-  };
-  std::vector<Item> items;
+  std::vector<ConsolidateItem> items;
   for (const auto& t : reader.info().tensors) {
     if (options.all_tensors)
       items.push_back({&t, t.key});
@@ -346,70 +350,78 @@ std::vector<std::string> consolidate_checkpoint(const std::string& dir, const st
     throw CheckpointError("consolidate: '" + dir +
                           "' holds no model tensors (\"model.\" keys); pass all_tensors "
                           "(fsdp-ckpt consolidate --all) to write every tensor");
-  // Files planned from the sizes, as export_safetensors plans them.
-  std::vector<std::vector<size_t>> plan(1);
-  uint64_t in_file = 0;
-  for (size_t i = 0; i < items.size(); ++i) {
-    const uint64_t bytes = items[i].tensor->bytes;
-    if (options.max_shard_bytes && in_file > 0 && in_file + bytes > options.max_shard_bytes) {
-      plan.emplace_back();
-      in_file = 0;
+  return items;
+}
+
+// Writes one output file (through a temporary renamed into place); records its tensors in
+// weight_map and total.
+void write_consolidated_file(CheckpointReader& reader, const std::vector<ConsolidateItem>& items,
+                             const std::vector<size_t>& file, const fs::path& path, const std::string& file_name,
+                             std::map<std::string, std::string>& weight_map, uint64_t& total) {
+  std::error_code ec;
+  const std::string tmp = path.string() + ".tmp";
+  try {
+    std::vector<safetensors::TensorSpec> specs;
+    for (size_t i : file)
+      specs.push_back({items[i].name, safetensors::dtype_from_name(items[i].tensor->dtype), items[i].tensor->shape});
+    safetensors::StreamWriter writer(tmp, specs, {{"format", "pt"}});
+    for (size_t i : file) {
+      writer.append(reader.read(items[i].tensor->key));  // one full tensor in memory at a time
+      weight_map[items[i].name] = file_name;
+      total += items[i].tensor->bytes;
     }
-    plan.back().push_back(i);
-    in_file += bytes;
+    writer.finish();
+  } catch (const std::exception& e) {
+    fs::remove(tmp, ec);
+    const std::string what = e.what();
+    throw CheckpointError(
+        what.rfind("checkpoint: ", 0) == 0 ? what : "consolidate: writing '" + path.string() + "' failed: " + what);
   }
+  fs::rename(tmp, path, ec);
+  if (ec) throw CheckpointError("consolidate: cannot rename '" + tmp + "' to '" + path.string() + "': " + ec.message());
+}
+
+// The Hugging Face index: {"metadata": {"total_size": N}, "weight_map": {name: file}}.
+std::string write_consolidated_index(const fs::path& target, const std::map<std::string, std::string>& weight_map,
+                                     uint64_t total) {
+  std::error_code ec;
+  const std::string json = nlohmann::json{{"metadata", {{"total_size", total}}}, {"weight_map", weight_map}}.dump(2);
+  const fs::path index_path = target.parent_path() / (target.filename().string() + ".index.json");
+  const std::string tmp = index_path.string() + ".tmp";
+  {
+    std::ofstream o(tmp, std::ios::trunc | std::ios::binary);
+    o << json;
+    o.flush();
+    if (!o) throw CheckpointError("consolidate: cannot write '" + tmp + "'");
+  }
+  fs::rename(tmp, index_path, ec);
+  if (ec) throw CheckpointError("consolidate: cannot rename '" + tmp + "': " + ec.message());
+  return index_path.string();
+}
+
+}  // namespace
+
+std::vector<std::string> consolidate_checkpoint(const std::string& dir, const std::string& out,
+                                                const ConsolidateOptions& options) {
+  CheckpointReader reader(dir);
+  const std::vector<ConsolidateItem> items = consolidate_items(reader, dir, options);
+  // Files planned from the sizes, as export_safetensors plans them.
+  std::vector<uint64_t> sizes;
+  for (const auto& item : items) sizes.push_back(item.tensor->bytes);
+  const auto plan = detail::plan_files(sizes, options.max_shard_bytes);
   const fs::path target(out);
-  auto file_name = [&](size_t f) {
-    if (plan.size() == 1) return target.filename().string();
-    char buf[64];
-    std::snprintf(buf, sizeof(buf), "-%05zu-of-%05zu.safetensors", f + 1, plan.size());
-    return target.stem().string() + buf;
-  };
   std::error_code ec;
   if (!target.parent_path().empty()) fs::create_directories(target.parent_path(), ec);
   std::vector<std::string> written;
   std::map<std::string, std::string> weight_map;
   uint64_t total = 0;
   for (size_t f = 0; f < plan.size(); ++f) {
-    const fs::path path = target.parent_path() / file_name(f);
-    const std::string tmp = path.string() + ".tmp";
-    try {
-      std::vector<safetensors::TensorSpec> specs;
-      for (size_t i : plan[f])
-        specs.push_back({items[i].name, safetensors::dtype_from_name(items[i].tensor->dtype), items[i].tensor->shape});
-      safetensors::StreamWriter writer(tmp, specs, {{"format", "pt"}});
-      for (size_t i : plan[f]) {
-        writer.append(reader.read(items[i].tensor->key));  // one full tensor in memory at a time
-        weight_map[items[i].name] = file_name(f);
-        total += items[i].tensor->bytes;
-      }
-      writer.finish();
-    } catch (const std::exception& e) {
-      fs::remove(tmp, ec);
-      const std::string what = e.what();
-      throw CheckpointError(
-          what.rfind("checkpoint: ", 0) == 0 ? what : "consolidate: writing '" + path.string() + "' failed: " + what);
-    }
-    fs::rename(tmp, path, ec);
-    if (ec)
-      throw CheckpointError("consolidate: cannot rename '" + tmp + "' to '" + path.string() + "': " + ec.message());
+    const std::string name = detail::planned_file_name(target, f, plan.size());
+    const fs::path path = target.parent_path() / name;
+    write_consolidated_file(reader, items, plan[f], path, name, weight_map, total);
     written.push_back(path.string());
   }
-  if (plan.size() > 1) {
-    // The Hugging Face index: {"metadata": {"total_size": N}, "weight_map": {name: file}}.
-    const std::string json = nlohmann::json{{"metadata", {{"total_size", total}}}, {"weight_map", weight_map}}.dump(2);
-    const fs::path index_path = target.parent_path() / (target.filename().string() + ".index.json");
-    const std::string tmp = index_path.string() + ".tmp";
-    {
-      std::ofstream o(tmp, std::ios::trunc | std::ios::binary);
-      o << json;
-      o.flush();
-      if (!o) throw CheckpointError("consolidate: cannot write '" + tmp + "'");
-    }
-    fs::rename(tmp, index_path, ec);
-    if (ec) throw CheckpointError("consolidate: cannot rename '" + tmp + "': " + ec.message());
-    written.push_back(index_path.string());
-  }
+  if (plan.size() > 1) written.push_back(write_consolidated_index(target, weight_map, total));
   return written;
 }
 

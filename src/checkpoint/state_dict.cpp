@@ -11,6 +11,7 @@
 #include <set>
 
 #include "box.h"
+#include "file_plan.h"
 #include "fsdp/checkpoint/safetensors.h"
 #include "fsdp/dist/runtime.h"
 #include "fsdp/tensor_parallel/placement.h"
@@ -278,98 +279,119 @@ LoadResult set_optimizer_state_dict(torch::nn::Module& model, torch::optim::Opti
 
 // ---- safetensors export / import ------------------------------------------------------------
 
-std::vector<std::string> export_safetensors(torch::nn::Module& model, const std::string& path,
-                                            const ExportOptions& options) {
-  auto items = detail::model_items(model, global_rank());
-  const bool root = global_rank() == 0;
-  auto file_dtype = [&](const detail::LocalItem& item) {
-    const auto own = item.local.scalar_type();
-    return options.dtype && at::isFloatingType(own) ? *options.dtype : own;
-  };
-  // Files planned from the global shapes, so every rank knows the grouping without talking.
-  std::vector<std::vector<size_t>> files(1);
-  uint64_t in_file = 0;
-  for (size_t i = 0; i < items.size(); ++i) {
-    uint64_t bytes = c10::elementSize(file_dtype(items[i]));
-    for (int64_t d : items[i].global_shape) bytes *= static_cast<uint64_t>(d);
-    if (options.max_file_bytes && in_file > 0 && in_file + bytes > options.max_file_bytes) {
-      files.emplace_back();
-      in_file = 0;
-    }
-    files.back().push_back(i);
-    in_file += bytes;
-  }
-  const fs::path target(path);
-  const std::string stem = target.stem().string();
-  auto file_name = [&](size_t f) {
-    if (files.size() == 1) return target.filename().string();
-    char buf[64];
-    std::snprintf(buf, sizeof(buf), "-%05zu-of-%05zu.safetensors", f + 1, files.size());
-    return stem + buf;
-  };
+namespace {
+
+at::ScalarType export_dtype(const LocalItem& item, const ExportOptions& options) {
+  const auto own = item.local.scalar_type();
+  return options.dtype && at::isFloatingType(own) ? *options.dtype : own;
+}
+
+// What export_safetensors has written so far; `error` set stops rank 0's writing (the other
+// ranks still take part in every gather).
+struct ExportProgress {
   std::vector<std::string> written;
   nlohmann::json weight_map = nlohmann::json::object();
   uint64_t total = 0;
   std::string error;
-  for (size_t f = 0; f < files.size(); ++f) {
-    // Rank 0 streams the file: header first, then each tensor as soon as it is gathered, so it
-    // never holds more than one full tensor.
-    const fs::path out = target.parent_path() / file_name(f);
-    const std::string tmp = out.string() + ".tmp";
-    std::unique_ptr<safetensors::StreamWriter> writer;
-    if (root && error.empty()) {
-      try {
-        if (!target.parent_path().empty()) fs::create_directories(target.parent_path());
-        std::vector<safetensors::TensorSpec> specs;
-        for (size_t i : files[f])
-          specs.push_back({strip(items[i].key, "model."), file_dtype(items[i]), items[i].global_shape});
-        writer = std::make_unique<safetensors::StreamWriter>(tmp, specs,
-                                                             std::map<std::string, std::string>{{"format", "pt"}});
-      } catch (const std::exception& e) {
-        error = e.what();
-      }
-    }
-    for (size_t i : files[f]) {
-      at::Tensor full = gather_full(items[i]);  // every rank of the shard group takes part
-      if (!writer) continue;
-      try {
-        writer->append(full.reshape(items[i].global_shape).to(file_dtype(items[i])));
-        weight_map[strip(items[i].key, "model.")] = file_name(f);
-        total += static_cast<uint64_t>(full.numel()) * c10::elementSize(file_dtype(items[i]));
-      } catch (const std::exception& e) {
-        error = e.what();
-        writer.reset();
-      }
-    }
-    if (!writer) continue;
-    try {
-      writer->finish();
-      fs::rename(tmp, out);
-      written.push_back(out.string());
-    } catch (const std::exception& e) {
-      error = e.what();
-    }
+};
+
+// Rank 0's writer of one file, header first; null on the other ranks or after an error.
+std::unique_ptr<safetensors::StreamWriter> open_export_file(const std::vector<LocalItem>& items,
+                                                            const std::vector<size_t>& file, const fs::path& target,
+                                                            const std::string& tmp, const ExportOptions& options,
+                                                            ExportProgress& progress) {
+  if (global_rank() != 0 || !progress.error.empty()) return nullptr;
+  try {
+    if (!target.parent_path().empty()) fs::create_directories(target.parent_path());
+    std::vector<safetensors::TensorSpec> specs;
+    for (size_t i : file)
+      specs.push_back({strip(items[i].key, "model."), export_dtype(items[i], options), items[i].global_shape});
+    return std::make_unique<safetensors::StreamWriter>(tmp, specs,
+                                                       std::map<std::string, std::string>{{"format", "pt"}});
+  } catch (const std::exception& e) {
+    progress.error = e.what();
+    return nullptr;
   }
-  if (root && error.empty() && files.size() > 1) {
-    const fs::path index_path = target.parent_path() / (target.filename().string() + ".index.json");
-    nlohmann::json index{{"metadata", {{"total_size", total}}}, {"weight_map", weight_map}};
-    std::ofstream(index_path.string() + ".tmp", std::ios::trunc) << index.dump(2);
-    fs::rename(index_path.string() + ".tmp", index_path);
-    written.push_back(index_path.string());
-  }
-  if (!error.empty()) throw CheckpointError("export_safetensors: writing '" + path + "' failed: " + error);
-  return written;
 }
 
-LoadResult load_safetensors(torch::nn::Module& model, const std::string& path, bool strict) {
-  // name -> file, from a Hugging Face index or from the single file's own header.
-  std::map<std::string, std::string> weight_map;
-  std::map<std::string, std::unique_ptr<safetensors::Reader>> readers;
-  auto reader_for = [&](const std::string& file) -> safetensors::Reader& {
-    auto& slot = readers[file];
+// Rank 0 streams the file: header first, then each tensor as soon as it is gathered, so it never
+// holds more than one full tensor.
+void write_export_file(const std::vector<LocalItem>& items, const std::vector<size_t>& file, const fs::path& target,
+                       const std::string& name, const ExportOptions& options, ExportProgress& progress) {
+  const fs::path out = target.parent_path() / name;
+  const std::string tmp = out.string() + ".tmp";
+  std::unique_ptr<safetensors::StreamWriter> writer = open_export_file(items, file, target, tmp, options, progress);
+  for (size_t i : file) {
+    at::Tensor full = gather_full(items[i]);  // every rank of the shard group takes part
+    if (!writer) continue;
+    try {
+      writer->append(full.reshape(items[i].global_shape).to(export_dtype(items[i], options)));
+      progress.weight_map[strip(items[i].key, "model.")] = name;
+      progress.total += static_cast<uint64_t>(full.numel()) * c10::elementSize(export_dtype(items[i], options));
+    } catch (const std::exception& e) {
+      progress.error = e.what();
+      writer.reset();
+    }
+  }
+  if (!writer) return;
+  try {
+    writer->finish();
+    fs::rename(tmp, out);
+    progress.written.push_back(out.string());
+  } catch (const std::exception& e) {
+    progress.error = e.what();
+  }
+}
+
+void write_export_index(const fs::path& target, ExportProgress& progress) {
+  const fs::path index_path = target.parent_path() / (target.filename().string() + ".index.json");
+  nlohmann::json index{{"metadata", {{"total_size", progress.total}}}, {"weight_map", progress.weight_map}};
+  std::ofstream(index_path.string() + ".tmp", std::ios::trunc) << index.dump(2);
+  fs::rename(index_path.string() + ".tmp", index_path);
+  progress.written.push_back(index_path.string());
+}
+
+}  // namespace
+
+std::vector<std::string> export_safetensors(torch::nn::Module& model, const std::string& path,
+                                            const ExportOptions& options) {
+  auto items = detail::model_items(model, global_rank());
+  // Files planned from the global shapes, so every rank knows the grouping without talking.
+  std::vector<uint64_t> sizes;
+  for (const auto& item : items) {
+    uint64_t bytes = c10::elementSize(export_dtype(item, options));
+    for (int64_t d : item.global_shape) bytes *= static_cast<uint64_t>(d);
+    sizes.push_back(bytes);
+  }
+  const auto files = detail::plan_files(sizes, options.max_file_bytes);
+  const fs::path target(path);
+  ExportProgress progress;
+  for (size_t f = 0; f < files.size(); ++f)
+    write_export_file(items, files[f], target, detail::planned_file_name(target, f, files.size()), options, progress);
+  if (global_rank() == 0 && progress.error.empty() && files.size() > 1) write_export_index(target, progress);
+  if (!progress.error.empty())
+    throw CheckpointError("export_safetensors: writing '" + path + "' failed: " + progress.error);
+  return progress.written;
+}
+
+namespace {
+
+// The safetensors files a load reads, each opened (and its header parsed) once.
+class SafetensorsReaders {
+ public:
+  safetensors::Reader& operator()(const std::string& file) {
+    auto& slot = readers_[file];
     if (!slot) slot = std::make_unique<safetensors::Reader>(file);
     return *slot;
-  };
+  }
+
+ private:
+  std::map<std::string, std::unique_ptr<safetensors::Reader>> readers_;
+};
+
+// name -> file, from a Hugging Face index or from the single file's own header.
+std::map<std::string, std::string> read_weight_map(const std::string& path, SafetensorsReaders& reader_for) {
+  std::map<std::string, std::string> weight_map;
   try {
     if (fs::path(path).extension() == ".json") {
       std::ifstream in(path);
@@ -389,11 +411,14 @@ LoadResult load_safetensors(torch::nn::Module& model, const std::string& path, b
   } catch (const std::exception& e) {
     throw CheckpointError("load_safetensors: '" + path + "': " + e.what());
   }
+  return weight_map;
+}
 
-  // One read buffer for every box, sized once to the largest (the file's dtype): a buffer per
-  // tensor, freed after its copy, left glibc's heap up to a third larger than the parameters
-  // when loading a 1.1B model (the freed buffers below the mmap threshold are not returned).
-  auto items = detail::model_items(model, global_rank());
+// One read buffer for every box, sized once to the largest (the file's dtype): a buffer per
+// tensor, freed after its copy, left glibc's heap up to a third larger than the parameters
+// when loading a 1.1B model (the freed buffers below the mmap threshold are not returned).
+at::Tensor load_buffer(const std::vector<LocalItem>& items, const std::map<std::string, std::string>& weight_map,
+                       SafetensorsReaders& reader_for) {
   uint64_t buffer_bytes = 0;
   for (const auto& item : items) {
     auto found = weight_map.find(strip(item.key, "model."));
@@ -403,10 +428,39 @@ LoadResult load_safetensors(torch::nn::Module& model, const std::string& path, b
       for (const auto& piece : detail::boxes(item))
         buffer_bytes = std::max<uint64_t>(buffer_bytes,
                                           static_cast<uint64_t>(piece.local.numel()) * c10::elementSize(entry.dtype));
-    } catch (const std::exception&) {  // reported with the file's name by the loop below
+    } catch (const std::exception&) {  // reported with the file's name by load_item
     }
   }
-  at::Tensor buffer = at::empty({static_cast<int64_t>(buffer_bytes)}, at::kByte);
+  return at::empty({static_cast<int64_t>(buffer_bytes)}, at::kByte);
+}
+
+// Reads this rank's boxes of tensor `name` from `reader` into the item's local tensor.
+void load_item(const LocalItem& item, const std::string& name, safetensors::Reader& reader, at::Tensor& buffer) {
+  const auto& entry = reader.entry(name);
+  if (entry.shape != item.global_shape)
+    throw CheckpointError("'" + name + "' has shape " + shape_text(entry.shape) + " in the file but " +
+                          shape_text(item.global_shape) + " in the model");
+  for (const auto& piece : detail::boxes(item)) {  // a strided TP shard: several boxes
+    if (piece.local.numel() == 0) continue;
+    // This rank's box of the file's tensor: its contiguous runs (one for a dim-0 shard).
+    at::Tensor staging = at::from_blob(buffer.data_ptr(), piece.local.sizes(), at::TensorOptions().dtype(entry.dtype));
+    const detail::Runs runs(item.global_shape, piece.offsets, piece.local.sizes().vec(),
+                            static_cast<int64_t>(c10::elementSize(entry.dtype)));
+    auto* out = static_cast<uint8_t*>(staging.data_ptr());
+    for (int64_t j = 0; j < runs.count(); ++j)
+      reader.read_bytes(name, runs.offset(j), runs.run_bytes(), out + static_cast<uint64_t>(j) * runs.run_bytes());
+    at::NoGradGuard no_grad;
+    piece.local.copy_(staging);
+  }
+}
+
+}  // namespace
+
+LoadResult load_safetensors(torch::nn::Module& model, const std::string& path, bool strict) {
+  SafetensorsReaders reader_for;
+  const std::map<std::string, std::string> weight_map = read_weight_map(path, reader_for);
+  auto items = detail::model_items(model, global_rank());
+  at::Tensor buffer = load_buffer(items, weight_map, reader_for);
 
   LoadResult result;
   std::set<std::string> used;
@@ -419,24 +473,7 @@ LoadResult load_safetensors(torch::nn::Module& model, const std::string& path, b
     }
     used.insert(name);
     try {
-      auto& reader = reader_for(found->second);
-      const auto& entry = reader.entry(name);
-      if (entry.shape != item.global_shape)
-        throw CheckpointError("'" + name + "' has shape " + shape_text(entry.shape) + " in the file but " +
-                              shape_text(item.global_shape) + " in the model");
-      for (const auto& piece : detail::boxes(item)) {  // a strided TP shard: several boxes
-        if (piece.local.numel() == 0) continue;
-        // This rank's box of the file's tensor: its contiguous runs (one for a dim-0 shard).
-        at::Tensor staging =
-            at::from_blob(buffer.data_ptr(), piece.local.sizes(), at::TensorOptions().dtype(entry.dtype));
-        const detail::Runs runs(item.global_shape, piece.offsets, piece.local.sizes().vec(),
-                                static_cast<int64_t>(c10::elementSize(entry.dtype)));
-        auto* out = static_cast<uint8_t*>(staging.data_ptr());
-        for (int64_t j = 0; j < runs.count(); ++j)
-          reader.read_bytes(name, runs.offset(j), runs.run_bytes(), out + static_cast<uint64_t>(j) * runs.run_bytes());
-        at::NoGradGuard no_grad;
-        piece.local.copy_(staging);
-      }
+      load_item(item, name, reader_for(found->second), buffer);
     } catch (const CheckpointError& e) {
       throw CheckpointError("load_safetensors: " + found->second + ": " + e.what());
     } catch (const safetensors::SafetensorsError& e) {

@@ -189,7 +189,9 @@ bool mark_checkpointed(const std::shared_ptr<torch::nn::Module>& module, const C
   return !was;
 }
 
-bool is_checkpointed(const torch::nn::Module& module) { return fsdp::hooks::detail::find_call_wrapper(&module) != nullptr; }
+bool is_checkpointed(const torch::nn::Module& module) {
+  return fsdp::hooks::detail::find_call_wrapper(&module) != nullptr;
+}
 
 size_t apply_activation_checkpointing(torch::nn::Module& model, const CheckpointPredicate& predicate,
                                       const CheckpointOptions& options) {

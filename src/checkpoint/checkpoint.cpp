@@ -29,9 +29,9 @@
 #include <thread>
 
 #include "box.h"
+#include "checkpoint/safetensors_format.h"
 #include "checkpoint_index.h"
 #include "fsdp/checkpoint/safetensors.h"
-#include "checkpoint/safetensors_format.h"
 #include "fsdp/comm/comm.h"
 #include "fsdp/debug/fault_injection.h"
 #include "fsdp/dist/runtime.h"

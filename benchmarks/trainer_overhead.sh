@@ -40,7 +40,7 @@ python3 - "$TMP/s.$S1" "$TMP/s.$S2" "$((S2 - S1))" <<'PY'
 import collections, re, sys
 WORK = [("backward", "torch::autograd::Engine::execute"), ("forward", "fsdp::models::GPTImpl::forward"),
         ("forward", "fsdp::models::gpt_loss"), ("step", "torch::optim::AdamW::step")]
-START = ["build_model_meta", "GPTImpl::GPTImpl", "reset_parameters", "TokenSource::TokenSource", "check_memory",
+START = ["build_model", "GPTImpl::GPTImpl", "reset_parameters", "TokenSource::TokenSource", "check_memory",
          "_dl_start", "_dl_init", "init_distributed", "build_optimizer", "parse_options", "tune_cpu", "~GPTImpl"]
 def classify(path):
     counts, inside = collections.Counter(), collections.Counter()

@@ -70,12 +70,20 @@ namespace {
 // --help's description: the trainer as it is.
 std::string description() {
   std::string models;
-  for (const auto& spec : model_specs()) models += "  --model " + spec.name + ": " + spec.summary + "\n";
-  return "train_gpt: the reference FSDP trainer. A model of one of these architectures (spec.h),\n" + models +
-         "built on the meta device, parallelised (tensor parallel with --tp-size, activation checkpointing,\n"
-         "then fully_shard: blocks, then the root; or replicate), materialised shard-locally, and trained\n"
-         "with --optimizer (AdamW by default; Adam, SGD, Adagrad, RMSprop, fused AdamW/Adam/SGD) under\n"
-         "--parallel fsdp, hsdp (shard within groups, replicate across), replicate or none.\n\n"
+  for (const auto& spec : model_specs()) {
+    std::string summary = spec.summary;
+    for (size_t at = 0; (at = summary.find('\n', at)) != std::string::npos; at += 11)
+      summary.replace(at, 1, "\n          ");
+    models += "  " + spec.name + std::string(spec.name.size() < 8 ? 8 - spec.name.size() : 1, ' ') + summary + "\n";
+  }
+  return "train_gpt: the reference FSDP trainer, in torchtitan's shape. --model picks the architecture\n"
+         "(tools/train_gpt/spec.h):\n" +
+         models +
+         "\nThe model is built on the meta device, parallelised (tensor parallel with --tp-size, activation\n"
+         "checkpointing, then fully_shard: blocks, then the root; or replicate), materialised\n"
+         "shard-locally (seeded, or --init-from's weights), and trained with --optimizer (AdamW by\n"
+         "default; Adam, SGD, Adagrad, RMSprop, fused AdamW/Adam/SGD) under --parallel fsdp, hsdp\n"
+         "(shard within groups, replicate across), replicate or none.\n\n"
          "  fsdprun --nproc-per-node N -- train_gpt [options]     N ranks (FSDP)\n"
          "  train_gpt --parallel none [options]                   one process, no process group\n\n"
          "Rank 0 prints progress, writes the metrics file (JSON lines) and the checkpoints' index.\n\n"
@@ -304,36 +312,13 @@ void validate(const Options& o) {
     if (o.dim % o.tp_size != 0 && o.init_from.empty())
       fail("--tp-size " + std::to_string(o.tp_size) + " does not divide --dim " + std::to_string(o.dim));
   }
-  if (!o.init_from.empty()) {
-    if (o.model_given && !o.llama())
-      fail("--init-from loads a Hugging Face Llama-family model: drop --model gpt (or --init-from)");
-    if (!o.sizing_given.empty()) {
-      std::string given;
-      for (const auto& name : o.sizing_given) given += (given.empty() ? "" : ", ") + name;
-      fail("--init-from takes the model's size from " + o.init_from + "/config.json: drop " + given);
-    }
-  } else if (o.llama()) {
-    const int64_t kv = o.resolved_kv_heads();
-    if (kv > o.heads || o.heads % kv != 0)
-      fail("--kv-heads " + std::to_string(kv) + " does not divide --heads " + std::to_string(o.heads) +
-           " (grouped-query attention: each key/value head serves --heads / --kv-heads query heads)");
-    if ((o.dim / o.heads) % 2 != 0)
-      fail("--dim / --heads = " + std::to_string(o.dim / o.heads) +
-           " is odd: rotary embeddings rotate pairs of dimensions, so --model llama needs an even head size");
-  } else {
-    for (const auto& name : o.sizing_given)
-      if (name == "--kv-heads" || name == "--ffn-dim") fail(name + " sizes --model llama only: add --model llama");
+  if (!o.init_from.empty() && !o.sizing_given.empty()) {
+    std::string given;
+    for (const auto& name : o.sizing_given) given += (given.empty() ? "" : ", ") + name;
+    fail("--init-from takes the model's size from " + o.init_from + "/config.json: drop " + given);
   }
-  if (!o.export_hf.empty()) {
-    if (o.init_from.empty() && !o.llama())
-      fail(
-          "--export-hf writes a Hugging Face Llama-family folder; the GPT has no Hugging Face architecture (use "
-          "--model llama or --init-from)");
-    if (o.eval_only) fail("--export-hf writes the trained model at the end of training: drop it with --eval-only");
-  }
-  if (o.tp_size > 1 && o.llama() && o.seq_len % o.tp_size != 0)
-    fail("--tp-size " + std::to_string(o.tp_size) + " does not divide --seq-len " + std::to_string(o.seq_len) +
-         " (--model llama under tensor parallelism splits each sequence over the tp ranks: sequence parallel)");
+  if (!o.export_hf.empty() && o.eval_only)
+    fail("--export-hf writes the trained model at the end of training: drop it with --eval-only");
   o.checkpoint_every_kth_block();                              // throws on a bad --activation-checkpointing
   if (!o.synthetic() && !o.tokens()) check_data_file(o.data);  // stat only: a FIFO or device is refused unopened
 }

@@ -104,7 +104,7 @@ std::string format_bytes(double bytes) {
   return b;
 }
 
-MemoryEstimate estimate_memory(const Options& o, int world_size, int local_world_size) {
+MemoryEstimate estimate_memory(const Options& o, const ParameterCount& count, int world_size, int local_world_size) {
   // All in double: the options are bounded (options.h), but their products need not fit int64.
   const double C = static_cast<double>(o.dim), T = static_cast<double>(o.seq_len), L = static_cast<double>(o.layers),
                H = static_cast<double>(o.heads), V = o.vocab_size > 0 ? static_cast<double>(o.vocab_size) : kVocab;
@@ -117,13 +117,7 @@ MemoryEstimate estimate_memory(const Options& o, int world_size, int local_world
   const bool bf16 = o.mixed_precision == "bf16";
 
   MemoryEstimate e;
-  double block = 12 * C * C + 13 * C;
-  double root = 2 * V * C + T * C + 2 * C;
-  if (o.llama()) {  // q and o, k and v (grouped), gate/up/down, two norms; embeddings, head and model.norm
-    const double F = static_cast<double>(o.resolved_ffn_dim()), KV = static_cast<double>(o.resolved_kv_heads());
-    block = 2 * C * C + 2 * C * (C / H) * KV + 3 * C * F + 2 * C;
-    root = 2 * V * C + C;
-  }
+  const double block = count.block, root = count.root;
   e.parameters = root + L * block;
   e.state_bytes = 16 * e.parameters / shard;
   if (sharded) e.working_bytes = ((bf16 ? 2 : 4) * 2 + 4) * std::max(block, root);
@@ -179,8 +173,8 @@ AvailableMemory available_memory() {
   return m;
 }
 
-std::string check_memory(const Options& o, int world_size, int local_world_size) {
-  const MemoryEstimate e = estimate_memory(o, world_size, local_world_size);
+std::string check_memory(const Options& o, const ParameterCount& count, int world_size, int local_world_size) {
+  const MemoryEstimate e = estimate_memory(o, count, world_size, local_world_size);
   const AvailableMemory avail = available_memory();
   const int local = std::max(1, local_world_size);
   char params[32];

@@ -3,13 +3,14 @@
 // configuration needs and refuse what cannot fit the memory available, with one line naming the
 // options and the estimate.
 //
-//   check_memory(options, world_size, local_world_size);   // throws std::invalid_argument
+//   check_memory(options, model->parameter_count(options), world_size, local_world_size);  // throws
 //
 // The estimate (per rank; bytes; N = parameters, S = ranks a parameter is sharded over: the world
 // under fsdp, --shard-size under hsdp, 1 under replicate/none; b = sequences per micro-batch on a
 // rank = batch / (world x grad-accum); T = seq-len, C = dim, H = heads, L = layers, V = 256):
-//   N            = 2VC + TC + 2C + L (12C^2 + 13C)
-//                  (--model llama: 2VC + C + L (2C^2 + 2C (C/H) KV + 3CF + 2C), KV = --kv-heads, F = --ffn-dim)
+//   N            = root + L block, the architecture's ParameterCount (spec.h): the GPT's
+//                  2VC + TC + 2C + L (12C^2 + 13C), the Llama's
+//                  2VC + C + L (2C^2 + 2C (C/H) KV + 3CF + 2C), KV = --kv-heads, F = --ffn-dim
 //   state        = 16 N / S      fp32 parameters, gradients, AdamW exp_avg and exp_avg_sq
 //   working set  = (2p + 4) U    the largest unit's U parameters gathered (current + prefetched,
 //                                p = 4 fp32 or 2 bf16 bytes) and its unsharded gradient (sharded only)
@@ -33,6 +34,12 @@
 
 namespace train_gpt {
 
+// The parameters of one block (a decoder layer) and of the rest (embeddings, head, final norm):
+// what the estimate needs of an architecture (spec.h TrainModel::parameter_count).
+struct ParameterCount {
+  double block = 0, root = 0;
+};
+
 struct MemoryEstimate {
   double parameters = 0;  // the whole model's count
   double state_bytes = 0, working_bytes = 0, activation_bytes = 0, data_bytes = 0, runtime_bytes = 0;
@@ -40,7 +47,7 @@ struct MemoryEstimate {
 };
 
 // Per rank. `world_size`: ranks in the job (1 under --parallel none).
-MemoryEstimate estimate_memory(const Options& o, int world_size, int local_world_size);
+MemoryEstimate estimate_memory(const Options& o, const ParameterCount& count, int world_size, int local_world_size);
 
 struct AvailableMemory {
   double bytes = 0;    // for the whole host
@@ -54,6 +61,6 @@ std::string format_bytes(double bytes);
 
 // Refuses (std::invalid_argument, one line) a configuration whose estimate exceeds the memory
 // available per rank. Returns the estimate and the availability line for the trainer's banner.
-std::string check_memory(const Options& o, int world_size, int local_world_size);
+std::string check_memory(const Options& o, const ParameterCount& count, int world_size, int local_world_size);
 
 }  // namespace train_gpt

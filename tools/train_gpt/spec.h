@@ -5,6 +5,7 @@
 // only calls these steps, in this order, and never names a model type:
 //
 //   auto model = model_spec("llama").make();      // the --model value; spec.cpp's table
+//   model->validate(o);                           // its own checks of the options
 //   model->read_init_from(o);                     // --init-from DIR: its config sizes o (before the data)
 //   model->configure(o);                          // after the data: the configuration of this run
 //   model->build_meta();                          // on the meta device: no memory
@@ -29,6 +30,7 @@
 #include "fsdp/checkpoint/checkpoint.h"
 #include "fsdp/fsdp.h"
 #include "options.h"
+#include "preflight.h"
 
 namespace train_gpt {
 
@@ -38,6 +40,9 @@ class TrainModel {
   virtual ~TrainModel() = default;
 
   // ---- configuration (main(), before any work)
+  // The architecture's own checks of the options (after options.h validate()): sizes it cannot
+  // build, options it has no use for. Throws std::invalid_argument with one line.
+  virtual void validate(const Options& o) const {}
   // --init-from DIR: checks the folder and sets o's sizes and vocabulary from its config, before
   // the data is checked against them. Throws std::invalid_argument (one line); the default refuses
   // (this architecture has no pretrained folders).
@@ -45,6 +50,9 @@ class TrainModel {
   // The configuration this run builds: what read_init_from read, else the sizing options (called
   // after the data fixed o.vocab_size). Throws std::invalid_argument on a size it cannot build.
   virtual void configure(const Options& o) = 0;
+  // Parameters of one block and of the rest, for the memory preflight (preflight.h); from the
+  // options (configure() may not have run).
+  virtual ParameterCount parameter_count(const Options& o) const = 0;
   // The banner's description, e.g. "GPT 4 layers, dim 128, 4 heads" (report.h adds ", seq T").
   virtual std::string describe(const Options& o) const = 0;
   // Throws std::invalid_argument when checkpoint `dir` records another model (model.h

@@ -1,4 +1,6 @@
 // --model gpt: the project's byte-level GPT (models/gpt.h), sized by the options, built from scratch.
+#include <stdexcept>
+
 #include "model.h"
 #include "models/gpt.h"
 #include "models/gpt_tp.h"
@@ -12,6 +14,24 @@ using fsdp::models::GPT;
 
 class GptModel : public TrainModel {
  public:
+  void validate(const Options& o) const override {
+    auto fail = [](const std::string& msg) { throw std::invalid_argument(msg); };
+    if (!o.init_from.empty())
+      fail("--init-from loads a Hugging Face Llama-family model: drop --model gpt (or --init-from)");
+    for (const auto& name : o.sizing_given)
+      if (name == "--kv-heads" || name == "--ffn-dim") fail(name + " sizes --model llama only: add --model llama");
+    if (!o.export_hf.empty())
+      fail(
+          "--export-hf writes a Hugging Face Llama-family folder; the GPT has no Hugging Face architecture (use "
+          "--model llama or --init-from)");
+  }
+  // A block: attention (4C^2 + 4C) and MLP (8C^2 + 5C), two LayerNorms; the root: token and
+  // position embeddings, the head and the final LayerNorm.
+  ParameterCount parameter_count(const Options& o) const override {
+    const double C = static_cast<double>(o.dim), T = static_cast<double>(o.seq_len),
+                 V = o.vocab_size > 0 ? static_cast<double>(o.vocab_size) : 256;
+    return {12 * C * C + 13 * C, 2 * V * C + T * C + 2 * C};
+  }
   void configure(const Options& o) override {
     config_.vocab_size = o.vocab_size;  // main() resolved it: 256 for bytes, else from the data (data.h)
     config_.block_size = o.seq_len;
@@ -72,7 +92,7 @@ class GptModel : public TrainModel {
 }  // namespace
 
 ModelSpec gpt_spec() {
-  return {"gpt", "the byte-level GPT of models/gpt.h, sized by --layers/--dim/--heads, from scratch",
+  return {"gpt", "the byte-level GPT of models/gpt.h, from scratch (--layers, --dim, --heads)",
           [] { return std::unique_ptr<TrainModel>(new GptModel()); }};
 }
 

@@ -1,6 +1,8 @@
 // --model llama: a Llama-family decoder with Hugging Face's names (models/llama/llama.h), from
 // scratch (sized by the options) or from a Hugging Face folder (--init-from), exported back
 // with --export-hf. Under --tp-size, torchtitan's plan: sequence parallel and loss_parallel.
+#include <stdexcept>
+
 #include "model.h"
 #include "models/llama/hf.h"
 #include "models/llama/llama_tp.h"
@@ -14,6 +16,29 @@ using fsdp::models::Llama;
 
 class LlamaModel : public TrainModel {
  public:
+  void validate(const Options& o) const override {
+    auto fail = [](const std::string& msg) { throw std::invalid_argument(msg); };
+    if (o.init_from.empty()) {
+      const int64_t kv = o.resolved_kv_heads();
+      if (kv > o.heads || o.heads % kv != 0)
+        fail("--kv-heads " + std::to_string(kv) + " does not divide --heads " + std::to_string(o.heads) +
+             " (grouped-query attention: each key/value head serves --heads / --kv-heads query heads)");
+      if ((o.dim / o.heads) % 2 != 0)
+        fail("--dim / --heads = " + std::to_string(o.dim / o.heads) +
+             " is odd: rotary embeddings rotate pairs of dimensions, so --model llama needs an even head size");
+    }
+    if (o.tp_size > 1 && o.seq_len % o.tp_size != 0)
+      fail("--tp-size " + std::to_string(o.tp_size) + " does not divide --seq-len " + std::to_string(o.seq_len) +
+           " (--model llama under tensor parallelism splits each sequence over the tp ranks: sequence parallel)");
+  }
+  // A decoder layer: q and o, k and v (grouped), gate/up/down, two norms; the root: embeddings,
+  // the head and model.norm (the sizes from --init-from's config.json once read_init_from ran).
+  ParameterCount parameter_count(const Options& o) const override {
+    const double C = static_cast<double>(o.dim), H = static_cast<double>(o.heads),
+                 V = o.vocab_size > 0 ? static_cast<double>(o.vocab_size) : 256,
+                 F = static_cast<double>(o.resolved_ffn_dim()), KV = static_cast<double>(o.resolved_kv_heads());
+    return {2 * C * C + 2 * C * (C / H) * KV + 3 * C * F + 2 * C, 2 * V * C + C};
+  }
   // config.json's sizes into o (model.h resolve_model), before the data is checked against its vocabulary.
   void read_init_from(Options& o) override { config_ = resolve_model(o); }
   void configure(const Options& o) override {
@@ -91,8 +116,8 @@ class LlamaModel : public TrainModel {
 
 ModelSpec llama_spec() {
   return {"llama",
-          "a Llama-family decoder with Hugging Face's names (RMSNorm, rotary embeddings, grouped-query attention, "
-          "SwiGLU), from scratch or --init-from a Hugging Face folder; --export-hf writes it for transformers",
+          "a Llama-family decoder (Hugging Face's names: LlamaForCausalLM, Mistral, Qwen2), from\n"
+          "scratch (--kv-heads, --ffn-dim) or --init-from a Hugging Face folder; --export-hf",
           [] { return std::unique_ptr<TrainModel>(new LlamaModel()); }};
 }
 

@@ -499,12 +499,12 @@ int evaluate_only(const Run& run, Model& m, const TokenSource& data, int64_t ste
 // here (--eval-only writes none), --export-hf's destination (checkpoints.h), the memory preflight
 // (preflight.h: every rank computes the same estimate; returned for rank 0 to print before the
 // model is allocated) and --tp-size against the world size.
-std::string check_before_work(const Options& options) {
+std::string check_before_work(const Options& options, const TrainModel& net) {
   if (!options.eval_only) check_checkpoint_dir(options);
   check_export_dir(options);
   const fsdp::dist::LaunchEnv env =
       options.parallel == "none" ? fsdp::dist::LaunchEnv{} : fsdp::dist::read_launch_env();
-  const std::string memory = check_memory(options, env.world_size, env.local_world_size);
+  const std::string memory = check_memory(options, net.parameter_count(options), env.world_size, env.local_world_size);
   if (options.parallel != "none") validate_for_world(options, env.world_size);  // --tp-size | world, before joining
   return memory;
 }
@@ -651,7 +651,7 @@ void export_model(const Run& run, Model& m) {
 
 // main()'s body: the steps of a run, in order (llm.c's main loop: only the wiring).
 int run_training(const Options& options, std::unique_ptr<TrainModel> net) {
-  const std::string memory = check_before_work(options);
+  const std::string memory = check_before_work(options, *net);
   const Run run = init_distributed(options);  // 1
   const Options& o = run.opt;
   validate_for_world(o, run.world);
@@ -694,6 +694,7 @@ int main(int argc, char** argv) {
   try {
     validate(*options);
     std::unique_ptr<TrainModel> model = model_spec(options->model).make();  // spec.h's registry
+    model->validate(*options);
     // --init-from: the sizes and the vocabulary from its config, before the data is checked against it.
     if (!options->init_from.empty()) model->read_init_from(*options);
     options->vocab_size = resolve_vocab(*options);  // token shards checked here, before any work (data.h)

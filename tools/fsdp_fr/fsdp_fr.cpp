@@ -161,128 +161,174 @@ struct Finding {
   std::string text;
 };
 
-// The first problem of one group, if any.
-std::optional<Finding> analyse_group(const GroupInfo& info, const std::string& key, const std::map<int, Dump>& dumps,
-                                     std::string& summary, bool show_records) {
+// One group as the dumps see it: the ranks that wrote a dump and those that did not.
+struct GroupView {
+  const GroupInfo& info;
+  const std::string& key;
+  const std::map<int, Dump>& dumps;
   std::vector<int> present, absent;
-  for (int r : info.ranks) (dumps.count(r) ? present : absent).push_back(r);
-  const std::string title = "group '" + info.name + "' (" + rank_list(info.ranks) + ")";
-  auto rg = [&](int r) -> const RankGroup& {
+
+  GroupView(const GroupInfo& i, const std::string& k, const std::map<int, Dump>& d) : info(i), key(k), dumps(d) {
+    for (int r : info.ranks) (dumps.count(r) ? present : absent).push_back(r);
+  }
+
+  const RankGroup& rg(int r) const {
     static const RankGroup none;
     const auto& groups = dumps.at(r).groups;
     auto it = groups.find(key);
     return it == groups.end() ? none : it->second;
-  };
-  auto last_text = [&](int r) {
+  }
+
+  std::string last_text(int r) const {
     const RankGroup& g = rg(r);
     if (g.issued == 0) return std::string("it issued none on this group");
     const uint64_t last = g.issued - 1;
     auto it = g.recs.find(last);
     if (it == g.recs.end()) return "its last was seq " + std::to_string(last) + ", no longer in its ring";
     return "its last was seq " + std::to_string(last) + " " + it->second.op + ", " + it->second.state;
-  };
-  if (present.empty()) {
+  }
+
+  std::map<std::string, std::vector<int>> ranks_by_state(const std::vector<int>& ranks, uint64_t s) const {
+    std::map<std::string, std::vector<int>> states;
+    for (int r : ranks) states[rg(r).recs.at(s).state].push_back(r);
+    return states;
+  }
+};
+
+// Seq s entered by some present ranks only.
+Finding missing_finding(const GroupView& v, uint64_t s, const std::string& head, const std::vector<int>& entered,
+                        const std::vector<int>& missing) {
+  const Record& first = v.rg(entered.front()).recs.at(s);
+  std::string t = head + first.op + ": " + rank_list(entered) + " entered";
+  const auto states = v.ranks_by_state(entered, s);
+  t += " (";
+  bool sep = false;
+  for (const auto& [state, rs] : states) {
+    t += std::string(sep ? "; " : "") + (states.size() > 1 ? rank_list(rs) + " " : "") + state;
+    sep = true;
+  }
+  t += ")";
+  for (int r : missing) t += ", rank " + std::to_string(r) + " never did (" + v.last_text(r) + ")";
+  return Finding{first.start_us, t};
+}
+
+// Seq s entered by every present rank, but not with the same call everywhere.
+std::optional<Finding> divergence_finding(const GroupView& v, uint64_t s, const std::string& head,
+                                          const std::vector<int>& entered) {
+  std::map<std::string, std::vector<int>> by_call;
+  for (int r : entered) by_call[v.rg(r).recs.at(s).signature()].push_back(r);
+  if (by_call.size() <= 1) return std::nullopt;
+  std::string t = head + "diverges: ";
+  bool sep = false;
+  for (const auto& [call, rs] : by_call) {
+    t += std::string(sep ? "; " : "") + rank_list(rs) + " called " + call;
+    sep = true;
+  }
+  return Finding{v.rg(entered.front()).recs.at(s).start_us, t};
+}
+
+// A rank that entered only after another had given up (e.g. it was late past the timeout).
+std::string late_entries(const GroupView& v, uint64_t s, const std::vector<int>& entered) {
+  int64_t earliest_end = 0;
+  int gave_up = -1;
+  for (int r : entered) {
+    const Record& rec = v.rg(r).recs.at(s);
+    if (!rec.completed() && rec.end_us > 0 && (gave_up < 0 || rec.end_us < earliest_end)) {
+      earliest_end = rec.end_us;
+      gave_up = r;
+    }
+  }
+  std::string t;
+  for (int r : entered) {
+    const Record& rec = v.rg(r).recs.at(s);
+    if (gave_up >= 0 && r != gave_up && rec.start_us > earliest_end) {
+      t += "; rank " + std::to_string(r) + " entered " + seconds(rec.start_us - v.rg(gave_up).recs.at(s).start_us) +
+           " after rank " + std::to_string(gave_up) + ", which had already " + v.rg(gave_up).recs.at(s).state;
+    }
+  }
+  return t;
+}
+
+// Seq s entered by every present rank with the same call, but not completed everywhere.
+std::optional<Finding> incomplete_finding(const GroupView& v, uint64_t s, const std::string& head,
+                                          const std::vector<int>& entered) {
+  const auto states = v.ranks_by_state(entered, s);
+  if (states.size() == 1 && states.count("completed")) return std::nullopt;
+  const Record& first = v.rg(entered.front()).recs.at(s);
+  std::string t = head + first.signature() +
+                  (v.absent.empty() ? ": every rank entered, not every rank completed: " : ": not completed: ");
+  bool sep = false;
+  for (const auto& [state, rs] : states) {
+    t += std::string(sep ? ", " : "") + rank_list(rs) + " " + state;
+    sep = true;
+  }
+  t += late_entries(v, s, entered);
+  return Finding{first.start_us, t};
+}
+
+// The problem at seq s, if any: a rank missing, ranks diverging, or the call not completed.
+std::optional<Finding> problem_at(const GroupView& v, uint64_t s) {
+  std::vector<int> entered, missing;
+  for (int r : v.present) (v.rg(r).issued > s ? entered : missing).push_back(r);
+  const std::string head = "group '" + v.info.name + "' seq " + std::to_string(s) + " ";
+  if (!missing.empty()) return missing_finding(v, s, head, entered, missing);
+  if (auto found = divergence_finding(v, s, head, entered)) return found;
+  return incomplete_finding(v, s, head, entered);
+}
+
+// The records around the problem (or from `from` when there is none), each rank's.
+std::string records_text(const GroupView& v, const std::optional<Finding>& found, uint64_t from, uint64_t problem_seq) {
+  std::string text;
+  const uint64_t lo = found ? (problem_seq >= 3 ? problem_seq - 3 : 0) : from;
+  for (int r : v.present) {
+    for (const auto& [s, rec] : v.rg(r).recs) {
+      if (s < lo || (found && s > problem_seq + 1)) continue;
+      text += "\n    rank " + std::to_string(r) + " seq " + std::to_string(s) + " " + rec.signature() + " " + rec.state;
+    }
+  }
+  return text;
+}
+
+std::string seq_range(uint64_t from, uint64_t to) {
+  return std::to_string(from) + ".." + (to == 0 ? std::string("(none)") : std::to_string(to - 1));
+}
+
+// The first problem of one group, if any.
+std::optional<Finding> analyse_group(const GroupInfo& info, const std::string& key, const std::map<int, Dump>& dumps,
+                                     std::string& summary, bool show_records) {
+  const GroupView v(info, key, dumps);
+  const std::string title = "group '" + info.name + "' (" + rank_list(info.ranks) + ")";
+  if (v.present.empty()) {
     summary = title + ": no rank of it wrote a dump";
     return std::nullopt;
   }
   // Compare from the first seq every present rank still holds.
   uint64_t from = 0, to = 0;
-  for (int r : present) {
-    const RankGroup& g = rg(r);
+  for (int r : v.present) {
+    const RankGroup& g = v.rg(r);
     from = std::max(from, g.recs.empty() ? g.issued : g.recs.begin()->first);
     to = std::max(to, g.issued);
   }
   std::optional<Finding> found;
   uint64_t problem_seq = 0;
   for (uint64_t s = from; s < to && !found; ++s) {
-    std::vector<int> entered, missing;
-    for (int r : present) (rg(r).issued > s ? entered : missing).push_back(r);
-    const Record& first = rg(entered.front()).recs.at(s);
-    const std::string head = "group '" + info.name + "' seq " + std::to_string(s) + " ";
-    if (!missing.empty()) {
-      std::string t = head + first.op + ": " + rank_list(entered) + " entered";
-      std::map<std::string, std::vector<int>> states;
-      for (int r : entered) states[rg(r).recs.at(s).state].push_back(r);
-      t += " (";
-      bool sep = false;
-      for (const auto& [state, rs] : states) {
-        t += std::string(sep ? "; " : "") + (states.size() > 1 ? rank_list(rs) + " " : "") + state;
-        sep = true;
-      }
-      t += ")";
-      for (int r : missing) t += ", rank " + std::to_string(r) + " never did (" + last_text(r) + ")";
-      found = Finding{first.start_us, t};
-      problem_seq = s;
-      break;
-    }
-    std::map<std::string, std::vector<int>> by_call;
-    for (int r : entered) by_call[rg(r).recs.at(s).signature()].push_back(r);
-    if (by_call.size() > 1) {
-      std::string t = head + "diverges: ";
-      bool sep = false;
-      for (const auto& [call, rs] : by_call) {
-        t += std::string(sep ? "; " : "") + rank_list(rs) + " called " + call;
-        sep = true;
-      }
-      found = Finding{first.start_us, t};
-      problem_seq = s;
-      break;
-    }
-    std::map<std::string, std::vector<int>> states;
-    for (int r : entered) states[rg(r).recs.at(s).state].push_back(r);
-    if (states.size() == 1 && states.count("completed")) continue;
-    std::string t = head + first.signature() +
-                    (absent.empty() ? ": every rank entered, not every rank completed: " : ": not completed: ");
-    bool sep = false;
-    for (const auto& [state, rs] : states) {
-      t += std::string(sep ? ", " : "") + rank_list(rs) + " " + state;
-      sep = true;
-    }
-    // A rank that entered only after another had given up (e.g. it was late past the timeout).
-    int64_t earliest_end = 0;
-    int gave_up = -1;
-    for (int r : entered) {
-      const Record& rec = rg(r).recs.at(s);
-      if (!rec.completed() && rec.end_us > 0 && (gave_up < 0 || rec.end_us < earliest_end)) {
-        earliest_end = rec.end_us;
-        gave_up = r;
-      }
-    }
-    for (int r : entered) {
-      const Record& rec = rg(r).recs.at(s);
-      if (gave_up >= 0 && r != gave_up && rec.start_us > earliest_end) {
-        t += "; rank " + std::to_string(r) + " entered " + seconds(rec.start_us - rg(gave_up).recs.at(s).start_us) +
-             " after rank " + std::to_string(gave_up) + ", which had already " + rg(gave_up).recs.at(s).state;
-      }
-    }
-    found = Finding{first.start_us, t};
-    problem_seq = s;
+    found = problem_at(v, s);
+    if (found) problem_seq = s;
   }
-  if (!found && !absent.empty()) {
-    found = Finding{0, "group '" + info.name + "': " + rank_list(absent) +
-                           " wrote no dump (killed, or never saw a collective fail?); " + rank_list(present) +
-                           " agree on seq " + std::to_string(from) + ".." +
-                           (to == 0 ? std::string("(none)") : std::to_string(to - 1))};
-  } else if (found && !absent.empty()) {
+  if (!found && !v.absent.empty()) {
+    found = Finding{0, "group '" + info.name + "': " + rank_list(v.absent) +
+                           " wrote no dump (killed, or never saw a collective fail?); " + rank_list(v.present) +
+                           " agree on seq " + seq_range(from, to)};
+  } else if (found && !v.absent.empty()) {
     found->text +=
-        "; " + rank_list(absent) + " wrote no dump (stopped before it could, or none of its collectives failed)";
+        "; " + rank_list(v.absent) + " wrote no dump (stopped before it could, or none of its collectives failed)";
   }
   if (found) {
     summary = title + ": PROBLEM\n  " + found->text;
   } else {
-    summary = title + ": consistent, seq " + std::to_string(from) + ".." +
-              (to == 0 ? std::string("(none)") : std::to_string(to - 1)) + " lined up on " + rank_list(present);
+    summary = title + ": consistent, seq " + seq_range(from, to) + " lined up on " + rank_list(v.present);
   }
-  if (show_records) {
-    const uint64_t lo = found ? (problem_seq >= 3 ? problem_seq - 3 : 0) : from;
-    for (int r : present) {
-      for (const auto& [s, rec] : rg(r).recs) {
-        if (s < lo || (found && s > problem_seq + 1)) continue;
-        summary +=
-            "\n    rank " + std::to_string(r) + " seq " + std::to_string(s) + " " + rec.signature() + " " + rec.state;
-      }
-    }
-  }
+  if (show_records) summary += records_text(v, found, from, problem_seq);
   return found;
 }
 

@@ -268,79 +268,74 @@ void Agent::print_last_lines(const WorkerGroup& group, int global_rank) const {
   (void)ignored;
 }
 
-int Agent::setup_store() {
-  // Store calls answer in microseconds; the bound only matters when node 0 goes silent.
-  // Node 0 silent for the heartbeat timeout is lost to the other nodes.
-  const ms op_timeout = std::min({to_ms(opts_.rdzv_timeout_s), ms(60000), to_ms(opts_.heartbeat_timeout_s)});
+std::string Agent::store_config() const {
   const std::string nodes_text = opts_.min_nodes == opts_.nnodes
                                      ? std::to_string(opts_.nnodes)
                                      : std::to_string(opts_.min_nodes) + ":" + std::to_string(opts_.nnodes);
-  const std::string config = "nnodes=" + nodes_text + " nproc_per_node=" + std::to_string(opts_.nproc_per_node) +
-                             " max_restarts=" + std::to_string(opts_.max_restarts) + " rdzv_id=" + opts_.run_id;
-  if (opts_.store == "file") {
-    // A single node: a FileStore in a folder only this user can enter, removed at exit (~Agent).
-    // Nothing listens on the network; workers find the file through FSDP_STORE_FILE.
-    const char* tmp = std::getenv("TMPDIR");
-    std::string base = tmp != nullptr && *tmp != '\0' ? tmp : "/tmp";
-    std::string templ = base + "/fsdprun-XXXXXX";
-    if (mkdtemp(templ.data()) == nullptr) {  // mode 0700
-      log("cannot make a private folder for the store in " + base + ": " + std::strerror(errno) +
-          "; set TMPDIR to a writable folder, or use --store tcp");
-      return 1;
+  return "nnodes=" + nodes_text + " nproc_per_node=" + std::to_string(opts_.nproc_per_node) +
+         " max_restarts=" + std::to_string(opts_.max_restarts) + " rdzv_id=" + opts_.run_id;
+}
+
+int Agent::setup_file_store(std::chrono::milliseconds op_timeout, const std::string& config) {
+  // A single node: a FileStore in a folder only this user can enter, removed at exit (~Agent).
+  // Nothing listens on the network; workers find the file through FSDP_STORE_FILE.
+  const char* tmp = std::getenv("TMPDIR");
+  std::string base = tmp != nullptr && *tmp != '\0' ? tmp : "/tmp";
+  std::string templ = base + "/fsdprun-XXXXXX";
+  if (mkdtemp(templ.data()) == nullptr) {  // mode 0700
+    log("cannot make a private folder for the store in " + base + ": " + std::strerror(errno) +
+        "; set TMPDIR to a writable folder, or use --store tcp");
+    return 1;
+  }
+  store_dir_ = templ;
+  store_file_ = store_dir_ + "/store";
+  try {
+    store_ = StoreClient::file(store_file_, op_timeout);
+    port_ = opts_.master_port != 0 ? opts_.master_port : free_port_number();
+    store_->set(kConfigKey, config);
+    store_->add("/fsdprun/node_0/claimed", 1);
+  } catch (const std::exception& e) {
+    log("cannot create the store file " + store_file_ + ": " + e.what() +
+        "; set TMPDIR to a writable folder, or use --store tcp");
+    return 1;
+  }
+  return 0;
+}
+
+int Agent::host_store(std::chrono::milliseconds op_timeout, const std::string& config, bool auto_rank) {
+  // The agent hosts the store before any worker starts, as torchrun does: workers only connect.
+  // It listens on --master-addr only where c10d allows choosing (see StoreClient::host).
+  try {
+    store_ = StoreClient::host(opts_.master_addr, opts_.master_port, op_timeout);
+    port_ = store_->port();
+    if (store_->listens_everywhere()) {
+      log("note: LibTorch " TORCH_VERSION "'s TCP store listens on every interface (port " + std::to_string(port_) +
+          "), not only on " + opts_.master_addr +
+          ", and is unauthenticated: keep the port behind a firewall or on a "
+          "trusted network" +
+          (opts_.nnodes == 1 ? std::string(" (a single node needs no TCP store: drop --store tcp)") : ""));
     }
-    store_dir_ = templ;
-    store_file_ = store_dir_ + "/store";
-    try {
-      store_ = StoreClient::file(store_file_, op_timeout);
-      port_ = opts_.master_port != 0 ? opts_.master_port : free_port_number();
-      store_->set(kConfigKey, config);
-      store_->add("/fsdprun/node_0/claimed", 1);
-    } catch (const std::exception& e) {
-      log("cannot create the store file " + store_file_ + ": " + e.what() +
-          "; set TMPDIR to a writable folder, or use --store tcp");
-      return 1;
+    store_->set(kConfigKey, config);
+    store_->add("/fsdprun/node_0/claimed", 1);
+    if (auto_rank) {
+      opts_.node_rank = 0;
+      log("hosting the c10d rendezvous store at " + endpoint() + " as node 0");
     }
     return 0;
-  }
-  // torchrun's c10d form without --node-rank: the node the endpoint names hosts the store and is
-  // node 0 (--rdzv-conf is_host decides instead when given). Two agents on one machine both
-  // qualify: the one that gets the port first hosts, the other joins it as a client.
-  const bool auto_rank = opts_.node_rank == kAutoNodeRank;
-  bool host = opts_.node_rank == 0;
-  if (auto_rank) host = opts_.is_host != -1 ? opts_.is_host == 1 : names_this_machine(opts_.master_addr);
-  if (host) {
-    // The agent hosts the store before any worker starts, as torchrun does: workers only connect.
-    // It listens on --master-addr only where c10d allows choosing (see StoreClient::host).
-    try {
-      store_ = StoreClient::host(opts_.master_addr, opts_.master_port, op_timeout);
-      port_ = store_->port();
-      if (store_->listens_everywhere()) {
-        log("note: LibTorch " TORCH_VERSION "'s TCP store listens on every interface (port " + std::to_string(port_) +
-            "), not only on " + opts_.master_addr +
-            ", and is unauthenticated: keep the port behind a firewall or on a "
-            "trusted network" +
-            (opts_.nnodes == 1 ? std::string(" (a single node needs no TCP store: drop --store tcp)") : ""));
-      }
-      store_->set(kConfigKey, config);
-      store_->add("/fsdprun/node_0/claimed", 1);
-      if (auto_rank) {
-        opts_.node_rank = 0;
-        log("hosting the c10d rendezvous store at " + endpoint() + " as node 0");
-      }
-      return 0;
-    } catch (const std::exception& e) {
-      if (!auto_rank || opts_.is_host == 1) {
-        log("cannot host the store at " + endpoint() + ": " + e.what() +
-            "; pick a free --master-port (or --master-port 0 / --standalone on a single node), and a --master-addr "
-            "that reaches this machine");
-        return 1;
-      }
-      store_.reset();  // the port is taken, most likely by another node's agent on this machine: join it
+  } catch (const std::exception& e) {
+    if (!auto_rank || opts_.is_host == 1) {
+      log("cannot host the store at " + endpoint() + ": " + e.what() +
+          "; pick a free --master-port (or --master-port 0 / --standalone on a single node), and a --master-addr "
+          "that reaches this machine");
+      return 1;
     }
+    store_.reset();  // the port is taken, most likely by another node's agent on this machine: join it
+    return -1;
   }
+}
 
+int Agent::connect_store(TimePoint deadline, std::chrono::milliseconds op_timeout) {
   port_ = opts_.master_port;
-  const auto deadline = Clock::now() + to_ms(opts_.rdzv_timeout_s);
   // Wait for node 0's port with short probes, so that a signal is noticed meanwhile; then connect.
   while (!StoreClient::reachable(opts_.master_addr, opts_.master_port, ms(1000))) {
     if (Clock::now() >= deadline) {
@@ -357,36 +352,52 @@ int Agent::setup_store() {
     log("cannot connect to node 0's store at " + endpoint() + ": " + e.what());
     return 1;
   }
+  return 0;
+}
+
+int Agent::check_node0_config(TimePoint deadline, const std::string& config) {
+  while (!store_->check(kConfigKey)) {  // node 0 writes it right after starting the store
+    if (Clock::now() >= deadline) {
+      log("node 0's store at " + endpoint() +
+          " never published its configuration; is another program using that port?");
+      return 1;
+    }
+    if (wait_for_signal(signals_, ms(50))) return 128 + signals_.termination();
+  }
+  const std::string node0 = store_->get(kConfigKey);
+  if (node0 != config) {
+    const std::string msg = "node " + std::to_string(opts_.node_rank) + " was started with " + config +
+                            " but node 0 with " + node0 +
+                            "; start every node with the same --nnodes, --nproc-per-node, --max-restarts and --rdzv-id";
+    store_->set(kAbortKey, msg);  // node 0 must not wait for this node until it times out
+    log(msg);
+    return 2;
+  }
+  return 0;
+}
+
+int Agent::take_auto_node_rank() {
+  // Numbers in the order the nodes join; node 0 is the store's host.
+  const int64_t n = store_->add("/fsdprun/next_auto_node_rank", 1);
+  if (n >= opts_.nnodes) {
+    log("node rank " + std::to_string(n) + " would exceed --nnodes " + std::to_string(opts_.nnodes) +
+        ": more nodes joined " + endpoint() +
+        " than --nnodes (a node started twice, or one that came back: restart every node, or give each "
+        "its own --node-rank)");
+    return 2;
+  }
+  opts_.node_rank = static_cast<int>(n);
+  log("joined the c10d rendezvous at " + endpoint() + " as node " + std::to_string(n));
+  return 0;
+}
+
+int Agent::join_store(std::chrono::milliseconds op_timeout, const std::string& config, bool auto_rank) {
+  const auto deadline = Clock::now() + to_ms(opts_.rdzv_timeout_s);
+  if (int rc = connect_store(deadline, op_timeout); rc != 0) return rc;
   try {
-    while (!store_->check(kConfigKey)) {  // node 0 writes it right after starting the store
-      if (Clock::now() >= deadline) {
-        log("node 0's store at " + endpoint() +
-            " never published its configuration; is another program using that port?");
-        return 1;
-      }
-      if (wait_for_signal(signals_, ms(50))) return 128 + signals_.termination();
-    }
-    const std::string node0 = store_->get(kConfigKey);
-    if (node0 != config) {
-      const std::string msg =
-          "node " + std::to_string(opts_.node_rank) + " was started with " + config + " but node 0 with " + node0 +
-          "; start every node with the same --nnodes, --nproc-per-node, --max-restarts and --rdzv-id";
-      store_->set(kAbortKey, msg);  // node 0 must not wait for this node until it times out
-      log(msg);
-      return 2;
-    }
+    if (int rc = check_node0_config(deadline, config); rc != 0) return rc;
     if (auto_rank) {
-      // Numbers in the order the nodes join; node 0 is the store's host.
-      const int64_t n = store_->add("/fsdprun/next_auto_node_rank", 1);
-      if (n >= opts_.nnodes) {
-        log("node rank " + std::to_string(n) + " would exceed --nnodes " + std::to_string(opts_.nnodes) +
-            ": more nodes joined " + endpoint() +
-            " than --nnodes (a node started twice, or one that came back: restart every node, or give each "
-            "its own --node-rank)");
-        return 2;
-      }
-      opts_.node_rank = static_cast<int>(n);
-      log("joined the c10d rendezvous at " + endpoint() + " as node " + std::to_string(n));
+      if (int rc = take_auto_node_rank(); rc != 0) return rc;
     }
     if (int rc = claim_node_rank(); rc != 0) return rc;
     // The heartbeat has a connection of its own: it goes on while this loop waits on something.
@@ -400,6 +411,24 @@ int Agent::setup_store() {
     return 1;
   }
   return 0;
+}
+
+int Agent::setup_store() {
+  // Store calls answer in microseconds; the bound only matters when node 0 goes silent.
+  // Node 0 silent for the heartbeat timeout is lost to the other nodes.
+  const ms op_timeout = std::min({to_ms(opts_.rdzv_timeout_s), ms(60000), to_ms(opts_.heartbeat_timeout_s)});
+  const std::string config = store_config();
+  if (opts_.store == "file") return setup_file_store(op_timeout, config);
+  // torchrun's c10d form without --node-rank: the node the endpoint names hosts the store and is
+  // node 0 (--rdzv-conf is_host decides instead when given). Two agents on one machine both
+  // qualify: the one that gets the port first hosts, the other joins it as a client.
+  const bool auto_rank = opts_.node_rank == kAutoNodeRank;
+  bool host = opts_.node_rank == 0;
+  if (auto_rank) host = opts_.is_host != -1 ? opts_.is_host == 1 : names_this_machine(opts_.master_addr);
+  if (host) {
+    if (int rc = host_store(op_timeout, config, auto_rank); rc >= 0) return rc;
+  }
+  return join_store(op_timeout, config, auto_rank);
 }
 
 int Agent::claim_node_rank() {
@@ -490,69 +519,90 @@ int Agent::lost_members() const {
   return n;
 }
 
-int Agent::rendezvous(int attempt) {
-  members_ = {opts_.node_rank};
-  group_rank_ = 0;
-  if (opts_.nnodes == 1) return -1;
-  const std::string key = attempt_key(attempt, "joined");
+namespace {
+
+// Node 0's list of an attempt's nodes, "0,1,3".
+std::vector<int> parse_members(const std::string& list) {
+  std::vector<int> members;
+  for (size_t start = 0; start < list.size();) {
+    size_t end = list.find(',', start);
+    if (end == std::string::npos) end = list.size();
+    members.push_back(std::atoi(list.substr(start, end - start).c_str()));
+    start = end + 1;
+  }
+  return members;
+}
+
+}  // namespace
+
+bool Agent::rendezvous_closed(int attempt, int64_t joined, std::optional<TimePoint>& min_reached) {
   const std::string members_key = attempt_key(attempt, "members");
-  auto node_key = [&](int n) { return attempt_key(attempt, ("node_" + std::to_string(n)).c_str()); };
+  if (opts_.node_rank != 0) return store_->check(members_key);
+  // Node 0 closes the rendezvous: every node, or (elastic) MIN and the last call passed.
+  if (joined >= opts_.min_nodes && !min_reached) min_reached = Clock::now();
+  if (joined >= opts_.nnodes || (min_reached && Clock::now() - *min_reached >= to_ms(opts_.rdzv_last_call_s))) {
+    std::string list;
+    for (int n = 0; n < opts_.nnodes; ++n) {
+      if (store_->check(attempt_key(attempt, ("node_" + std::to_string(n)).c_str())))
+        list += (list.empty() ? "" : ",") + std::to_string(n);
+    }
+    store_->set(members_key, list);
+    return true;
+  }
+  return false;
+}
+
+int Agent::rendezvous_interrupted(int attempt, int64_t joined, TimePoint deadline) {
+  watch_peers("(waiting for it to come back until the rendezvous timeout)");
+  if (store_->check(kAbortKey)) {
+    log("not starting workers: " + store_->get(kAbortKey));
+    return 1;
+  }
+  if (Clock::now() >= deadline) {
+    const std::string msg = "timed out after " + seconds_text(opts_.rdzv_timeout_s) + " waiting for the other nodes (" +
+                            std::to_string(joined) + " of " + std::to_string(opts_.min_nodes) + " joined attempt " +
+                            std::to_string(attempt) +
+                            "); start every node with the same --nnodes, --master-addr and "
+                            "--master-port and its own --node-rank, or raise --rdzv-timeout-s";
+    publish_failure(attempt, "node " + std::to_string(opts_.node_rank) + " " + msg, true);
+    log(msg);
+    return 1;
+  }
+  if (wait_for_signal(signals_, to_ms(opts_.monitor_interval_s))) {
+    const std::string sig = signal_name(signals_.termination());
+    publish_failure(attempt, "node " + std::to_string(opts_.node_rank) + "'s fsdprun got " + sig, true);
+    log("got " + sig + " while waiting for the other nodes; exiting");
+    return 128 + signals_.termination();
+  }
+  return -1;
+}
+
+int Agent::wait_for_members(int attempt) {
+  const std::string key = attempt_key(attempt, "joined");
   const auto deadline = Clock::now() + to_ms(opts_.rdzv_timeout_s);
   std::optional<Clock::time_point> min_reached;
   try {
     if (opts_.node_rank == 0) store_->set(kCurrentAttemptKey, std::to_string(attempt));
-    store_->set(node_key(opts_.node_rank), "1");  // before the counter: node 0 lists whoever it counted
+    // Before the counter: node 0 lists whoever it counted.
+    store_->set(attempt_key(attempt, ("node_" + std::to_string(opts_.node_rank)).c_str()), "1");
     int64_t joined = store_->add(key, 1);
-    while (true) {
-      if (opts_.node_rank == 0) {
-        // Node 0 closes the rendezvous: every node, or (elastic) MIN and the last call passed.
-        if (joined >= opts_.min_nodes && !min_reached) min_reached = Clock::now();
-        if (joined >= opts_.nnodes || (min_reached && Clock::now() - *min_reached >= to_ms(opts_.rdzv_last_call_s))) {
-          std::string list;
-          for (int n = 0; n < opts_.nnodes; ++n) {
-            if (store_->check(node_key(n))) list += (list.empty() ? "" : ",") + std::to_string(n);
-          }
-          store_->set(members_key, list);
-          break;
-        }
-      } else if (store_->check(members_key)) {
-        break;
-      }
-      watch_peers("(waiting for it to come back until the rendezvous timeout)");
-      if (store_->check(kAbortKey)) {
-        log("not starting workers: " + store_->get(kAbortKey));
-        return 1;
-      }
-      if (Clock::now() >= deadline) {
-        const std::string msg = "timed out after " + seconds_text(opts_.rdzv_timeout_s) +
-                                " waiting for the other nodes (" + std::to_string(joined) + " of " +
-                                std::to_string(opts_.min_nodes) + " joined attempt " + std::to_string(attempt) +
-                                "); start every node with the same --nnodes, --master-addr and "
-                                "--master-port and its own --node-rank, or raise --rdzv-timeout-s";
-        publish_failure(attempt, "node " + std::to_string(opts_.node_rank) + " " + msg, true);
-        log(msg);
-        return 1;
-      }
-      if (wait_for_signal(signals_, to_ms(opts_.monitor_interval_s))) {
-        const std::string sig = signal_name(signals_.termination());
-        publish_failure(attempt, "node " + std::to_string(opts_.node_rank) + "'s fsdprun got " + sig, true);
-        log("got " + sig + " while waiting for the other nodes; exiting");
-        return 128 + signals_.termination();
-      }
+    while (!rendezvous_closed(attempt, joined, min_reached)) {
+      if (int rc = rendezvous_interrupted(attempt, joined, deadline); rc >= 0) return rc;
       joined = store_->counter(key);
     }
-    const std::string list = store_->get(members_key);
-    members_.clear();
-    for (size_t start = 0; start < list.size();) {
-      size_t end = list.find(',', start);
-      if (end == std::string::npos) end = list.size();
-      members_.push_back(std::atoi(list.substr(start, end - start).c_str()));
-      start = end + 1;
-    }
+    members_ = parse_members(store_->get(attempt_key(attempt, "members")));
   } catch (const StoreLost& e) {
     log("lost the store at " + endpoint() + " while waiting for the other nodes: " + e.what());
     return 1;
   }
+  return -1;
+}
+
+int Agent::rendezvous(int attempt) {
+  members_ = {opts_.node_rank};
+  group_rank_ = 0;
+  if (opts_.nnodes == 1) return -1;
+  if (int rc = wait_for_members(attempt); rc >= 0) return rc;
   const auto me = std::find(members_.begin(), members_.end(), opts_.node_rank);
   if (me == members_.end()) {
     log("attempt " + std::to_string(attempt) +
@@ -705,6 +755,65 @@ int Agent::finish_failed_attempt(int attempt, const std::string& reason, bool& r
   return 1;
 }
 
+int Agent::stop_after(WorkerGroup& group, Outcome outcome, int attempt, const std::string& reason) {
+  const ms grace = to_ms(opts_.grace_period_s);
+  switch (outcome) {
+    case Outcome::Signaled: {
+      const int sig = signals_.termination();
+      log("got " + signal_name(sig) + "; forwarding it to the workers (SIGKILL after " +
+          seconds_text(opts_.grace_period_s) + ")");
+      publish_failure(attempt, reason, /*abort=*/true);
+      group.stop(sig, grace, signals_);
+      break;
+    }
+    case Outcome::LocalFailure: {
+      const auto& f = *group.first_failure();
+      log("worker rank " + std::to_string(f.global_rank) + " (pid " + std::to_string(f.pid) + ") failed: " +
+          f.describe() + "; stopping all workers (SIGTERM, SIGKILL after " + seconds_text(opts_.grace_period_s) + ")");
+      publish_failure(attempt, reason, false);
+      group.stop(SIGTERM, grace, signals_);
+      print_last_lines(group, f.global_rank);
+      if (auto fr = base_env_.find("FSDP_FLIGHT_RECORDER_DIR"); fr != base_env_.end() && !fr->second.empty()) {
+        log(flight_recorder_note(fr->second));
+      }
+      break;
+    }
+    case Outcome::RemoteFailure:
+      log("another node failed (" + reason + "); stopping this node's workers");
+      group.stop(SIGTERM, grace, signals_);
+      break;
+    case Outcome::NodeLost:
+      log(reason + "; stopping this node's workers (SIGTERM, SIGKILL after " + seconds_text(opts_.grace_period_s) +
+          ")");
+      publish_failure(attempt, reason, false);
+      group.stop(SIGTERM, grace, signals_);
+      break;
+    case Outcome::StoreLost:
+      log(reason + "; stopping this node's workers");
+      group.stop(SIGTERM, grace, signals_);
+      return 1;
+    case Outcome::Succeeded:
+      group.stop(SIGTERM, ms(0), signals_);  // clears anything the workers left running
+      break;
+  }
+  return -1;
+}
+
+int Agent::run_attempt(int attempt, Outcome& outcome, std::string& reason) {
+  WorkerGroup group;
+  try {
+    group.start(worker_specs(attempt));
+  } catch (const std::exception& e) {
+    reason = "node " + std::to_string(opts_.node_rank) + " could not start its workers: " + e.what();
+    publish_failure(attempt, reason, true);
+    group.stop(SIGKILL, ms(0), signals_);
+    log(reason);
+    return 1;
+  }
+  outcome = monitor(group, attempt, reason);
+  return stop_after(group, outcome, attempt, reason);
+}
+
 int Agent::run() {
   // The log folder's name holds the node rank, which the c10d form knows only once it has joined.
   const bool rank_known = opts_.node_rank != kAutoNodeRank;
@@ -715,7 +824,6 @@ int Agent::run() {
   if (!rank_known) {
     if (int rc = setup_logs(); rc != 0) return rc;
   }
-  const ms grace = to_ms(opts_.grace_period_s);
   for (int attempt = first_attempt_;; ++attempt) {
     if (int rc = rendezvous(attempt); rc == -2) {  // elastic: the attempt started without this node
       if (int r = find_first_attempt(); r != 0) return r;
@@ -726,59 +834,7 @@ int Agent::run() {
     }
     std::string reason;
     Outcome outcome;
-    {
-      WorkerGroup group;
-      try {
-        group.start(worker_specs(attempt));
-      } catch (const std::exception& e) {
-        reason = "node " + std::to_string(opts_.node_rank) + " could not start its workers: " + e.what();
-        publish_failure(attempt, reason, true);
-        group.stop(SIGKILL, ms(0), signals_);
-        log(reason);
-        return 1;
-      }
-      outcome = monitor(group, attempt, reason);
-      switch (outcome) {
-        case Outcome::Signaled: {
-          const int sig = signals_.termination();
-          log("got " + signal_name(sig) + "; forwarding it to the workers (SIGKILL after " +
-              seconds_text(opts_.grace_period_s) + ")");
-          publish_failure(attempt, reason, /*abort=*/true);
-          group.stop(sig, grace, signals_);
-          break;
-        }
-        case Outcome::LocalFailure: {
-          const auto& f = *group.first_failure();
-          log("worker rank " + std::to_string(f.global_rank) + " (pid " + std::to_string(f.pid) +
-              ") failed: " + f.describe() + "; stopping all workers (SIGTERM, SIGKILL after " +
-              seconds_text(opts_.grace_period_s) + ")");
-          publish_failure(attempt, reason, false);
-          group.stop(SIGTERM, grace, signals_);
-          print_last_lines(group, f.global_rank);
-          if (auto fr = base_env_.find("FSDP_FLIGHT_RECORDER_DIR"); fr != base_env_.end() && !fr->second.empty()) {
-            log(flight_recorder_note(fr->second));
-          }
-          break;
-        }
-        case Outcome::RemoteFailure:
-          log("another node failed (" + reason + "); stopping this node's workers");
-          group.stop(SIGTERM, grace, signals_);
-          break;
-        case Outcome::NodeLost:
-          log(reason + "; stopping this node's workers (SIGTERM, SIGKILL after " + seconds_text(opts_.grace_period_s) +
-              ")");
-          publish_failure(attempt, reason, false);
-          group.stop(SIGTERM, grace, signals_);
-          break;
-        case Outcome::StoreLost:
-          log(reason + "; stopping this node's workers");
-          group.stop(SIGTERM, grace, signals_);
-          return 1;
-        case Outcome::Succeeded:
-          group.stop(SIGTERM, ms(0), signals_);  // clears anything the workers left running
-          break;
-      }
-    }
+    if (int rc = run_attempt(attempt, outcome, reason); rc >= 0) return rc;
     if (outcome == Outcome::Succeeded) {
       std::string failure;
       if (int rc = exit_barrier(attempt, failure); rc >= 0) return rc;

@@ -24,6 +24,7 @@
 #include <cstdint>
 #include <map>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -51,8 +52,23 @@ class Agent {
  private:
   enum class Outcome { Succeeded, LocalFailure, RemoteFailure, Signaled, StoreLost, NodeLost };
 
-  int setup_store();            // 0 or an exit status
-  int rendezvous(int attempt);  // -1: this node is in the attempt; -2: it started without it; else an exit status
+  using TimePoint = std::chrono::steady_clock::time_point;
+
+  int setup_store();  // 0 or an exit status
+  std::string store_config() const;
+  int setup_file_store(std::chrono::milliseconds op_timeout, const std::string& config);  // 0 or an exit status
+  // 0, an exit status, or -1: the port is taken (by another agent on this machine), join it instead.
+  int host_store(std::chrono::milliseconds op_timeout, const std::string& config, bool auto_rank);
+  int join_store(std::chrono::milliseconds op_timeout, const std::string& config, bool auto_rank);  // 0 or exit
+  int connect_store(TimePoint deadline, std::chrono::milliseconds op_timeout);                      // 0 or exit
+  int check_node0_config(TimePoint deadline, const std::string& config);                            // 0 or exit
+  int take_auto_node_rank();                                                                        // 0 or exit
+  int rendezvous(int attempt);        // -1: this node is in the attempt; -2: it started without it; else an exit status
+  int wait_for_members(int attempt);  // -1: members_ holds the attempt's nodes; else an exit status
+  bool rendezvous_closed(int attempt, int64_t joined, std::optional<TimePoint>& min_reached);
+  int rendezvous_interrupted(int attempt, int64_t joined, TimePoint deadline);  // -1: keep waiting; else exit
+  int run_attempt(int attempt, Outcome& outcome, std::string& reason);          // -1: go on; else an exit status
+  int stop_after(WorkerGroup& group, Outcome outcome, int attempt, const std::string& reason);  // -1 or exit
   bool is_member(int node) const;
   int lost_members() const;
   Outcome monitor(WorkerGroup& group, int attempt, std::string& reason);

@@ -172,8 +172,9 @@ void parse_rdzv_conf(Options& o, const std::string& v) {
   }
 }
 
-const std::vector<Spec>& specs() {
-  static const std::vector<Spec> table = {
+// The nodes, workers and the store: how many, where, which rank.
+std::vector<Spec> node_specs() {
+  return {
       {"--nproc-per-node", true, [](Options& o, const std::string& v) { o.nproc_per_node = parse_nproc(v); }},
       {"--nnodes", true, [](Options& o, const std::string& v) { parse_nnodes(o, v); }},
       {"--rdzv-last-call-s", true,
@@ -208,6 +209,12 @@ const std::vector<Spec>& specs() {
          o.store = v;
        }},
       {"--no-python", false, [](Options& o, const std::string&) { o.no_python = true; }},
+  };
+}
+
+// Timeouts and torchrun's rendezvous flags.
+std::vector<Spec> timing_and_rendezvous_specs() {
+  return {
       {"--grace-period-s", true,
        [](Options& o, const std::string& v) { o.grace_period_s = parse_seconds("--grace-period-s", v, true); }},
       {"--rdzv-timeout-s", true,
@@ -234,6 +241,12 @@ const std::vector<Spec>& specs() {
        }},
       {"--rdzv-endpoint", true, [](Options& o, const std::string& v) { parse_endpoint(o, v); }},
       {"--rdzv-conf", true, [](Options& o, const std::string& v) { parse_rdzv_conf(o, v); }},
+  };
+}
+
+// The workers' role and output, and --help (last: find_spec maps -h to it).
+std::vector<Spec> worker_output_specs() {
+  return {
       {"--start-method", true,
        [](Options&, const std::string& v) {
          // torchrun's way of starting Python workers; fsdprun always executes the program itself.
@@ -265,6 +278,16 @@ const std::vector<Spec>& specs() {
        }},
       {"--help", false, [](Options& o, const std::string&) { o.help = true; }},
   };
+}
+
+// Every flag; an ambiguous prefix names its candidates in this order.
+const std::vector<Spec>& specs() {
+  static const std::vector<Spec> table = [] {
+    std::vector<Spec> all;
+    for (auto group : {node_specs(), timing_and_rendezvous_specs(), worker_output_specs()})
+      all.insert(all.end(), group.begin(), group.end());
+    return all;
+  }();
   return table;
 }
 
@@ -333,9 +356,11 @@ int std_streams_for(const std::string& spec, int local_rank) {
   return 0;
 }
 
-Options parse_options(const std::vector<std::string>& args) {
-  Options o;
-  std::set<std::string> given;
+namespace {
+
+// The flags before the program: applied to `o`, their names in `given`. Returns the index of the
+// program's first argument.
+size_t parse_flags(const std::vector<std::string>& args, Options& o, std::set<std::string>& given) {
   size_t i = 0;
   for (; i < args.size(); ++i) {
     const std::string& arg = args[i];
@@ -371,22 +396,24 @@ Options parse_options(const std::vector<std::string>& args) {
     spec->apply(o, value);
     given.insert(spec->name);
   }
-  o.program.assign(args.begin() + static_cast<long>(std::min(i, args.size())), args.end());
-  if (o.help) return o;
+  return i;
+}
 
-  if (o.standalone) {
-    // torchrun's --standalone: one node, a free port on the local host.
-    if (o.nnodes != 1)
-      throw UsageError("--standalone runs a single node; drop --nnodes " + std::to_string(o.nnodes) +
-                       " or --standalone");
-    for (const char* f : {"--node-rank", "--master-addr", "--master-port"}) {
-      if (given.count(f))
-        throw UsageError(std::string("--standalone picks the address and a free port itself; drop ") + f);
-    }
-    o.master_addr = "127.0.0.1";
-    o.master_port = 0;
-    if (!given.count("--rdzv-id")) o.run_id = "standalone-" + std::to_string(getpid());
+// torchrun's --standalone: one node, a free port on the local host.
+void apply_standalone(Options& o, const std::set<std::string>& given) {
+  if (o.nnodes != 1)
+    throw UsageError("--standalone runs a single node; drop --nnodes " + std::to_string(o.nnodes) + " or --standalone");
+  for (const char* f : {"--node-rank", "--master-addr", "--master-port"}) {
+    if (given.count(f))
+      throw UsageError(std::string("--standalone picks the address and a free port itself; drop ") + f);
   }
+  o.master_addr = "127.0.0.1";
+  o.master_port = 0;
+  if (!given.count("--rdzv-id")) o.run_id = "standalone-" + std::to_string(getpid());
+}
+
+// Where node 0's store is and which rank this node has: the flags that must agree.
+void resolve_rendezvous(Options& o, const std::set<std::string>& given) {
   const bool endpoint = given.count("--rdzv-endpoint") > 0;
   for (const char* f : {"--master-addr", "--master-port"}) {
     if (endpoint && given.count(f))
@@ -406,6 +433,10 @@ Options parse_options(const std::vector<std::string>& args) {
     throw UsageError("--node-rank " + std::to_string(o.node_rank) + " must be below --nnodes " +
                      std::to_string(o.nnodes) + "; number the nodes 0.." + std::to_string(o.nnodes - 1));
   }
+}
+
+// The port and the store kind against the node count; a program must be given.
+void check_store_and_program(Options& o) {
   if (o.master_port == 0 && o.nnodes > 1) {
     throw UsageError(
         "--master-port 0 only works with one node (the other nodes could not know the port); give a "
@@ -420,10 +451,25 @@ Options parse_options(const std::vector<std::string>& args) {
   if (o.program.empty()) {
     throw UsageError("no program given; usage: fsdprun [options] [--] program [args...] (see fsdprun --help)");
   }
+}
+
+}  // namespace
+
+Options parse_options(const std::vector<std::string>& args) {
+  Options o;
+  std::set<std::string> given;
+  const size_t i = parse_flags(args, o, given);
+  o.program.assign(args.begin() + static_cast<long>(std::min(i, args.size())), args.end());
+  if (o.help) return o;
+  if (o.standalone) apply_standalone(o, given);
+  resolve_rendezvous(o, given);
+  check_store_and_program(o);
   return o;
 }
 
-std::string usage_text() {
+namespace {
+
+const char* usage_intro() {
   return R"(usage: fsdprun [options] [--] program [args...]
 
 Starts --nproc-per-node copies of `program` on this node with torchrun's environment
@@ -433,7 +479,11 @@ output with "[rank<R>]: " prefixes, and stops or restarts the whole group when o
 Options go before the program; everything after the program (or after `--`) is passed to it.
 Every flag also accepts underscores (--nproc_per_node) and the --flag=value form.
 
-options:
+)";
+}
+
+const char* usage_options() {
+  return R"(options:
   --nproc-per-node N     workers on this node (default 1; "cpu"/"auto": one per core)
   --nnodes N|MIN:MAX     number of nodes, each running its own fsdprun (default 1). MIN:MAX is
                          elastic: an attempt starts with every node that joined, at least MIN,
@@ -496,7 +546,12 @@ options:
                          worker fails, fsdprun prints where the dumps are (analyse: fsdp-fr DIR)
   -h, --help             show this help
 
-worker environment: RANK (= node_rank * nproc + LOCAL_RANK), LOCAL_RANK, GROUP_RANK (node rank),
+)";
+}
+
+// The workers' environment, the network, the exit status.
+const char* usage_environment() {
+  return R"(worker environment: RANK (= node_rank * nproc + LOCAL_RANK), LOCAL_RANK, GROUP_RANK (node rank),
 ROLE_RANK, ROLE_NAME, LOCAL_WORLD_SIZE, WORLD_SIZE (= nnodes * nproc), GROUP_WORLD_SIZE,
 ROLE_WORLD_SIZE, MASTER_ADDR, MASTER_PORT, TORCHELASTIC_RESTART_COUNT, TORCHELASTIC_MAX_RESTARTS,
 TORCHELASTIC_RUN_ID, TORCHELASTIC_USE_AGENT_STORE=True; if unset: OMP_NUM_THREADS (cores /
@@ -518,5 +573,9 @@ is named) or the job could not start; 2 for a wrong command line; 128+N after si
 (SIGINT/SIGTERM/SIGHUP/SIGQUIT are forwarded to the workers).
 )";
 }
+
+}  // namespace
+
+std::string usage_text() { return std::string(usage_intro()) + usage_options() + usage_environment(); }
 
 }  // namespace fsdprun

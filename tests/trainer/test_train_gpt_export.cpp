@@ -71,13 +71,16 @@ void expect_refused_at_load(const ProcessResult& r, const std::string& needle) {
   EXPECT_FALSE(trained(r.output)) << r.output;
 }
 
-// Two ranks refusing the same input: each says so in one line, no rank hangs or blames the
-// connection to its peer, nothing trained.
+// Two ranks refusing the same input: every error line is that refusal (no rank hangs or blames the
+// connection to its peer), nothing trained. Each rank checks on its own, so the first to exit can
+// get the other stopped by fsdprun before it prints: one refusal or two.
 void expect_every_rank_refuses(const ProcessResult& r, const std::string& needle) {
   EXPECT_FALSE(r.timed_out) << r.output;
   EXPECT_NE(r.exit_code, 0) << r.output;
-  EXPECT_EQ(count(r.output, "train_gpt: error: "), 2u) << r.output;
-  EXPECT_EQ(count(r.output, needle), 2u) << "want '" << needle << "' from both ranks in:\n" << r.output;
+  const size_t errors = count(r.output, "train_gpt: error: ");
+  EXPECT_GE(errors, 1u) << r.output;
+  EXPECT_LE(errors, 2u) << r.output;
+  EXPECT_EQ(count(r.output, needle), errors) << "want '" << needle << "' in every error line of:\n" << r.output;
   EXPECT_EQ(r.output.find("Connection closed"), std::string::npos) << r.output;
   EXPECT_FALSE(trained(r.output)) << r.output;
 }

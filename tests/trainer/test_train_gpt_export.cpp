@@ -20,18 +20,6 @@ namespace {
 
 const std::string kFsdpCkpt = FSDP_CKPT_PATH;
 
-std::string fixture(const std::string& name) { return std::string(FSDP_HF_FIXTURES) + "/" + name; }
-
-// A Llama from a fixture folder, a few steps (as test_train_gpt_llama's from_folder).
-std::vector<std::string> from_folder(const std::string& dir, const std::string& metrics,
-                                     const std::vector<std::string>& extra = {}) {
-  std::vector<std::string> a = {"--init-from",  dir,    "--data",          "synthetic", "--seq-len",        "16",
-                                "--batch-size", "8",    "--steps",         "2",         "--warmup",         "1",
-                                "--eval-every", "0",    "--sample-tokens", "0",         "--checkpoint-dir", "",
-                                "--metrics",    metrics};
-  return apply(a, extra);
-}
-
 // Every regular file under `dir` (relative path -> bytes), symlinks not followed.
 std::map<std::string, std::string> folder_bytes(const fs::path& dir) {
   std::map<std::string, std::string> out;

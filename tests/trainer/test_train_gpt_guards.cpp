@@ -16,18 +16,6 @@ namespace {
 using namespace train_gpt_test;
 using fsdp_data_test::write_shard;
 
-std::string fixture(const std::string& name) { return std::string(FSDP_HF_FIXTURES) + "/" + name; }
-
-// A Llama from a fixture folder (no sizing options: --init-from refuses them).
-std::vector<std::string> from_folder(const std::string& dir, const std::string& metrics,
-                                     const std::vector<std::string>& extra = {}) {
-  std::vector<std::string> a = {"--init-from",  dir,    "--data",          "synthetic", "--seq-len",        "16",
-                                "--batch-size", "8",    "--steps",         "2",         "--warmup",         "1",
-                                "--eval-every", "0",    "--sample-tokens", "0",         "--checkpoint-dir", "",
-                                "--metrics",    metrics};
-  return apply(a, extra);
-}
-
 // A refusal before any work: exit 2, one "train_gpt: error:" line holding every piece of
 // `needles`, nothing trained, nothing allocated (the memory line is printed just before the
 // allocation), no checkpoint written.

@@ -21,16 +21,10 @@ namespace {
 
 const std::string kFsdpCkpt = FSDP_CKPT_PATH;
 
-std::string fixture(const std::string& name) { return std::string(FSDP_HF_FIXTURES) + "/" + name; }
-
-// A Llama from a fixture folder: no sizing options (--init-from refuses them), a few steps.
-std::vector<std::string> from_folder(const std::string& dir, const std::string& metrics,
-                                     const std::vector<std::string>& extra = {}) {
-  std::vector<std::string> a = {"--init-from",  dir,    "--data",          "synthetic", "--seq-len",        "16",
-                                "--batch-size", "8",    "--steps",         "4",         "--warmup",         "1",
-                                "--eval-every", "0",    "--sample-tokens", "0",         "--checkpoint-dir", "",
-                                "--metrics",    metrics};
-  return apply(a, extra);
+// This suite's runs: four steps of a Llama from a folder (train_gpt_harness.h's from_folder).
+std::vector<std::string> four_steps_from(const std::string& dir, const std::string& metrics,
+                                         const std::vector<std::string>& extra = {}) {
+  return from_folder(dir, metrics, extra, 4);
 }
 
 // Sizes from a fixture's config.json, built unsharded in this process.
@@ -111,10 +105,10 @@ TEST(TrainGptLlama, InitFromOneProcessEqualsTwoRanksAndStartsFromTheWeights) {
     SCOPED_TRACE(name);
     TempDir tmp;
     const std::string m1 = tmp.path + "/one.jsonl", m2 = tmp.path + "/two.jsonl";
-    const auto a = alone(from_folder(fixture(name), m1));
+    const auto a = alone(four_steps_from(fixture(name), m1));
     ASSERT_TRUE(a.ok()) << a.output;
     EXPECT_NE(a.output.find("from " + fixture(name)), std::string::npos) << a.output;
-    const auto b = ranks(2, from_folder(fixture(name), m2));
+    const auto b = ranks(2, four_steps_from(fixture(name), m2));
     ASSERT_TRUE(b.ok()) << b.output;
     const auto la = losses(m1);
     ASSERT_EQ(la.size(), 4u);
@@ -135,8 +129,8 @@ TEST(TrainGptLlama, InitFromOneProcessEqualsTwoRanksAndStartsFromTheWeights) {
 TEST(TrainGptLlama, ExportHfReloadsTheTrainedModelAndCheckpointExportsMatch) {
   TempDir tmp;
   const std::string dir = fixture("llama_untied_sharded"), out = tmp.path + "/hf", ck = tmp.path + "/ck";
-  const auto r =
-      ranks(2, from_folder(dir, tmp.path + "/m.jsonl", {"--checkpoint-dir", ck, "--steps", "3", "--export-hf", out}));
+  const auto r = ranks(
+      2, four_steps_from(dir, tmp.path + "/m.jsonl", {"--checkpoint-dir", ck, "--steps", "3", "--export-hf", out}));
   ASSERT_TRUE(r.ok()) << r.output;
   EXPECT_NE(r.output.find("exported the model (fp32) to " + out), std::string::npos) << r.output;
   for (const char* f : {"config.json", "generation_config.json", "model.safetensors"})
@@ -185,10 +179,10 @@ TEST(TrainGptLlama, ResumeFromCheckpointWinsOverInitFrom) {
   TempDir tmp;
   const std::string dir = fixture("llama_untied_sharded"), ck = tmp.path + "/ck";
   const std::string full = tmp.path + "/full.jsonl", part = tmp.path + "/part.jsonl";
-  const auto a = ranks(2, from_folder(dir, full, {"--checkpoint-dir", ck, "--checkpoint-every", "2"}));
+  const auto a = ranks(2, four_steps_from(dir, full, {"--checkpoint-dir", ck, "--checkpoint-every", "2"}));
   ASSERT_TRUE(a.ok()) << a.output;
   const auto b =
-      alone(from_folder(dir, part, {"--checkpoint-dir", tmp.path + "/ck2", "--resume-from", ck + "/step_000002"}));
+      alone(four_steps_from(dir, part, {"--checkpoint-dir", tmp.path + "/ck2", "--resume-from", ck + "/step_000002"}));
   ASSERT_TRUE(b.ok()) << b.output;
   EXPECT_NE(b.output.find("the checkpoint wins: " + dir + "'s weights are not loaded"), std::string::npos) << b.output;
   const auto lf = losses(full), lp = losses(part);
@@ -208,8 +202,8 @@ TEST(TrainGptLlama, EvalOnlyIsTheLossOnConsecutiveValidationWindows) {
   }
   const std::string dir = fixture("llama_tied_bf16"), ck = tmp.path + "/ck";
   auto eval_args = [&](const std::string& metrics) {
-    auto args =
-        from_folder(dir, metrics, {"--data", text, "--eval-batches", "3", "--batch-size", "4", "--checkpoint-dir", ck});
+    auto args = four_steps_from(dir, metrics,
+                                {"--data", text, "--eval-batches", "3", "--batch-size", "4", "--checkpoint-dir", ck});
     args.push_back("--eval-only");  // a flag (apply() takes name-value pairs)
     return args;
   };
@@ -257,12 +251,12 @@ TEST(TrainGptLlama, BadInputsAreOneLineExitTwo) {
     std::string needle;
   };
   const std::vector<Case> cases = {
-      {from_folder(dir, m, {"--layers", "3"}),
+      {four_steps_from(dir, m, {"--layers", "3"}),
        "--init-from takes the model's size from " + dir + "/config.json: drop --layers"},
-      {from_folder(dir, m, {"--seq-len", "65"}),
+      {four_steps_from(dir, m, {"--seq-len", "65"}),
        "--seq-len 65 exceeds " + dir + "/config.json's max_position_embeddings 64"},
-      {from_folder(tmp.path + "/absent", m), "--init-from " + tmp.path + "/absent: no such folder"},
-      {from_folder(dir, m, {"--model", "gpt"}), "drop --model gpt"},
+      {four_steps_from(tmp.path + "/absent", m), "--init-from " + tmp.path + "/absent: no such folder"},
+      {four_steps_from(dir, m, {"--model", "gpt"}), "drop --model gpt"},
       {tiny(m, {"--export-hf", tmp.path + "/out"}), "the GPT has no Hugging Face architecture"},
       {tiny(m, {"--model", "llama", "--kv-heads", "3"}), "--kv-heads 3 does not divide --heads 2"},
       {tiny(m, {"--kv-heads", "1"}), "--kv-heads sizes --model llama only"},
@@ -302,9 +296,9 @@ TEST(TrainGptLlama, TensorParallelEqualsOneProcess) {
   expect_close(losses(m4), losses(m1), 1e-5);
 
   const std::string dir = fixture("llama_untied_sharded"), f1 = tmp.path + "/f1.jsonl", f2 = tmp.path + "/f2.jsonl";
-  const auto d = alone(from_folder(dir, f1));
+  const auto d = alone(four_steps_from(dir, f1));
   ASSERT_TRUE(d.ok()) << d.output;
-  const auto e = ranks(2, from_folder(dir, f2, {"--tp-size", "2"}));
+  const auto e = ranks(2, four_steps_from(dir, f2, {"--tp-size", "2"}));
   ASSERT_TRUE(e.ok()) << e.output;
   expect_close(losses(f2), losses(f1), 1e-5);
 
@@ -312,7 +306,7 @@ TEST(TrainGptLlama, TensorParallelEqualsOneProcess) {
   const auto bad = ranks(2, tiny(m2, {"--model", "llama", "--tp-size", "2", "--seq-len", "15"}));
   EXPECT_FALSE(bad.ok()) << bad.output;
   EXPECT_NE(bad.output.find("--tp-size 2 does not divide --seq-len 15"), std::string::npos) << bad.output;
-  const auto tied = ranks(2, from_folder(fixture("llama_tied_bf16"), m2, {"--tp-size", "2"}));
+  const auto tied = ranks(2, four_steps_from(fixture("llama_tied_bf16"), m2, {"--tp-size", "2"}));
   EXPECT_FALSE(tied.ok()) << tied.output;
   EXPECT_NE(tied.output.find("does not support tied embeddings"), std::string::npos) << tied.output;
 }

@@ -183,4 +183,26 @@ inline void expect_same_checkpoint_tensors(const std::string& a, const std::stri
   }
 }
 
+#ifdef FSDP_HF_FIXTURES
+// A Hugging Face folder of tests/models/fixtures (suites that define FSDP_HF_FIXTURES).
+inline std::string fixture(const std::string& name) { return std::string(FSDP_HF_FIXTURES) + "/" + name; }
+
+// A Llama from a folder: no sizing options (--init-from refuses them), `steps` steps, no
+// evaluation, sample or checkpoint; `extra` replaces or adds options (apply).
+inline std::vector<std::string> from_folder(const std::string& dir, const std::string& metrics,
+                                            const std::vector<std::string>& extra = {}, int steps = 2) {
+  std::vector<std::string> a = {"--init-from",      dir,
+                                "--data",           "synthetic",
+                                "--seq-len",        "16",
+                                "--batch-size",     "8",
+                                "--steps",          std::to_string(steps),
+                                "--warmup",         "1",
+                                "--eval-every",     "0",
+                                "--sample-tokens",  "0",
+                                "--checkpoint-dir", "",
+                                "--metrics",        metrics};
+  return apply(a, extra);
+}
+#endif
+
 }  // namespace train_gpt_test

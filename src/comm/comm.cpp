@@ -547,6 +547,78 @@ Work Comm::all_to_all(const at::Tensor& out, const at::Tensor& in, bool async_op
   return finish(OpKind::AllToAll, ring_share(in.nbytes(), size()), std::move(work), nullptr, async_op, op.c_str());
 }
 
+namespace {
+
+// The checks of the uneven all-to-all: one dtype, rows of one shape, size() splits per side, each
+// non-negative, summing to the tensor's rows. Returns the bytes of one row.
+int64_t check_uneven_splits(const std::string& op, const at::Tensor& out, const at::Tensor& in,
+                            const std::vector<int64_t>& out_splits, const std::vector<int64_t>& in_splits, int n,
+                            BackendKind kind) {
+  check_tensor(op, "out", out, kind);
+  check_tensor(op, "in", in, kind);
+  check_same_dtype(op, out, in);
+  if (in.dim() < 1 || out.dim() < 1 || in.sizes().slice(1) != out.sizes().slice(1)) {
+    bad_argument(op, "in " + c10::str(in.sizes()) + " and out " + c10::str(out.sizes()) +
+                         " must be tensors of rows of one shape (split along dim 0)");
+  }
+  const auto check_side = [&](const char* name, const std::vector<int64_t>& splits, const at::Tensor& t) {
+    if (splits.size() != static_cast<size_t>(n)) {
+      bad_argument(op, std::string(name) + " has " + std::to_string(splits.size()) +
+                           " entries; give one per rank of the group (" + std::to_string(n) + ")");
+    }
+    int64_t sum = 0;
+    for (int64_t s : splits) {
+      if (s < 0) bad_argument(op, std::string(name) + " has a negative entry " + std::to_string(s));
+      sum += s;
+    }
+    if (sum != t.size(0)) {
+      bad_argument(op, std::string(name) + " sum to " + std::to_string(sum) + " rows but the tensor has " +
+                           std::to_string(t.size(0)) + "; the splits count rows of dim 0");
+    }
+  };
+  check_side("in_splits", in_splits, in);
+  check_side("out_splits", out_splits, out);
+  int64_t row_numel = 1;
+  for (int64_t d = 1; d < in.dim(); ++d) row_numel *= in.size(d);
+  return row_numel * static_cast<int64_t>(in.element_size());
+}
+
+}  // namespace
+
+Work Comm::all_to_all(const at::Tensor& out, const at::Tensor& in, const std::vector<int64_t>& out_splits,
+                      const std::vector<int64_t>& in_splits, bool async_op) {
+  const std::string op = "all_to_all_uneven";
+  const int64_t row_bytes = check_uneven_splits(op, out, in, out_splits, in_splits, size(), kind_);
+  // The desync check sees the kind, dtype and row shape (a rank's splits are its own).
+  detail::check_collective_matches(*this, ++seq_, OpKind::AllToAll, in.narrow(0, 0, 0), out.narrow(0, 0, 0));
+  flight_issue(*this, "all_to_all_uneven", in, out);
+  if (local_only(*this)) {
+    if (in.numel() > 0) out.copy_(in);
+    return finish(OpKind::AllToAll, 0, compat::WorkPtr(), nullptr, async_op, op.c_str());
+  }
+  uint64_t bytes = 0;
+  for (int j = 0; j < size(); ++j) {
+    if (j != rank_) bytes += static_cast<uint64_t>(in_splits[static_cast<size_t>(j)] * row_bytes);
+  }
+  // Flat tensors with the splits in elements: c10d counts a split in rows of dim 0 and takes the
+  // row size from numel / size(0), which a tensor of no rows leaves undefined.
+  at::Tensor flat_out = out.view(-1), flat_in = in.view(-1);
+  if (moves_as_bits(in)) {
+    flat_out = flat_out.view(kBitsCarrier);
+    flat_in = flat_in.view(kBitsCarrier);
+  }
+  const int64_t per_row = row_bytes / static_cast<int64_t>(flat_in.element_size());
+  std::vector<int64_t> out_elems(out_splits.size()), in_elems(in_splits.size());
+  for (size_t j = 0; j < out_splits.size(); ++j) {
+    out_elems[j] = out_splits[j] * per_row;
+    in_elems[j] = in_splits[j] * per_row;
+  }
+  c10d::AllToAllOptions opts;
+  opts.timeout = op_timeout(*this);
+  auto work = compat::all_to_all_single(*backend_, flat_out, flat_in, out_elems, in_elems, opts);
+  return finish(OpKind::AllToAll, bytes, std::move(work), nullptr, async_op, op.c_str());
+}
+
 Work Comm::barrier(bool async_op) {
   detail::check_collective_matches(*this, ++seq_, OpKind::Barrier, at::Tensor(), at::Tensor());
   flight_issue(*this, "barrier", at::Tensor(), at::Tensor());

@@ -43,6 +43,7 @@ struct Record {
   int64_t in_numel = 0, out_numel = 0, start_us = 0, end_us = 0;
   std::string signature() const {
     if (op == "barrier") return "barrier";
+    if (op == "all_to_all_uneven") return op + "(" + dtype + ")";  // each rank's splits are its own
     return op + "(" + dtype + ", in " + std::to_string(in_numel) + ", out " + std::to_string(out_numel) + ")";
   }
   bool completed() const { return state == "completed"; }

@@ -108,6 +108,24 @@ class Comm {
   // Equal splits along the flattened tensors: chunk j of `in` goes to rank j, chunk j of `out`
   // comes from rank j. numel must be divisible by size().
   Work all_to_all(const at::Tensor& out, const at::Tensor& in, bool async_op = false);
+  // Uneven splits along dim 0 (c10d's all_to_all_single with split sizes, MPI's alltoallv): rows
+  // [sum(in_splits[0..j)), + in_splits[j]) of `in` go to rank j, and rows
+  // [sum(out_splits[0..j)), + out_splits[j]) of `out` come from rank j, so out_splits[j] here must
+  // be rank j's in_splits[rank()]. Each vector has size() entries (0 allowed), summing to the
+  // tensor's size(0); every rank's tensors have one dtype and one row shape (the dims after 0).
+  // The byte counters count the rows this rank sends to the other ranks. The desync check
+  // (TORCH_DISTRIBUTED_DEBUG=DETAIL) compares the kind, dtype and row shape: splits may differ.
+  // The flight record holds this rank's element counts in and out ("all_to_all_uneven").
+  //
+  // Example (2 ranks; rank 0 sends 1 row to itself and 2 to rank 1, rank 1 sends 3 to rank 0 and
+  // none to itself):
+  //   at::Tensor in = at::randn({r == 0 ? 3 : 3, 4});
+  //   std::vector<int64_t> in_splits = r == 0 ? std::vector<int64_t>{1, 2} : std::vector<int64_t>{3, 0};
+  //   std::vector<int64_t> out_splits = r == 0 ? std::vector<int64_t>{1, 3} : std::vector<int64_t>{2, 0};
+  //   at::Tensor out = at::empty({r == 0 ? 4 : 2, 4});
+  //   world->all_to_all(out, in, out_splits, in_splits);
+  Work all_to_all(const at::Tensor& out, const at::Tensor& in, const std::vector<int64_t>& out_splits,
+                  const std::vector<int64_t>& in_splits, bool async_op = false);
   Work barrier(bool async_op = false);
 
  private:

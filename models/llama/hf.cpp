@@ -163,7 +163,7 @@ bool ignored_key(const std::string& name, const LlamaConfig& c) {
 
 // NaN or Inf in the loaded parameters: each rank looks at what it holds; a sharded model's ranks
 // add their flags up (one all-reduce over the world) so that every rank refuses the same tensor.
-void check_finite(LlamaImpl& model, const std::string& dir) {
+void check_finite(torch::nn::Module& model, const std::string& dir) {
   const auto params = model.named_parameters();
   at::Tensor flags = at::zeros({static_cast<int64_t>(params.size())}, at::kLong);
   bool sharded = false;
@@ -195,7 +195,15 @@ LlamaConfig read_hf_config(const std::string& dir) {
 
 void load_hf_weights(LlamaImpl& model, const std::string& dir, const HFLoadOptions& options) {
   const std::string config_path = (fs::path(dir) / "config.json").string();
-  check_config(read_hf_config(dir), model.config, config_path);
+  HFModelSpec spec;
+  spec.check_config = [&] { check_config(read_hf_config(dir), model.config, config_path); };
+  spec.ignored = [&](const std::string& name) { return ignored_key(name, model.config); };
+  load_hf_module(model, dir, spec, options);
+}
+
+void load_hf_module(torch::nn::Module& model, const std::string& dir, const HFModelSpec& spec,
+                    const HFLoadOptions& options) {
+  if (spec.check_config) spec.check_config();
   const Weights w = find_weights(dir);
 
   // Keys and shapes, all before a single weight is copied.
@@ -219,7 +227,7 @@ void load_hf_weights(LlamaImpl& model, const std::string& dir, const HFLoadOptio
                     ", not a float dtype (F32, BF16, F16); quantized weights are not supported");
   }
   for (const auto& [name, file] : w.file_of)
-    if (!wanted.count(name) && !ignored_key(name, model.config)) unexpected.push_back(name);
+    if (!wanted.count(name) && !(spec.ignored && spec.ignored(name))) unexpected.push_back(name);
   if (!missing.empty() || !unexpected.empty()) {
     std::vector<std::string> parts;
     if (!missing.empty()) parts.push_back(std::to_string(missing.size()) + " missing (" + some_keys(missing) + ")");
@@ -262,11 +270,12 @@ const char* dtype_name(const HFSaveOptions& options) { return options.dtype == a
 
 // Everything but the weights, into the export's temporary folder: config.json and the files
 // copied along (regular files only: a FIFO there is refused, never opened).
-void write_config_and_copies(detail::ExportFolder& folder, const LlamaConfig& config, const HFSaveOptions& options) {
+void write_config_and_copies(detail::ExportFolder& folder, const std::string& config_json,
+                             const HFSaveOptions& options) {
   const fs::path config_path = folder.dir() / "config.json";
   {
     std::ofstream out(config_path, std::ios::trunc);
-    out << config.to_json(dtype_name(options));
+    out << config_json;
     out.close();
     if (!out) throw HFExportError("cannot write " + config_path.string());
   }
@@ -427,7 +436,7 @@ std::vector<std::string> export_hf_from_checkpoint(const std::string& checkpoint
   detail::ExportFolder folder(dir, options.copy_from);
   std::vector<std::string> written;
   try {
-    write_config_and_copies(folder, config, options);
+    write_config_and_copies(folder, config.to_json(dtype_name(options)), options);
     write_checkpoint_weights(folder, reader, items, files, options.dtype);
     written = folder.commit(dtype_name(options));
   } catch (const HFError& e) {
@@ -442,6 +451,12 @@ std::vector<std::string> export_hf_from_checkpoint(const std::string& checkpoint
 
 std::vector<std::string> save_hf(LlamaImpl& model, const std::string& dir, const HFSaveOptions& options) {
   check_save_dtype(options);
+  return save_hf_module(model, model.config.to_json(dtype_name(options)), dir, options);
+}
+
+std::vector<std::string> save_hf_module(torch::nn::Module& model, const std::string& config_json,
+                                        const std::string& dir, const HFSaveOptions& options) {
+  check_save_dtype(options);
   const bool root = !fsdp::dist::is_initialized() || fsdp::dist::rank() == 0;
   // Rank 0: the destination checked, the temporary folder made, config.json and the copies.
   std::unique_ptr<detail::ExportFolder> folder;
@@ -450,7 +465,7 @@ std::vector<std::string> save_hf(LlamaImpl& model, const std::string& dir, const
     verdict =
         export_step(dir, nullptr, [&] { folder = std::make_unique<detail::ExportFolder>(dir, options.copy_from); });
     if (verdict.empty())
-      verdict = export_step(dir, folder.get(), [&] { write_config_and_copies(*folder, model.config, options); });
+      verdict = export_step(dir, folder.get(), [&] { write_config_and_copies(*folder, config_json, options); });
   }
   throw_verdict(agree(verdict));
   // Collective: gathered tensor by tensor, written by rank 0 (names are already transformers').

@@ -19,6 +19,7 @@
 #include <ATen/ATen.h>
 
 #include <cstdint>
+#include <functional>
 #include <map>
 #include <stdexcept>
 #include <string>
@@ -78,6 +79,23 @@ struct HFSaveOptions {
   // tokenizer_config.json, special_tokens_map.json), where present, are copied along; "" none.
   std::string copy_from;
 };
+
+// The same load and export for any model whose parameter names are the folder's keys (the other
+// families of models/: models/moe/hf_moe.h), with what is particular to the model given here.
+// Example (models/moe/hf_moe.cpp):
+//   HFModelSpec spec{.check_config = [&] { /* config.json against the model: throw HFError */ },
+//                    .ignored = [](const std::string& key) { return key.ends_with(".inv_freq"); }};
+//   load_hf_module(model, dir, spec);
+//   save_hf_module(model, config.to_json("float32"), "out", {.dtype = at::kFloat});
+struct HFModelSpec {
+  std::function<void()> check_config;                   // called first; throws HFError; null: none
+  std::function<bool(const std::string& key)> ignored;  // a folder key that is not a parameter; null: none
+};
+void load_hf_module(torch::nn::Module& model, const std::string& dir, const HFModelSpec& spec,
+                    const HFLoadOptions& options = {});
+// save_hf with config.json's text given (its torch_dtype the one options.dtype names).
+std::vector<std::string> save_hf_module(torch::nn::Module& model, const std::string& config_json,
+                                        const std::string& dir, const HFSaveOptions& options = {});
 
 // The marker every export writes into its folder: one line of JSON ({"format": "fsdp-hf-export",
 // ...}). A destination holding it and nothing but the files an export writes is an earlier export,

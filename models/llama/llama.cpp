@@ -81,6 +81,10 @@ LlamaAttentionImpl::LlamaAttentionImpl(const LlamaConfig& c)
   k_proj = register_module("k_proj", Linear(H, kv_heads * d, c.qkv_bias(), c.device));
   v_proj = register_module("v_proj", Linear(H, kv_heads * d, c.qkv_bias(), c.device));
   o_proj = register_module("o_proj", Linear(heads * d, H, c.o_bias(), c.device));
+  if (c.qk_norm) {
+    q_norm = register_module("q_norm", RMSNorm(d, c.rms_norm_eps, c.device));
+    k_norm = register_module("k_norm", RMSNorm(d, c.rms_norm_eps, c.device));
+  }
 }
 
 torch::Tensor LlamaAttentionImpl::forward(const torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& sin) {
@@ -88,8 +92,14 @@ torch::Tensor LlamaAttentionImpl::forward(const torch::Tensor& x, const torch::T
   // of the heads (and of the KV heads, in the same proportion).
   const int64_t B = x.size(0), T = x.size(1), d = head_dim;
   auto heads_of = [&](const torch::Tensor& t) { return t.view({B, T, t.size(2) / d, d}).transpose(1, 2); };
-  auto q = apply_rope(heads_of(fsdp::call(q_proj, x)), cos, sin);
-  auto k = apply_rope(heads_of(fsdp::call(k_proj, x)), cos, sin);
+  auto q = heads_of(fsdp::call(q_proj, x));
+  auto k = heads_of(fsdp::call(k_proj, x));
+  if (q_norm) {  // over head_dim, as transformers' Qwen3 before its transpose
+    q = fsdp::call(q_norm, q);
+    k = fsdp::call(k_norm, k);
+  }
+  q = apply_rope(q, cos, sin);
+  k = apply_rope(k, cos, sin);
   auto v = heads_of(fsdp::call(v_proj, x));
   const int64_t n_rep = q.size(1) / k.size(1);
   torch::Tensor y;

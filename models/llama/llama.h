@@ -53,6 +53,7 @@ struct LlamaAttentionImpl : torch::nn::Module {
   // x [B, T, hidden], cos/sin [T, head_dim]
   torch::Tensor forward(const torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& sin);
   Linear q_proj{nullptr}, k_proj{nullptr}, v_proj{nullptr}, o_proj{nullptr};
+  RMSNorm q_norm{nullptr}, k_norm{nullptr};  // config.qk_norm only (Qwen3): per head, before the rotation
   int64_t head_dim, heads, kv_heads;
   bool fused = false;  // config.fused_attention && this LibTorch has the fused op
 };

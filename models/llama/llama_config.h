@@ -43,9 +43,12 @@ struct LlamaConfig {
   double rope_high_freq_factor = 4.0;
   int64_t rope_original_max_position_embeddings = 8192;
   int64_t max_position_embeddings = 2048;
-  bool tie_word_embeddings = false;     // lm_head uses model.embed_tokens.weight (no lm_head.weight)
-  bool attention_bias = false;          // q/k/v biases (Llama: o_proj too; Qwen2: always, o_proj never)
-  bool mlp_bias = false;                // gate/up/down biases
+  bool tie_word_embeddings = false;  // lm_head uses model.embed_tokens.weight (no lm_head.weight)
+  bool attention_bias = false;       // q/k/v biases (Llama: o_proj too; Qwen2: always, o_proj never)
+  bool mlp_bias = false;             // gate/up/down biases
+  // RMSNorm of each query and key head before the rotation (self_attn.q_norm / k_norm, [head_dim]):
+  // Qwen3's attention. Not a field of config.json: the architectures that have it (models/moe) set it.
+  bool qk_norm = false;
   std::string torch_dtype = "float32";  // the dtype the weights were saved in, as written
   double initializer_range = 0.02;      // std of reset_parameters' normal init
   // Fields this model does not interpret (token ids, ...), as JSON text, written back on export.

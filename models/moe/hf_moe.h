@@ -1,0 +1,42 @@
+#pragma once
+// Hugging Face folders for the mixture-of-experts decoders (MixtralForCausalLM,
+// Qwen3MoeForCausalLM): config.json read and refused as the Llama family's is, weights loaded
+// into a (sharded) MoECausalLM with each rank reading only the rows it holds (and only its
+// experts when it holds a range of them), and a live model written back in the Hub's layout
+// (one tensor per expert) through models/llama/hf.h's export (temporary folder, commit by rename).
+//
+// Example:
+//   auto c = fsdp::models::read_moe_config("Mixtral");   // refuses what the model cannot honour
+//   c.base.device = torch::kMeta;
+//   fsdp::models::MoECausalLM model(c);
+//   for (auto& layer : model->layers()) fsdp::fully_shard(layer);
+//   fsdp::fully_shard(model);
+//   fsdp::to_empty(*model, torch::kCPU);
+//   fsdp::models::load_moe_weights(*model, "Mixtral");
+//   ... train ...
+//   fsdp::models::save_moe_hf(*model, "out", {.dtype = at::kBFloat16});   // collective
+#include <string>
+#include <vector>
+
+#include "models/llama/hf.h"
+#include "models/moe/moe.h"
+
+namespace fsdp::models {
+
+// Whether <dir>/config.json names a mixture-of-experts architecture this folder supports.
+bool is_moe_folder(const std::string& dir);
+
+// <dir>/config.json as a MoEConfig: an architecture other than MixtralForCausalLM or
+// Qwen3MoeForCausalLM, or a field the model cannot honour, refused in one line (MoEConfigError).
+MoEConfig read_moe_config(const std::string& dir);
+
+// load_hf_weights' checks and copy (models/llama/hf.h) for a MoE model: config.json must describe
+// the model (architecture, sizes, experts, top k, dense layers), keys and shapes must match, and
+// the experts this process does not hold (MoEConfig::local_experts_*) are neither read nor missed.
+void load_moe_weights(MoECausalLMImpl& model, const std::string& dir, const HFLoadOptions& options = {});
+
+// save_hf for a MoE model (collective; the same destination rules, files and errors). The model
+// must hold every expert (an expert-parallel export gathers them first).
+std::vector<std::string> save_moe_hf(MoECausalLMImpl& model, const std::string& dir, const HFSaveOptions& options = {});
+
+}  // namespace fsdp::models

@@ -230,8 +230,8 @@ inline std::string g_program = "benchmark", g_usage;
   std::exit(2);
 }
 
-// A benchmark's options: "--name value" pairs and value-less flags, each bound to a variable.
-// Unknown options, a missing value and a value that is not an integer where one is wanted are
+// A benchmark's options: "--name value" pairs and value-less flags, each bound to a variable;
+// --help prints the usage (exit 0). Unknown options, a missing value and a value that is not an integer where one is wanted are
 // refused with one line naming the option (bad_input). Constructing it names the program.
 class Args {
  public:
@@ -267,9 +267,14 @@ class Args {
     });
   }
 
+  // --help (or -h) prints the usage and exits 0; bad input exits 2 (bad_input).
   void parse(int argc, char** argv) const {
     for (int i = 1; i < argc; ++i) {
       const std::string a = argv[i];
+      if (a == "--help" || a == "-h") {
+        std::printf("%s\n", g_usage.c_str());
+        std::exit(0);
+      }
       if (auto f = flags_.find(a); f != flags_.end()) {
         f->second();
         continue;
@@ -303,6 +308,29 @@ class Args {
   std::map<std::string, std::function<void()>> flags_;
   std::map<std::string, std::function<void(const std::string&)>> options_;
 };
+
+// A program with modes: "--mode M" (M one of `modes`, the first the default) taken out of argv, so
+// that the mode's own Args parse the rest; returns M. Call it after tune_cpu_or_reexec, which
+// re-executes the whole command line. A missing or unknown M is bad input naming the modes.
+inline std::string take_mode(int& argc, char** argv, const std::string& program, const std::vector<std::string>& modes) {
+  std::string names;
+  for (const auto& m : modes) names += (names.empty() ? "" : "|") + m;
+  g_program = program;
+  g_usage = "usage: " + program + " [--mode " + names + "] ... (" + program + " [--mode M] --help: its options)";
+  std::string mode = modes.front();
+  for (int i = 1; i < argc; ++i) {
+    if (std::string(argv[i]) != "--mode") continue;
+    if (i + 1 >= argc) bad_input("missing value for --mode");
+    mode = argv[i + 1];
+    for (int j = i; j + 2 <= argc; ++j) argv[j] = argv[j + 2];  // argv[argc] is the null pointer
+    argc -= 2;
+    break;
+  }
+  if (std::find(modes.begin(), modes.end(), mode) == modes.end()) {
+    bad_input("--mode takes " + names + ", got '" + mode + "'");
+  }
+  return mode;
+}
 
 // --malloc: how glibc's malloc is set in a benchmark's processes (fsdp/debug/malloc_tuning.h).
 enum class MallocPolicy {

@@ -35,8 +35,31 @@ __attribute__((noinline)) void flight_cycles(fsdp::comm::FlightRecorder& fr, con
   }
 }
 
+constexpr const char* kUsage =
+    "usage: flight_recorder_bench [N]   (N collectives timed, default 100000; under valgrind --tool=callgrind "
+    "--toggle-collect='*flight_cycles*' for instructions)";
+
+// The command line: [N], a positive number of cycles; --help prints the usage (exit 0), anything
+// else is one line naming it and the usage (exit 2).
+int cycles_from(int argc, char** argv) {
+  if (argc < 2) return 100000;
+  const std::string a = argv[1];
+  if (a == "--help" || a == "-h") {
+    std::printf("%s\n", kUsage);
+    std::exit(0);
+  }
+  char* end = nullptr;
+  const long n = std::strtol(a.c_str(), &end, 10);
+  if (argc > 2 || a.empty() || *end != '\0' || n < 1 || n > 1000000000) {
+    std::fprintf(stderr, "flight_recorder_bench: N must be a whole number of cycles from 1 to 10^9, got '%s'\n%s\n",
+                 argc > 2 ? argv[2] : a.c_str(), kUsage);
+    std::exit(2);
+  }
+  return static_cast<int>(n);
+}
+
 int main(int argc, char** argv) {
-  const int n = argc > 1 ? std::atoi(argv[1]) : 100000;
+  const int n = cycles_from(argc, argv);
   fsdp::comm::FlightRecorder fr(2000);
   // Two groups, as FSDP + HSDP have; the hot one registered first (the worst case of the search).
   const std::string world = "world", shard = "shard";

@@ -408,47 +408,30 @@ int run_load(const Options& o) {
   return hwm <= bound ? 0 : 3;
 }
 
-int run_train(const Options& o) {
-  fsdp_bench::apply_malloc_policy(o.malloc);  // before any tensor
+// The training run's process settings, before any tensor: --malloc, --trim-after-backward.
+void set_up_train_process(const Options& o) {
+  fsdp_bench::apply_malloc_policy(o.malloc);
   if (o.trim_after_backward) {
     auto pool = fsdp::buffer_pool_options();
     pool.trim_after_backward = true;
     fsdp::set_buffer_pool_options(pool);
   }
-  const auto place = fsdp_bench::join_world(!o.plain);
-  MemoryTimeline mem(o.memory, o.timeline, place.rank);
-  mem.begin(-1, kSetup);
-  const LlamaConfig config = config_of(o);
-  Llama model{nullptr};
-  fsdp_bench::Stopwatch setup;
-  const int64_t params = build(model, config, o.plain, o.ac, o.wrap == "split");
-  fsdp::to_empty(*model, torch::kCPU);
-  if (o.hf.empty())
-    model->reset_parameters();  // fsdp::init: the same values at any world size
-  else
-    fsdp::models::load_hf_weights(*model, o.hf);
-  const double setup_s = setup.wall();
-  torch::optim::AdamW opt(model->parameters(), torch::optim::AdamWOptions(std::stod(o.lr)));
-  auto state = [&] { return fsdp_bench::state_bytes(*model, opt); };
-  mem.end(state());
-  auto gen = fsdp_bench::token_stream(place.rank);
-  auto next = [&] { return at::randint(config.vocab_size, {o.batch, o.seq + 1}, gen, at::kLong); };
-  const at::Tensor fixed = next();
-  if (place.rank == 0)
-    std::printf(
-        "llama_scale_bench train: %s; %s; seq %lld, batch %lld per rank, fp32, %s attention%s, AdamW lr %s; "
-        "%s batch; setup %.1f s; malloc %s, wrap %s%s\n",
-        describe(config, params).c_str(),
-        o.plain ? "one process" : ("FSDP " + std::to_string(place.world) + " ranks").c_str(), (long long)o.seq,
-        (long long)o.batch, model->layers()[0]->self_attn->fused ? "fused" : "written-out",
-        o.ac ? ", activation checkpointing every layer" : "", o.lr.c_str(),
-        o.fixed_batch ? "the same" : "a fresh random", setup_s, fsdp_bench::malloc_policy_name(o.malloc),
-        o.wrap.c_str(), o.trim_after_backward ? ", pool trimmed after backward" : "");
-  std::vector<double> times;
-  // Where a measured step's time goes on this rank: forward + loss, backward, optimizer step (the
-  // rest: zero_grad, the trim, loss.item()); medians over the measured steps.
-  std::vector<double> forward_s, backward_s, optimizer_s;
+}
+
+// What the measured steps took on this rank: the step and its parts (forward + loss, backward,
+// optimizer step; the rest: zero_grad, the trim, loss.item()), and the losses.
+struct TrainTimes {
+  std::vector<double> times, forward_s, backward_s, optimizer_s;
   double first_loss = NAN, last_loss = NAN;
+};
+
+// --warmup + --steps steps on `next()`'s batches (or the first one, --fixed-batch), each part timed
+// and its memory phase marked; rank 0 prints each step's loss, time and peak RSS.
+TrainTimes train_loop(const Options& o, Llama& model, torch::optim::AdamW& opt, MemoryTimeline& mem, int rank,
+                      const std::function<at::Tensor()>& next) {
+  auto state = [&] { return fsdp_bench::state_bytes(*model, opt); };
+  const at::Tensor fixed = next();
+  TrainTimes t;
   for (int64_t s = 0; s < o.warmup + o.steps; ++s) {
     const at::Tensor data = o.fixed_batch ? fixed : next();
     if (s == o.warmup) fsdp::reset_phase_timers();  // FSDP_PHASE_TIMERS=1: the measured steps only
@@ -475,28 +458,36 @@ int run_train(const Options& o) {
     mem.end(state());
     const double value = loss.item<double>();
     const double wall = step.wall();
-    if (std::isnan(first_loss)) first_loss = value;
-    last_loss = value;
+    if (std::isnan(t.first_loss)) t.first_loss = value;
+    t.last_loss = value;
     if (s >= o.warmup) {
-      times.push_back(wall);
-      forward_s.push_back(forward_wall);
-      backward_s.push_back(backward_wall);
-      optimizer_s.push_back(optimizer_wall);
+      t.times.push_back(wall);
+      t.forward_s.push_back(forward_wall);
+      t.backward_s.push_back(backward_wall);
+      t.optimizer_s.push_back(optimizer_wall);
     }
-    if (place.rank == 0) {
+    if (rank == 0) {
       std::printf("step %lld%s: loss %.4f, %.2f s, peak RSS %.2f GiB\n", (long long)s, s < o.warmup ? " (warm-up)" : "",
                   value, wall, gib(mem.on() ? mem.peak() : fsdp_bench::vm_hwm_bytes()));
       std::fflush(stdout);
     }
   }
+  return t;
+}
+
+// Each rank's summary in turn (median step and parts, losses, peak RSS, FSDP's phases, the memory
+// timeline's table), then rank 0's result line (--result).
+void report_train(const Options& o, const TrainTimes& t, MemoryTimeline& mem, fsdp_bench::Place place,
+                  int64_t params) {
   const double hwm = mem.on() ? mem.peak() : fsdp_bench::vm_hwm_bytes();
   if (!o.plain) barrier();
   for (int r = 0; r < place.world; ++r) {
     if (r == place.rank) {
       std::printf("rank %d: median step %.3f s, first loss %.4f, last loss %.4f, peak RSS (VmHWM) %.3f GiB\n", r,
-                  fsdp_bench::median(times), first_loss, last_loss, gib(hwm));
+                  fsdp_bench::median(t.times), t.first_loss, t.last_loss, gib(hwm));
       std::printf("rank %d: median forward + loss %.3f s, backward %.3f s, optimizer step %.3f s\n", r,
-                  fsdp_bench::median(forward_s), fsdp_bench::median(backward_s), fsdp_bench::median(optimizer_s));
+                  fsdp_bench::median(t.forward_s), fsdp_bench::median(t.backward_s),
+                  fsdp_bench::median(t.optimizer_s));
       if (!o.plain && fsdp::phase_timers_enabled())
         std::printf("rank %d: FSDP's phases over the measured steps:\n%s", r,
                     fsdp::phase_times().table(static_cast<int>(o.steps)).c_str());
@@ -505,16 +496,48 @@ int run_train(const Options& o) {
     }
     if (!o.plain) barrier();
   }
-  if (place.rank == 0 && !o.result.empty()) {
-    std::ofstream out(o.result, std::ios::app);
-    char line[384];
-    std::snprintf(line, sizeof(line),
-                  "median_step_s %.6f first_loss %.6f last_loss %.6f params %lld world %d peak_rss_bytes %.0f "
-                  "forward_s %.6f backward_s %.6f optimizer_s %.6f\n",
-                  fsdp_bench::median(times), first_loss, last_loss, (long long)params, place.world, hwm,
-                  fsdp_bench::median(forward_s), fsdp_bench::median(backward_s), fsdp_bench::median(optimizer_s));
-    out << line;
-  }
+  if (place.rank != 0 || o.result.empty()) return;
+  std::ofstream out(o.result, std::ios::app);
+  char line[384];
+  std::snprintf(line, sizeof(line),
+                "median_step_s %.6f first_loss %.6f last_loss %.6f params %lld world %d peak_rss_bytes %.0f "
+                "forward_s %.6f backward_s %.6f optimizer_s %.6f\n",
+                fsdp_bench::median(t.times), t.first_loss, t.last_loss, (long long)params, place.world, hwm,
+                fsdp_bench::median(t.forward_s), fsdp_bench::median(t.backward_s), fsdp_bench::median(t.optimizer_s));
+  out << line;
+}
+
+int run_train(const Options& o) {
+  set_up_train_process(o);
+  const auto place = fsdp_bench::join_world(!o.plain);
+  MemoryTimeline mem(o.memory, o.timeline, place.rank);
+  mem.begin(-1, kSetup);
+  const LlamaConfig config = config_of(o);
+  Llama model{nullptr};
+  fsdp_bench::Stopwatch setup;
+  const int64_t params = build(model, config, o.plain, o.ac, o.wrap == "split");
+  fsdp::to_empty(*model, torch::kCPU);
+  if (o.hf.empty())
+    model->reset_parameters();  // fsdp::init: the same values at any world size
+  else
+    fsdp::models::load_hf_weights(*model, o.hf);
+  const double setup_s = setup.wall();
+  torch::optim::AdamW opt(model->parameters(), torch::optim::AdamWOptions(std::stod(o.lr)));
+  mem.end(fsdp_bench::state_bytes(*model, opt));
+  auto gen = fsdp_bench::token_stream(place.rank);
+  auto next = [&] { return at::randint(config.vocab_size, {o.batch, o.seq + 1}, gen, at::kLong); };
+  if (place.rank == 0)
+    std::printf(
+        "llama_scale_bench train: %s; %s; seq %lld, batch %lld per rank, fp32, %s attention%s, AdamW lr %s; "
+        "%s batch; setup %.1f s; malloc %s, wrap %s%s\n",
+        describe(config, params).c_str(),
+        o.plain ? "one process" : ("FSDP " + std::to_string(place.world) + " ranks").c_str(), (long long)o.seq,
+        (long long)o.batch, model->layers()[0]->self_attn->fused ? "fused" : "written-out",
+        o.ac ? ", activation checkpointing every layer" : "", o.lr.c_str(),
+        o.fixed_batch ? "the same" : "a fresh random", setup_s, fsdp_bench::malloc_policy_name(o.malloc),
+        o.wrap.c_str(), o.trim_after_backward ? ", pool trimmed after backward" : "");
+  const TrainTimes t = train_loop(o, model, opt, mem, place.rank, next);
+  report_train(o, t, mem, place, params);
   if (!o.plain) fsdp::dist::destroy_distributed();
   return 0;
 }

@@ -4,10 +4,10 @@
 # figures are each "the median of at least 7 alternating pairs, with its min-max"; this makes them
 # from one command that docs/benchmarks.md can quote.
 #
-#   benchmarks/bench_pairs.sh [--pairs 7] [--build build] VAR=A,B[,...] -- BENCH_ARGS...
+#   scripts/bench_pairs.sh [--pairs 7] [--build build] VAR=A,B[,...] -- BENCH_ARGS...
 #
 #   # FSDP against its transport floor, ranks bound to cores or not (the 3.3M GPT):
-#   benchmarks/bench_pairs.sh --pairs 7 FSDP_CPU_BIND=cores,none -- \
+#   scripts/bench_pairs.sh --pairs 7 FSDP_CPU_BIND=cores,none -- \
 #       --rows single,fsdp --rounds 3 --steps 10 --warmup 2 --malloc default --cpu-split on
 #
 # Figures taken from each run's output, per distributed row NAME (FSDP, replicate, ...):
@@ -21,7 +21,7 @@
 set -euo pipefail
 PAIRS=7 BUILD=build SETTING=
 usage() {
-  echo "usage: benchmarks/bench_pairs.sh [--pairs N] [--build DIR] VAR=A,B[,...] -- BENCH_ARGS..." >&2
+  echo "usage: scripts/bench_pairs.sh [--pairs N] [--build DIR] VAR=A,B[,...] -- BENCH_ARGS..." >&2
   exit 2
 }
 while (($#)); do

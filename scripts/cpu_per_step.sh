@@ -4,7 +4,7 @@
 # kernel's loopback copies on their behalf), from getrusage of the launcher's children
 # (/usr/bin/time), as the difference of an S1-step and an S2-step run (start-up cancels out).
 #
-#   benchmarks/cpu_per_step.sh [BUILD_DIR] [ROUNDS]        env: S1=3 S2=9 WARMUP=2 NPROC=2
+#   scripts/cpu_per_step.sh [BUILD_DIR] [ROUNDS]        env: S1=3 S2=9 WARMUP=2 NPROC=2
 #                                                          BENCH_ARGS="--layers 4 --dim 256 ..."
 #
 # Rows (bench's GPT, global batch 8 unless BENCH_ARGS says otherwise, one thread per rank):
@@ -37,7 +37,7 @@ cpu() {
     single) cmd=(env OMP_NUM_THREADS=1 "$BENCH" --role single "${common[@]}") ;;
     world) cmd=(env OMP_NUM_THREADS=1 "$BENCH" --role fsdp "${common[@]}") ;;
     fsdp) cmd=("$FSDPRUN" --nproc-per-node "$NPROC" --master-port 0 -- "$BENCH" --role fsdp "${common[@]}") ;;
-    replicate) cmd=("$FSDPRUN" --nproc-per-node "$NPROC" --master-port 0 -- "$BENCH" --role fsdp --mode replicate "${common[@]}") ;;
+    replicate) cmd=("$FSDPRUN" --nproc-per-node "$NPROC" --master-port 0 -- "$BENCH" --role fsdp --parallel replicate "${common[@]}") ;;
   esac
   /usr/bin/time -f "%U %S" -o "$TMP/t" "${cmd[@]}" >"$TMP/log" 2>&1 ||
     { tail -n 20 "$TMP/log" >&2; echo "cpu_per_step: the $row run failed" >&2; exit 1; }

@@ -10,9 +10,9 @@
 # ROWS: space-separated NAME:LAYERS:DIM:HEADS:SEQ:BATCH_PER_RANK:RANKS entries (default: bench's
 # GPT at 2 ranks, "3M:4:256:4:128:4:2"); --rows all adds ~3M at 3 and 4 ranks, ~25M and ~85M at 2.
 # Per row and round: ours one process (the per-rank share: the limit), ours FSDP (fsdprun + bench
-# --role fsdp), theirs one process, theirs FSDP2 (benchmarks/fsdp2_cpu_bench.py). Every run gets
+# --role fsdp), theirs one process, theirs FSDP2 (benchmarks/fsdp2_bench.py cpu). Every run gets
 # OMP_NUM_THREADS = cores / ranks. Prints median step times and the ratios. --ddp adds, per round,
-# our replicate (bench --mode replicate) and PyTorch's DistributedDataParallel on the same work,
+# our replicate (bench --parallel replicate) and PyTorch's DistributedDataParallel on the same work,
 # and a second table with them and replicate's transport floor (bench's transport_floor: its
 # all-reduces of a step replayed alone; the best ours / theirs that transport allows). It also builds and runs
 # tests/models/test_attention (fused attention against the written-out one) against that LibTorch.
@@ -119,14 +119,14 @@ for row in $ROWS; do
     run_side env OMP_NUM_THREADS="$threads" timeout 3600 "$BUILD/bin/bench" --role single --result "$out/ours_single" "${ours_shape[@]}"
     run_side env OMP_NUM_THREADS="$threads" "${OURS_BIND[@]}" timeout 3600 "$BUILD/bin/fsdprun" --nproc-per-node "$nproc" --master-port 0 -- \
       "$BUILD/bin/bench" --role fsdp --result "$out/ours_fsdp" "${ours_shape[@]}" >/dev/null
-    run_side env OMP_NUM_THREADS="$threads" timeout 3600 python3 /src/benchmarks/fsdp2_cpu_bench.py --role single \
+    run_side env OMP_NUM_THREADS="$threads" timeout 3600 python3 /src/benchmarks/fsdp2_bench.py cpu --role single \
       --threads "$threads" --result "$out/theirs_single" "${shape[@]}"
-    run_side env OMP_NUM_THREADS="$threads" timeout 3600 python3 /src/benchmarks/fsdp2_cpu_bench.py --role fsdp2 \
+    run_side env OMP_NUM_THREADS="$threads" timeout 3600 python3 /src/benchmarks/fsdp2_bench.py cpu --role fsdp2 \
       --threads "$threads" "${THEIRS_BIND[@]}" --result "$out/theirs_fsdp" "${shape[@]}"
     if ((DDP)); then
       run_side env OMP_NUM_THREADS="$threads" "${OURS_BIND[@]}" timeout 3600 "$BUILD/bin/fsdprun" --nproc-per-node "$nproc" --master-port 0 -- \
-        "$BUILD/bin/bench" --role fsdp --mode replicate --floor-steps "$STEPS" --result "$out/ours_ddp" "${ours_shape[@]}" >/dev/null
-      run_side env OMP_NUM_THREADS="$threads" timeout 3600 python3 /src/benchmarks/fsdp2_cpu_bench.py --role ddp \
+        "$BUILD/bin/bench" --role fsdp --parallel replicate --floor-steps "$STEPS" --result "$out/ours_ddp" "${ours_shape[@]}" >/dev/null
+      run_side env OMP_NUM_THREADS="$threads" timeout 3600 python3 /src/benchmarks/fsdp2_bench.py cpu --role ddp \
         --bucket-mb "$BUCKET_MB" --threads "$threads" "${THEIRS_BIND[@]}" --result "$out/theirs_ddp" "${shape[@]}"
     fi
   done

@@ -12,7 +12,7 @@
 #   launcher             fsdprun itself
 # "(kernel)" marks samples taken in the kernel (socket copies, page faults).
 #
-#   benchmarks/fsdp_cpu_profile.sh [BUILD_DIR] [fsdp|replicate]   env: STEPS=6 NPROC=2 BENCH_ARGS
+#   scripts/fsdp_cpu_profile.sh [BUILD_DIR] [fsdp|replicate]   env: STEPS=6 NPROC=2 BENCH_ARGS
 set -euo pipefail
 BUILD="${1:-build}" MODE="${2:-fsdp}"
 STEPS="${STEPS:-6}" NPROC="${NPROC:-2}"
@@ -23,7 +23,7 @@ trap 'rm -rf "$TMP"' EXIT
 EXTRA=(${BENCH_ARGS:-})
 echo "fsdp_cpu_profile: $MODE, $NPROC ranks, 1 + $STEPS steps; load average $(cut -d' ' -f1-3 /proc/loadavg)"
 perf record -q -F 499 -e cpu-clock --call-graph dwarf,32768 -o "$TMP/p" -- \
-  "$BUILD/bin/fsdprun" --nproc-per-node "$NPROC" --master-port 0 -- "$BUILD/bin/bench" --role fsdp --mode "$MODE" \
+  "$BUILD/bin/fsdprun" --nproc-per-node "$NPROC" --master-port 0 -- "$BUILD/bin/bench" --role fsdp --parallel "$MODE" \
   --steps "$STEPS" --warmup 1 --nproc "$NPROC" "${EXTRA[@]}" >"$TMP/log" 2>&1 ||
   { tail -n 20 "$TMP/log" >&2; echo "fsdp_cpu_profile: the run failed under perf" >&2; exit 1; }
 perf script -i "$TMP/p" -F comm,pid,tid,ip,sym 2>/dev/null >"$TMP/s"

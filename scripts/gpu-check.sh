@@ -11,7 +11,7 @@
 # target, niced and under the shared build lock (/tmp/fsdp-build.lock), then puts in DIR: the
 # stripped binaries (bin/), the shared libraries they need beyond torch's own and the system's
 # (lib/; libstdc++ and libgcc_s in lib/fallback/, used only when the machine's are older), this
-# script, benchmarks/fsdp2_gpu_bench.py, scripts/trace_summary.py and stamp.txt (torch and CUDA
+# script, benchmarks/fsdp2_bench.py, scripts/trace_summary.py and stamp.txt (torch and CUDA
 # versions, commit). DIR must be inside the repository and git-ignored (.gpu-deps is); copy it to
 # the GPU machine beside the checkout. Its size is printed; over 60 MiB fails.
 #
@@ -130,7 +130,7 @@ prepare() {
     [ -f "$dir/lib/fallback/$lib" ] || cp -L "$(g++ -print-file-name="$lib")" "$dir/lib/fallback/" 2>/dev/null || true
   done
   cp "$SELF" "$dir/gpu-check.sh" && chmod +x "$dir/gpu-check.sh"
-  cp benchmarks/fsdp2_gpu_bench.py scripts/trace_summary.py "$dir/"
+  cp benchmarks/fsdp2_bench.py scripts/trace_summary.py "$dir/"
   {
     echo "torch=$torch_version"
     echo "cuda=$torch_cuda"
@@ -306,7 +306,7 @@ run_check() {
   done
   if [ "$bench" = 1 ] && [ "$GPU_LINE" != none ]; then
     step "GPU benchmark (LibTorch, fully_shard)" 50 -- "$DIR/bin/gpu_bench" --steps 10 --warmup 3 --rounds 1
-    step "GPU benchmark (PyTorch FSDP2)" 35 -- "$py" "$DIR/fsdp2_gpu_bench.py" --steps 10 --warmup 3
+    step "GPU benchmark (PyTorch FSDP2)" 35 -- "$py" "$DIR/fsdp2_bench.py" gpu --steps 10 --warmup 3
   fi
   if [ "$bench" = 1 ] && [ "$GPU_LINE" != none ] && [ -x "$DIR/bin/train_gpt" ]; then
     # One traced step of gpu_bench's model: what each FSDP phase issues ([Note: one copy kernel per unit]).

@@ -4,7 +4,7 @@
 # LibTorch), same shape, per-rank batch, fp32, fused attention (sdpa) and threads, inside the sid
 # chroot that scripts/libtorch2-check.sh makes. By hand, never in CI (a step is seconds).
 #
-#   benchmarks/llama-fsdp2-compare.sh [--rounds 3] [--steps 3] [--warmup 1] [--nproc 2]
+#   scripts/llama-fsdp2-compare.sh [--rounds 3] [--steps 3] [--warmup 1] [--nproc 2]
 #       [--shape "12 768 12 4 2048 32000"] [--seq 256] [--batch 2] [--wrap layers|split]
 #
 # --shape: layers, hidden, heads, KV heads, intermediate, vocabulary (default: the ~100M Llama of
@@ -12,7 +12,7 @@
 # the rest in the root's; split: also the embedding and [norm, lm_head], torchtitan's). Each round
 # runs, in turn: ours one process (one rank's batch: the limit), ours FSDP (fsdprun +
 # llama_scale_bench --role train), theirs one process, theirs FSDP2
-# (benchmarks/llama_fsdp2_bench.py); every run gets OMP_NUM_THREADS = cores / nproc. Prints each
+# (benchmarks/fsdp2_bench.py llama); every run gets OMP_NUM_THREADS = cores / nproc. Prints each
 # round's step times and the medians over rounds, with ours / theirs and the FSDP / one-process
 # ratios, and each side's median forward / backward / optimizer seconds. Builds llama_scale_bench and fsdprun in /build-torch2 (the chroot's build folder of
 # libtorch2-check.sh) under /tmp/fsdp-build.lock.
@@ -78,9 +78,9 @@ for ((r = 0; r < ROUNDS; ++r)); do
   run "$BUILD/bin/fsdprun" --nproc-per-node "$NPROC" --master-port 0 -- \
     "$BUILD/bin/llama_scale_bench" --role train --wrap "$WRAP" --result "$OUT/ours_fsdp" "${common[@]}" |
     awk '/^rank 0:/ { p = 1 } /^rank [1-9]/ { p = 0 } p' || true
-  run python3 /src/benchmarks/llama_fsdp2_bench.py --role single --nproc "$NPROC" --threads "$THREADS" \
+  run python3 /src/benchmarks/fsdp2_bench.py llama --role single --nproc "$NPROC" --threads "$THREADS" \
     --result "$OUT/theirs_single" "${common[@]}"
-  run python3 /src/benchmarks/llama_fsdp2_bench.py --role fsdp2 --nproc "$NPROC" --threads "$THREADS" \
+  run python3 /src/benchmarks/fsdp2_bench.py llama --role fsdp2 --nproc "$NPROC" --threads "$THREADS" \
     --wrap "$WRAP" --result "$OUT/theirs_fsdp" "${common[@]}"
 done
 in_chroot python3 - "$OUT" "$NPROC" <<'EOF'

@@ -4,7 +4,7 @@ each way, REPS times (what a 2-rank all-gather or reduce-scatter does), over TCP
 (Gloo's only transport between processes on one host) and, for comparison, a Unix socket pair.
 Prints each process's CPU (user + system, all threads) per MB exchanged.
 
-    python3 benchmarks/loopback_cost.py [MB] [REPS]        # default 20 MB x 20
+    python3 scripts/loopback_cost.py [MB] [REPS]        # default 20 MB x 20
 
 Standard library only. bench's "transport floor" line measures the same through Gloo itself
 (FSDP's own collectives replayed); this script says how much of that is the kernel's.

@@ -6,8 +6,8 @@
 //   fsdp-ckpt consolidate DIR OUT [--max-shard-size 5GB] [--all]   one safetensors file or a
 //                                       Hugging Face sharded index, one tensor in memory at a time
 //   fsdp-ckpt diff DIR1 DIR2 [--atol X] per-tensor max absolute difference
-//   fsdp-ckpt export-hf DIR OUT [--dtype fp32|bf16] [--max-shard-size 5GB]   a Llama run's
-//                                       checkpoint as a Hugging Face folder (its recorded config.json)
+//   fsdp-ckpt export-hf DIR OUT [--dtype fp32|bf16] [--max-shard-size 5GB]   a checkpoint
+//                                       as a Hugging Face folder (the architecture it records: spec.h)
 //
 // Exit status: 0 success (verify: intact; diff: no tensor differs beyond --atol), 1 the
 // checkpoint is damaged or unreadable (verify, describe, consolidate) or the checkpoints differ
@@ -25,6 +25,7 @@
 #include <cstdio>
 #include <filesystem>
 #include <map>
+#include <optional>
 #include <regex>
 #include <string>
 #include <vector>
@@ -32,6 +33,7 @@
 #include "fsdp/checkpoint/inspect.h"
 #include "fsdp/checkpoint/safetensors.h"
 #include "models/llama/hf.h"
+#include "spec.h"
 
 namespace {
 
@@ -231,15 +233,37 @@ int diff(const std::string& a, const std::string& b, double atol, bool all) {
   return report.same() ? kOk : kFailed;
 }
 
+// The architecture comes from what the checkpoint records (train_gpt's spec registry, spec.h):
+// its spec writes the folder, or says it has no Hugging Face form.
 int export_hf(const std::string& dir, const std::string& out, const std::string& dtype,
               const std::string& max_shard_size) {
-  fsdp::models::HFSaveOptions options;
-  options.dtype = dtype == "bf16" ? at::kBFloat16 : at::kFloat;
-  if (!max_shard_size.empty()) options.max_shard_size = parse_size(max_shard_size);
+  train_gpt::HFExportOptions options;
+  options.bf16 = dtype == "bf16";
+  if (!max_shard_size.empty()) options.max_shard_bytes = parse_size(max_shard_size);
+  try {
+    fsdp::models::check_hf_export_dir(out);  // the destination first: refused before reading anything
+  } catch (const fsdp::models::HFError& e) {
+    std::fprintf(stderr, "fsdp-ckpt: error: %s\n", e.what());
+    return kUsage;
+  }
+  std::optional<train_gpt::RecordedModel> recorded;
+  try {
+    recorded = train_gpt::recorded_model(dir);
+  } catch (const std::invalid_argument& e) {  // a record no architecture of this build reads: a usage error
+    std::fprintf(stderr, "fsdp-ckpt: error: %s\n", e.what());
+    return kUsage;
+  }
   std::vector<std::string> written;
   try {
-    written = fsdp::models::export_hf_from_checkpoint(dir, out, options);
-  } catch (const fsdp::models::HFError& e) {  // not a Llama checkpoint, or OUT refused: a usage error
+    if (!recorded || !recorded->spec->export_checkpoint)
+      throw fsdp::models::HFError(
+          "checkpoint " + dir + " records " +
+          (recorded ? "a model of train_gpt --model " + recorded->spec->name + ", which has"
+                    : std::string("no model: it has")) +
+          " no Hugging Face architecture (export-hf takes a checkpoint of an architecture read from a Hugging Face "
+          "folder, e.g. train_gpt --init-from)");
+    written = recorded->spec->export_checkpoint(dir, out, options);
+  } catch (const fsdp::models::HFError& e) {  // no Hugging Face architecture, or OUT refused: a usage error
     std::fprintf(stderr, "fsdp-ckpt: error: %s\n", e.what());
     return kUsage;
   }
@@ -290,8 +314,9 @@ int main(int argc, char** argv) {
   std::string dtype = "fp32";
   auto* export_cmd = app.add_subcommand(
       "export-hf",
-      "a checkpoint of a Llama run (train_gpt --model llama or --init-from: it records config.json) as a Hugging "
-      "Face folder: config.json, model.safetensors or model-0000k-of-0000n.safetensors + index, streaming");
+      "a checkpoint of a train_gpt run whose architecture has a Hugging Face form (--model llama, --init-from: "
+      "found from the model the checkpoint records) as a Hugging Face folder: config.json, model.safetensors or "
+      "model-0000k-of-0000n.safetensors + index, streaming");
   export_cmd->add_option("DIR", dir, "checkpoint folder")->required();
   export_cmd
       ->add_option("OUT", out,

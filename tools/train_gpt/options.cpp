@@ -77,7 +77,7 @@ std::string description() {
     models += "  " + spec.name + std::string(spec.name.size() < 8 ? 8 - spec.name.size() : 1, ' ') + summary + "\n";
   }
   return "train_gpt: the reference FSDP trainer, in torchtitan's shape. --model picks the architecture\n"
-         "(tools/train_gpt/spec.h):\n" +
+         "(tools/train_gpt/spec.h); --init-from DIR picks it from DIR/config.json's architectures:\n" +
          models +
          "\nThe model is built on the meta device, parallelised (tensor parallel with --tp-size, activation\n"
          "checkpointing, then fully_shard: blocks, then the root; or replicate), materialised\n"
@@ -119,18 +119,27 @@ void add_data_options(CLI::App& app, Options& o) {
                  "are shown as <N>, or as bytes for byte-level shards)");
 }
 
+// "LlamaForCausalLM, MistralForCausalLM, ...": the config.json architectures the registry reads.
+std::string hf_architectures() {
+  std::string out;
+  for (const auto& spec : model_specs())
+    for (const auto& a : spec.hf_architectures) out += (out.empty() ? "" : ", ") + a;
+  return out;
+}
+
 // The model: its architecture (--model, the registry of spec.h), a Hugging Face folder, its sizes.
 void add_model_options(CLI::App& app, Options& o) {
   std::vector<std::string> names;
   for (const auto& spec : model_specs()) names.push_back(spec.name);
   std::string list;
   for (const auto& name : names) list += (list.empty() ? "" : "|") + name;
-  app.add_option("--model", o.model, "The architecture (described above); --init-from implies llama")
+  app.add_option("--model", o.model,
+                 "The architecture (described above); with --init-from, the one of its config.json's architectures")
       ->check(CLI::IsMember(names))
       ->type_name("{" + list + "}");
   app.add_option("--init-from", o.init_from,
-                 "A Hugging Face folder (config.json + model.safetensors or its index; LlamaForCausalLM, "
-                 "MistralForCausalLM, Qwen2ForCausalLM): architecture, size and weights from it, each rank reading "
+                 "A Hugging Face folder (config.json + model.safetensors or its index; " + hf_architectures() +
+                     "): architecture, size and weights from it, each rank reading "
                  "its own rows; the sizing options are then refused. With --resume and a checkpoint present, the "
                  "checkpoint wins");
   app.add_option("--layers", o.layers, "Transformer blocks")->check(bounded(1, kMaxLayers, true));
@@ -274,7 +283,6 @@ std::optional<Options> parse_options(int argc, char** argv, int& exit_code) {
   for (const char* name : {"--layers", "--dim", "--heads", "--kv-heads", "--ffn-dim", "--vocab-size"})
     if (app.count(name) > 0) o.sizing_given.push_back(name);
   o.model_given = app.count("--model") > 0;
-  if (!o.init_from.empty() && !o.model_given) o.model = "llama";  // a Hugging Face folder is a Llama
   exit_code = 0;
   return o;
 }

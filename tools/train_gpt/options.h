@@ -28,7 +28,7 @@ struct Options {
   std::string val_data;               // tokens:PATTERN ("": the shards of --data named *_val_*)
   int64_t vocab_size = 0;             // 0: from the data (256 for bytes; main() resolves it, data.h)
   std::string tokenizer;              // SentencePiece tokenizer.model: decodes the sample of token shards
-  std::string model = "gpt";          // --model: an architecture of spec.h's registry; --init-from implies llama
+  std::string model = "gpt";          // --model: an architecture of spec.h's registry (--init-from: its config.json's)
   int64_t layers = 4;
   int64_t dim = 128;
   int64_t heads = 4;
@@ -75,7 +75,8 @@ struct Options {
   std::string profile_dir;                               // --profile-dir ("": the metrics file's folder)
   bool eval_only = false;  // validation loss on --eval-batches global batches; no training, no checkpoint
   // Written at the end of training: a Hugging Face folder (config.json, safetensors, and the
-  // --init-from folder's generation_config.json and tokenizer files). --model llama only.
+  // --init-from folder's generation_config.json and tokenizer files). Architectures with a
+  // Hugging Face form only (spec.h).
   std::string export_hf;
   std::string export_dtype = "fp32";     // fp32 | bf16: the exported files' dtype
   bool allow_nonfinite_weights = false;  // --init-from: load NaN/Inf weights as they are (refused by default)
@@ -83,7 +84,6 @@ struct Options {
   bool synthetic() const { return data == "synthetic"; }
   // Token data: shards (tokens:PATTERN) or a text file encoded on the fly (text:FILE).
   bool tokens() const { return data.rfind("tokens:", 0) == 0 || data.rfind("text:", 0) == 0; }
-  bool llama() const { return model == "llama"; }
   int64_t resolved_kv_heads() const { return kv_heads > 0 ? kv_heads : heads; }
   int64_t resolved_ffn_dim() const { return ffn_dim > 0 ? ffn_dim : (8 * dim / 3 + 7) / 8 * 8; }
   // --activation-checkpointing as "checkpoint every K-th block": 0 for none, 1 for full.

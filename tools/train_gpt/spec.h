@@ -4,7 +4,9 @@
 // initialised or loaded, run, recorded in a checkpoint and exported. The trainer (train_gpt.cpp)
 // only calls these steps, in this order, and never names a model type:
 //
-//   auto model = model_spec("llama").make();      // the --model value; spec.cpp's table
+//   const ModelSpec& spec = o.init_from.empty() ? model_spec(o.model)   // the --model value, or
+//                                               : spec_for_init_from(o); // DIR/config.json's architectures
+//   auto model = spec.make();
 //   model->validate(o);                           // its own checks of the options
 //   model->read_init_from(o);                     // --init-from DIR: its config sizes o (before the data)
 //   model->configure(o);                          // after the data: the configuration of this run
@@ -16,13 +18,18 @@
 //   model->init_weights();   model->load_weights(o);   // seeded values; --init-from's weights
 //   loss = model->loss(model->logits(idx), targets);
 //
-// Adding an architecture is one file (spec_<name>.cpp, defining a TrainModel and its ModelSpec)
-// and its line in spec.cpp's table.
+// The registry is the one place that knows the architectures: which --model name and which
+// Hugging Face "architectures" each answers to, what its checkpoints record of the model (a JSON
+// configuration under one Stateful entry, opaque to the trainer) and how fsdp-ckpt export-hf writes
+// such a checkpoint. Adding an architecture is one file (spec_<name>.cpp, defining a TrainModel
+// and its ModelSpec) and its line in spec.cpp's table.
 #include <torch/nn/module.h>
 
 #include <functional>
+#include <cstdint>
 #include <map>
 #include <memory>
+#include <optional>
 #include <string>
 #include <utility>
 #include <vector>
@@ -33,6 +40,20 @@
 #include "preflight.h"
 
 namespace train_gpt {
+
+// A model as the resume check compares it: the architecture (its --model name), a sentence for
+// messages, and the fields that must match (in order; the first that differs is named).
+struct ModelIdentity {
+  std::string kind;
+  std::string text;
+  std::vector<std::pair<std::string, std::string>> fields;
+};
+
+// fsdp-ckpt export-hf's choices.
+struct HFExportOptions {
+  bool bf16 = false;                     // the files' dtype: bf16, else fp32
+  std::optional<uint64_t> max_shard_bytes;  // split into files of at most this size (default: 5 GB)
+};
 
 // One architecture's model in one run: configured, then built and parallelised once.
 class TrainModel {
@@ -55,9 +76,12 @@ class TrainModel {
   virtual ParameterCount parameter_count(const Options& o) const = 0;
   // The banner's description, e.g. "GPT 4 layers, dim 128, 4 heads" (report.h adds ", seq T").
   virtual std::string describe(const Options& o) const = 0;
-  // Throws std::invalid_argument when checkpoint `dir` records another model (model.h
-  // check_resume_model): before anything is allocated.
-  virtual void check_resume(const std::string& dir, const Options& o) const = 0;
+  // The model this run builds, as the resume check compares it (model.h check_resume_model):
+  // after configure().
+  virtual ModelIdentity identity(const Options& o) const = 0;
+  // The model a checkpoint of this architecture records (`json`: what checkpoint_record saved);
+  // throws std::invalid_argument (one line naming `source`) when it cannot be read.
+  virtual ModelIdentity recorded_identity(const std::string& json, const std::string& source) const = 0;
 
   // ---- build and parallelise (in this order; every step on the meta device)
   virtual void build_meta() = 0;
@@ -84,25 +108,51 @@ class TrainModel {
   virtual at::Tensor next_token_logits(const at::Tensor& idx) = 0;
 
   // ---- checkpoints and export
-  // What a checkpoint records of the model (its configuration), as a named Stateful entry, so
-  // that a resume can refuse another model and fsdp-ckpt can describe the checkpoint.
+  // What a checkpoint records of the model (its configuration as JSON text, under the tensor
+  // "config_json" of the Stateful entry ModelSpec::record_entry), so that a resume can refuse
+  // another model and fsdp-ckpt export-hf finds the architecture.
   virtual std::pair<std::string, std::shared_ptr<fsdp::checkpoint::Stateful>> checkpoint_record(
       const Options& o) const = 0;
   // --export-hf: the trained model as a Hugging Face folder (collective). The default refuses.
   virtual void export_hf(const Options& o);
 };
 
-// An architecture the trainer offers: its --model value, a line for --help, and its factory.
+// An architecture the trainer offers.
 struct ModelSpec {
   std::string name;     // --model NAME
   std::string summary;  // what --help says of it
+  // The Hugging Face config.json "architectures" values it reads (--init-from picks it by them) and
+  // records; empty: none (no --init-from, no export).
+  std::vector<std::string> hf_architectures;
+  // The Stateful entry its checkpoint_record() saves ("extra.<entry>.config_json"); several specs
+  // may share one (config.json), told apart by hf_architectures.
+  std::string record_entry;
   std::function<std::unique_ptr<TrainModel>()> make;
+  // fsdp-ckpt export-hf: a checkpoint of this architecture as a Hugging Face folder `out` (not
+  // collective); returns the files written. Null: the architecture has no Hugging Face form.
+  std::function<std::vector<std::string>(const std::string& checkpoint, const std::string& out,
+                                         const HFExportOptions& options)>
+      export_checkpoint;
 };
 
 // The registry (spec.cpp), in --help's order.
 const std::vector<ModelSpec>& model_specs();
 // The spec registered as `name`; throws std::invalid_argument naming the registered ones.
 const ModelSpec& model_spec(const std::string& name);
+// --init-from DIR: the spec whose hf_architectures hold DIR/config.json's architecture (checked:
+// the folder, config.json a regular file, JSON with one architecture). Throws std::invalid_argument
+// (one line: an unknown architecture lists the known ones; a config.json that is no regular file,
+// checked by stat before it is opened). A --model given that is not the folder's is refused too.
+const ModelSpec& spec_for_init_from(const Options& o);
+
+// What checkpoint `dir` records of its model: the spec that recorded it and the JSON text;
+// nullopt when it records none (saved before the record existed). Throws std::invalid_argument
+// for a record no spec reads (naming the known architectures), CheckpointError for a damaged one.
+struct RecordedModel {
+  const ModelSpec* spec = nullptr;
+  std::string json;
+};
+std::optional<RecordedModel> recorded_model(const std::string& dir);
 
 // The architectures' specs, each defined in its own file (spec_gpt.cpp, spec_llama.cpp).
 ModelSpec gpt_spec();

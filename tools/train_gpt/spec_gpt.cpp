@@ -1,4 +1,5 @@
 // --model gpt: the project's byte-level GPT (models/gpt.h), sized by the options, built from scratch.
+#include <nlohmann/json.hpp>
 #include <stdexcept>
 
 #include "model.h"
@@ -12,12 +13,38 @@ namespace {
 
 using fsdp::models::GPT;
 
+// The checkpoint's "gpt" entry: these options' GPT (after resolve_vocab: o.vocab_size is set).
+std::string gpt_config_json(const Options& o) {
+  nlohmann::json j = {{"model_type", "gpt"}, {"n_layer", o.layers},        {"n_head", o.heads},
+                      {"n_embd", o.dim},     {"vocab_size", o.vocab_size}, {"block_size", o.seq_len}};
+  return j.dump();
+}
+
+const char* const kGptKeys[] = {"n_layer", "n_head", "n_embd", "vocab_size", "block_size"};
+
+ModelIdentity gpt_identity(const std::string& json, const std::string& source) {
+  nlohmann::json j;
+  try {
+    j = nlohmann::json::parse(json);
+  } catch (const std::exception& e) {
+    throw std::invalid_argument(source + ": its recorded GPT configuration is not JSON (" + e.what() + ")");
+  }
+  ModelIdentity id{"gpt", "", {}};
+  for (const char* key : kGptKeys) {
+    if (!j.contains(key) || !j[key].is_number_integer())
+      throw std::invalid_argument(source + ": its recorded GPT configuration has no integer '" + key + "'");
+    id.fields.emplace_back(key, std::to_string(j[key].get<int64_t>()));
+  }
+  auto f = [&](const char* key) { return std::to_string(j[key].get<int64_t>()); };
+  id.text = "GPT " + f("n_layer") + " layers, dim " + f("n_embd") + ", " + f("n_head") + " heads, vocab " +
+            f("vocab_size") + ", seq-len " + f("block_size");
+  return id;
+}
+
 class GptModel : public TrainModel {
  public:
   void validate(const Options& o) const override {
     auto fail = [](const std::string& msg) { throw std::invalid_argument(msg); };
-    if (!o.init_from.empty())
-      fail("--init-from loads a Hugging Face Llama-family model: drop --model gpt (or --init-from)");
     for (const auto& name : o.sizing_given)
       if (name == "--kv-heads" || name == "--ffn-dim") fail(name + " sizes --model llama only: add --model llama");
     if (!o.export_hf.empty())
@@ -44,8 +71,9 @@ class GptModel : public TrainModel {
     return "GPT " + std::to_string(o.layers) + " layers, dim " + std::to_string(o.dim) + ", " +
            std::to_string(o.heads) + " heads";
   }
-  void check_resume(const std::string& dir, const Options& o) const override {
-    check_resume_model(dir, o, std::nullopt);
+  ModelIdentity identity(const Options& o) const override { return gpt_identity(gpt_config_json(o), "this run"); }
+  ModelIdentity recorded_identity(const std::string& json, const std::string& source) const override {
+    return gpt_identity(json, source);
   }
 
   void build_meta() override {
@@ -78,10 +106,10 @@ class GptModel : public TrainModel {
     return fsdp::call_method(gpt_, &fsdp::models::GPTImpl::next_token_logits, idx);
   }
 
-  // The "gpt" entry: {"model_type": "gpt", "n_layer": ..., ...} (model.h GptConfigRecord).
+  // The "gpt" entry: {"model_type": "gpt", "n_layer": ..., ...} (model.h ConfigRecord).
   std::pair<std::string, std::shared_ptr<fsdp::checkpoint::Stateful>> checkpoint_record(
       const Options& o) const override {
-    return {kGptConfigEntry, std::make_shared<GptConfigRecord>(gpt_config_json(o))};
+    return {"gpt", std::make_shared<ConfigRecord>(gpt_config_json(o))};
   }
 
  private:
@@ -92,8 +120,12 @@ class GptModel : public TrainModel {
 }  // namespace
 
 ModelSpec gpt_spec() {
-  return {"gpt", "the byte-level GPT of models/gpt.h, from scratch (--layers, --dim, --heads)",
-          [] { return std::unique_ptr<TrainModel>(new GptModel()); }};
+  ModelSpec spec;
+  spec.name = "gpt";
+  spec.summary = "the byte-level GPT of models/gpt.h, from scratch (--layers, --dim, --heads)";
+  spec.record_entry = "gpt";  // no Hugging Face architecture: no --init-from, no export
+  spec.make = [] { return std::unique_ptr<TrainModel>(new GptModel()); };
+  return spec;
 }
 
 }  // namespace train_gpt

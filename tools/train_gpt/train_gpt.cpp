@@ -45,6 +45,7 @@
 #include "fsdp/fsdp.h"
 #include "kill_hook.h"
 #include "lr_schedule.h"
+#include "model.h"
 #include "models/llama/hf.h"
 #include "optimizer.h"
 #include "options.h"
@@ -356,7 +357,7 @@ int64_t checkpoint_load(const Run& run, Model& m, torch::optim::Optimizer& opt, 
 // Resuming a checkpoint of another model is an error before any work (one line): the model the
 // checkpoint records (model.h), then every shape (all an older checkpoint without the record has).
 void check_checkpoint_shapes(const std::string& dir, const Options& o, const TrainModel& net, const Shapes& expected) {
-  net.check_resume(dir, o);
+  check_resume_model(dir, o, net);
   const auto saved = fsdp::checkpoint::describe(dir);
   auto shape_str = [](const std::vector<int64_t>& s) {
     std::string out = "[";
@@ -693,7 +694,10 @@ int main(int argc, char** argv) {
   if (options->malloc_policy == "warm") fsdp::raise_malloc_thresholds();
   try {
     validate(*options);
-    std::unique_ptr<TrainModel> model = model_spec(options->model).make();  // spec.h's registry
+    // spec.h's registry: --model's architecture, or --init-from's (its config.json's architectures).
+    const ModelSpec& spec = options->init_from.empty() ? model_spec(options->model) : spec_for_init_from(*options);
+    options->model = spec.name;
+    std::unique_ptr<TrainModel> model = spec.make();
     model->validate(*options);
     // --init-from: the sizes and the vocabulary from its config, before the data is checked against it.
     if (!options->init_from.empty()) model->read_init_from(*options);

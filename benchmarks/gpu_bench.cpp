@@ -1,6 +1,6 @@
 // gpu_bench: one GPU, GPT at a size that keeps it busy, bf16 compute with fp32 master weights:
 // plain LibTorch training (the limit) against fully_shard in a world of one on NCCL, in one run.
-// benchmarks/fsdp2_gpu_bench.py measures PyTorch's own FSDP2 on the same model and batch.
+// benchmarks/fsdp2_bench.py gpu measures PyTorch's own FSDP2 on the same model and batch.
 //
 //   build/bin/gpu_bench [--layers 12] [--dim 1024] [--heads 16] [--seq 1024] [--batch 8]
 //                       [--steps 20] [--warmup 5] [--rounds 2] [--dry-run-on-cpu]

@@ -26,7 +26,7 @@
 // --ac, AdamW (--lr, LibTorch's defaults otherwise), fp32. Per step (timed): zero_grad, forward,
 // cross-entropy, backward, optimizer step, loss.item(), on --batch sequences of --seq random tokens
 // per rank (a fresh batch every step from the rank's stream 1234 + rank, as bench and
-// benchmarks/fsdp2_cpu_bench.py; --fixed-batch: the first batch every step, so that the loss
+// benchmarks/fsdp2_bench.py; --fixed-batch: the first batch every step, so that the loss
 // falls visibly). Rank 0 prints every step and appends "median_step_s S first_loss L last_loss L
 // params P world N peak_rss_bytes B forward_s F backward_s B optimizer_s O" (the step's parts,
 // medians) to --result; every rank prints its peak RSS and the parts, and with FSDP_PHASE_TIMERS=1

@@ -15,7 +15,7 @@
 // input, the output copied out into the parameters, the gradients copied into one flat
 // reduce-scatter input, moved by Gloo's own all-gather and reduce-scatter. A unit whose shards are
 // all below min_piece_bytes always takes it: with every core computing, a message costs more than
-// the copy it saves for small shards (benchmarks/layout_bench.cpp).
+// the copy it saves for small shards (bench --mode layout, benchmarks/bench.cpp).
 //
 // Why per parameter is the default where shards are large: a large shard's rows then move in
 // place, without the flat layout's copies into and out of one buffer, and the copy saved costs

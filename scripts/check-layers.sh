@@ -11,10 +11,11 @@
 #   level 2  dist                          the runtime: launchers, world group, CPU tuning
 #   level 3  mesh                          DeviceMesh
 #   level 4  tensor_parallel
-#   level 5  sharding                      fully_shard, replicate
-#   level 6  activation                    activation checkpointing
-#   level 7  checkpoint                    sharded checkpoints, state dicts
-#   level 8  fsdp1                         FSDP1's API: a facade over sharding and checkpoint's
+#   level 5  expert_parallel               MoE token dispatch and combine (fsdp::ep)
+#   level 6  sharding                      fully_shard, replicate
+#   level 7  activation                    activation checkpointing
+#   level 8  checkpoint                    sharded checkpoints, state dicts
+#   level 9  fsdp1                         FSDP1's API: a facade over sharding and checkpoint's
 #                                          state dicts, so above both
 #   top      fsdp/fsdp.h, fsdp/debug.h     the umbrellas (may include anything)
 #
@@ -39,7 +40,7 @@ if [[ ! -f ARCHITECTURE.md || ! -d include/fsdp || ! -d src ]]; then
 fi
 
 declare -A LEVEL=([compat]=0 [memory]=0 [hooks]=0 [profiler]=0 [comm]=1 [dist]=2 [mesh]=3 [tensor_parallel]=4
-  [sharding]=5 [activation]=6 [checkpoint]=7 [fsdp1]=8 [detail]=0 [optim]=0)
+  [expert_parallel]=5 [sharding]=6 [activation]=7 [checkpoint]=8 [fsdp1]=9 [detail]=0 [optim]=0)
 # Folders of include/fsdp/ that are tiers, not layers: their headers take a layer each (above).
 TIERS=(debug detail)
 bad=0

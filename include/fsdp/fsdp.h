@@ -25,6 +25,7 @@
 #include "fsdp/comm/comm.h"
 #include "fsdp/dist/env.h"
 #include "fsdp/dist/runtime.h"
+#include "fsdp/expert_parallel/expert_parallel.h"
 #include "fsdp/fsdp1/fsdp1.h"
 #include "fsdp/mesh/device_mesh.h"
 #include "fsdp/optim/fused.h"

@@ -119,7 +119,7 @@ class Comm {
   //
   // Example (2 ranks; rank 0 sends 1 row to itself and 2 to rank 1, rank 1 sends 3 to rank 0 and
   // none to itself):
-  //   at::Tensor in = at::randn({r == 0 ? 3 : 3, 4});
+  //   at::Tensor in = at::randn({3, 4});                    // 3 rows on either rank
   //   std::vector<int64_t> in_splits = r == 0 ? std::vector<int64_t>{1, 2} : std::vector<int64_t>{3, 0};
   //   std::vector<int64_t> out_splits = r == 0 ? std::vector<int64_t>{1, 3} : std::vector<int64_t>{2, 0};
   //   at::Tensor out = at::empty({r == 0 ? 4 : 2, 4});

@@ -392,8 +392,17 @@ void write_checkpoint_weights(detail::ExportFolder& folder, fsdp::checkpoint::Ch
 
 std::vector<std::string> export_hf_from_checkpoint(const std::string& checkpoint_dir, const std::string& dir,
                                                    const HFSaveOptions& options) {
-  check_save_dtype(options);
-  detail::check_export_destination(dir, "");  // before reading anything
+  auto describe = [&](const std::string& json, const std::string& source) {
+    LlamaConfig config = LlamaConfig::from_json(json, source);
+    // The parameters' names, order and shapes, from the model built on the meta device (no memory).
+    config.device = torch::kMeta;
+    Llama model(config);
+    return HFCheckpointModel{model.ptr(), config.to_json(dtype_name(options))};
+  };
+  return export_hf_module_from_checkpoint(checkpoint_dir, dir, describe, options);
+}
+
+std::string recorded_hf_config(const std::string& checkpoint_dir) {
   fsdp::checkpoint::CheckpointReader reader(checkpoint_dir);
   if (!reader.info().find(kHFConfigKey))
     throw HFError(checkpoint_dir +
@@ -401,12 +410,20 @@ std::vector<std::string> export_hf_from_checkpoint(const std::string& checkpoint
                   "--model gpt?); export-hf takes checkpoints of --model llama or --init-from runs");
   HFConfigState recorded;
   recorded.load_state_dict({{"config_json", reader.read(kHFConfigKey)}});
-  LlamaConfig config = LlamaConfig::from_json(recorded.json, checkpoint_dir + " (recorded config.json)");
-  // The parameters' names, order and shapes, from the model built on the meta device (no memory).
-  config.device = torch::kMeta;
-  Llama model(config);
+  return recorded.json;
+}
+
+std::vector<std::string> export_hf_module_from_checkpoint(const std::string& checkpoint_dir, const std::string& dir,
+                                                          const HFCheckpointDescriber& describe,
+                                                          const HFSaveOptions& options) {
+  check_save_dtype(options);
+  detail::check_export_destination(dir, "");  // before reading anything
+  fsdp::checkpoint::CheckpointReader reader(checkpoint_dir);
+  const HFCheckpointModel described =
+      describe(recorded_hf_config(checkpoint_dir), checkpoint_dir + " (recorded config.json)");
+  torch::nn::Module& model = *described.meta_model;
   std::vector<CheckpointItem> items;
-  for (const auto& p : model->named_parameters()) {
+  for (const auto& p : model.named_parameters()) {
     const std::string key = "model." + p.key();
     const auto* t = reader.info().find(key);
     if (!t)
@@ -432,11 +449,10 @@ std::vector<std::string> export_hf_from_checkpoint(const std::string& checkpoint
     files.back().push_back(i);
     in_file += bytes;
   }
-  config.device = torch::kCPU;
   detail::ExportFolder folder(dir, options.copy_from);
   std::vector<std::string> written;
   try {
-    write_config_and_copies(folder, config.to_json(dtype_name(options)), options);
+    write_config_and_copies(folder, described.config_json, options);
     write_checkpoint_weights(folder, reader, items, files, options.dtype);
     written = folder.commit(dtype_name(options));
   } catch (const HFError& e) {

@@ -21,6 +21,7 @@
 #include <cstdint>
 #include <functional>
 #include <map>
+#include <memory>
 #include <stdexcept>
 #include <string>
 #include <vector>
@@ -166,5 +167,22 @@ class HFConfigState : public fsdp::checkpoint::Stateful {
 // tensors do not match it, CheckpointError for a damaged one, HFExportError for a failed write.
 std::vector<std::string> export_hf_from_checkpoint(const std::string& checkpoint_dir, const std::string& dir,
                                                    const HFSaveOptions& options = {});
+
+// The config.json a checkpoint recorded (kHFConfigEntry), for a caller choosing the model family
+// (models/moe's hf_architecture of it); HFError when it recorded none.
+std::string recorded_hf_config(const std::string& checkpoint_dir);
+
+// export_hf_from_checkpoint for any model family: `describe` turns the recorded config.json (and a
+// source name for its errors) into the model built on the meta device (its parameter names, order
+// and shapes: the checkpoint's "model." keys) and the config.json text to write (its torch_dtype
+// the one options.dtype names). models/moe/hf_moe.h's export_moe_hf_from_checkpoint uses it.
+struct HFCheckpointModel {
+  std::shared_ptr<torch::nn::Module> meta_model;
+  std::string config_json;
+};
+using HFCheckpointDescriber = std::function<HFCheckpointModel(const std::string& json, const std::string& source)>;
+std::vector<std::string> export_hf_module_from_checkpoint(const std::string& checkpoint_dir, const std::string& dir,
+                                                          const HFCheckpointDescriber& describe,
+                                                          const HFSaveOptions& options = {});
 
 }  // namespace fsdp::models

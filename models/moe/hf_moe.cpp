@@ -111,4 +111,16 @@ std::vector<std::string> save_moe_hf(MoECausalLMImpl& model, const std::string& 
   return save_hf_module(model, c.to_json(dtype), dir, options);
 }
 
+std::vector<std::string> export_moe_hf_from_checkpoint(const std::string& checkpoint_dir, const std::string& dir,
+                                                       const HFSaveOptions& options) {
+  const std::string dtype = options.dtype == at::kBFloat16 ? "bfloat16" : "float32";
+  auto describe = [&](const std::string& json, const std::string& source) {
+    MoEConfig config = MoEConfig::from_json(json, source);
+    config.base.device = torch::kMeta;
+    MoECausalLM model(config);
+    return HFCheckpointModel{model.ptr(), config.to_json(dtype)};
+  };
+  return export_hf_module_from_checkpoint(checkpoint_dir, dir, describe, options);
+}
+
 }  // namespace fsdp::models

@@ -39,4 +39,11 @@ void load_moe_weights(MoECausalLMImpl& model, const std::string& dir, const HFLo
 // must hold every expert (an expert-parallel export gathers them first).
 std::vector<std::string> save_moe_hf(MoECausalLMImpl& model, const std::string& dir, const HFSaveOptions& options = {});
 
+// fsdp-ckpt export-hf for a checkpoint of a MoE run (one that recorded its config.json,
+// HFConfigState with json = config.to_json(...)): export_hf_from_checkpoint's files, checks and
+// commit, the model's names and shapes from the recorded MoE config. Pick it when
+// hf_architecture(recorded_hf_config(checkpoint_dir)) is a MoE architecture.
+std::vector<std::string> export_moe_hf_from_checkpoint(const std::string& checkpoint_dir, const std::string& dir,
+                                                       const HFSaveOptions& options = {});
+
 }  // namespace fsdp::models

@@ -13,12 +13,16 @@
 //
 // Each FOLDER holds config.json, the weights and reference.safetensors (its "tokens", I64 [B, T],
 // as scripts/make-hf-fixtures.py writes them); rank 0 writes OUT_DIR/<folder name>.safetensors
-// holding "logits" (F32 [B, T, vocab]) and prints one line per folder. Exit 1 with one line on any
-// error.
+// holding "logits" (F32 [B, T, vocab]) and prints one line per folder. A mixture-of-experts folder
+// (MixtralForCausalLM, Qwen3MoeForCausalLM: models/moe/) gives our MoECausalLM's logits, and
+// "loss" (F32 [1]: the shifted cross-entropy plus router_aux_loss_coef x the load-balancing loss,
+// transformers' loss with labels = tokens and output_router_logits=True) and "aux_loss"; it runs
+// unsharded or under fully_shard, not under --tp-size. Exit 1 with one line on any error.
 #include <cstdio>
 #include <cstdlib>
 #include <exception>
 #include <filesystem>
+#include <map>
 #include <optional>
 #include <stdexcept>
 #include <string>
@@ -29,6 +33,7 @@
 #include "fsdp/tensor_parallel/comm_functions.h"
 #include "models/llama/hf.h"
 #include "models/llama/llama_tp.h"
+#include "models/moe/hf_moe.h"
 
 namespace fs = std::filesystem;
 
@@ -55,6 +60,25 @@ at::Tensor logits_for(const std::string& dir, const at::Tensor& tokens, bool sha
   // lm_head is column-wise under TP: each tp rank holds a slice of the vocabulary.
   if (mesh) logits = fsdp::tp::gather_replicated_along_dim(logits, 2, (*mesh)["tp"].comm()).contiguous();
   return logits;
+}
+
+// A MoE folder: logits, loss and auxiliary loss, unsharded or FSDP over every rank.
+std::map<std::string, at::Tensor> moe_outputs_for(const std::string& dir, const at::Tensor& tokens, bool sharded) {
+  auto config = fsdp::models::read_moe_config(dir);
+  if (sharded) config.base.device = torch::kMeta;
+  fsdp::models::MoECausalLM model(config);
+  if (sharded) {
+    for (auto& layer : model->layers()) fsdp::fully_shard(layer);
+    fsdp::fully_shard(model);
+    fsdp::to_empty(*model, torch::kCPU);
+  }
+  fsdp::models::load_moe_weights(*model, dir);
+  model->eval();
+  torch::NoGradGuard no_grad;
+  const at::Tensor logits = fsdp::call(model, tokens).to(at::kFloat).contiguous();
+  const int64_t T = tokens.size(1);
+  const at::Tensor loss = model->loss(logits.narrow(1, 0, T - 1), tokens.narrow(1, 1, T - 1));
+  return {{"logits", logits}, {"loss", loss.reshape({1})}, {"aux_loss", model->aux_loss().reshape({1})}};
 }
 
 }  // namespace
@@ -90,10 +114,19 @@ int main(int argc, char** argv) {
     for (int i = first + 1; i < argc; ++i) {
       const std::string dir = argv[i];
       const auto tokens = fsdp::safetensors::Reader(dir + "/reference.safetensors").read("tokens");
-      const auto logits = logits_for(dir, tokens, world > 1, mesh);
+      std::map<std::string, at::Tensor> outputs;
+      if (fsdp::models::is_moe_folder(dir)) {
+        if (mesh) throw std::invalid_argument(dir + ": a mixture-of-experts folder runs without --tp-size");
+        outputs = moe_outputs_for(dir, tokens, world > 1);
+      } else {
+        outputs = {{"logits", logits_for(dir, tokens, world > 1, mesh)}};
+      }
+      const at::Tensor& logits = outputs.at("logits");
       if (fsdp::dist::rank() == 0) {
         const std::string name = fs::path(dir).filename().string();
-        fsdp::safetensors::write_file(out + "/" + name + ".safetensors", {{"logits", logits}});
+        std::vector<fsdp::safetensors::NamedTensor> tensors;
+        for (const auto& [key, t] : outputs) tensors.push_back({key, t});
+        fsdp::safetensors::write_file(out + "/" + name + ".safetensors", tensors);
         std::printf("hf_logits: %s at %d rank%s: logits %s\n", name.c_str(), world, layout.c_str(),
                     c10::str(logits.sizes()).c_str());
       }

@@ -17,6 +17,7 @@
 #include <functional>
 #include <set>
 
+#include "fsdp/checkpoint/checkpoint.h"
 #include "fsdp/checkpoint/safetensors.h"
 #include "fsdp/fsdp.h"
 #include "models/moe/hf_moe.h"
@@ -259,6 +260,28 @@ sys.exit(0 if diff <= 1e-5 and loss <= 1e-5 else 1)
     auto result = Child(spec).wait();
     EXPECT_TRUE(result.ok()) << result.output;
     std::printf("%s", result.output.c_str());
+  }
+}
+
+// fsdp-ckpt export-hf's path: a checkpoint recording the MoE config.json, written in the Hub's layout.
+TEST_F(MoEHFFiles, CheckpointExportWritesTheHubLayout) {
+  auto model = load_unsharded(fixture("qwen3_moe_untied"));
+  fsdp::models::HFConfigState hf;
+  hf.json = model->config.to_json("float32");
+  const fs::path ck = dir_ / "ck", out = dir_ / "out";
+  fsdp::checkpoint::save(ck.string(), {model.ptr(), nullptr, {{fsdp::models::kHFConfigEntry, &hf}}, {}});
+  EXPECT_EQ(fsdp::models::hf_architecture(fsdp::models::recorded_hf_config(ck.string())), "Qwen3MoeForCausalLM");
+  fsdp::models::export_moe_hf_from_checkpoint(ck.string(), out.string(), {.max_shard_size = 50'000});
+  EXPECT_TRUE(fs::exists(out / "model.safetensors.index.json"));
+  EXPECT_EQ(folder_keys(out), folder_keys(fixture("qwen3_moe_untied")));
+  auto back = load_unsharded(out.string());
+  EXPECT_LE(compare(back, reference(fixture("qwen3_moe_untied"))).logits, 1e-5);
+  // The Llama family's export refuses it in one line naming the architecture.
+  try {
+    fsdp::models::export_hf_from_checkpoint(ck.string(), (dir_ / "llama").string());
+    FAIL() << "the Llama export took a MoE checkpoint";
+  } catch (const fsdp::models::LlamaConfigError& e) {
+    EXPECT_NE(std::string(e.what()).find("'Qwen3MoeForCausalLM' is not supported"), std::string::npos) << e.what();
   }
 }
 

@@ -21,6 +21,14 @@
       train_gpt --model llama --init-from DIR --steps 3 --export-hf OUT at FSDP 2 ranks: OUT loads
       with AutoModelForCausalLM.from_pretrained, its logits equal ours (hf_logits on OUT) within
       1e-5 x max, generate runs on it; the same for fsdp-ckpt export-hf of the run's checkpoint.
+  check_against_transformers.py moe --hf-logits BIN --fsdprun BIN --fixtures-script PY
+      Small random MixtralForCausalLM / Qwen3MoeForCausalLM folders made now by
+      scripts/make-moe-fixtures.py (4-8 experts, top 2, tied and untied, one split, one with dense
+      layers by mlp_only_layers and decoder_sparse_step), with transformers' logits, loss (labels =
+      tokens, output_router_logits=True: cross-entropy + router_aux_loss_coef x load-balancing loss)
+      and load-balancing loss; hf_logits gives ours at 1 rank and FSDP 2 ranks (experts as ordinary
+      FSDP parameters): logits within 1e-5 x max |theirs|, loss and auxiliary loss within 1e-5
+      relative, for every folder.
   check_against_transformers.py tokenizer --fsdp-tokenize BIN
       A SentencePiece model trained now (spm_train) on a small corpus: fsdp-tokenize's ids, BOS and
       EOS included, equal transformers' tokenizer (AutoTokenizer on the folder holding the same
@@ -163,6 +171,45 @@ def check_logits(args):
     if failures:
         raise SystemExit("FAILED: " + "; ".join(failures))
     print("PASSED: our logits equal transformers' within 1e-5 x max|theirs| at 1, 2 and 3 ranks and dp 2 x tp 2")
+
+
+def check_moe(args):
+    fixtures = load_fixture_script(args.fixtures_script)
+    failures = []
+    with tempfile.TemporaryDirectory(prefix="fsdp_moe_logits_") as tmp:
+        t0 = time.time()
+        for i, (name, spec) in enumerate(fixtures.FIXTURES.items()):
+            fixtures.make(os.path.join(tmp, "hf"), name, spec, seed=5000 + 10 * i)  # not the committed weights
+        folders = [os.path.join(tmp, "hf", name) for name in fixtures.FIXTURES]
+        print(f"transformers {transformers.__version__}, torch {torch.__version__}: {len(folders)} folders in "
+              f"{time.time() - t0:.1f} s")
+        for n in (1, 2):
+            out = os.path.join(tmp, f"ours_{n}")
+            _, seconds = run(under_ranks(args, n, [args.hf_logits, out] + folders))
+            label = "1 rank" if n == 1 else f"FSDP {n} ranks"
+            for folder in folders:
+                name = os.path.basename(folder)
+                theirs = load_file(os.path.join(folder, "reference.safetensors"))
+                ours = load_file(os.path.join(out, name + ".safetensors"))
+                d = rel_diff(ours["logits"], theirs["logits"])
+                dl = abs(ours["loss"].item() - theirs["loss"].item()) / abs(theirs["loss"].item())
+                da = abs(ours["aux_loss"].item() - theirs["aux_loss"].item()) / abs(theirs["aux_loss"].item())
+                ok = ours["logits"].shape == theirs["logits"].shape and max(d, dl, da) <= TOLERANCE
+                print(f"{name:24s} {label:14s} logits {d:.3g}, loss {dl:.3g}, aux loss {da:.3g} (relative to "
+                      f"transformers){'' if ok else '  FAILED'}")
+                if not ok:
+                    failures.append(f"{name} at {label}: logits {d:.3g}, loss {dl:.3g}, aux loss {da:.3g}")
+            print(f"  ({label}: {seconds:.1f} s)")
+            # The comparison can fail: another folder's logits are far from these.
+            a, b = (os.path.basename(f) for f in folders[:2])
+            control = rel_diff(load_file(os.path.join(out, a + ".safetensors"))["logits"],
+                               load_file(os.path.join(folders[1], "reference.safetensors"))["logits"])
+            if control <= 1e-2:
+                failures.append(f"{a}'s logits are within {control:.3g} of {b}'s: the comparison cannot fail")
+    if failures:
+        raise SystemExit("FAILED: " + "; ".join(failures))
+    print("PASSED: MoE logits within 1e-5 x max|transformers|, loss and auxiliary loss within 1e-5 relative, at 1 "
+          "rank and FSDP 2 ranks")
 
 
 def read_config(folder):
@@ -489,7 +536,7 @@ def check_tokenizer(args):
 
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("check", choices=["logits", "adamw", "export", "tokenizer"])
+    p.add_argument("check", choices=["logits", "adamw", "export", "moe", "tokenizer"])
     p.add_argument("--hf-logits")
     p.add_argument("--fsdprun")
     p.add_argument("--train-gpt")
@@ -498,7 +545,9 @@ def main():
     p.add_argument("--fixtures-script")
     args = p.parse_args()
     t0 = time.time()
-    {"logits": check_logits, "adamw": check_adamw, "export": check_export, "tokenizer": check_tokenizer}[args.check](args)
+    checks = {"logits": check_logits, "adamw": check_adamw, "export": check_export, "moe": check_moe,
+              "tokenizer": check_tokenizer}
+    checks[args.check](args)
     print(f"{args.check}: {time.time() - t0:.1f} s")
 
 

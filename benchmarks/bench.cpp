@@ -91,14 +91,14 @@ using fsdp_bench::median;
 
 struct Options {
   int nproc = 2, steps = 20, warmup = 3, rounds = 2;
-  fsdp_bench::GptShape shape;    // bench's GPT: 4 layers, d=256, 4 heads, seq 128, global batch 8
-  std::string role = "driver";   // driver | single | fsdp
-  std::string mp = "fp32";       // fp32 | bf16 (MixedPrecisionPolicy: bf16 params, fp32 reduce)
+  fsdp_bench::GptShape shape;     // bench's GPT: 4 layers, d=256, 4 heads, seq 128, global batch 8
+  std::string role = "driver";    // driver | single | fsdp
+  std::string mp = "fp32";        // fp32 | bf16 (MixedPrecisionPolicy: bf16 params, fp32 reduce)
   std::string parallel = "fsdp";  // fsdp | hsdp | replicate (the distributed worker's parallelism)
-  std::string hsdp;              // "RxS" for the HSDP row (default: see parse)
-  std::string result;            // where a worker writes its result line
-  std::string pool_trim = "on";  // BufferPoolOptions::trim_after_forward (worker; for comparison)
-  int64_t bucket_mb = 25;        // --bucket-mb: replicate's bucket_cap_bytes in MiB (DDP's bucket_cap_mb)
+  std::string hsdp;               // "RxS" for the HSDP row (default: see parse)
+  std::string result;             // where a worker writes its result line
+  std::string pool_trim = "on";   // BufferPoolOptions::trim_after_forward (worker; for comparison)
+  int64_t bucket_mb = 25;         // --bucket-mb: replicate's bucket_cap_bytes in MiB (DDP's bucket_cap_mb)
   fsdp_bench::MallocPolicy malloc = fsdp_bench::MallocPolicy::Default;  // --malloc (every worker)
   std::string cpu_split = "on";     // on | off: every worker times compute / transport / ours per step
   std::string rows = "all";         // the driver's rows, comma-separated keys (see run_driver)
@@ -112,7 +112,8 @@ Options parse(int argc, char** argv) {
   Options o;
   fsdp_bench::Args args(
       "bench",
-      "usage: bench [--mode limit|layout|desync|profile] [--nproc N] [--steps N] [--warmup N] [--rounds N] [--layers N] [--dim N] "
+      "usage: bench [--mode limit|layout|desync|profile] [--nproc N] [--steps N] [--warmup N] [--rounds N] [--layers "
+      "N] [--dim N] "
       "[--heads N] [--seq N] [--batch N] [--hsdp RxS] [--pool-trim on|off] [--bucket-mb 25]\n"
       "       [--malloc default|tuned|speed|warm] [--cpu-split on|off]\n"
       "       [--rows single,concurrent,local,fsdp,keep-last,zero2,last-dim,bf16,hsdp,replicate] (default all)\n"
@@ -344,7 +345,7 @@ void parallelize(fsdp::models::GPT& model, const Options& o) {
 struct Measured {
   std::vector<double> times;  // wall seconds per measured step
   double first_loss = 0, cpu_per_step = 0, faults_per_step = 0;
-  fsdp::comm::CommStatsSnapshot comm;    // the measured steps' traffic
+  fsdp::comm::CommStatsSnapshot comm;   // the measured steps' traffic
   uint64_t last_step_first_record = 0;  // the flight record the last step's collectives start at
   std::string splits;                   // the CPU split: one line per measured step
 };
@@ -700,8 +701,8 @@ int run_driver(const Options& o) {
   std::printf(
       "bench: %s, global batch %lld, float32; %d ranks x %d thread(s); %d steps after %d warm-up, %d rounds; "
       "malloc %s; FSDP_CPU_BIND %s\n",
-      o.shape.describe().c_str(), static_cast<long long>(o.shape.batch), o.nproc, threads, o.steps, o.warmup,
-      o.rounds, fsdp_bench::malloc_policy_name(o.malloc), bind && *bind ? bind : "unset");
+      o.shape.describe().c_str(), static_cast<long long>(o.shape.batch), o.nproc, threads, o.steps, o.warmup, o.rounds,
+      fsdp_bench::malloc_policy_name(o.malloc), bind && *bind ? bind : "unset");
   std::fflush(stdout);
   run_rounds(o, rows, threads);
   print_table(rows, o);
@@ -726,11 +727,11 @@ struct Options {
 
 Options parse(int argc, char** argv) {
   Options o;
-  fsdp_bench::Args args(
-      "bench --mode layout",
-      "usage: fsdprun --nproc-per-node N -- bench --mode layout [--steps N] [--block N] [--warmup N] [--layers N] [--dim N] "
-      "[--heads N] [--seq N] [--batch N] [--pieces-kib K,K,...] [--flat 0|1] [--split 0|1] "
-      "[--comm-only KIB]");
+  fsdp_bench::Args args("bench --mode layout",
+                        "usage: fsdprun --nproc-per-node N -- bench --mode layout [--steps N] [--block N] [--warmup N] "
+                        "[--layers N] [--dim N] "
+                        "[--heads N] [--seq N] [--batch N] [--pieces-kib K,K,...] [--flat 0|1] [--split 0|1] "
+                        "[--comm-only KIB]");
   o.shape.add_options(args);
   o.rotation.add_options(args);
   args.option("--comm-only", &o.comm_only).option("--flat", &o.flat).option("--split", &o.split);
@@ -824,8 +825,8 @@ int run(const Options& o) {
   }
   fsdp::set_cpu_collective_options({});
   if (rank == 0) {
-    std::printf("bench --mode layout: %s, layouts in rotation, after %lld warm-up\n", r.describe(o.shape, world).c_str(),
-                static_cast<long long>(r.warmup));
+    std::printf("bench --mode layout: %s, layouts in rotation, after %lld warm-up\n",
+                r.describe(o.shape, world).c_str(), static_cast<long long>(r.warmup));
     std::printf(
         "| layout | steps | step wall (median) | step CPU, rank 0 (median) | wall / flat | CPU / flat | page faults "
         "/ step | pool hits / misses / unmapped per step |\n"
@@ -861,10 +862,10 @@ struct Options {
 
 Options parse(int argc, char** argv) {
   Options o;
-  fsdp_bench::Args args(
-      "bench --mode desync",
-      "usage: fsdprun --nproc-per-node N -- bench --mode desync [--steps N] [--block N] [--warmup N] [--layers N] [--dim N] "
-      "[--heads N] [--seq N] [--batch N] [--detail 0|1|2] [--calls N]");
+  fsdp_bench::Args args("bench --mode desync",
+                        "usage: fsdprun --nproc-per-node N -- bench --mode desync [--steps N] [--block N] [--warmup N] "
+                        "[--layers N] [--dim N] "
+                        "[--heads N] [--seq N] [--batch N] [--detail 0|1|2] [--calls N]");
   o.shape.add_options(args);
   o.rotation.add_options(args);
   args.option("--detail", &o.detail).option("--calls", &o.calls);
@@ -967,9 +968,10 @@ struct Options {
 
 Options parse(int argc, char** argv) {
   Options o;
-  fsdp_bench::Args args("bench --mode profile",
-                        "usage: fsdprun --nproc-per-node N -- bench --mode profile [--dir DIR] [--rounds N] [--steps N] "
-                        "[--layers N] [--dim N] [--heads N] [--seq N] [--batch N]");
+  fsdp_bench::Args args(
+      "bench --mode profile",
+      "usage: fsdprun --nproc-per-node N -- bench --mode profile [--dir DIR] [--rounds N] [--steps N] "
+      "[--layers N] [--dim N] [--heads N] [--seq N] [--batch N]");
   o.shape.add_options(args);
   args.option("--dir", &o.dir).option("--rounds", &o.rounds).option("--steps", &o.steps);
   args.parse(argc, argv);
@@ -991,7 +993,10 @@ size_t count_fsdp_ranges(const std::string& path) {
 // optimizer range around AdamW's step (what train_gpt --profile-steps records).
 struct ProfiledTraining {
   ProfiledTraining(const Options& o, int rank, int world)
-      : shape(o.shape), rank(rank), world(world), model(fsdp_bench::seeded_gpt(o.shape.config())),
+      : shape(o.shape),
+        rank(rank),
+        world(world),
+        model(fsdp_bench::seeded_gpt(o.shape.config())),
         opt(
             [this] {
               fsdp_bench::shard_gpt(model);

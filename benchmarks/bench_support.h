@@ -231,8 +231,8 @@ inline std::string g_program = "benchmark", g_usage;
 }
 
 // A benchmark's options: "--name value" pairs and value-less flags, each bound to a variable;
-// --help prints the usage (exit 0). Unknown options, a missing value and a value that is not an integer where one is wanted are
-// refused with one line naming the option (bad_input). Constructing it names the program.
+// --help prints the usage (exit 0). Unknown options, a missing value and a value that is not an integer where one is
+// wanted are refused with one line naming the option (bad_input). Constructing it names the program.
 class Args {
  public:
   Args(const std::string& program, const std::string& usage) {
@@ -312,7 +312,8 @@ class Args {
 // A program with modes: "--mode M" (M one of `modes`, the first the default) taken out of argv, so
 // that the mode's own Args parse the rest; returns M. Call it after tune_cpu_or_reexec, which
 // re-executes the whole command line. A missing or unknown M is bad input naming the modes.
-inline std::string take_mode(int& argc, char** argv, const std::string& program, const std::vector<std::string>& modes) {
+inline std::string take_mode(int& argc, char** argv, const std::string& program,
+                             const std::vector<std::string>& modes) {
   std::string names;
   for (const auto& m : modes) names += (names.empty() ? "" : "|") + m;
   g_program = program;

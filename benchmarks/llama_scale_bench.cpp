@@ -477,8 +477,7 @@ TrainTimes train_loop(const Options& o, Llama& model, torch::optim::AdamW& opt, 
 
 // Each rank's summary in turn (median step and parts, losses, peak RSS, FSDP's phases, the memory
 // timeline's table), then rank 0's result line (--result).
-void report_train(const Options& o, const TrainTimes& t, MemoryTimeline& mem, fsdp_bench::Place place,
-                  int64_t params) {
+void report_train(const Options& o, const TrainTimes& t, MemoryTimeline& mem, fsdp_bench::Place place, int64_t params) {
   const double hwm = mem.on() ? mem.peak() : fsdp_bench::vm_hwm_bytes();
   if (!o.plain) barrier();
   for (int r = 0; r < place.world; ++r) {
@@ -486,8 +485,7 @@ void report_train(const Options& o, const TrainTimes& t, MemoryTimeline& mem, fs
       std::printf("rank %d: median step %.3f s, first loss %.4f, last loss %.4f, peak RSS (VmHWM) %.3f GiB\n", r,
                   fsdp_bench::median(t.times), t.first_loss, t.last_loss, gib(hwm));
       std::printf("rank %d: median forward + loss %.3f s, backward %.3f s, optimizer step %.3f s\n", r,
-                  fsdp_bench::median(t.forward_s), fsdp_bench::median(t.backward_s),
-                  fsdp_bench::median(t.optimizer_s));
+                  fsdp_bench::median(t.forward_s), fsdp_bench::median(t.backward_s), fsdp_bench::median(t.optimizer_s));
       if (!o.plain && fsdp::phase_timers_enabled())
         std::printf("rank %d: FSDP's phases over the measured steps:\n%s", r,
                     fsdp::phase_times().table(static_cast<int>(o.steps)).c_str());

@@ -87,7 +87,8 @@ Options parse(int argc, char** argv) {
   Options o;
   fsdp_bench::Args args(
       "memory_bench",
-      "usage: memory_bench [--mode memory|activation] [--small] [--ranks 2,4] [--steps N] [--batch N] [--layers N] [--dim N] [--heads N] "
+      "usage: memory_bench [--mode memory|activation] [--small] [--ranks 2,4] [--steps N] [--batch N] [--layers N] "
+      "[--dim N] [--heads N] "
       "[--seq N] [--threads N] [--malloc default|tuned|speed|warm] [--pool on|off] [--pool-trim on|off] "
       "[--gloo-fallback p2p|collective] [--timeline FILE (with --role)]\n"
       "       memory_bench --mode activation --help: the options of activation checkpointing's table");
@@ -264,13 +265,13 @@ std::string result_line(const WorkerResult& w, const Sampler& sampler, int steps
   std::ostringstream line;
   line << "rank " << w.rank << " world " << w.world << " step_s " << w.step_s << " hwm " << fsdp_bench::vm_hwm_bytes()
        << " rss_setup " << w.rss_setup << " params " << w.state.params << " grads " << w.state.grads << " optim "
-       << w.state.optim << " block_param_bytes " << w.block_param_bytes << " total_param_bytes "
-       << w.total_param_bytes << " loss " << w.loss << " s_rss " << peak.rss << " s_heap_in_use " << peak.heap_in_use
-       << " s_heap_free " << peak.heap_free << " s_mmapped " << peak.mmapped << " s_fsdp " << peak.fsdp.total
-       << " s_pool_cached " << peak.fsdp.pool_cached << " s_pool_live " << peak.fsdp.pool_live
-       << " s_pool_cached_resident " << peak.fsdp.pool_cached_resident << " fsdp_peak " << fsdp_stats.peak
-       << " pool_peak_mapped " << fsdp_stats.pool_peak_mapped << " pool_hits " << fsdp_stats.pool_hits
-       << " pool_misses " << fsdp_stats.pool_misses;
+       << w.state.optim << " block_param_bytes " << w.block_param_bytes << " total_param_bytes " << w.total_param_bytes
+       << " loss " << w.loss << " s_rss " << peak.rss << " s_heap_in_use " << peak.heap_in_use << " s_heap_free "
+       << peak.heap_free << " s_mmapped " << peak.mmapped << " s_fsdp " << peak.fsdp.total << " s_pool_cached "
+       << peak.fsdp.pool_cached << " s_pool_live " << peak.fsdp.pool_live << " s_pool_cached_resident "
+       << peak.fsdp.pool_cached_resident << " fsdp_peak " << fsdp_stats.peak << " pool_peak_mapped "
+       << fsdp_stats.pool_peak_mapped << " pool_hits " << fsdp_stats.pool_hits << " pool_misses "
+       << fsdp_stats.pool_misses;
   for (int k = 0; k < fsdp::kBufferOwners; ++k) line << " at_peak_" << k << " " << fsdp_stats.at_peak[k];
   for (int k = 0; k < fsdp::kBufferOwners; ++k) line << " s_owner_" << k << " " << peak.fsdp.current[k];
   line << " s_step " << peak.step << " s_phase " << peak.phase << " s_all_gathers " << peak.all_gathers
@@ -484,10 +485,10 @@ struct Options {
 
 Options parse(int argc, char** argv) {
   Options o;
-  fsdp_bench::Args args(
-      "memory_bench --mode activation",
-      "usage: memory_bench --mode activation [--steps N] [--warmup N] [--layers N] [--dim N] [--heads N] [--seq N] [--batch N] "
-      "[--rounds N] | --fit [--budget-mb N]; [--glibc-default-malloc]");
+  fsdp_bench::Args args("memory_bench --mode activation",
+                        "usage: memory_bench --mode activation [--steps N] [--warmup N] [--layers N] [--dim N] "
+                        "[--heads N] [--seq N] [--batch N] "
+                        "[--rounds N] | --fit [--budget-mb N]; [--glibc-default-malloc]");
   o.shape.add_options(args);
   args.flag("--fit", &o.fit).flag("--glibc-default-malloc", &o.glibc_default);
   args.option("--budget-mb", &o.budget_mb).option("--role", &o.role).option("--ac", &o.ac);
@@ -576,7 +577,8 @@ struct Driver {
 int run_memory(const Options& o) {
   Driver d(o.glibc_default);
   std::printf(
-      "memory_bench --mode activation: %s, batch %lld per rank, float32, fully_shard in a world of one; %d steps after %d "
+      "memory_bench --mode activation: %s, batch %lld per rank, float32, fully_shard in a world of one; %d steps after "
+      "%d "
       "warm-up, %d round(s); peak RSS of a fresh process per row\n",
       o.shape.describe().c_str(), static_cast<long long>(o.shape.batch), o.steps, o.warmup, o.rounds);
   std::fflush(stdout);
@@ -631,7 +633,8 @@ int run_fit(const Options& o) {
   Driver d(o.glibc_default);
   const fsdp_bench::GptShape fit{14, 768, 12, 512, 1};  // ~100M parameters, 1 sequence per rank
   std::printf(
-      "memory_bench --mode activation --fit: %s, 1 sequence per rank, float32, AdamW; %d steps after %d warm-up; budget %lld MiB "
+      "memory_bench --mode activation --fit: %s, 1 sequence per rank, float32, AdamW; %d steps after %d warm-up; "
+      "budget %lld MiB "
       "per process%s\n",
       fit.describe().c_str(), o.steps, o.warmup, static_cast<long long>(o.budget_mb), " (stated)");
   std::fflush(stdout);
@@ -668,7 +671,6 @@ int run_fit(const Options& o) {
   }
   return 0;
 }
-
 
 int run(const Options& o) {
   if (o.role == "worker") return run_worker(o);

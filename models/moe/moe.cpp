@@ -86,20 +86,15 @@ SparseMoeBlockImpl::SparseMoeBlockImpl(const MoEConfig& c)
   experts = register_module("experts", MoEExperts(c));
 }
 
-torch::Tensor SparseMoeBlockImpl::run_experts(const Grouped& grouped) {
+torch::Tensor SparseMoeBlockImpl::run_experts(const at::Tensor& rows, const std::vector<int64_t>& counts) {
   auto& local = experts->local;
-  if (static_cast<int64_t>(local.size()) != num_experts)
-    throw std::invalid_argument("SparseMoeBlock: this process holds experts [" + std::to_string(experts->first) + ", " +
-                                std::to_string(experts->first + static_cast<int64_t>(local.size())) + ") of " +
-                                std::to_string(num_experts) +
-                                "; run it under expert parallelism (fsdp::ep dispatches the other experts' tokens) "
-                                "or build it with all experts (MoEConfig::local_experts_count 0)");
-  const auto splits = grouped.splits();
+  TORCH_CHECK(counts.size() == local.size(), "SparseMoeBlock::run_experts: ", counts.size(), " counts for ",
+              local.size(), " local experts");
   std::vector<at::Tensor> outs;
   int64_t offset = 0;
   for (size_t e = 0; e < local.size(); ++e) {
-    outs.push_back(fsdp::call(local[e], grouped.tokens.narrow(0, offset, splits[e])));
-    offset += splits[e];
+    outs.push_back(fsdp::call(local[e], rows.narrow(0, offset, counts[e])));
+    offset += counts[e];
   }
   return at::cat(outs, 0);
 }
@@ -108,8 +103,16 @@ torch::Tensor SparseMoeBlockImpl::forward(const torch::Tensor& x) {
   const at::Tensor h = x.reshape({-1, x.size(-1)});
   router_logits = fsdp::call(gate, h);
   const Routing r = route(router_logits, top_k, renormalise, weights_in_float32);
+  // Expert parallelism replaces these two by fsdp::ep::dispatch / combine (same shapes, the rows of
+  // this rank's experts only); without it every expert must be here.
+  if (static_cast<int64_t>(experts->local.size()) != num_experts)
+    throw std::invalid_argument("SparseMoeBlock: this process holds experts [" + std::to_string(experts->first) + ", " +
+                                std::to_string(experts->first + static_cast<int64_t>(experts->local.size())) + ") of " +
+                                std::to_string(num_experts) +
+                                "; run it under expert parallelism (fsdp::ep dispatches the other experts' tokens) "
+                                "or build it with all experts (MoEConfig::local_experts_count 0)");
   const Grouped g = group_tokens(h, r.indices, num_experts);
-  return combine(run_experts(g), r.weights, g).view(x.sizes());
+  return combine(run_experts(g.tokens, g.splits()), r.weights, g).view(x.sizes());
 }
 
 MoEDecoderLayerImpl::MoEDecoderLayerImpl(const MoEConfig& c, int64_t index) {

@@ -83,9 +83,10 @@ struct SparseMoeBlockImpl : torch::nn::Module {
   explicit SparseMoeBlockImpl(const MoEConfig& c);
   // x [B, T, D] -> [B, T, D]; keeps router_logits [B*T, E] for the auxiliary loss.
   torch::Tensor forward(const torch::Tensor& x);
-  // The grouped rows through the local experts, one matmul each (every local expert runs, on zero
-  // rows too, so each has a gradient). All experts must be local without expert parallelism.
-  torch::Tensor run_experts(const Grouped& grouped);
+  // Rows grouped by local expert (counts[i] rows for local expert i, in order: group_tokens' or
+  // fsdp::ep::dispatch's) through the local experts, one matmul per projection each (every local
+  // expert runs, on zero rows too, so each has a gradient).
+  torch::Tensor run_experts(const at::Tensor& rows, const std::vector<int64_t>& counts);
   Linear gate{nullptr};
   MoEExperts experts{nullptr};
   int64_t num_experts, top_k;

@@ -5,7 +5,8 @@
 // as ordinary FSDP parameters, one unit per decoder layer), and give the same logits (max |ours -
 // theirs| <= 1e-5 x max |theirs|) and the same loss with the auxiliary term (1e-5 relative).
 // Training at FSDP 2 equals training in one process; what we export loads back with the same
-// logits (and in transformers, when FSDP_TEST_HF_PYTHON names a Python with it); the grouping
+// logits (and in transformers' from_pretrained, when FSDP_TEST_HF_PYTHON names a Python with it: CMake
+// sets the python3 it finds, which the LibTorch 2.14 half's chroot has transformers in); the grouping
 // (group_tokens / combine) equals a token-by-token loop; a model holding a range of experts reads
 // only those; every config.json field the model cannot honour is refused in one line.
 #include <gtest/gtest.h>
@@ -241,9 +242,14 @@ TEST_F(MoEHFFiles, ExportFromFSDPLoadsBackWithTheSameLogits) {
        {std::pair{dir_ / "mixtral", "mixtral_untied_sharded"}, std::pair{dir_ / "qwen3", "qwen3_moe_sparse_step"}}) {
     ProcessSpec spec;
     spec.argv = {python, "-c", R"(
-import sys, torch
-from safetensors.torch import load_file
-from transformers import AutoModelForCausalLM
+import sys
+try:
+    import torch
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+except ImportError as e:
+    print("SKIPPED: transformers on our export:", e)
+    sys.exit(77)
 model = AutoModelForCausalLM.from_pretrained(sys.argv[1], dtype=torch.float32).eval()
 ref = load_file(sys.argv[2])
 with torch.no_grad():
@@ -258,8 +264,11 @@ sys.exit(0 if diff <= 1e-5 and loss <= 1e-5 else 1)
                  out.string(), fixture(name) + "/reference.safetensors"};
     spec.timeout = std::chrono::seconds(120);
     auto result = Child(spec).wait();
-    EXPECT_TRUE(result.ok()) << result.output;
     std::printf("%s", result.output.c_str());
+    // No transformers there (the LibTorch 1.13 half's python3): skipped, unless this must run.
+    const char* required = std::getenv("FSDP_REQUIRE_PYTHON_CHECKS");
+    if (result.exit_code == 77 && !(required && std::string(required) == "1")) continue;
+    EXPECT_TRUE(result.ok()) << result.output;
   }
 }
 

@@ -3,6 +3,7 @@
 #include <torch/torch.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cstdlib>
 #include <mutex>
 #include <stdexcept>
@@ -174,8 +175,11 @@ CpuCollectiveOptions options_from_env() {
 std::mutex g_options_mu;
 bool g_options_set = false;
 CpuCollectiveOptions g_options;
+std::atomic<uint64_t> g_options_epoch{0};
 
 }  // namespace
+
+uint64_t cpu_collective_options_epoch() { return g_options_epoch.load(std::memory_order_acquire); }
 
 }  // namespace fsdp::detail
 
@@ -185,6 +189,7 @@ void set_cpu_collective_options(const CpuCollectiveOptions& options) {
   std::lock_guard<std::mutex> lock(detail::g_options_mu);
   detail::g_options = options;
   detail::g_options_set = true;
+  detail::g_options_epoch.fetch_add(1, std::memory_order_acq_rel);  // the units choose their collectives again
 }
 
 CpuCollectiveOptions cpu_collective_options() {

@@ -29,7 +29,7 @@ namespace fsdp::detail {
 
 // FSDP's own flat all-gather and reduce-scatter: the group's collectives, behind the interfaces a
 // user's custom ones implement (fsdp/sharding/custom_collectives.h), so that a unit calls the one
-// or the other the same way (FSDPParamGroup::all_gather(), reduce_scatter()). Their buffers come
+// or the other the same way, through the object it chose once (FSDPParamGroup::Collectives). Their buffers come
 // from FSDP's pool (the group allocates them; allocate() is a user's hook).
 class GroupAllGather final : public AllGather {
  public:
@@ -46,6 +46,10 @@ class GroupReduceScatter final : public ReduceScatter {
 };
 
 using FSDPParams = std::vector<std::unique_ptr<FSDPParam>>;
+
+// Counts the calls of set_cpu_collective_options: a unit that chose its collectives under another
+// count chooses them again ([Note: a unit's collectives, chosen once], fsdp_param_group.h).
+uint64_t cpu_collective_options_epoch();
 
 // input: [total] (flat), in the compute dtype, on the compute device. shard_buffer: where defined,
 // every padded shard side by side at `offsets` in one tensor of `total` ([Note: the shards in one

@@ -410,6 +410,12 @@ void FSDPParam::materialize(c10::Device device) {
   unsharded_ = false;
 }
 
+void FSDPParam::throw_replaced() const {
+  throw std::logic_error("fsdp: parameter '" + fqn_ +
+                         "' was replaced after fully_shard (register_parameter or assignment); change "
+                         "parameters before sharding, or load values into the shard in place");
+}
+
 void FSDPParam::check_unchanged() const {
   if (sharded_param_.is_meta()) {
     throw std::logic_error("fsdp: parameter '" + fqn_ +
@@ -418,11 +424,16 @@ void FSDPParam::check_unchanged() const {
   }
   for (const auto& slot : slots_) {
     auto module = slot.module.lock();
-    const at::Tensor* now = module ? parameter_registry(*module).find(slot.name) : nullptr;
-    if (now == nullptr || !now->is_same(sharded_param_)) {
-      throw std::logic_error("fsdp: parameter '" + fqn_ +
-                             "' was replaced after fully_shard (register_parameter or assignment); change "
-                             "parameters before sharding, or load values into the shard in place");
+    if (!module) throw_replaced();
+    // The item where the shard was last found holds it still: nothing was replaced (a registry
+    // item's value changes only through register_parameter or assignment, which the lookup below
+    // would see too). Else the name is looked up, once.
+    const auto& items = parameter_registry(*module).items();
+    if (slot.registry_index < items.size() && items[slot.registry_index].value().is_same(sharded_param_)) continue;
+    const at::Tensor* now = parameter_registry(*module).find(slot.name);
+    if (now == nullptr || !now->is_same(sharded_param_)) throw_replaced();
+    for (size_t i = 0; i < items.size(); ++i) {
+      if (&items[i].value() == now) slot.registry_index = i;
     }
   }
   if (sharded_param_.sizes() != at::IntArrayRef(local_shape_)) {

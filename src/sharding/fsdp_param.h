@@ -45,6 +45,9 @@ namespace fsdp::detail {
 struct ParamSlot {
   std::weak_ptr<torch::nn::Module> module;  // weak: a replaced submodule may be gone
   std::string name;
+  // Where check_unchanged last found the shard in the module's parameter registry (its item
+  // index): checked there first, so a step looks no name up.
+  mutable size_t registry_index = static_cast<size_t>(-1);
 };
 
 // Mixed precision as FSDP2 resolves it per parameter: param_dtype is dropped when it equals the
@@ -166,6 +169,7 @@ class FSDPParam {
   void materialize(c10::Device device);
   // Throws when a registry entry was replaced or the shard was reshaped since fully_shard.
   void check_unchanged() const;
+  [[noreturn]] void throw_replaced() const;
 
  private:
   std::vector<ParamSlot> slots_;

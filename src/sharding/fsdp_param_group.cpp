@@ -36,7 +36,48 @@ FSDPParamGroup::FSDPParamGroup(std::vector<std::unique_ptr<FSDPParam>> params, D
 }
 
 DeviceStreams* FSDPParamGroup::streams() const {
-  return params_.empty() ? nullptr : DeviceStreams::get(params_.front()->device());
+  if (!streams_known_) {
+    streams_ = params_.empty() ? nullptr : DeviceStreams::get(params_.front()->device());
+    streams_known_ = true;
+  }
+  return streams_;
+}
+
+bool FSDPParamGroup::collectives_current() const {
+  const Collectives& c = collectives_;
+  return c.chosen && c.options_epoch == cpu_collective_options_epoch() &&
+         c.custom_all_gather == custom_all_gather.get() && c.custom_reduce_scatter == custom_reduce_scatter.get() &&
+         c.post_forward_comm == post_forward_comm.get() && c.hook == static_cast<bool>(all_reduce_hook) &&
+         c.first_shard == (params_.empty() ? nullptr : params_.front()->padded_shard().unsafeGetTensorImpl());
+}
+
+const FSDPParamGroup::Collectives& FSDPParamGroup::collectives() {
+  if (!collectives_current()) choose_collectives();
+  return collectives_;
+}
+
+void FSDPParamGroup::choose_collectives() {
+  // [Note: a unit's collectives, chosen once] (fsdp_param_group.h). The options' count is read
+  // first: a change while choosing makes the next call choose again.
+  Collectives c;
+  c.options_epoch = cpu_collective_options_epoch();
+  c.custom_all_gather = custom_all_gather.get();
+  c.custom_reduce_scatter = custom_reduce_scatter.get();
+  c.post_forward_comm = post_forward_comm.get();
+  c.first_shard = params_.empty() ? nullptr : params_.front()->padded_shard().unsafeGetTensorImpl();
+  c.hook = static_cast<bool>(all_reduce_hook);
+  c.all_gather = custom_all_gather ? custom_all_gather.get() : static_cast<AllGather*>(&own_all_gather_);
+  c.reduce_scatter =
+      custom_reduce_scatter ? custom_reduce_scatter.get() : static_cast<ReduceScatter*>(&own_reduce_scatter_);
+  c.gather = params_.empty() || gathers_directly() ? GatherPath::Direct
+             : gathers_pieces()                    ? GatherPath::Pieces
+                                                   : GatherPath::Flat;
+  c.reduce = reduces_directly()                                                         ? ReducePath::Direct
+             : !streams() && !replicate_comm_ && !all_reduce_hook && !custom_reduce_scatter && comm_->size() > 1
+                 ? ReducePath::Pieces
+                 : ReducePath::Flat;
+  c.chosen = true;
+  collectives_ = c;
 }
 
 bool FSDPParamGroup::offloaded_grads() const {
@@ -64,11 +105,11 @@ void FSDPParamGroup::unshard(bool async_op, const c10::Event* after) {
   if (!async_op) wait_for_unshard();
 }
 
-FSDPParamGroup::GatherPath FSDPParamGroup::gather_path() const {
-  if (gathers_directly()) return GatherPath::Direct;
-  if (post_forward_shard_.defined()) return GatherPath::PostForward;
-  if (gathers_pieces()) return GatherPath::Pieces;
-  return GatherPath::Flat;
+FSDPParamGroup::GatherPath FSDPParamGroup::gather_path() {
+  const GatherPath chosen = collectives().gather;
+  // Backward after an integer reshard_after_forward gathers within the post-forward group.
+  if (chosen != GatherPath::Direct && post_forward_shard_.defined()) return GatherPath::PostForward;
+  return chosen;
 }
 
 void FSDPParamGroup::unshard_directly() {
@@ -184,16 +225,6 @@ void FSDPParamGroup::issue_flat_gather(const c10::Event* after) {
   all_gather_work_ = all_gather()(all_gather_output_.view(-1), input, *comm_, /*async_op=*/true);
 }
 
-AllGather& FSDPParamGroup::all_gather() {
-  static GroupAllGather group_all_gather;
-  return custom_all_gather ? *custom_all_gather : group_all_gather;
-}
-
-ReduceScatter& FSDPParamGroup::reduce_scatter() {
-  static GroupReduceScatter group_reduce_scatter;
-  return custom_reduce_scatter ? *custom_reduce_scatter : group_reduce_scatter;
-}
-
 at::Tensor FSDPParamGroup::custom_buffer(bool all_gather, int64_t numel, const at::TensorOptions& options) const {
   const at::ScalarType dtype = options.dtype().toScalarType();
   at::Tensor t = all_gather ? custom_all_gather->allocate({numel}, dtype, options.device())
@@ -302,7 +333,8 @@ void FSDPParamGroup::reshard_post_forward() {
 void FSDPParamGroup::share_sharded_grads() {
   // Autograd adds in place only with grad mode off (a backward without create_graph); with it on
   // it would replace the shared gradient by a new sum, which post_backward would add again.
-  if (state_ != State::Unsharded || !reduces_directly() || !requires_gradient_sync || gradient_divide_factor ||
+  if (state_ != State::Unsharded || collectives().reduce != ReducePath::Direct || !requires_gradient_sync ||
+      gradient_divide_factor ||
       at::GradMode::is_enabled()) {
     return;
   }
@@ -324,9 +356,10 @@ void FSDPParamGroup::post_backward() {
   // reduce-scatter input is allocated, so the two are never alive together.
   if (reshard_after_backward) reshard();
   if (taken_grads_.empty() && !shared) return;
-  if (reduces_directly()) return hand_over_grads();
+  const ReducePath path = collectives().reduce;
+  if (path == ReducePath::Direct) return hand_over_grads();
   if (taken_grads_.empty()) return;
-  if (reduces_pieces(taken_grads_)) return issue_reduce_pieces();
+  if (path == ReducePath::Pieces && reduces_pieces(taken_grads_)) return issue_reduce_pieces();
   issue_flat_reduce();
 }
 
@@ -629,8 +662,8 @@ void FSDPParamGroup::move_shards_to_buffer() {
 }
 
 bool FSDPParamGroup::reduces_pieces(const std::vector<std::pair<FSDPParam*, at::Tensor>>& grads) const {
-  return !streams() && !replicate_comm_ && !all_reduce_hook && !custom_reduce_scatter && comm_->size() > 1 &&
-         !grads.empty() && comm_->takes_pieces(grads.front().second) && reduces_per_parameter(grads);
+  // The rest was checked once (ReducePath::Pieces): what depends on the gradients that arrived.
+  return !grads.empty() && comm_->takes_pieces(grads.front().second) && reduces_per_parameter(grads);
 }
 
 void FSDPParamGroup::finish_reduce_pieces() {

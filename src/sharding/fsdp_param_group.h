@@ -176,12 +176,41 @@ class FSDPParamGroup {
   bool offload_adopt_ = false;  // offload_host_ is a fresh buffer that becomes the gradients (there were none)
   at::Tensor offload_staging_;  // persistent pinned buffer, the copy's target when gradients exist (added to)
 
-  // How unshard() gathers, chosen at each call from the group's state (cheap checks): a direct
-  // world of one (no collective), the post-forward group's gather after an integer
-  // reshard_after_forward, the CPU's per parameter rows, or the flat layout (FSDP2's, where a
-  // custom all-gather applies).
+  // [Note: a unit's collectives, chosen once]
+  // How the unit gathers and reduces is chosen at its first unshard (when the shards are in place:
+  // after materialize) and kept: a direct world of one (no collective), the CPU's per-parameter
+  // rows, or the flat layout (FSDP2's, on every GPU), and for the flat layout the collective object
+  // it calls: the user's custom one where set, else the group's own (GroupAllGather,
+  // GroupReduceScatter), both behind custom_collectives.h's interfaces. A unit then pays for none
+  // of those checks per call. What the choice read is kept beside it, so that a unit chooses again
+  // only when that changed (a custom collective, hook or integer reshard set later, the CPU
+  // options, shards replaced): a few comparisons per call. Per call there remain the post-forward
+  // group's gather (while a post-forward shard is held) and, for the per-parameter reduce-scatter,
+  // whether the gradients that arrived all qualify (else flat).
   enum class GatherPath { Direct, PostForward, Pieces, Flat };
-  GatherPath gather_path() const;
+  enum class ReducePath { Direct, Pieces, Flat };
+  struct Collectives {
+    GatherPath gather = GatherPath::Flat;  // never PostForward: that one is per call
+    ReducePath reduce = ReducePath::Flat;  // Pieces: where the gradients qualify (reduces_pieces)
+    AllGather* all_gather = nullptr;
+    ReduceScatter* reduce_scatter = nullptr;
+    // What the choice was made from.
+    uint64_t options_epoch = 0;
+    const void* custom_all_gather = nullptr;
+    const void* custom_reduce_scatter = nullptr;
+    const void* post_forward_comm = nullptr;
+    const void* first_shard = nullptr;
+    bool hook = false;
+    bool chosen = false;
+  };
+  Collectives collectives_;
+  GroupAllGather own_all_gather_;
+  GroupReduceScatter own_reduce_scatter_;
+  // The choice, made again where what it read has changed.
+  const Collectives& collectives();
+  bool collectives_current() const;
+  void choose_collectives();
+  GatherPath gather_path();
   // unshard()'s steps, one per path; each leaves the gather in flight (Direct: done).
   void unshard_directly();
   void issue_gather_pieces();
@@ -201,8 +230,11 @@ class FSDPParamGroup {
   // Sets pending_divide_ and returns the collective's op (Avg, or Sum where a divide follows).
   comm::ReduceOp begin_reduce();
 
-  // The side streams of the parameters' device; null on the CPU (see streams.h).
+  // The side streams of the parameters' device; null on the CPU (see streams.h). Looked up once
+  // (DeviceStreams::get takes a lock).
   DeviceStreams* streams() const;
+  mutable DeviceStreams* streams_ = nullptr;
+  mutable bool streams_known_ = false;
   bool offloaded_grads() const;  // gradients go back to (pinned) host memory
 
   // A shard group of one on the CPU, no replicas: unshard copies each shard straight into its
@@ -217,10 +249,9 @@ class FSDPParamGroup {
   bool reduces_directly() const { return direct_world_of_one() && !all_reduce_hook && !custom_reduce_scatter; }
   // The same for unshard: a custom all-gather is called in a world of one too.
   bool gathers_directly() const { return direct_world_of_one() && !custom_all_gather; }
-  // The flat collectives: the custom ones where set, else the group's own (GroupAllGather,
-  // GroupReduceScatter in collectives.h), called the same way.
-  AllGather& all_gather();
-  ReduceScatter& reduce_scatter();
+  // The flat collectives chosen (collectives()): the custom ones where set, else the group's own.
+  AllGather& all_gather() { return *collectives().all_gather; }
+  ReduceScatter& reduce_scatter() { return *collectives().reduce_scatter; }
   // A buffer from the custom collective's allocate, checked (sizes, dtype, device, contiguous).
   at::Tensor custom_buffer(bool all_gather, int64_t numel, const at::TensorOptions& options) const;
   // The CPU's per-parameter collectives apply (Gloo shard group of CPU tensors, no side streams).

@@ -2,7 +2,13 @@
 // each unsharded parameter is its shard's memory, not a copy: unshard allocates and copies nothing,
 // forward reads what the optimizer wrote, and training equals plain LibTorch bit for bit. Where
 // the unsharded parameter needs another dtype (mixed precision), it is still a copy.
+#include <ATen/record_function.h>
 #include <gtest/gtest.h>
+
+#include <map>
+#include <mutex>
+#include <optional>
+#include <string>
 
 #include "fsdp/debug/buffer_pool.h"
 #include "fsdp/fsdp.h"
@@ -101,4 +107,102 @@ TEST(WorldOfOne, MixedPrecisionStillCopies) {
   EXPECT_TRUE(field.equal(shard.to(at::kBFloat16)));
   unit.reshard();
   EXPECT_EQ(field.numel(), 0);
+}
+
+namespace {
+
+// The top-level ATen operators (not called by another operator) of every thread, by name, while
+// one lives.
+class TopLevelOps {
+ public:
+  TopLevelOps() {
+    counts().clear();
+    handle_ = at::addGlobalCallback(
+        at::RecordFunctionCallback(&on_start, &on_end).needsInputs(false).scopes({at::RecordScope::FUNCTION}));
+  }
+  ~TopLevelOps() { at::removeCallback(handle_); }
+  std::map<std::string, int64_t> ops() const {
+    std::lock_guard<std::mutex> lock(mu());
+    return counts();
+  }
+
+ private:
+  static std::mutex& mu() {
+    static std::mutex m;
+    return m;
+  }
+  static std::map<std::string, int64_t>& counts() {
+    static std::map<std::string, int64_t> c;
+    return c;
+  }
+  static int& depth() {
+    thread_local int d = 0;
+    return d;
+  }
+  static std::unique_ptr<at::ObserverContext> on_start(const at::RecordFunction& fn) {
+    if (depth()++ == 0) {
+      std::lock_guard<std::mutex> lock(mu());
+      ++counts()[fn.name() ? fn.name() : "?"];
+    }
+    return nullptr;
+  }
+  static void on_end(const at::RecordFunction&, at::ObserverContext*) { --depth(); }
+  at::CallbackHandle handle_;
+};
+
+}  // namespace
+
+// The world of one's fast path: the shards are the parameters, so a training step through
+// fully_shard issues exactly plain LibTorch's operators plus, per unit, the post-backward node's
+// identity view (FSDP2's RegisterPostBackwardFunction) and that node's evaluation; no copy, cat,
+// allocation or collective. Counted on the second step (the first moves nothing either, but
+// lazy init may look around). Fails if unshard starts gathering or copying, if post_backward
+// starts building a reduce-scatter input or copying gradients, or if losses drift from plain.
+TEST(WorldOfOne, AStepIssuesPlainLibTorchsOperatorsAndNoCopy) {
+  auto c = small();
+  c.n_layer = 3;
+  GPT plain(c), sharded(c);
+  {
+    torch::NoGradGuard no_grad;
+    auto src = plain->named_parameters();
+    for (auto& p : sharded->named_parameters()) p.value().copy_(src[p.key()]);
+  }
+  for (auto& b : sharded->blocks) fsdp::fully_shard(b);
+  fsdp::fully_shard(sharded);
+  const int64_t units = c.n_layer + 1;
+  torch::optim::AdamW opt_plain(plain->parameters(), torch::optim::AdamWOptions(1e-2));
+  torch::optim::AdamW opt_sharded(sharded->parameters(), torch::optim::AdamWOptions(1e-2));
+  auto step = [](GPT& model, torch::optim::Optimizer& opt, const at::Tensor& data, bool through_fsdp) {
+    opt.zero_grad();
+    auto input = data.narrow(1, 0, 6), target = data.narrow(1, 1, 6);
+    auto loss = fsdp::models::gpt_loss(through_fsdp ? fsdp::call(model, input) : model->forward(input), target);
+    loss.backward();
+    opt.step();
+    return loss.item<double>();
+  };
+  std::map<std::string, int64_t> ops[2];
+  for (int s = 0; s < 3; ++s) {
+    const auto data = batch(s);
+    double loss[2];
+    for (int side = 0; side < 2; ++side) {
+      std::optional<TopLevelOps> counter;
+      if (s == 1) counter.emplace();
+      loss[side] = side == 0 ? step(plain, opt_plain, data, false) : step(sharded, opt_sharded, data, true);
+      if (counter) ops[side] = counter->ops();
+    }
+    EXPECT_EQ(loss[0], loss[1]) << "step " << s;
+  }
+  std::map<std::string, int64_t> extra = ops[1];
+  for (const auto& [name, count] : ops[0]) extra[name] -= count;
+  std::string unexpected;
+  for (const auto& [name, count] : extra) {
+    if (count == 0) continue;
+    const bool hook = name == "aten::view_as" || name.find("fsdp::PostBackward") != std::string::npos;
+    if (!hook || count < 0 || count > units)
+      unexpected += " " + name + (count > 0 ? " +" : " ") + std::to_string(count);
+  }
+  EXPECT_TRUE(unexpected.empty()) << "a world-of-one step through fully_shard issued, beyond plain LibTorch's "
+                                     "operators and one post-backward view per unit:"
+                                  << unexpected;
+  EXPECT_GT(extra["aten::view_as"], 0) << "no post-backward node: the counter missed FSDP's hooks";
 }

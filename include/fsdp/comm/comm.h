@@ -117,12 +117,14 @@ class Comm {
   // (TORCH_DISTRIBUTED_DEBUG=DETAIL) compares the kind, dtype and row shape: splits may differ.
   // The flight record holds this rank's element counts in and out ("all_to_all_uneven").
   //
-  // Example (2 ranks; rank 0 sends 1 row to itself and 2 to rank 1, rank 1 sends 3 to rank 0 and
-  // none to itself):
-  //   at::Tensor in = at::randn({3, 4});                    // 3 rows on either rank
-  //   std::vector<int64_t> in_splits = r == 0 ? std::vector<int64_t>{1, 2} : std::vector<int64_t>{3, 0};
-  //   std::vector<int64_t> out_splits = r == 0 ? std::vector<int64_t>{1, 3} : std::vector<int64_t>{2, 0};
-  //   at::Tensor out = at::empty({r == 0 ? 4 : 2, 4});
+  // At 2 ranks, rank 0 sends 1 row to itself and 2 to rank 1, rank 1 sends 3 to rank 0:
+  // Example:
+  //   auto world = fsdp::dist::world_comm();
+  //   const bool first = world->rank() == 0;
+  //   at::Tensor in = at::randn({3, 4});                  // 3 rows of 4 on either rank
+  //   std::vector<int64_t> in_splits = first ? std::vector<int64_t>{1, 2} : std::vector<int64_t>{3, 0};
+  //   std::vector<int64_t> out_splits = first ? std::vector<int64_t>{1, 3} : std::vector<int64_t>{2, 0};
+  //   at::Tensor out = at::empty({first ? 4 : 2, 4});
   //   world->all_to_all(out, in, out_splits, in_splits);
   Work all_to_all(const at::Tensor& out, const at::Tensor& in, const std::vector<int64_t>& out_splits,
                   const std::vector<int64_t>& in_splits, bool async_op = false);

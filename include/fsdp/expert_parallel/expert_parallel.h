@@ -15,17 +15,26 @@
 // Backward runs the two row all-to-alls again with the splits swapped. all_to_all_bytes() gives
 // what the ep group's byte counters then count, from every rank's routing.
 //
-// Example (E = 8 experts of which this rank owns 8 / ep.size(), top 2):
-//   at::Tensor logits = router->forward(hidden);                          // [T, 8]
-//   auto [w, idx] = at::softmax(logits, -1).topk(2, -1);                  // [T, 2] each
-//   fsdp::ep::Dispatched d = fsdp::ep::dispatch(hidden, idx, 8, *mesh.comm("ep"));
+// A layer of 8 experts (Linear-SiLU-Linear) with a top-2 router over a mesh's "ep" dimension,
+// each rank running its 8 / ep experts:
+// Example:
+//   auto mesh = fsdp::init_device_mesh({2, 2}, {"dp", "ep"});
+//   const int64_t local = 8 / mesh.comm("ep")->size();
+//   torch::nn::Linear router(torch::nn::LinearOptions(64, 8).bias(false));
+//   std::vector<torch::nn::Sequential> experts;  // global ids mesh.comm("ep")->rank() * local + l
+//   for (int64_t l = 0; l < local; ++l) {
+//     experts.emplace_back(torch::nn::Linear(64, 256), torch::nn::SiLU(), torch::nn::Linear(256, 64));
+//   }
+//   at::Tensor hidden = at::randn({16, 64}, at::requires_grad());
+//   auto [weights, idx] = at::softmax(router(hidden), -1).topk(2, -1);   // [16, 2] each
+//   fsdp::ep::Dispatched d = fsdp::ep::dispatch(hidden, idx, 8, mesh);
 //   std::vector<at::Tensor> outs;
 //   int64_t row = 0;
-//   for (size_t l = 0; l < d.counts.size(); ++l) {                        // local expert l
+//   for (int64_t l = 0; l < local; ++l) {
 //     outs.push_back(experts[l]->forward(d.tokens.narrow(0, row, d.counts[l])));
 //     row += d.counts[l];
 //   }
-//   at::Tensor y = fsdp::ep::combine(at::cat(outs), w, d);                // [T, D]
+//   at::Tensor y = fsdp::ep::combine(at::cat(outs), weights, d);          // [16, 64]
 #include <ATen/ATen.h>
 
 #include <cstdint>

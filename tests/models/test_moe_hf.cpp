@@ -146,6 +146,8 @@ FSDP_RANK_WORKER(moe_logits_fsdp) {
 }
 
 TEST(MoEHF, LogitsAndLossMatchTransformersFSDP2) { EXPECT_RANKS_PASS(2, "moe_logits_fsdp"); }
+// Uneven shards: the routers' 4 or 8 rows and the experts' 40 or 24 rows over 3 ranks.
+TEST(MoEHF, LogitsAndLossMatchTransformersFSDP3) { EXPECT_RANKS_PASS(3, "moe_logits_fsdp"); }
 
 // Training with the auxiliary loss: 3 AdamW steps at FSDP 2 (each rank the same batch, so the
 // averaged gradient is the one-process gradient) equal 3 steps of the unsharded model.

@@ -962,7 +962,7 @@ using fsdp_bench::median;
 
 struct Options {
   fsdp_bench::GptShape shape;  // bench's GPT, global batch 8
-  std::string dir = "runs/profiler_bench";
+  std::string dir = "runs/bench_profile";
   int rounds = 5, steps = 4;
 };
 

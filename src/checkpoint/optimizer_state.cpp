@@ -11,6 +11,7 @@
 #include <torch/optim/rmsprop.h>
 #include <torch/optim/sgd.h>
 
+#include <algorithm>
 #include <mutex>
 #include <set>
 #include <unordered_set>
@@ -125,11 +126,19 @@ std::map<std::string, std::string> all_names(bool fields) {
 
 std::string group_prefix(size_t g) { return "optim.param_groups." + std::to_string(g) + "."; }
 
+// `owners`: the codecs' names joined by '/' (all_names).
 [[noreturn]] void saved_by_another(const std::string& key, const std::string& owners, const OptimizerCodec& codec) {
+  OptimizerMismatch mismatch{{}, codec.name};
+  for (size_t at = 0; at <= owners.size();) {
+    const size_t slash = std::min(owners.find('/', at), owners.size());
+    if (slash > at) mismatch.saved_by.push_back(owners.substr(at, slash - at));
+    at = slash + 1;
+  }
   throw CheckpointError("checkpoint: the optimizer state was saved by " + owners + " (it has '" + key +
-                        "'), but the optimizer given is " + codec.name +
-                        "; build the optimizer it was saved with, or load without the optimizer "
-                        "(LoadOptions::load_optimizer = false, or leave it out of the state dict call)");
+                            "'), but the optimizer given is " + codec.name +
+                            "; build the optimizer it was saved with, or load without the optimizer "
+                            "(LoadOptions::load_optimizer = false, or leave it out of the state dict call)",
+                        std::move(mismatch));
 }
 
 }  // namespace
@@ -249,8 +258,9 @@ std::vector<LocalItem> optimizer_load_items(torch::optim::Optimizer& optimizer, 
       for (const auto& h : codec.hyperparameters)
         if (!has_key(group_prefix(g) + h.name))
           throw CheckpointError("checkpoint: the optimizer state has no '" + group_prefix(g) + h.name +
-                                "' (saved by another optimizer than " + codec.name +
-                                "?); build the optimizer it was saved with");
+                                    "' (saved by another optimizer than " + codec.name +
+                                    "?); build the optimizer it was saved with",
+                                OptimizerMismatch{{}, codec.name});
   }
 
   std::vector<LocalItem> items;

@@ -85,10 +85,52 @@ TEST(TrainGptOptimizers, ResumingWithAnotherOptimizerStopsWithOneLine) {
   EXPECT_FALSE(trained(other.output)) << other.output;
 }
 
+// --cpu-offload (fully_shard with CPUOffloadPolicy for every unit) with its fast pairing,
+// fused-adamw, at 2 ranks: on the CPU nothing moves, so the losses are those of the run without
+// it, bit for bit; the banner counts the units under the policy and the shards on the host; its
+// checkpoint resumes under --cpu-offload as the uninterrupted run goes on. Without fully_shard
+// (--parallel none or replicate) it is refused in one line.
+TEST(TrainGptOptimizers, CpuOffloadTrainsAndResumesLikeTheRunWithoutIt) {
+  TempDir dir;
+  auto offload = [](std::vector<std::string> args) {
+    args.push_back("--cpu-offload");
+    return args;
+  };
+  auto plain = ranks(2, with_optimizer(dir / "a.jsonl", "fused-adamw", ""), 120s);
+  ASSERT_TRUE(plain.ok()) << plain.output;
+  const auto want = losses(dir / "a.jsonl");
+  ASSERT_EQ(want.size(), 6u);
+  EXPECT_EQ(plain.output.find("cpu offload"), std::string::npos) << plain.output;
+  auto off = ranks(2, offload(with_optimizer(dir / "o.jsonl", "fused-adamw", dir / "ckpt")), 120s);
+  ASSERT_TRUE(off.ok()) << off.output;
+  EXPECT_EQ(losses(dir / "o.jsonl"), want);
+  // 2 blocks and the root; this rank's shards of the 2-layer GPT's 29 parameters, all on the host.
+  EXPECT_NE(off.output.find("cpu offload: fully_shard's CPUOffloadPolicy on 3 units; 29 of 29 parameter shards"),
+            std::string::npos)
+      << off.output;
+  auto resumed = ranks(
+      2, offload(with_optimizer(dir / "r.jsonl", "fused-adamw", dir / "other", {"--resume-from", dir / "ckpt/step_000004"})),
+      120s);
+  ASSERT_TRUE(resumed.ok()) << resumed.output;
+  EXPECT_EQ(losses(dir / "r.jsonl"), (std::vector<double>{want[4], want[5]}));
+  for (const std::string parallel : {"none", "replicate"}) {
+    std::vector<std::string> argv = {kTrainGpt, "--parallel", parallel};
+    for (const auto& arg : offload(tiny(dir / "n.jsonl"))) argv.push_back(arg);
+    auto refused = run_process(spec_of(argv, 60s));
+    EXPECT_EQ(refused.exit_code, 2) << refused.output;
+    EXPECT_NE(refused.output.find("train_gpt: error: --cpu-offload needs fully_shard's CPUOffloadPolicy: --parallel " +
+                                  parallel),
+              std::string::npos)
+        << refused.output;
+    EXPECT_FALSE(trained(refused.output)) << refused.output;
+  }
+}
+
 TEST(TrainGptOptimizers, HelpNamesEveryOptimizerAndABadOneIsRefused) {
   auto help = run_process(spec_of({kTrainGpt, "--help"}, 30s));
   ASSERT_TRUE(help.ok()) << help.output;
   EXPECT_NE(help.output.find("adamw | adam | sgd"), std::string::npos) << help.output;
+  EXPECT_NE(help.output.find("--cpu-offload"), std::string::npos) << help.output;
   auto bad = run_process(spec_of({kTrainGpt, "--optimizer", "lbfgs", "--checkpoint-dir", "", "--metrics", ""}, 30s));
   EXPECT_FALSE(bad.ok());
   EXPECT_NE(bad.output.find("--optimizer: lbfgs not in"), std::string::npos) << bad.output;

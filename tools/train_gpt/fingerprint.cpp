@@ -66,6 +66,7 @@ std::vector<std::pair<std::string, std::string>> rank_agreed_options(const Optio
       {"--shard-size", i(o.shard_size)},
       {"--tp-size", i(o.tp_size)},
       {"--mixed-precision", o.mixed_precision},
+      {"--cpu-offload", o.cpu_offload ? "true" : "false"},
       {"--device", o.device},
       {"--share-gpu", o.share_gpu ? "true" : "false"},
       {"--reshard-after-forward", o.reshard_after_forward},

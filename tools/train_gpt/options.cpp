@@ -195,6 +195,12 @@ void add_parallel_options(CLI::App& app, Options& o) {
   app.add_option("--mixed-precision", o.mixed_precision,
                  "fp32, or bf16 (bf16 parameters and compute, fp32 gradient reduction and optimizer)")
       ->check(CLI::IsMember({"fp32", "bf16"}));
+  app.add_flag("--cpu-offload", o.cpu_offload,
+               "fully_shard every unit with CPUOffloadPolicy: the sharded fp32 parameters, their gradients and the "
+               "optimizer state live in host memory (pinned, with --device cuda), each unit's shards copied to the "
+               "device for its forward and backward, and the optimizer steps the host shards; pair it with "
+               "--optimizer fused-adamw (one multi-threaded pass over memory per parameter: the fast pairing). "
+               "--parallel fsdp or hsdp; on --device cpu nothing moves (the same losses as without it)");
   app.add_option("--reshard-after-forward", o.reshard_after_forward, "default (every unit but the root) | true | false")
       ->check(CLI::IsMember({"default", "true", "false"}));
   app.add_option("--activation-checkpointing", o.activation_checkpointing,
@@ -302,6 +308,10 @@ void validate(const Options& o) {
     fail(
         "--mixed-precision bf16 needs fully_shard's MixedPrecisionPolicy: use --parallel fsdp or hsdp (under "
         "fsdprun, any number of ranks)");
+  }
+  if (o.cpu_offload && (o.parallel == "none" || o.parallel == "replicate")) {
+    fail("--cpu-offload needs fully_shard's CPUOffloadPolicy: --parallel " + o.parallel +
+         " keeps whole parameters on the device (use --parallel fsdp or hsdp, or drop --cpu-offload)");
   }
   if (o.reshard_after_forward != "default" && (o.parallel == "none" || o.parallel == "replicate")) {
     fail("--reshard-after-forward " + o.reshard_after_forward + " needs fully_shard: --parallel " + o.parallel +

@@ -58,6 +58,7 @@ struct Options {
   std::string device = "auto";                    // cpu | cuda | auto (cuda when a GPU is visible)
   bool share_gpu = false;                         // more ranks than GPUs: share them (Gloo on CUDA tensors)
   std::string mixed_precision = "fp32";           // fp32 | bf16
+  bool cpu_offload = false;  // fully_shard with CPUOffloadPolicy: shards, gradients, optimizer state on the host
   std::string reshard_after_forward = "default";  // default | true | false
   std::string activation_checkpointing = "none";  // none | full | every:K (every K-th block)
   std::string malloc_policy = "warm";  // warm (raise_malloc_thresholds) | glibc (or default) | tuned (tune_malloc)

@@ -48,6 +48,7 @@ void Reporter::banner(const BannerInfo& info) {
               o.mixed_precision.c_str(), static_cast<long long>(o.batch_size), static_cast<long long>(o.seq_len),
               static_cast<long long>(o.grad_accum));
   std::printf("train_gpt: data %s\n", info.data.c_str());
+  if (!info.offload.empty()) std::printf("train_gpt: %s\n", info.offload.c_str());
   const bool resumed = o.resume || info.resumed_dir;
   if (resumed) {
     std::printf("train_gpt: %s\n", info.resumed_dir

@@ -28,6 +28,7 @@ struct BannerInfo {
   std::optional<std::string> resumed_dir;
   std::string model;        // the architecture's description (spec.h TrainModel::describe)
   std::string resume_note;  // added to the "resumed ..." line (e.g. the checkpoint wins over --init-from)
+  std::string offload;      // --cpu-offload: where the shards are (a line of its own; "": none)
 };
 
 // One optimizer step, as the progress line and the metrics file report it.

@@ -182,6 +182,10 @@ fsdp::FullyShardOptions shard_options(const Run& run) {
     so.mp_policy.reduce_dtype = at::kFloat;    // reduce gradients in fp32; fp32 master shards
   }
   if (o.reshard_after_forward != "default") so.reshard_after_forward = o.reshard_after_forward == "true";
+  // Shards, gradients and the optimizer's state in host memory, pinned when the device is a GPU
+  // (fast copies to and from it); on the CPU the shards already are there: nothing moves, nothing
+  // to pin (and pinning needs CUDA: fully_shard of the meta-device model would pin otherwise).
+  if (o.cpu_offload) so.offload_policy = fsdp::CPUOffloadPolicy{.pin_memory = run.device.is_cuda()};
   return so;
 }
 
@@ -204,6 +208,10 @@ Model build_model(const Run& run, std::unique_ptr<TrainModel> net,
     m.n_params += p.value().numel();
   }
   before_allocating(m.full_shapes);
+  // --cpu-offload: fully_shard copies each parameter into its host shard when it shards it, which
+  // it cannot do from the meta device; the model is allocated whole on the device first (its
+  // values are set by init_weights below, after sharding), and its memory freed once sharded.
+  if (run.opt.cpu_offload && run.sharded()) fsdp::to_empty(*m.module(), run.device);
   parallelize(run, m);
   fsdp::to_empty(*m.module(), run.device);  // this rank's shards only
   m.net->init_weights();                    // fsdp::init: same values for any world size (--init-from's are read after)
@@ -298,27 +306,22 @@ std::string checkpoint_save(const Run& run, Model& m, torch::optim::Optimizer& o
   return dir;
 }
 
-// The library names an optimizer mismatch in its own terms (LoadOptions); the trainer's fix is
-// --optimizer: one line, exit status 2. Returns when `e` is about something else.
+// The library names an optimizer mismatch in its own terms (LoadOptions, its codecs' names:
+// CheckpointError::optimizer_mismatch); the trainer's fix is --optimizer: one line, exit status 2.
+// Returns when `e` is about something else.
 void throw_if_other_optimizer(const std::string& dir, const Options& o, const fsdp::checkpoint::CheckpointError& e) {
-  const std::string what = e.what();
-  if (what.find("the optimizer state") == std::string::npos) return;
+  if (!e.optimizer_mismatch) return;
+  std::vector<std::string> names;  // the codecs' names ("Adam", "AdamW", ...) that --optimizer offers
+  for (std::string name : e.optimizer_mismatch->saved_by) {
+    for (char& ch : name) ch = static_cast<char>(std::tolower(static_cast<unsigned char>(ch)));
+    if (name == "adamw" || name == "adam" || name == "sgd" || name == "adagrad" || name == "rmsprop")
+      names.push_back(name);
+  }
   std::string fix = "the --optimizer it was trained with";
-  const auto by = what.find("saved by "), end = what.find(" (it has");
-  if (by != std::string::npos && end != std::string::npos && end > by + 9) {
-    std::string owners = what.substr(by + 9, end - by - 9) + "/";  // "Adam/AdamW/...": the codecs' names
-    std::vector<std::string> names;                                // those --optimizer offers
-    for (size_t at = 0, slash; (slash = owners.find('/', at)) != std::string::npos; at = slash + 1) {
-      std::string name = owners.substr(at, slash - at);
-      for (char& ch : name) ch = static_cast<char>(std::tolower(static_cast<unsigned char>(ch)));
-      if (name == "adamw" || name == "adam" || name == "sgd" || name == "adagrad" || name == "rmsprop")
-        names.push_back(name);
-    }
-    if (!names.empty()) {
-      fix = "--optimizer " + names[0];
-      for (size_t k = 1; k < names.size(); ++k) fix += (k + 1 == names.size() ? " or " : ", ") + names[k];
-      fix += " (what it was trained with)";
-    }
+  if (!names.empty()) {
+    fix = "--optimizer " + names[0];
+    for (size_t k = 1; k < names.size(); ++k) fix += (k + 1 == names.size() ? " or " : ", ") + names[k];
+    fix += " (what it was trained with)";
   }
   throw std::invalid_argument("checkpoint " + dir + " holds the state of another optimizer than --optimizer " +
                               o.optimizer + ": resume with " + fix + ", or give another --checkpoint-dir");
@@ -457,6 +460,19 @@ Agreed agree_loss_and_stop(const Run& run, double local_loss) {
   return {red[0].item<double>() / run.world, red[1].item<double>() > 0};
 }
 
+// --cpu-offload: where the shards are, counted (every one on the host, or the policy is not in force).
+std::string offload_note(const Run& run, Model& m) {
+  size_t on_host = 0;
+  const auto params = m.parameters();
+  for (const auto& p : params) on_host += p.device().is_cpu() ? 1 : 0;
+  const bool fused = run.opt.optimizer.rfind("fused-", 0) == 0;
+  return "cpu offload: fully_shard's CPUOffloadPolicy on " + std::to_string(m.units.size()) + " units; " +
+         std::to_string(on_host) + " of " + std::to_string(params.size()) +
+         " parameter shards, their gradients and the optimizer state in host memory" +
+         (run.device.is_cpu() ? " (--device cpu: where they are anyway)" : "") + "; --optimizer " +
+         run.opt.optimizer + " steps them" + (fused ? "" : " (--optimizer fused-adamw is the fast pairing)");
+}
+
 BannerInfo banner_info(const Run& run, Model& m, const TokenSource& data,
                        const std::optional<std::string>& resume_dir) {
   const Options& o = run.opt;
@@ -468,6 +484,7 @@ BannerInfo banner_info(const Run& run, Model& m, const TokenSource& data,
   info.data = data.describe();
   info.resumed_dir = resume_dir;
   info.model = m.net->describe(o);
+  if (o.cpu_offload) info.offload = offload_note(run, m);
   if (!o.init_from.empty() && resume_dir)
     info.resume_note = "the checkpoint wins: " + o.init_from +
                        "'s weights are not loaded; its config.json matches the checkpoint's model";

@@ -55,11 +55,24 @@ class Optimizer;
 
 namespace fsdp::checkpoint {
 
+// A load refused because another optimizer saved the state (CheckpointError::optimizer_mismatch):
+// the registered codecs' names (optimizer_state.h), for a caller to name its own fix.
+// Example: {saved_by = {"Adam", "AdamW"}, given = "SGD"}.
+struct OptimizerMismatch {
+  std::vector<std::string> saved_by;  // the codecs that save what was found (empty: not known)
+  std::string given;                  // the codec of the optimizer given to load
+};
+
 // Corrupt, truncated, uncommitted or mismatched checkpoints: the message names the directory or
 // file, the key, what is wrong and what to do.
+// Example: catch (const CheckpointError& e) { if (e.optimizer_mismatch) ... e.optimizer_mismatch->saved_by ... }
 class CheckpointError : public std::runtime_error {
  public:
   using std::runtime_error::runtime_error;
+  CheckpointError(const std::string& what, OptimizerMismatch mismatch)
+      : std::runtime_error(what), optimizer_mismatch(std::move(mismatch)) {}
+  // Set when the optimizer state was saved by another optimizer than the one given.
+  std::optional<OptimizerMismatch> optimizer_mismatch;
 };
 
 // User values (step counter, RNG state, data position): tensors by key. Saved from rank 0 and

@@ -5,7 +5,8 @@
 //  - always: every block gathered before forward and before backward and reduced after it, with
 //    at most the copies of one copy-in and one copy-out per gather (a copy per parameter, 4 per
 //    unit, fails), no operator in post-forward, at most one copy per parameter in a reduction (the
-//    CPU's reduce-scatter input), and no operator FSDP issues outside a known unit;
+//    CPU's reduce-scatter input) and one for the gradient's write, and no operator FSDP issues
+//    outside a known unit;
 //  - where a python3 with torch.distributed.fsdp.fully_shard runs tests/sharding/fsdp2_op_counts.py
 //    (the LibTorch 2.14 half of CI): ours at most FSDP2's on the same model, per phase and unit.
 //    Elsewhere that part skips, saying why; FSDP_REQUIRE_PYTHON_CHECKS=1 makes a skip a failure.
@@ -196,9 +197,10 @@ void check_expected(const json& ours) {
       EXPECT_GE(copies(ours, gather, u), 1) << u << " was not gathered in " << gather;
       EXPECT_LE(copies(ours, gather, u), 2) << gather << " of " << u << ": " << listed(ours, gather, u);
     }
-    // The reduce-scatter input: on the CPU one copy per parameter by design (test_mixed_precision).
+    // The reduce-scatter input: on the CPU one copy per parameter by design (test_mixed_precision);
+    // and the reduced shard written to .grad in one op (a clone where .grad is none: 2.x's zero_grad).
     EXPECT_GE(copies(ours, "post_backward", u), 1) << u << " was not reduced after its backward";
-    EXPECT_LE(copies(ours, "post_backward", u), kParamsPerUnit)
+    EXPECT_LE(copies(ours, "post_backward", u), kParamsPerUnit + 1)
         << "post_backward of " << u << ": " << listed(ours, "post_backward", u);
     // Resharding frees memory: no operator at all.
     EXPECT_EQ(total(ours, "post_forward", u), 0) << "post_forward of " << u << ": " << listed(ours, "post_forward", u);
@@ -209,7 +211,7 @@ void check_expected(const json& ours) {
   EXPECT_EQ(copies(ours, "pre_backward", "root"), 0) << listed(ours, "pre_backward", "root");
   // Its inputs take no gradient: the final callback reduces it.
   EXPECT_GE(copies(ours, "final_callback", "root"), 1) << "the root was not reduced";
-  EXPECT_LE(copies(ours, "final_callback", "root"), kParamsPerUnit) << listed(ours, "final_callback", "root");
+  EXPECT_LE(copies(ours, "final_callback", "root"), kParamsPerUnit + 1) << listed(ours, "final_callback", "root");
   for (const auto& [phase, units] : ours.items()) {
     EXPECT_FALSE(units.contains("?")) << phase << ": operators outside any unit's range: " << listed(ours, phase, "?");
   }

@@ -304,7 +304,7 @@ int run_floor(const FloorOptions& o) {
   const int64_t llc = last_level_cache_bytes();
   at::Tensor evict = at::zeros({std::max<int64_t>(64 << 20, 4 * llc) / 4});
   std::printf(
-      "copy_floor_bench: %s, %lld ranks' layout, one process, one thread; last-level cache %.1f MiB, caches flushed "
+      "overhead_bench --mode floor: %s, %lld ranks' layout, one process, one thread; last-level cache %.1f MiB, caches flushed "
       "by writing %.0f MiB; medians of %lld\n\n",
       o.shape.describe().c_str(), static_cast<long long>(o.nproc), llc / 1048576.0, evict.nbytes() / 1048576.0,
       static_cast<long long>(o.reps));

@@ -18,6 +18,7 @@
 #include <random>
 #include <set>
 
+#include "fsdp/detail/checkpoint_files.h"
 #include "models/llama/hf.h"
 
 namespace fsdp::models {
@@ -191,13 +192,9 @@ void check_parent(const std::string& user, const fs::path& dest) {
                   "), so an earlier export in it cannot be replaced; give a writable folder");
 }
 
+// The checkpoint layer's helper (its commit protocol), as an HFExportError.
 void fsync_path(const fs::path& path, bool directory) {
-  const int fd = ::open(path.c_str(), (directory ? O_DIRECTORY : 0) | O_RDONLY | O_CLOEXEC);
-  if (fd < 0) throw HFExportError("cannot open " + path.string() + " to sync it: " + std::strerror(errno));
-  const int rc = ::fsync(fd);
-  const int err = errno;
-  ::close(fd);
-  if (rc != 0) throw HFExportError("fsync of " + path.string() + " failed: " + std::strerror(err));
+  if (auto why = fsdp::checkpoint::detail::fsync_path(path, directory)) throw HFExportError(*why);
 }
 
 void write_synced(const fs::path& path, const std::string& text) {

@@ -34,6 +34,7 @@
 #include "fsdp/checkpoint/safetensors.h"
 #include "fsdp/comm/comm.h"
 #include "fsdp/debug/fault_injection.h"
+#include "fsdp/detail/checkpoint_files.h"
 #include "fsdp/dist/runtime.h"
 #include "state_items.h"
 
@@ -78,12 +79,7 @@ std::shared_ptr<comm::Comm> checkpoint_comm() {
 std::string error_text(int err) { return std::strerror(err); }
 
 void fsync_path(const fs::path& path, bool directory) {
-  const int fd = ::open(path.c_str(), directory ? (O_RDONLY | O_DIRECTORY) : O_RDONLY);
-  if (fd < 0) throw CheckpointError("checkpoint: cannot open '" + path.string() + "' to sync it: " + error_text(errno));
-  const int rc = ::fsync(fd);
-  const int err = errno;
-  ::close(fd);
-  if (rc != 0) throw CheckpointError("checkpoint: fsync of '" + path.string() + "' failed: " + error_text(err));
+  if (auto why = detail::fsync_path(path, directory)) throw CheckpointError("checkpoint: " + *why);
 }
 
 void rename_or_throw(const fs::path& from, const fs::path& to) {
@@ -814,5 +810,19 @@ void CpuRngState::load_state_dict(const std::map<std::string, at::Tensor>& state
   std::lock_guard<std::mutex> lock(generator.mutex());
   generator.set_state(found->second);
 }
+
+namespace detail {
+
+std::optional<std::string> fsync_path(const std::filesystem::path& path, bool directory) {
+  const int fd = ::open(path.c_str(), (directory ? O_DIRECTORY : 0) | O_RDONLY | O_CLOEXEC);
+  if (fd < 0) return "cannot open '" + path.string() + "' to sync it: " + std::strerror(errno);
+  const int rc = ::fsync(fd);
+  const int err = errno;
+  ::close(fd);
+  if (rc != 0) return "fsync of '" + path.string() + "' failed: " + std::strerror(err);
+  return std::nullopt;
+}
+
+}  // namespace detail
 
 }  // namespace fsdp::checkpoint

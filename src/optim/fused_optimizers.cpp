@@ -17,7 +17,6 @@ namespace fsdp::optim {
 
 namespace {
 
-using torch::optim::OptimizerOptions;
 using torch::optim::OptimizerParamGroup;
 
 // Elements per task of at::parallel_for: 128 KiB of each tensor, so a small parameter runs on the
@@ -44,9 +43,11 @@ at::Tensor run_closure(const torch::optim::Optimizer::LossClosure& closure) {
   return closure();
 }
 
-// Runs `fused(p, options)` on every parameter with a gradient; those it returns false for are
+// Runs `fused(p, options)` on every parameter with a gradient that the fused loop can take (the
+// dtype, device and layout dispatch of every fused optimizer: the parameter and its gradient
+// fusable); those it does not take or `fused` returns false for (its state not fusable) are
 // collected, per group, into groups with a copy of that group's options (for the base step).
-template <typename Fused>
+template <typename Options, typename Fused>
 std::vector<OptimizerParamGroup> step_fused(std::vector<OptimizerParamGroup>& groups, FusedStepCounts& counts,
                                             Fused fused) {
   counts = {};
@@ -55,7 +56,8 @@ std::vector<OptimizerParamGroup> step_fused(std::vector<OptimizerParamGroup>& gr
     std::vector<at::Tensor> rest;
     for (const auto& p : group.params()) {
       if (!p.grad().defined()) continue;
-      if (fused(p, group.options())) {
+      const bool takes = fusable(p, p.numel()) && fusable(p.grad(), p.numel());
+      if (takes && fused(p, static_cast<const Options&>(group.options()))) {
         ++counts.fused;
       } else {
         rest.push_back(p);
@@ -113,12 +115,12 @@ detail::AdamArgs adam_args(const AdamHyper& h, int64_t step) {
   return a;
 }
 
-// One Adam/AdamW parameter in one pass; false (nothing changed) when it is not fusable.
+// One Adam/AdamW parameter (and its gradient: fusable, step_fused) in one pass; false (nothing
+// changed) when its state is not fusable.
 template <typename State>
 bool adam_param(compat::OptimizerStateMap& states, const at::Tensor& p, const AdamHyper& h) {
   const at::Tensor& grad = p.grad();
   const int64_t n = p.numel();
-  if (!fusable(p, n) || !fusable(grad, n)) return false;
   const auto key = compat::optimizer_state_key(p);
   State* state = nullptr;
   if (auto found = states.find(key); found != states.end()) {
@@ -148,11 +150,11 @@ bool adam_param(compat::OptimizerStateMap& states, const at::Tensor& p, const Ad
   return true;
 }
 
-// One SGD parameter in one pass; false (nothing changed) when it is not fusable.
+// One SGD parameter (and its gradient: fusable, step_fused) in one pass; false (nothing changed)
+// when its momentum buffer is not fusable.
 bool sgd_param(compat::OptimizerStateMap& states, const at::Tensor& p, const torch::optim::SGDOptions& o) {
   const at::Tensor& grad = p.grad();
   const int64_t n = p.numel();
-  if (!fusable(p, n) || !fusable(grad, n)) return false;
   detail::SgdArgs a;
   a.weight_decay_on = o.weight_decay() != 0;
   a.weight_decay = static_cast<float>(o.weight_decay());
@@ -182,47 +184,44 @@ bool sgd_param(compat::OptimizerStateMap& states, const at::Tensor& p, const tor
   return true;
 }
 
+// The step of every fused optimizer: the closure, the fused loop over the parameters it takes,
+// then Base's own step over the rest (its param groups swapped for theirs during the call).
+template <typename Base, typename Options, typename Fused>
+at::Tensor fused_step(Base& self, std::vector<OptimizerParamGroup>& groups, FusedStepCounts& counts,
+                      const torch::optim::Optimizer::LossClosure& closure, Fused fused) {
+  at::NoGradGuard no_grad;
+  at::Tensor loss = run_closure(closure);
+  auto rest = step_fused<Options>(groups, counts, fused);
+  if (!rest.empty()) {
+    SwappedGroups swapped(groups, std::move(rest));
+    self.Base::step(nullptr);
+  }
+  return loss;
+}
+
 }  // namespace
 
 at::Tensor FusedAdamW::step(LossClosure closure) {
-  at::NoGradGuard no_grad;
-  at::Tensor loss = run_closure(closure);
-  auto rest = step_fused(param_groups_, last_step_, [this](const at::Tensor& p, OptimizerOptions& o) {
-    return adam_param<torch::optim::AdamWParamState>(
-        state_, p, adam_hyper(static_cast<torch::optim::AdamWOptions&>(o), /*decoupled=*/true));
-  });
-  if (!rest.empty()) {
-    SwappedGroups swapped(param_groups_, std::move(rest));
-    torch::optim::AdamW::step(nullptr);
-  }
-  return loss;
+  using torch::optim::AdamWOptions;
+  return fused_step<torch::optim::AdamW, AdamWOptions>(
+      *this, param_groups_, last_step_, closure, [this](const at::Tensor& p, const AdamWOptions& o) {
+        return adam_param<torch::optim::AdamWParamState>(state_, p, adam_hyper(o, /*decoupled=*/true));
+      });
 }
 
 at::Tensor FusedAdam::step(LossClosure closure) {
-  at::NoGradGuard no_grad;
-  at::Tensor loss = run_closure(closure);
-  auto rest = step_fused(param_groups_, last_step_, [this](const at::Tensor& p, OptimizerOptions& o) {
-    return adam_param<torch::optim::AdamParamState>(
-        state_, p, adam_hyper(static_cast<torch::optim::AdamOptions&>(o), /*decoupled=*/false));
-  });
-  if (!rest.empty()) {
-    SwappedGroups swapped(param_groups_, std::move(rest));
-    torch::optim::Adam::step(nullptr);
-  }
-  return loss;
+  using torch::optim::AdamOptions;
+  return fused_step<torch::optim::Adam, AdamOptions>(
+      *this, param_groups_, last_step_, closure, [this](const at::Tensor& p, const AdamOptions& o) {
+        return adam_param<torch::optim::AdamParamState>(state_, p, adam_hyper(o, /*decoupled=*/false));
+      });
 }
 
 at::Tensor FusedSGD::step(LossClosure closure) {
-  at::NoGradGuard no_grad;
-  at::Tensor loss = run_closure(closure);
-  auto rest = step_fused(param_groups_, last_step_, [this](const at::Tensor& p, OptimizerOptions& o) {
-    return sgd_param(state_, p, static_cast<torch::optim::SGDOptions&>(o));
-  });
-  if (!rest.empty()) {
-    SwappedGroups swapped(param_groups_, std::move(rest));
-    torch::optim::SGD::step(nullptr);
-  }
-  return loss;
+  using torch::optim::SGDOptions;
+  return fused_step<torch::optim::SGD, SGDOptions>(
+      *this, param_groups_, last_step_, closure,
+      [this](const at::Tensor& p, const SGDOptions& o) { return sgd_param(state_, p, o); });
 }
 
 }  // namespace fsdp::optim

@@ -22,6 +22,7 @@
 #include <functional>
 #include <set>
 
+#include "folder_bytes.h"
 #include "fsdp/checkpoint/checkpoint.h"
 #include "fsdp/checkpoint/safetensors.h"
 #include "fsdp/fsdp.h"
@@ -477,23 +478,6 @@ TEST_F(LlamaHFFiles, EveryBadInputIsOneLineAndTouchesNothing) {
 // ---- exports never lose data; model folders refused before work ------------------------------
 
 namespace {
-
-// Every regular file under `dir` (relative path -> bytes): "byte-identical afterwards".
-std::map<std::string, std::string> folder_bytes(const fs::path& dir) {
-  std::map<std::string, std::string> out;
-  for (const auto& e : fs::recursive_directory_iterator(dir)) {
-    if (!e.is_regular_file()) continue;
-    std::ifstream in(e.path(), std::ios::binary);
-    out[fs::relative(e.path(), dir).string()] = std::string(std::istreambuf_iterator<char>(in), {});
-  }
-  return out;
-}
-
-std::set<std::string> names_in(const fs::path& dir) {
-  std::set<std::string> out;
-  for (const auto& e : fs::directory_iterator(dir)) out.insert(e.path().filename().string());
-  return out;
-}
 
 // The HFError of `fn` (one line), or a note saying what happened instead.
 std::string hf_refusal(const std::function<void()>& fn) {

@@ -12,30 +12,16 @@
 #include <cmath>
 #include <set>
 
+#include "folder_bytes.h"
 #include "train_gpt_harness.h"
 
 using namespace train_gpt_test;
+using fsdp::testing::folder_bytes;
+using fsdp::testing::names_in;
 
 namespace {
 
 const std::string kFsdpCkpt = FSDP_CKPT_PATH;
-
-// Every regular file under `dir` (relative path -> bytes), symlinks not followed.
-std::map<std::string, std::string> folder_bytes(const fs::path& dir) {
-  std::map<std::string, std::string> out;
-  for (const auto& e : fs::recursive_directory_iterator(dir)) {
-    if (!fs::is_regular_file(e.symlink_status())) continue;
-    std::ifstream in(e.path(), std::ios::binary);
-    out[fs::relative(e.path(), dir).string()] = std::string(std::istreambuf_iterator<char>(in), {});
-  }
-  return out;
-}
-
-std::set<std::string> names_in(const fs::path& dir) {
-  std::set<std::string> out;
-  for (const auto& e : fs::directory_iterator(dir)) out.insert(e.path().filename().string());
-  return out;
-}
 
 // One "<program>: error: ..." line, exit status 2, nothing trained.
 void expect_one_line_error(const ProcessResult& r, const std::string& program, const std::string& needle) {

@@ -108,9 +108,10 @@ TEST(TrainGptOptimizers, CpuOffloadTrainsAndResumesLikeTheRunWithoutIt) {
   EXPECT_NE(off.output.find("cpu offload: fully_shard's CPUOffloadPolicy on 3 units; 29 of 29 parameter shards"),
             std::string::npos)
       << off.output;
-  auto resumed = ranks(
-      2, offload(with_optimizer(dir / "r.jsonl", "fused-adamw", dir / "other", {"--resume-from", dir / "ckpt/step_000004"})),
-      120s);
+  auto resumed = ranks(2,
+                       offload(with_optimizer(dir / "r.jsonl", "fused-adamw", dir / "other",
+                                              {"--resume-from", dir / "ckpt/step_000004"})),
+                       120s);
   ASSERT_TRUE(resumed.ok()) << resumed.output;
   EXPECT_EQ(losses(dir / "r.jsonl"), (std::vector<double>{want[4], want[5]}));
   for (const std::string parallel : {"none", "replicate"}) {

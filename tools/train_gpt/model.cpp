@@ -24,13 +24,14 @@ void check_resume_model(const std::string& dir, const Options& o, const TrainMod
   if (!recorded) return;  // an older checkpoint: the shape check decides
   const ModelIdentity there = recorded->spec->make()->recorded_identity(recorded->json, "checkpoint " + dir);
   ModelIdentity here = model.identity(o);
-  here.text += !o.init_from.empty() ? " from --init-from " + o.init_from
-                                    : " (--model " + o.model + " and its size options)";
+  here.text +=
+      !o.init_from.empty() ? " from --init-from " + o.init_from : " (--model " + o.model + " and its size options)";
   std::string field;
   if (there.kind == here.kind) {
     for (size_t k = 0; k < here.fields.size() && k < there.fields.size() && field.empty(); ++k) {
       if (here.fields[k].second != there.fields[k].second)
-        field = " (" + here.fields[k].first + " " + there.fields[k].second + " there, " + here.fields[k].second + " here)";
+        field =
+            " (" + here.fields[k].first + " " + there.fields[k].second + " there, " + here.fields[k].second + " here)";
     }
     if (field.empty()) return;
   }

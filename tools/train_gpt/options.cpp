@@ -140,8 +140,8 @@ void add_model_options(CLI::App& app, Options& o) {
   app.add_option("--init-from", o.init_from,
                  "A Hugging Face folder (config.json + model.safetensors or its index; " + hf_architectures() +
                      "): architecture, size and weights from it, each rank reading "
-                 "its own rows; the sizing options are then refused. With --resume and a checkpoint present, the "
-                 "checkpoint wins");
+                     "its own rows; the sizing options are then refused. With --resume and a checkpoint present, the "
+                     "checkpoint wins");
   app.add_option("--layers", o.layers, "Transformer blocks")->check(bounded(1, kMaxLayers, true));
   app.add_option("--dim", o.dim, "Embedding width")->check(bounded(1, kMaxDim, true));
   app.add_option("--heads", o.heads, "Attention heads (must divide --dim)")->check(bounded(1, kMaxHeads, true));

@@ -25,8 +25,8 @@
 // and its ModelSpec) and its line in spec.cpp's table.
 #include <torch/nn/module.h>
 
-#include <functional>
 #include <cstdint>
+#include <functional>
 #include <map>
 #include <memory>
 #include <optional>
@@ -51,7 +51,7 @@ struct ModelIdentity {
 
 // fsdp-ckpt export-hf's choices.
 struct HFExportOptions {
-  bool bf16 = false;                     // the files' dtype: bf16, else fp32
+  bool bf16 = false;                        // the files' dtype: bf16, else fp32
   std::optional<uint64_t> max_shard_bytes;  // split into files of at most this size (default: 5 GB)
 };
 

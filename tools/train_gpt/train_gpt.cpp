@@ -469,8 +469,8 @@ std::string offload_note(const Run& run, Model& m) {
   return "cpu offload: fully_shard's CPUOffloadPolicy on " + std::to_string(m.units.size()) + " units; " +
          std::to_string(on_host) + " of " + std::to_string(params.size()) +
          " parameter shards, their gradients and the optimizer state in host memory" +
-         (run.device.is_cpu() ? " (--device cpu: where they are anyway)" : "") + "; --optimizer " +
-         run.opt.optimizer + " steps them" + (fused ? "" : " (--optimizer fused-adamw is the fast pairing)");
+         (run.device.is_cpu() ? " (--device cpu: where they are anyway)" : "") + "; --optimizer " + run.opt.optimizer +
+         " steps them" + (fused ? "" : " (--optimizer fused-adamw is the fast pairing)");
 }
 
 BannerInfo banner_info(const Run& run, Model& m, const TokenSource& data,

@@ -4,7 +4,8 @@
 // expert's weights on the rank that owns it) match to 1e-6 of their largest magnitude in fp32, at
 // 2 and 4 ranks, with even and uneven routing (an expert, and at 4 ranks a whole rank, receiving
 // no tokens; a rank with no tokens of its own); the all-to-all bytes of the step equal the formula
-// from the routing; a group of one equals the local computation.
+// from the routing; a group of one equals the local computation; and dp 2 x ep 2 under
+// fully_shard (the router over all ranks, each expert over its "dp" ranks) equals one process.
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
@@ -193,6 +194,108 @@ FSDP_RANK_WORKER(ep_matches_local) {
   // The last rank's experts get no tokens and rank 0 has none of its own; through the mesh.
   run_case({2 * n, 2, 0}, true);
 }
+
+// Composed with fully_shard as torchtitan does, 4 ranks as dp 2 x ep 2: the router (dense)
+// sharded over all 4 ranks, each local expert over the "dp" ranks that hold it, with the gradient
+// divided by the world size (each expert's gradient already sums the tokens of its ep group).
+struct ExpertImpl : torch::nn::Module {
+  torch::nn::Linear fc1{nullptr}, fc2{nullptr};
+  ExpertImpl() {
+    fc1 = register_module("fc1", torch::nn::Linear(kDim, kFfn));
+    fc2 = register_module("fc2", torch::nn::Linear(kFfn, kDim));
+  }
+  at::Tensor forward(const at::Tensor& x) { return fc2(at::silu(fc1(x))); }
+};
+TORCH_MODULE(Expert);
+
+struct MoeLayerImpl : torch::nn::Module {
+  torch::nn::Linear router{nullptr};
+  std::vector<Expert> experts;  // this rank's, global ids first_expert + l
+  fsdp::comm::Comm* ep = nullptr;
+  int64_t num_experts = 0;
+  MoeLayerImpl(const MoeWeights& m, int64_t first_expert, int64_t local) : num_experts(m.experts) {
+    router = register_module("router", torch::nn::Linear(torch::nn::LinearOptions(kDim, m.experts).bias(false)));
+    at::NoGradGuard no_grad;
+    router->weight.copy_(m.router_w);
+    for (int64_t l = 0; l < local; ++l) {
+      experts.push_back(register_module("expert" + std::to_string(l), Expert()));
+      const auto full = m.expert_params(first_expert + l);
+      experts.back()->fc1->weight.copy_(full[0]);
+      experts.back()->fc1->bias.copy_(full[1]);
+      experts.back()->fc2->weight.copy_(full[2]);
+      experts.back()->fc2->bias.copy_(full[3]);
+    }
+  }
+  at::Tensor forward(const at::Tensor& x) {
+    auto [w, idx] = at::softmax(router(x), -1).topk(kTopK, -1);
+    fsdp::ep::Dispatched d = fsdp::ep::dispatch(x, idx, num_experts, *ep);
+    std::vector<at::Tensor> outs;
+    int64_t row = 0;
+    for (size_t l = 0; l < experts.size(); ++l) {
+      outs.push_back(fsdp::call(experts[l], d.tokens.narrow(0, row, d.counts[l])));
+      row += d.counts[l];
+    }
+    return fsdp::ep::combine(at::cat(outs), w, d);
+  }
+};
+TORCH_MODULE(MoeLayer);
+
+// The rows of the reference's gradient this rank's shard holds.
+at::Tensor shard_rows(const at::Tensor& sharded, const at::Tensor& full_grad) {
+  const auto info = fsdp::shard_info(sharded);
+  TORCH_CHECK(info && info->shard_dim == 0, "not a dim-0 shard");
+  return full_grad.narrow(0, info->dim0_offset, info->local_rows);
+}
+
+FSDP_RANK_WORKER(ep_with_fully_shard) {
+  auto world = fsdp::dist::world_comm();
+  const int r = world->rank(), n = world->size();
+  TORCH_CHECK(n == 4, "dp 2 x ep 2 needs 4 ranks");
+  const int64_t experts = 4, tokens = 6;
+  auto mesh = fsdp::init_device_mesh({2, 2}, {"dp", "ep"});
+  auto ep = mesh.comm("ep");
+  const int64_t local = experts / ep->size();
+  torch::manual_seed(7);
+  const at::Tensor global_x = at::randn({n * tokens, kDim}), target = at::randn({n * tokens, kDim});
+  // Reference: one process, every expert, every rank's tokens; the loss averaged over the ranks.
+  MoeWeights ref = make_weights(experts, 0);
+  ref.router_b.requires_grad_(false);
+  const at::Tensor ref_x = global_x.clone();
+  auto [ref_w, ref_idx] = at::softmax(at::linear(ref_x, ref.router_w), -1).topk(kTopK, -1);
+  const at::Tensor ref_y = moe_local(ref, ref_x, ref_w, ref_idx);
+  ((ref_y * target).view({n, tokens, kDim}).sum({1, 2}).mean()).backward();
+
+  MoeLayer layer(ref, ep->rank() * local, local);
+  layer->ep = ep.get();
+  fsdp::FullyShardOptions expert_opts;
+  expert_opts.mesh = mesh["dp"];
+  for (auto& e : layer->experts) fsdp::fully_shard(e, expert_opts).set_gradient_divide_factor(n);
+  fsdp::FullyShardOptions root_opts;
+  root_opts.mesh = mesh.flatten("world");
+  fsdp::fully_shard(layer, root_opts);
+  const at::Tensor x = global_x.narrow(0, r * tokens, tokens);
+  const at::Tensor y = fsdp::call(layer, x);
+  (y * target.narrow(0, r * tokens, tokens)).sum().backward();
+
+  expect_close(y.detach(), ref_y.narrow(0, r * tokens, tokens).detach(), "rank " + std::to_string(r) + " output");
+  // The module's parameters are now the shards (parameters(), not the Linear's members).
+  auto params = layer->named_parameters(/*recurse=*/true);
+  const at::Tensor rw = params["router.weight"];
+  expect_close(rw.grad(), shard_rows(rw, ref.router_w.grad()), "router grad shard");
+  for (int64_t l = 0; l < local; ++l) {
+    const auto full = ref.expert_params(ep->rank() * local + l);
+    const std::string pre = "expert" + std::to_string(l) + ".";
+    const char* names[] = {"fc1.weight", "fc1.bias", "fc2.weight", "fc2.bias"};
+    for (size_t i = 0; i < 4; ++i) {
+      const at::Tensor mine = params[pre + names[i]];
+      expect_close(mine.grad(), shard_rows(mine, full[i].grad()),
+                   "rank " + std::to_string(r) + " expert " + std::to_string(ep->rank() * local + l) + " " + names[i]);
+    }
+  }
+  std::cout << "rank " << r << ": dp 2 x ep 2 under fully_shard matches one process" << std::endl;
+}
+
+TEST(ExpertParallel, DpTimesEpUnderFullyShard) { EXPECT_RANKS_PASS(4, "ep_with_fully_shard"); }
 
 TEST(ExpertParallel, TwoRanksMatchOneProcess) { EXPECT_RANKS_PASS(2, "ep_matches_local"); }
 TEST(ExpertParallel, FourRanksMatchOneProcess) { EXPECT_RANKS_PASS(4, "ep_matches_local"); }

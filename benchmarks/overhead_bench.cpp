@@ -304,7 +304,8 @@ int run_floor(const FloorOptions& o) {
   const int64_t llc = last_level_cache_bytes();
   at::Tensor evict = at::zeros({std::max<int64_t>(64 << 20, 4 * llc) / 4});
   std::printf(
-      "overhead_bench --mode floor: %s, %lld ranks' layout, one process, one thread; last-level cache %.1f MiB, caches flushed "
+      "overhead_bench --mode floor: %s, %lld ranks' layout, one process, one thread; last-level cache %.1f MiB, caches "
+      "flushed "
       "by writing %.0f MiB; medians of %lld\n\n",
       o.shape.describe().c_str(), static_cast<long long>(o.nproc), llc / 1048576.0, evict.nbytes() / 1048576.0,
       static_cast<long long>(o.reps));
@@ -344,7 +345,6 @@ int run_floor(const FloorOptions& o) {
       (out_step + rs_step + add_step) / 1e3, hot_step / 1e3);
   return 0;
 }
-
 
 // ---- --mode host: FSDP's added host time per unit and step -------------------------------------
 
@@ -415,8 +415,9 @@ void count_ops(fsdp_bench::GptTraining& plain, fsdp_bench::GptTraining& sharded,
   std::map<std::string, int64_t> diff = per_side[1];
   for (const auto& [name, count] : per_side[0]) diff[name] -= count;
   for (const auto& [name, count] : diff) {
-    if (count != 0) std::printf("  %s: %+lld per step (%.2f per unit)\n", name.c_str(), static_cast<long long>(count),
-                                static_cast<double>(count) / static_cast<double>(units));
+    if (count != 0)
+      std::printf("  %s: %+lld per step (%.2f per unit)\n", name.c_str(), static_cast<long long>(count),
+                  static_cast<double>(count) / static_cast<double>(units));
   }
   std::printf("operators issued inside FSDP's ranges in one step (all units):\n%s", ranges.c_str());
 }
@@ -439,7 +440,8 @@ struct Timed {
 Timed time_blocks(const Options& o, fsdp_bench::GptTraining* sides[2]) {
   Timed r;
   for (int side = 0; side < 2; ++side) {
-    for (int64_t i = 0; i < o.warmup; ++i) r.losses[side].push_back(sides[side]->step(sides[side]->next_batch()).item<double>());
+    for (int64_t i = 0; i < o.warmup; ++i)
+      r.losses[side].push_back(sides[side]->step(sides[side]->next_batch()).item<double>());
   }
   for (int64_t b = 0; b < o.steps / o.block; ++b) {
     const int side = static_cast<int>(b % 2);
@@ -471,11 +473,12 @@ int run_host(const Options& o) {
   fsdp_bench::GptTraining plain(o.shape, {}, /*sharded=*/false), sharded(o.shape, {}, /*sharded=*/true);
   fsdp_bench::GptTraining* sides[2] = {&plain, &sharded};
   const int64_t units = o.shape.layers + 1;  // a unit per block and the root
-  std::printf("overhead_bench --mode host: %s, batch %lld, float32, one thread; fully_shard per block + root in a "
-              "world of one (%lld units) against plain LibTorch, %lld steps in alternating blocks of %lld; "
-              "load average %s\n",
-              o.shape.describe().c_str(), static_cast<long long>(o.shape.batch), static_cast<long long>(units),
-              static_cast<long long>(o.steps), static_cast<long long>(o.block), load_average().c_str());
+  std::printf(
+      "overhead_bench --mode host: %s, batch %lld, float32, one thread; fully_shard per block + root in a "
+      "world of one (%lld units) against plain LibTorch, %lld steps in alternating blocks of %lld; "
+      "load average %s\n",
+      o.shape.describe().c_str(), static_cast<long long>(o.shape.batch), static_cast<long long>(units),
+      static_cast<long long>(o.steps), static_cast<long long>(o.block), load_average().c_str());
   const Timed t = time_blocks(o, sides);
   double max_diff = 0;
   const size_t n = std::min(t.losses[0].size(), t.losses[1].size());
@@ -486,8 +489,9 @@ int run_host(const Options& o) {
   count_ops(plain, sharded, units);
   std::printf("wall clock (median block): plain %.3f ms, fully_shard %.3f ms per step: %.1f us per unit and step\n",
               plain_wall, fsdp_wall, 1e3 * (fsdp_wall - plain_wall) / static_cast<double>(units));
-  std::printf("host CPU time of the step's thread (median block), the figures below; losses step by step equal "
-              "within max_loss_diff\n");
+  std::printf(
+      "host CPU time of the step's thread (median block), the figures below; losses step by step equal "
+      "within max_loss_diff\n");
   std::printf("fsdp_us_per_unit_step=%.1f plain_step_ms=%.3f fsdp_step_ms=%.3f ratio=%.3f max_loss_diff=%.3g\n",
               per_unit_us, plain_ms, fsdp_ms, fsdp_ms / plain_ms, max_diff);
   return 0;
@@ -512,18 +516,37 @@ double train_gpt_step(const Options& o, bool fsdp, const std::string& metrics) {
   const fsdp_bench::GptShape& s = o.shape;
   std::vector<std::string> cmd;
   if (fsdp) cmd = {o.build + "/bin/fsdprun", "--nproc-per-node", "1", "--master-port", "0", "--"};
-  for (const std::string& a :
-       {o.build + "/bin/train_gpt", std::string("--parallel"), std::string(fsdp ? "fsdp" : "none"), std::string("--layers"),
-        std::to_string(s.layers), std::string("--dim"), std::to_string(s.dim), std::string("--heads"),
-        std::to_string(s.heads), std::string("--seq-len"), std::to_string(s.seq), std::string("--batch-size"),
-        std::to_string(s.batch), std::string("--data"), std::string("synthetic"), std::string("--eval-every"),
-        std::string("0"), std::string("--sample-tokens"), std::string("0"), std::string("--checkpoint-dir"),
-        std::string(""), std::string("--metrics"), metrics, std::string("--steps"), std::to_string(o.steps)})
+  for (const std::string& a : {o.build + "/bin/train_gpt",
+                               std::string("--parallel"),
+                               std::string(fsdp ? "fsdp" : "none"),
+                               std::string("--layers"),
+                               std::to_string(s.layers),
+                               std::string("--dim"),
+                               std::to_string(s.dim),
+                               std::string("--heads"),
+                               std::to_string(s.heads),
+                               std::string("--seq-len"),
+                               std::to_string(s.seq),
+                               std::string("--batch-size"),
+                               std::to_string(s.batch),
+                               std::string("--data"),
+                               std::string("synthetic"),
+                               std::string("--eval-every"),
+                               std::string("0"),
+                               std::string("--sample-tokens"),
+                               std::string("0"),
+                               std::string("--checkpoint-dir"),
+                               std::string(""),
+                               std::string("--metrics"),
+                               metrics,
+                               std::string("--steps"),
+                               std::to_string(o.steps)})
     cmd.push_back(a);
   std::remove(metrics.c_str());
   const int rc = fsdp_bench::spawn_and_wait(cmd, {"OMP_NUM_THREADS=1"});
-  if (rc != 0) throw std::runtime_error("overhead_bench: " + cmd[0] + " exited with " + std::to_string(rc) +
-                                        "; build train_gpt and fsdprun (--build DIR names their build folder)");
+  if (rc != 0)
+    throw std::runtime_error("overhead_bench: " + cmd[0] + " exited with " + std::to_string(rc) +
+                             "; build train_gpt and fsdprun (--build DIR names their build folder)");
   return median_step_time(metrics);
 }
 
@@ -548,10 +571,11 @@ int run_trainer(const Options& o) {
     if (i >= o.warmup) bare_s.push_back(fsdp_bench::seconds_since(t0));
   }
   const double p = fsdp_bench::median(plain), f = fsdp_bench::median(fsdp), b = fsdp_bench::median(bare_s);
-  std::printf("overhead_bench --mode trainer: %s, batch %lld, %lld pairs of %lld steps; median step: train_gpt plain "
-              "%.3f ms, world of one %.3f ms, the bare loop %.3f ms\n",
-              o.shape.describe().c_str(), static_cast<long long>(o.shape.batch), static_cast<long long>(o.pairs),
-              static_cast<long long>(o.steps), 1e3 * p, 1e3 * f, 1e3 * b);
+  std::printf(
+      "overhead_bench --mode trainer: %s, batch %lld, %lld pairs of %lld steps; median step: train_gpt plain "
+      "%.3f ms, world of one %.3f ms, the bare loop %.3f ms\n",
+      o.shape.describe().c_str(), static_cast<long long>(o.shape.batch), static_cast<long long>(o.pairs),
+      static_cast<long long>(o.steps), 1e3 * p, 1e3 * f, 1e3 * b);
   std::printf("trainer_us_per_step=%.1f world_of_one_over_plain=%.3f\n", 1e6 * (p - b), fsdp_bench::median(ratios));
   return 0;
 }

@@ -72,10 +72,10 @@ void FSDPParamGroup::choose_collectives() {
   c.gather = params_.empty() || gathers_directly() ? GatherPath::Direct
              : gathers_pieces()                    ? GatherPath::Pieces
                                                    : GatherPath::Flat;
-  c.reduce = reduces_directly()                                                         ? ReducePath::Direct
-             : !streams() && !replicate_comm_ && !all_reduce_hook && !custom_reduce_scatter && comm_->size() > 1
-                 ? ReducePath::Pieces
-                 : ReducePath::Flat;
+  // Per parameter on a CPU shard group of more than one without replicas, hook or custom
+  // reduce-scatter, where each backward's gradients qualify (reduces_pieces).
+  const bool pieces = !streams() && !replicate_comm_ && !all_reduce_hook && !custom_reduce_scatter && comm_->size() > 1;
+  c.reduce = reduces_directly() ? ReducePath::Direct : pieces ? ReducePath::Pieces : ReducePath::Flat;
   c.chosen = true;
   collectives_ = c;
 }
@@ -334,8 +334,7 @@ void FSDPParamGroup::share_sharded_grads() {
   // Autograd adds in place only with grad mode off (a backward without create_graph); with it on
   // it would replace the shared gradient by a new sum, which post_backward would add again.
   if (state_ != State::Unsharded || collectives().reduce != ReducePath::Direct || !requires_gradient_sync ||
-      gradient_divide_factor ||
-      at::GradMode::is_enabled()) {
+      gradient_divide_factor || at::GradMode::is_enabled()) {
     return;
   }
   for (auto& p : params_) p->share_sharded_grad();

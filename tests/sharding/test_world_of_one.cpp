@@ -154,8 +154,7 @@ class TopLevelOps {
 // root, `options`) in a world of one, from the same values on the same tokens, three steps each;
 // returns the top-level operators of step 2 that the sharded side issued more (or fewer) than
 // plain, and sets `equal_losses`.
-std::map<std::string, int64_t> extra_ops(const fsdp::FullyShardOptions& options, int64_t n_layer,
-                                         bool& equal_losses) {
+std::map<std::string, int64_t> extra_ops(const fsdp::FullyShardOptions& options, int64_t n_layer, bool& equal_losses) {
   auto c = small();
   c.n_layer = n_layer;
   GPT plain(c), sharded(c);

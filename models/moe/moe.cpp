@@ -3,6 +3,7 @@
 #include <stdexcept>
 #include <string>
 
+#include "fsdp/expert_parallel/expert_parallel.h"
 #include "fsdp/sharding/call.h"
 #include "fsdp/sharding/materialize.h"
 
@@ -84,6 +85,7 @@ SparseMoeBlockImpl::SparseMoeBlockImpl(const MoEConfig& c)
       weights_in_float32(c.mixtral()) {
   gate = register_module("gate", Linear(c.base.hidden_size, c.num_experts, false, c.base.device));
   experts = register_module("experts", MoEExperts(c));
+  if (c.expert_parallel()) ep = c.ep;
 }
 
 torch::Tensor SparseMoeBlockImpl::run_experts(const at::Tensor& rows, const std::vector<int64_t>& counts) {
@@ -103,8 +105,11 @@ torch::Tensor SparseMoeBlockImpl::forward(const torch::Tensor& x) {
   const at::Tensor h = x.reshape({-1, x.size(-1)});
   router_logits = fsdp::call(gate, h);
   const Routing r = route(router_logits, top_k, renormalise, weights_in_float32);
-  // Expert parallelism replaces these two by fsdp::ep::dispatch / combine (same shapes, the rows of
-  // this rank's experts only); without it every expert must be here.
+  if (ep) {  // the rows of this rank's experts from every rank of the group, and back
+    const fsdp::ep::Dispatched d = fsdp::ep::dispatch(h, r.indices, num_experts, *ep);
+    return fsdp::ep::combine(run_experts(d.tokens, d.counts), r.weights, d).view(x.sizes());
+  }
+  // Without expert parallelism every expert must be here.
   if (static_cast<int64_t>(experts->local.size()) != num_experts)
     throw std::invalid_argument("SparseMoeBlock: this process holds experts [" + std::to_string(experts->first) + ", " +
                                 std::to_string(experts->first + static_cast<int64_t>(experts->local.size())) + ") of " +

@@ -17,6 +17,8 @@
 // output_router_logits=True. Logits and loss match transformers' within float32 rounding
 // (tests/models/test_moe_hf.cpp).
 //
+// Expert parallelism: c.set_expert_parallel(mesh) before building (moe_config.h); docs/moe.md.
+//
 // Example (sharded as the Llama family is):
 //   auto c = read_moe_config(dir);                 // models/moe/hf_moe.h
 //   c.base.device = torch::kMeta;
@@ -78,7 +80,11 @@ struct MoEExpertsImpl : torch::nn::Module {
 };
 TORCH_MODULE(MoEExperts);
 
-// Router ("gate") and experts: Mixtral's block_sparse_moe, Qwen3's sparse mlp.
+// Router ("gate") and experts: Mixtral's block_sparse_moe, Qwen3's sparse mlp. Under expert
+// parallelism (MoEConfig::set_expert_parallel) it holds its ep rank's experts, and forward is
+// collective over the ep group: fsdp::ep::dispatch sends each token to its experts' ranks,
+// run_experts runs the local ones, fsdp::ep::combine brings the outputs back (autograd through
+// both). The router is dense (every rank holds it) and the routing and auxiliary loss are unchanged.
 struct SparseMoeBlockImpl : torch::nn::Module {
   explicit SparseMoeBlockImpl(const MoEConfig& c);
   // x [B, T, D] -> [B, T, D]; keeps router_logits [B*T, E] for the auxiliary loss.
@@ -89,6 +95,7 @@ struct SparseMoeBlockImpl : torch::nn::Module {
   torch::Tensor run_experts(const at::Tensor& rows, const std::vector<int64_t>& counts);
   Linear gate{nullptr};
   MoEExperts experts{nullptr};
+  std::shared_ptr<fsdp::comm::Comm> ep;  // MoEConfig::ep when of size > 1: tokens go through fsdp::ep
   int64_t num_experts, top_k;
   bool renormalise, weights_in_float32;
   torch::Tensor router_logits;  // from the last forward

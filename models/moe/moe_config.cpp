@@ -130,6 +130,28 @@ void MoEConfig::validate() const {
        "local experts [" + std::to_string(local_experts_first) + ", " +
            std::to_string(local_experts_first + local_count()) + ") are not within the " + std::to_string(num_experts) +
            " experts");
+  if (expert_parallel()) {
+    const int64_t n = ep->size(), per = num_experts / n;
+    need(num_experts % n == 0, "num_experts " + std::to_string(num_experts) + " is not divisible by the ep size " +
+                                   std::to_string(n) + "; choose an ep size that divides the number of experts");
+    need(local_experts_first == ep->rank() * per && local_count() == per,
+         "local experts [" + std::to_string(local_experts_first) + ", " +
+             std::to_string(local_experts_first + local_count()) + ") are not ep rank " + std::to_string(ep->rank()) +
+             "'s block of " + std::to_string(per) + "; set them with set_expert_parallel");
+  }
+}
+
+void MoEConfig::set_expert_parallel(std::shared_ptr<fsdp::comm::Comm> group) {
+  ep = std::move(group);
+  local_experts_first = 0;
+  local_experts_count = 0;
+  if (!expert_parallel()) return;
+  const int64_t n = ep->size();
+  if (num_experts % n != 0)
+    throw MoEConfigError("MoEConfig: num_experts " + std::to_string(num_experts) + " is not divisible by the ep size " +
+                         std::to_string(n) + "; choose an ep size that divides the number of experts");
+  local_experts_count = num_experts / n;
+  local_experts_first = ep->rank() * local_experts_count;
 }
 
 MoEConfig MoEConfig::from_json(const std::string& text, const std::string& source) {

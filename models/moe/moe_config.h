@@ -10,9 +10,12 @@
 //   c.base.device = torch::kMeta;            // build without memory, shard, then fsdp::to_empty
 //   fsdp::models::MoECausalLM model(c);
 #include <cstdint>
+#include <memory>
 #include <string>
 #include <vector>
 
+#include "fsdp/comm/comm.h"
+#include "fsdp/mesh/device_mesh.h"
 #include "models/llama/llama_config.h"
 
 namespace fsdp::models {
@@ -43,6 +46,17 @@ struct MoEConfig {
   // the rest); the parameters keep their global names (experts.E).
   int64_t local_experts_first = 0;
   int64_t local_experts_count = 0;
+  // Expert parallelism (fsdp::ep): the group the experts are spread over; null or a group of one:
+  // none. Set it with set_expert_parallel, which also sets the local range.
+  std::shared_ptr<fsdp::comm::Comm> ep;
+
+  // Rank r of `group` (n ranks) holds experts [r*E/n, (r+1)*E/n) of every sparse layer, and the
+  // blocks send their tokens to the experts' ranks (fsdp::ep::dispatch / combine); a group of one
+  // (or null) is no expert parallelism. E not divisible by n: MoEConfigError naming both. The
+  // mesh form takes its "ep" dimension. Collective use: every rank of the group builds the model.
+  void set_expert_parallel(std::shared_ptr<fsdp::comm::Comm> group);
+  void set_expert_parallel(const fsdp::DeviceMesh& mesh) { set_expert_parallel(mesh.comm("ep")); }
+  bool expert_parallel() const { return ep && ep->size() > 1; }
 
   bool mixtral() const { return base.architecture == "MixtralForCausalLM"; }
   std::string model_type() const { return mixtral() ? "mixtral" : "qwen3_moe"; }

@@ -249,7 +249,8 @@ void add_output_options(CLI::App& app, Options& o) {
                "the seeded initialisation) on --eval-batches global batches, printed as 'val ...' and written to "
                "the metrics file as val_loss; no training, no checkpoint");
   app.add_option("--export-hf", o.export_hf,
-                 "--model llama: at the end of training write a Hugging Face folder (config.json, safetensors, "
+                 "An architecture read from Hugging Face folders (--model llama, --init-from): at the end of "
+                 "training write a Hugging Face folder (config.json, safetensors, "
                  "and --init-from's generation_config.json and tokenizer files) that transformers loads");
   app.add_option("--export-dtype", o.export_dtype, "fp32 | bf16: the dtype of --export-hf's files")
       ->check(CLI::IsMember({"fp32", "bf16"}));

@@ -136,6 +136,21 @@ bool chunk_cat_fits(const std::vector<std::pair<FSDPParam*, at::Tensor>>& grads,
   return true;
 }
 
+// The reduce-scatter input as one at::cat_out along dim 1 (LibTorch 1.13 has it; the CPU's path,
+// [Note: one copy kernel per unit]): where every gradient splits into the N ranks' rows with no
+// padding (rows == N * padded_rows), has the input's dtype and device and is contiguous, rank r's
+// row of the input is the r-th of each gradient's N equal parts side by side, so each gradient seen
+// as [N, shard_numel] (a view) is one piece of the concatenation. Otherwise (padding, a cast,
+// another device) false: split_rows per gradient.
+bool cat_fits(const std::vector<std::pair<FSDPParam*, at::Tensor>>& grads, const at::Tensor& input) {
+  const int64_t n = input.size(0);
+  return !grads.empty() && input.is_contiguous() && std::all_of(grads.begin(), grads.end(), [&](const auto& pg) {
+    const auto& [p, g] = pg;
+    return g.scalar_type() == input.scalar_type() && g.device() == input.device() && g.is_contiguous() &&
+           p->rows() == n * p->padded_rows() && g.numel() == p->rows() * p->row_numel();
+  });
+}
+
 std::vector<at::Tensor> rows_by_rank(const at::Tensor& packed) {
   std::vector<at::Tensor> rows;
   for (int64_t r = 0; r < packed.size(0); ++r) rows.push_back(packed[r]);
@@ -176,6 +191,34 @@ std::mutex g_options_mu;
 bool g_options_set = false;
 CpuCollectiveOptions g_options;
 std::atomic<uint64_t> g_options_epoch{0};
+
+// The reduce-scatter input [N, total] written by one op where one fits (_chunk_cat on CUDA, else
+// cat along dim 1), `placed` getting each gradient's offset; false (nothing written) otherwise. The
+// gradients are all held already (the peak: they and the input), so one op over all of them, not
+// a copy each freed at once, leaves the peak as it was.
+bool copy_in_one_op(const std::vector<std::pair<FSDPParam*, at::Tensor>>& grads, const at::Tensor& input,
+                    std::vector<std::pair<FSDPParam*, int64_t>>& placed) {
+  const int64_t n = input.size(0);
+  const bool chunk_cat = chunk_cat_fits(grads, input);
+  if (!chunk_cat && !cat_fits(grads, input)) return false;
+  std::vector<at::Tensor> parts;
+  parts.reserve(grads.size());
+  int64_t offset = 0;
+  for (const auto& [p, g] : grads) {
+    // _chunk_cat takes each in its own shape (it cuts along dim 0 whatever the trailing dims): no
+    // view op per parameter, but for a 0-dim one (FSDP shards it as one row). cat takes [N, shard].
+    parts.push_back(chunk_cat ? (g.dim() == 0 ? g.view({1}) : g) : g.view({n, p->shard_numel()}));
+    placed.emplace_back(p, offset);
+    offset += p->shard_numel();
+  }
+  at::Tensor out = input;  // a handle: both write into the same memory
+  if (chunk_cat) {
+    compat::chunk_cat_rows(parts, n, out);
+  } else {
+    at::cat_out(out, at::TensorList(parts), 1);
+  }
+  return true;
+}
 
 }  // namespace
 
@@ -328,8 +371,9 @@ void release_reduce_pieces(ReducePieces& pieces) {
 //    the storage holds the padding rows, as FSDP2's padded unsharded parameters do). One kernel on
 //    CUDA (2.3+); on the CPU one op still (its copies inside).
 //  - reduce-scatter input: at::_chunk_cat_out (LibTorch 2.4+) on CUDA, the padding zeroed and a
-//    bf16 gradient cast to a float32 reduction in the same kernel. On the CPU split_rows stays: it
-//    frees each gradient as soon as it is copied, which _chunk_cat (all inputs at once) cannot.
+//    bf16 gradient cast to a float32 reduction in the same kernel. Elsewhere, where no gradient
+//    needs padding or a cast, one at::cat_out along dim 1 of the gradients seen as [N, shard_numel]
+//    (cat_fits); else split_rows per gradient.
 // tests/sharding/test_fused_copies.cpp checks on the CPU that these ops lay rows out as
 // split_rows does (uneven rows, more ranks than rows, a cast); the parity tests run them.
 void copy_in_all_gather_input(const FSDPParams& params, const std::vector<int64_t>& offsets, const at::Tensor& input,
@@ -402,17 +446,7 @@ at::Tensor build_reduce_scatter_input(std::vector<std::pair<FSDPParam*, at::Tens
   placed.clear();
   int64_t offset = 0;
   torch::NoGradGuard no_grad;
-  if (chunk_cat_fits(grads, input)) {  // [Note: one copy kernel per unit]
-    std::vector<at::Tensor> rows;
-    rows.reserve(grads.size());
-    for (const auto& [p, g] : grads) {
-      // In its own shape (_chunk_cat cuts along dim 0 whatever the trailing dims): no view op per
-      // parameter, but for a 0-dim one (FSDP shards it as one row).
-      rows.push_back(g.dim() == 0 ? g.view({1}) : g);
-      placed.emplace_back(p, offset);
-      offset += p->shard_numel();
-    }
-    compat::chunk_cat_rows(rows, n, input);
+  if (copy_in_one_op(grads, input, placed)) {  // [Note: one copy kernel per unit]
     count_buffer(BufferOwner::UnshardedGrads, -grad_bytes);
     grads.clear();
     return input;

@@ -694,14 +694,45 @@ void FSDPParamGroup::write_grads(const at::Tensor& reduced, bool owned) {
     // result itself where it is the group's (a GPU's reduce output, a fresh offload buffer), else
     // (the CPU's result is a row of the pooled input, going back to the pool) one copy of it.
     const at::Tensor& shard = params_.front()->sharded_param();
-    at::Tensor flat = reduced.to(shard.device(), shard.scalar_type());
+    const bool as_is = reduced.scalar_type() == shard.scalar_type() && reduced.device() == shard.device();
+    at::Tensor flat = as_is ? reduced : reduced.to(shard.device(), shard.scalar_type());
     if (flat.is_same(reduced) && !owned) flat = reduced.clone(at::MemoryFormat::Contiguous);
     for (auto& [p, offset] : reduced_params_) {
       if (!p->adopt_sharded_grad(flat, offset)) p->accumulate_sharded_grad(reduced, offset);
     }
     return;
   }
+  if (add_to_adopted_grads(reduced)) return;
   for (auto& [p, offset] : reduced_params_) p->accumulate_sharded_grad(reduced, offset);
+}
+
+bool FSDPParamGroup::add_to_adopted_grads(const at::Tensor& reduced) const {
+  // Checked without an operator: each gradient is a contiguous view of the first one's storage at
+  // its reduce offset from one base, holds all of its shard's rows (no padding: the add touches only
+  // gradients), in reduced's dtype and device and not on reduced's memory. Then the flat span from
+  // the base is made as adopt_sharded_grad makes a view (no operator either) and added to once:
+  // elementwise, the same sums as an add_ per parameter.
+  const auto& [p0, offset0] = reduced_params_.front();
+  const at::Tensor& g0 = p0->sharded_param().grad();
+  if (!g0.defined() || reduced.dim() != 1 || !reduced.is_contiguous() || g0.is_alias_of(reduced)) return false;
+  const int64_t base = g0.storage_offset() - offset0;
+  const int64_t item = static_cast<int64_t>(reduced.element_size());
+  if (base < 0 || static_cast<int64_t>(g0.storage().nbytes()) < (base + reduced.numel()) * item) return false;
+  for (const auto& [p, offset] : reduced_params_) {
+    const at::Tensor& g = p->sharded_param().grad();
+    if (!g.defined() || !g.is_alias_of(g0) || !g.is_contiguous() || g.scalar_type() != reduced.scalar_type() ||
+        g.device() != reduced.device() || g.storage_offset() != base + offset || g.numel() != p->shard_numel()) {
+      return false;
+    }
+  }
+  c10::intrusive_ptr<c10::TensorImpl> impl = g0.unsafeGetTensorImpl()->shallow_copy_and_detach(
+      /*version_counter=*/c10::VariableVersion(0), /*allow_tensor_metadata_change=*/true);
+  impl->set_storage_offset(base);
+  impl->set_sizes_contiguous({reduced.numel()});
+  at::Tensor flat(std::move(impl));
+  torch::NoGradGuard no_grad;
+  flat.add_(reduced);
+  return true;
 }
 
 void FSDPParamGroup::finish_reduce() {

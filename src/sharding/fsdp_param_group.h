@@ -289,6 +289,9 @@ class FSDPParamGroup {
   // Writes (or adds) `reduced` into the sharded gradients of reduced_params_; `owned`: reduced is
   // the group's to hand over (nothing else writes it afterwards).
   void write_grads(const at::Tensor& reduced, bool owned);
+  // Adds `reduced` to the sharded gradients of reduced_params_ as one add_ where they still are the
+  // views of one buffer that write_grads made them (at their offsets, unpadded); false otherwise.
+  bool add_to_adopted_grads(const at::Tensor& reduced) const;
 };
 
 }  // namespace fsdp::detail

@@ -15,7 +15,7 @@ namespace fsdp::dist {
 
 std::string openblas_loaded_corename() {
   // Test hook: pretend OpenBLAS picked this core, to exercise the re-exec path on any CPU.
-  if (const char* fake = std::getenv("FSDP_TEST_OPENBLAS_CORENAME"); fake && std::getenv("FSDP_CPU_TUNED") == nullptr) {
+  if (const char* fake = std::getenv("FSDP_TEST_OPENBLAS_CORENAME"); fake && std::getenv("FSDP_TUNED_REEXEC") == nullptr) {
     return fake;
   }
   // LibTorch links the BLAS through the system alternative; if it is OpenBLAS the symbol exists.
@@ -95,11 +95,11 @@ void tune_cpu_or_reexec(int argc, char** argv) {
   const char* off = std::getenv("FSDP_NO_REEXEC");
   if (off != nullptr && std::string_view(off) == "1") return;
   // Marker so a re-executed process never loops, even if OpenBLAS ignored the variable.
-  if (std::getenv("FSDP_CPU_TUNED") != nullptr) return;
+  if (std::getenv("FSDP_TUNED_REEXEC") != nullptr) return;
   const std::string core = recommended_openblas_coretype();
   if (core.empty()) return;
   setenv("OPENBLAS_CORETYPE", core.c_str(), 1);
-  setenv("FSDP_CPU_TUNED", "1", 1);
+  setenv("FSDP_TUNED_REEXEC", "1", 1);
   execv("/proc/self/exe", argv);
   // execv only returns on failure: carry on with the slow kernels rather than stop.
 }

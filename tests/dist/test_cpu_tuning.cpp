@@ -41,8 +41,8 @@ TEST(CpuTuning, RecognisedCpuOrNoOpenBlasIsLeftAlone) {
 
 FSDP_RANK_WORKER(print_blas) {
   const char* core = std::getenv("OPENBLAS_CORETYPE");
-  const char* tuned = std::getenv("FSDP_CPU_TUNED");
-  std::cout << "OPENBLAS_CORETYPE=" << (core ? core : "unset") << " FSDP_CPU_TUNED=" << (tuned ? tuned : "unset")
+  const char* tuned = std::getenv("FSDP_TUNED_REEXEC");
+  std::cout << "OPENBLAS_CORETYPE=" << (core ? core : "unset") << " FSDP_TUNED_REEXEC=" << (tuned ? tuned : "unset")
             << " loaded=" << fsdp::dist::openblas_loaded_corename() << std::endl;
 }
 
@@ -63,7 +63,7 @@ TEST(CpuTuning, ThisProcessLoadedOpenBlasAndAFittingCore) {
   spec.env_set = {{"FSDP_TEST_WORKER", "print_blas"},
                   {"FSDP_TEST_INIT", "0"},
                   {"OPENBLAS_CORETYPE", forced},
-                  {"FSDP_CPU_TUNED", "1"}};
+                  {"FSDP_TUNED_REEXEC", "1"}};
   auto r = fsdp::testing::run_process(spec);
   ASSERT_TRUE(r.ok()) << r.output;
   EXPECT_NE(r.output.find("loaded=" + forced), std::string::npos) << r.output;
@@ -82,13 +82,13 @@ TEST(CpuTuning, GenericFallbackReexecutesOnceWithTheCore) {
   spec.argv = {fsdp::testing::self_exe()};
   spec.env_set = {
       {"FSDP_TEST_WORKER", "print_blas"}, {"FSDP_TEST_INIT", "0"}, {"FSDP_TEST_OPENBLAS_CORENAME", "Prescott"}};
-  spec.env_unset = {"OPENBLAS_CORETYPE", "FSDP_CPU_TUNED", "FSDP_NO_REEXEC"};
+  spec.env_unset = {"OPENBLAS_CORETYPE", "FSDP_TUNED_REEXEC", "FSDP_NO_REEXEC"};
   auto r = fsdp::testing::run_process(spec);
   ASSERT_TRUE(r.ok()) << r.output;
   const std::string want = fsdp::dist::openblas_coretype_for("Prescott", fsdp::dist::cpu_flags());
   // (On a CPU without AVX the generic kernels are the right ones: then nothing may change.)
-  const std::string expected = want.empty() ? "OPENBLAS_CORETYPE=unset FSDP_CPU_TUNED=unset"
-                                            : "OPENBLAS_CORETYPE=" + want + " FSDP_CPU_TUNED=1 loaded=" + want;
+  const std::string expected = want.empty() ? "OPENBLAS_CORETYPE=unset FSDP_TUNED_REEXEC=unset"
+                                            : "OPENBLAS_CORETYPE=" + want + " FSDP_TUNED_REEXEC=1 loaded=" + want;
   EXPECT_NE(r.output.find(expected), std::string::npos) << r.output;
 
   // Without the hook the program tunes only where this machine's OpenBLAS really fell back (this
@@ -100,8 +100,8 @@ TEST(CpuTuning, GenericFallbackReexecutesOnceWithTheCore) {
   ASSERT_TRUE(r.ok()) << r.output;
   const std::string natural = openblas_coretype_for(fsdp::dist::openblas_loaded_corename(), fsdp::dist::cpu_flags());
   const std::string unchanged = natural.empty()
-                                    ? "OPENBLAS_CORETYPE=unset FSDP_CPU_TUNED=unset"
-                                    : "OPENBLAS_CORETYPE=" + natural + " FSDP_CPU_TUNED=1 loaded=" + natural;
+                                    ? "OPENBLAS_CORETYPE=unset FSDP_TUNED_REEXEC=unset"
+                                    : "OPENBLAS_CORETYPE=" + natural + " FSDP_TUNED_REEXEC=1 loaded=" + natural;
   EXPECT_NE(r.output.find(unchanged), std::string::npos) << r.output;
 }
 

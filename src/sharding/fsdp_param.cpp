@@ -100,7 +100,9 @@ FSDPParam::FSDPParam(const at::Tensor& original, std::vector<ParamSlot> slots, s
 
   torch::NoGradGuard no_grad;
   auto shard_options = original.options().requires_grad(false);
-  if (placement.offload_to_cpu) {
+  // Offloaded shards live on the CPU (pinned when the parameters compute on a GPU); a meta
+  // original keeps a meta shard until fsdp::to_empty places it (materialize: the CPU when offloaded).
+  if (placement.offload_to_cpu && !original.is_meta()) {
     shard_options = shard_options.device(at::kCPU).pinned_memory(placement.pin_memory && !original.device().is_cpu());
   }
   padded_shard_ = at::zeros({shard_numel()}, shard_options);

@@ -89,12 +89,51 @@ FSDP_RANK_WORKER(meta_init) {
   }
 }
 
+// Meta-device init under CPUOffloadPolicy (FSDP2: the shards stay meta until materialised, then
+// live on the CPU): sharding allocates nothing, to_empty + reset_parameters give the whole model's
+// rows, and a step trains.
+FSDP_RANK_WORKER(meta_init_offload) {
+  auto c = big_config();
+  c.n_layer = 2;
+  c.n_embd = 64;
+  c.device = torch::kMeta;
+  GPT model(c);
+  fsdp::FullyShardOptions o;
+  o.offload_policy = fsdp::CPUOffloadPolicy{/*pin_memory=*/true};
+  for (auto& b : model->blocks) fsdp::fully_shard(b, o);
+  fsdp::fully_shard(model, o);
+  for (const auto& p : model->parameters()) TORCH_CHECK(p.is_meta(), "sharding must not allocate");
+  fsdp::to_empty(*model, torch::kCPU);
+  model->reset_parameters();
+  c.device = torch::kCPU;
+  GPT whole(c);
+  auto want = whole->named_parameters();
+  for (const auto& p : model->named_parameters()) {
+    TORCH_CHECK(p.value().device().is_cpu(), p.key(), " is not on the CPU");
+    auto info = fsdp::shard_info(p.value());
+    TORCH_CHECK(info, p.key(), " is not a shard");
+    TORCH_CHECK(p.value().equal(want[p.key()].narrow(0, info->dim0_offset, info->local_rows)), p.key(),
+                ": shard differs from the whole model's rows");
+  }
+  torch::optim::AdamW opt(model->parameters(), torch::optim::AdamWOptions(1e-3));
+  auto tokens = torch::randint(c.vocab_size, {2, 9}, at::kLong);
+  auto loss = fsdp::models::gpt_loss(fsdp::call(model, tokens.narrow(1, 0, 8)), tokens.narrow(1, 1, 8));
+  loss.backward();
+  opt.step();
+  TORCH_CHECK(std::isfinite(loss.item<double>()));
+}
+
 TEST(MetaInit, ShardsMatchTheWholeModelAndMemoryIsOneNth) {
   for (int world : {2, 3}) {
     auto r = fsdp::testing::run_ranks(world, "meta_init");
     EXPECT_TRUE(r.all_ok()) << r.report();
     if (r.all_ok()) std::cout << world << " ranks: " << r.ranks[0].output;
   }
+}
+
+TEST(MetaInit, OffloadedShardsStayMetaUntilMaterialised) {
+  auto r = fsdp::testing::run_ranks(2, "meta_init_offload");
+  EXPECT_TRUE(r.all_ok()) << r.report();
 }
 
 TEST(MetaInit, ForwardBeforeMaterialisingIsRefused) {

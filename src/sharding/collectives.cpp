@@ -16,6 +16,15 @@
 namespace fsdp::detail {
 
 namespace {
+// The contiguous `t`'s storage from element `offset` of t's as `sizes`, made without an operator.
+at::Tensor reshaped_without_op(const at::Tensor& t, int64_t offset, at::IntArrayRef sizes) {
+  c10::intrusive_ptr<c10::TensorImpl> impl = t.unsafeGetTensorImpl()->shallow_copy_and_detach(
+      /*version_counter=*/c10::VariableVersion(0), /*allow_tensor_metadata_change=*/true);
+  impl->set_storage_offset(t.storage_offset() + offset);
+  impl->set_sizes_contiguous(sizes);
+  return at::Tensor(std::move(impl));
+}
+
 // out[i] at column `offset` gets shard rank (first_rank + i)'s padded rows of `full` (flat). The
 // ranks whose rows all exist are one copy (a strided [k, padded_rows * row_numel] view of `out`
 // from the contiguous rows of `full`), not one per rank; only a rank at the end with fewer rows
@@ -207,7 +216,8 @@ bool copy_in_one_op(const std::vector<std::pair<FSDPParam*, at::Tensor>>& grads,
   for (const auto& [p, g] : grads) {
     // _chunk_cat takes each in its own shape (it cuts along dim 0 whatever the trailing dims): no
     // view op per parameter, but for a 0-dim one (FSDP shards it as one row). cat takes [N, shard].
-    parts.push_back(chunk_cat ? (g.dim() == 0 ? g.view({1}) : g) : g.view({n, p->shard_numel()}));
+    // (cat_fits checked each contiguous: its [N, shard] view made without an operator.)
+    parts.push_back(chunk_cat ? (g.dim() == 0 ? g.view({1}) : g) : reshaped_without_op(g, 0, {n, p->shard_numel()}));
     placed.emplace_back(p, offset);
     offset += p->shard_numel();
   }
@@ -221,6 +231,12 @@ bool copy_in_one_op(const std::vector<std::pair<FSDPParam*, at::Tensor>>& grads,
 }
 
 }  // namespace
+
+at::Tensor row_of(const at::Tensor& t, int64_t row) {
+  TORCH_INTERNAL_ASSERT(t.dim() == 2 && row >= 0 && row < t.size(0), "row_of: a row of a 2-D tensor");
+  if (!t.is_contiguous()) return t[row];
+  return reshaped_without_op(t, row * t.size(1), {t.size(1)});
+}
 
 uint64_t cpu_collective_options_epoch() { return g_options_epoch.load(std::memory_order_acquire); }
 

@@ -122,6 +122,11 @@ ReducePieces build_reduce_pieces(std::vector<std::pair<FSDPParam*, at::Tensor>>&
 // Frees what a finished reduction of pieces held.
 void release_reduce_pieces(ReducePieces& pieces);
 
+// Row `row` of the contiguous 2-D `t`, as t[row] but made without an ATen operator (a shallow copy
+// of t's TensorImpl with the row's offset and shape: FSDP's own buffers, not autograd's; no view
+// relation, no shared version counter); t[row] where t is not contiguous.
+at::Tensor row_of(const at::Tensor& t, int64_t row);
+
 // The reduce-scatter input of the gradients in `grads` (consumed: each unsharded gradient is freed
 // once it is in the input, as FSDP2 does; `grads` is left empty), [n, total] in `dtype`, from the
 // buffer pool (or from `allocate(numel, options)` where given: a custom reduce-scatter's); `placed`

@@ -192,7 +192,7 @@ bool FSDPParamGroup::place_shards_in_buffer() {
 void FSDPParamGroup::issue_flat_gather(const c10::Event* after) {
   all_gather_output_ = alloc_all_gather_output(after);
   // In place: the input is this rank's row of the output (FSDP2's layout), no buffer of its own.
-  const at::Tensor input = all_gather_output_[comm_->rank()];
+  const at::Tensor input = row_of(all_gather_output_, comm_->rank());
   // [Note: the shards in one buffer]: copy-in is one copy of the buffer (the cast inside). The
   // first all-gather moves the shards there, on the current stream.
   const bool moved = place_shards_in_buffer();
@@ -431,7 +431,7 @@ void FSDPParamGroup::issue_flat_reduce() {
   DeviceStreams* s = streams();
   reduce_output_ = custom_reduce_scatter ? custom_buffer(/*all_gather=*/false, total, input.options())
                    : s ? empty_buffer({total}, input.options(), BufferOwner::ReduceScatterOutput)
-                                         : input[comm_->rank()];
+                                         : row_of(input, comm_->rank());
   reduce_input_ = input;
   const comm::ReduceOp op = begin_reduce();
   std::optional<c10::StreamGuard> on_reduce_scatter;

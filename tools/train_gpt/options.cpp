@@ -150,6 +150,9 @@ void add_model_options(CLI::App& app, Options& o) {
       ->check(bounded(0, kMaxHeads, true));
   app.add_option("--ffn-dim", o.ffn_dim, "--model llama: SwiGLU width (0: 8/3 x --dim rounded up to a multiple of 8)")
       ->check(bounded(0, kMaxDim * 16, true));
+  app.add_option("--experts", o.experts, "--model moe: experts per layer (default 8)")->check(bounded(1, 4096, true));
+  app.add_option("--top-k", o.top_k, "--model moe: experts each token goes to (default 2)")
+      ->check(bounded(1, 4096, true));
   app.add_option("--seq-len", o.seq_len, "Tokens per sequence (the model's context)")
       ->check(bounded(1, kMaxSeqLen, true));
 }
@@ -287,7 +290,8 @@ std::optional<Options> parse_options(int argc, char** argv, int& exit_code) {
     exit_code = 2;
     return std::nullopt;
   }
-  for (const char* name : {"--layers", "--dim", "--heads", "--kv-heads", "--ffn-dim", "--vocab-size"})
+  for (const char* name :
+       {"--layers", "--dim", "--heads", "--kv-heads", "--ffn-dim", "--vocab-size", "--experts", "--top-k"})
     if (app.count(name) > 0) o.sizing_given.push_back(name);
   o.model_given = app.count("--model") > 0;
   exit_code = 0;
@@ -336,6 +340,9 @@ void validate(const Options& o) {
     for (const auto& name : o.sizing_given) given += (given.empty() ? "" : ", ") + name;
     fail("--init-from takes the model's size from " + o.init_from + "/config.json: drop " + given);
   }
+  for (const auto& name : o.sizing_given)
+    if ((name == "--experts" || name == "--top-k") && o.init_from.empty() && o.model != "moe")
+      fail(name + " sizes --model moe only (--model " + o.model + " has no experts): add --model moe or drop " + name);
   if (!o.export_hf.empty() && o.eval_only)
     fail("--export-hf writes the trained model at the end of training: drop it with --eval-only");
   o.checkpoint_every_kth_block();                              // throws on a bad --activation-checkpointing

@@ -34,6 +34,8 @@ struct Options {
   int64_t heads = 4;
   int64_t kv_heads = 0;  // llama: key/value heads (grouped-query attention); 0: --heads
   int64_t ffn_dim = 0;   // llama: the SwiGLU width; 0: 8/3 x --dim rounded up to a multiple of 8
+  int64_t experts = 8;   // moe: experts per sparse layer
+  int64_t top_k = 2;     // moe: experts each token goes to
   int64_t seq_len = 128;
   // A Hugging Face folder (config.json + safetensors): the architecture, size and weights come
   // from it (main() fills layers, dim, heads, kv_heads, ffn_dim and vocab_size from config.json).

@@ -87,6 +87,11 @@ void Reporter::step(const StepReport& s) {
                          {"peak_rss_bytes", s.peak_rss_bytes},
                          {"max_peak_rss_bytes", s.max_peak_rss_bytes}};
   if (s.val_loss) line["val_loss"] = *s.val_loss;
+  if (s.aux_loss) line["aux_loss"] = *s.aux_loss;
+  if (s.expert_load) {
+    line["expert_load_min"] = s.expert_load->first;
+    line["expert_load_max"] = s.expert_load->second;
+  }
   line["tokens_seen"] = s.step * tokens_per_step_;
   if (s.data_position) {
     line["data_epoch"] = s.data_position->epoch;
@@ -102,10 +107,14 @@ void Reporter::step(const StepReport& s) {
     if (i) memory.push_back('/');
     memory.append(std::to_string(s.rss_bytes[i] / 1000000));
   }
-  std::printf("step %5lld/%lld  loss %.4f%s  lr %.2e  %6.0f tok/s  %.3f s/step  ETA %s  mem %s MB\n",
+  char router[96] = "";  // "  aux 1.0312  load 40-88" (--model moe)
+  if (s.aux_loss && s.expert_load)
+    std::snprintf(router, sizeof router, "  aux %.4f  load %lld-%lld", *s.aux_loss,
+                  static_cast<long long>(s.expert_load->first), static_cast<long long>(s.expert_load->second));
+  std::printf("step %5lld/%lld  loss %.4f%s%s  lr %.2e  %6.0f tok/s  %.3f s/step  ETA %s  mem %s MB\n",
               static_cast<long long>(s.step), static_cast<long long>(o_.steps), s.loss,
-              s.val_loss ? ("  val " + std::to_string(*s.val_loss).substr(0, 6)).c_str() : "", s.lr, tps, s.step_time_s,
-              format_duration(eta).c_str(), memory.c_str());
+              s.val_loss ? ("  val " + std::to_string(*s.val_loss).substr(0, 6)).c_str() : "", router, s.lr, tps,
+              s.step_time_s, format_duration(eta).c_str(), memory.c_str());
   std::fflush(stdout);
 }
 

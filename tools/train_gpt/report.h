@@ -11,6 +11,7 @@
 #include <cstdint>
 #include <optional>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "fsdp/data/token_shards.h"
@@ -45,6 +46,11 @@ struct StepReport {
   int64_t max_peak_rss_bytes = 0;                            // over ranks
   std::optional<double> val_loss;
   std::optional<fsdp::data::Position> data_position;  // token shards: where the next step reads
+  // Optional figures an architecture provides (spec.h TrainModel::step_stats; --model moe): the
+  // router's auxiliary loss (global mean, as `loss`) and the expert load, tokens per expert summed
+  // over the layers and the ranks: its minimum and maximum over the experts.
+  std::optional<double> aux_loss;
+  std::optional<std::pair<int64_t, int64_t>> expert_load;
 };
 
 class Reporter {

@@ -79,7 +79,7 @@ void TrainModel::export_hf(const Options& o) {
 }
 
 const std::vector<ModelSpec>& model_specs() {
-  static const std::vector<ModelSpec> specs = {gpt_spec(), llama_spec()};  // one line per architecture
+  static const std::vector<ModelSpec> specs = {gpt_spec(), llama_spec(), moe_spec()};  // one line per architecture
   return specs;
 }
 

@@ -106,6 +106,12 @@ class TrainModel {
   virtual at::Tensor loss(const at::Tensor& logits, const at::Tensor& targets) const = 0;
   // The last position's logits [B, vocab], whole on every rank, for sampling.
   virtual at::Tensor next_token_logits(const at::Tensor& idx) = 0;
+  // Optional per-step figures (called once per optimizer step on every rank, after the step):
+  // undefined for none (the default), else a float64 CPU tensor [1 + E] that the trainer sums
+  // over the ranks: the router's auxiliary loss summed over this rank's training forwards of the
+  // step (each micro-batch's aux / --grad-accum), then the tokens routed to each of E experts
+  // summed over the layers (--model moe). Resets the figures for the next step.
+  virtual at::Tensor step_stats() { return {}; }
 
   // ---- checkpoints and export
   // What a checkpoint records of the model (its configuration as JSON text, under the tensor
@@ -154,8 +160,9 @@ struct RecordedModel {
 };
 std::optional<RecordedModel> recorded_model(const std::string& dir);
 
-// The architectures' specs, each defined in its own file (spec_gpt.cpp, spec_llama.cpp).
+// The architectures' specs, each defined in its own file (spec_gpt.cpp, spec_llama.cpp, spec_moe.cpp).
 ModelSpec gpt_spec();
 ModelSpec llama_spec();
+ModelSpec moe_spec();
 
 }  // namespace train_gpt

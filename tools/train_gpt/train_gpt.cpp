@@ -623,13 +623,33 @@ bool loop_once(const Run& run, Model& m, torch::optim::Optimizer& opt, const Tok
   const int64_t step = ++s.step;
 
   auto [loss, stop] = agree_loss_and_stop(run, r.local_loss);
+  at::Tensor router = m.net->step_stats();  // --model moe: [aux, tokens per expert] (spec.h)
+  if (router.defined()) all_reduce_sum(run, router);
   const RankMemory memory_now = gather_memory(run.alone() ? nullptr : run.comm.get(), run.device);
   const std::optional<double> val = evaluate_if_due(run, m, data, step, stop);
   if (run.rank == 0) {
-    report.step({step, loss, lr, r.grad_norm, cost.seconds, cost.comm_bytes, tensor_bytes(m.parameters()),
-                 grad_bytes(m.parameters()), optimizer_state_bytes(opt), memory_now.current_bytes,
-                 memory_now.peak_bytes.at(0), memory_now.max_peak_bytes(), val,
-                 data.tokens() ? std::optional(data.position(step)) : std::nullopt});
+    StepReport line{step,
+                    loss,
+                    lr,
+                    r.grad_norm,
+                    cost.seconds,
+                    cost.comm_bytes,
+                    tensor_bytes(m.parameters()),
+                    grad_bytes(m.parameters()),
+                    optimizer_state_bytes(opt),
+                    memory_now.current_bytes,
+                    memory_now.peak_bytes.at(0),
+                    memory_now.max_peak_bytes(),
+                    val,
+                    data.tokens() ? std::optional(data.position(step)) : std::nullopt,
+                    std::nullopt,
+                    std::nullopt};
+    if (router.defined()) {
+      const at::Tensor load = router.narrow(0, 1, router.size(0) - 1);
+      line.aux_loss = router[0].item<double>() / run.world;
+      line.expert_load = std::pair{load.min().item<int64_t>(), load.max().item<int64_t>()};
+    }
+    report.step(line);
   }
   save_if_due(run, m, opt, data, report, s, stop);
   s.stopped = stop;

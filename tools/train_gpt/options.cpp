@@ -146,9 +146,11 @@ void add_model_options(CLI::App& app, Options& o) {
   app.add_option("--dim", o.dim, "Embedding width")->check(bounded(1, kMaxDim, true));
   app.add_option("--heads", o.heads, "Attention heads (must divide --dim)")->check(bounded(1, kMaxHeads, true));
   app.add_option("--kv-heads", o.kv_heads,
-                 "--model llama: key/value heads, grouped-query attention (must divide --heads; 0: --heads)")
+                 "--model llama, moe: key/value heads, grouped-query attention (must divide --heads; 0: --heads)")
       ->check(bounded(0, kMaxHeads, true));
-  app.add_option("--ffn-dim", o.ffn_dim, "--model llama: SwiGLU width (0: 8/3 x --dim rounded up to a multiple of 8)")
+  app.add_option(
+         "--ffn-dim", o.ffn_dim,
+         "--model llama, moe: SwiGLU width, each expert's for moe (0: 8/3 x --dim rounded up to a multiple of 8)")
       ->check(bounded(0, kMaxDim * 16, true));
   app.add_option("--experts", o.experts, "--model moe: experts per layer (default 8)")->check(bounded(1, 4096, true));
   app.add_option("--top-k", o.top_k, "--model moe: experts each token goes to (default 2)")

@@ -184,7 +184,7 @@ fsdp::FullyShardOptions shard_options(const Run& run) {
   if (o.reshard_after_forward != "default") so.reshard_after_forward = o.reshard_after_forward == "true";
   // Shards, gradients and the optimizer's state in host memory, pinned when the device is a GPU
   // (fast copies to and from it); on the CPU the shards already are there: nothing moves, nothing
-  // to pin (and pinning needs CUDA: fully_shard of the meta-device model would pin otherwise).
+  // to pin. The shards of the meta-device model are placed on the host by to_empty.
   if (o.cpu_offload) so.offload_policy = fsdp::CPUOffloadPolicy{.pin_memory = run.device.is_cuda()};
   return so;
 }
@@ -208,10 +208,6 @@ Model build_model(const Run& run, std::unique_ptr<TrainModel> net,
     m.n_params += p.value().numel();
   }
   before_allocating(m.full_shapes);
-  // --cpu-offload: fully_shard copies each parameter into its host shard when it shards it, which
-  // it cannot do from the meta device; the model is allocated whole on the device first (its
-  // values are set by init_weights below, after sharding), and its memory freed once sharded.
-  if (run.opt.cpu_offload && run.sharded()) fsdp::to_empty(*m.module(), run.device);
   parallelize(run, m);
   fsdp::to_empty(*m.module(), run.device);  // this rank's shards only
   m.net->init_weights();                    // fsdp::init: same values for any world size (--init-from's are read after)

@@ -57,7 +57,7 @@ namespace fsdp::checkpoint {
 
 // A load refused because another optimizer saved the state (CheckpointError::optimizer_mismatch):
 // the registered codecs' names (optimizer_state.h), for a caller to name its own fix.
-// Example: {saved_by = {"Adam", "AdamW"}, given = "SGD"}.
+// Example: OptimizerMismatch m{{"Adam", "AdamW"}, "SGD"};  // AdamW's state given to SGD
 struct OptimizerMismatch {
   std::vector<std::string> saved_by;  // the codecs that save what was found (empty: not known)
   std::string given;                  // the codec of the optimizer given to load
@@ -65,7 +65,13 @@ struct OptimizerMismatch {
 
 // Corrupt, truncated, uncommitted or mismatched checkpoints: the message names the directory or
 // file, the key, what is wrong and what to do.
-// Example: catch (const CheckpointError& e) { if (e.optimizer_mismatch) ... e.optimizer_mismatch->saved_by ... }
+// Example:
+//   try {
+//     load("ckpt/step_000100", State{model.ptr(), &optimizer});
+//   } catch (const CheckpointError& e) {
+//     if (e.optimizer_mismatch) fail("saved by " + e.optimizer_mismatch->saved_by.at(0) + ": pick it");
+//     throw;
+//   }
 class CheckpointError : public std::runtime_error {
  public:
   using std::runtime_error::runtime_error;

@@ -4,7 +4,8 @@
 // models/llama/hf_folder.cpp's Hugging Face exports. Not an API.
 //
 // Example:
-//   if (auto why = fsdp::checkpoint::detail::fsync_path(tmp / name, false)) throw MyError(*why);
+//   const std::filesystem::path tmp = "out.tmp";
+//   if (auto why = fsdp::checkpoint::detail::fsync_path(tmp / "model.safetensors", false)) fail(*why);
 #include <filesystem>
 #include <optional>
 #include <string>

@@ -15,7 +15,8 @@ namespace fsdp::dist {
 
 std::string openblas_loaded_corename() {
   // Test hook: pretend OpenBLAS picked this core, to exercise the re-exec path on any CPU.
-  if (const char* fake = std::getenv("FSDP_TEST_OPENBLAS_CORENAME"); fake && std::getenv("FSDP_TUNED_REEXEC") == nullptr) {
+  if (const char* fake = std::getenv("FSDP_TEST_OPENBLAS_CORENAME");
+      fake && std::getenv("FSDP_TUNED_REEXEC") == nullptr) {
     return fake;
   }
   // LibTorch links the BLAS through the system alternative; if it is OpenBLAS the symbol exists.

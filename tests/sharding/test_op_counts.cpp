@@ -11,8 +11,8 @@
 //    (the LibTorch 2.14 half of CI): FSDP2's counts on the same model, per phase and unit, printed
 //    beside ours with every (phase, unit) where ours exceed FSDP2's (issue 64's target; the first
 //    unit's gradient write-back runs in the final callback, where FSDP2 issues none:
-//    docs/benchmarks.md); FSDP_OP_COUNTS_AT_MOST_FSDP2=1 makes each such line a failure. Elsewhere that part skips, saying why; FSDP_REQUIRE_PYTHON_CHECKS=1 makes a skip a
-//    failure.
+//    docs/benchmarks.md); FSDP_OP_COUNTS_AT_MOST_FSDP2=1 makes each such line a failure. Elsewhere that part skips,
+//    saying why; FSDP_REQUIRE_PYTHON_CHECKS=1 makes a skip a failure.
 #include <gtest/gtest.h>
 #include <torch/csrc/autograd/engine.h>
 #include <torch/torch.h>

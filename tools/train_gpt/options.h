@@ -54,12 +54,12 @@ struct Options {
   double clip = 1.0;                // 0: no clipping
   uint64_t seed = 0;
   // parallelism
-  std::string parallel = "fsdp";                  // fsdp | hsdp | replicate | none
-  int64_t shard_size = 0;                         // HSDP: ranks per shard group (0: the ranks per node)
-  int64_t tp_size = 1;                            // tensor parallel ranks per dp group (mesh {"dp", "tp"}; README)
-  std::string device = "auto";                    // cpu | cuda | auto (cuda when a GPU is visible)
-  bool share_gpu = false;                         // more ranks than GPUs: share them (Gloo on CUDA tensors)
-  std::string mixed_precision = "fp32";           // fp32 | bf16
+  std::string parallel = "fsdp";         // fsdp | hsdp | replicate | none
+  int64_t shard_size = 0;                // HSDP: ranks per shard group (0: the ranks per node)
+  int64_t tp_size = 1;                   // tensor parallel ranks per dp group (mesh {"dp", "tp"}; README)
+  std::string device = "auto";           // cpu | cuda | auto (cuda when a GPU is visible)
+  bool share_gpu = false;                // more ranks than GPUs: share them (Gloo on CUDA tensors)
+  std::string mixed_precision = "fp32";  // fp32 | bf16
   bool cpu_offload = false;  // fully_shard with CPUOffloadPolicy: shards, gradients, optimizer state on the host
   std::string reshard_after_forward = "default";  // default | true | false
   std::string activation_checkpointing = "none";  // none | full | every:K (every K-th block)

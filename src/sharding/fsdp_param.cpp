@@ -273,9 +273,11 @@ bool FSDPParam::alias_shard_as_unsharded() {
 void FSDPParam::accumulate_full_grad(at::Tensor g, std::optional<double> divide) {
   // A shard group of one: the gradient is the sharded gradient (same shape), in reduce_dtype as
   // the reduce-scatter would have had it, divided by a custom factor.
-  g = g.to(reduce_dtype_);
+  // No `to` op where the dtype and device already are right (LibTorch 2.x dispatches even a no-op one).
+  if (g.scalar_type() != reduce_dtype_) g = g.to(reduce_dtype_);
   if (divide) g = g.div(*divide);
-  g = g.to(sharded_param_.device(), sharded_param_.scalar_type());
+  if (g.scalar_type() != sharded_param_.scalar_type() || g.device() != sharded_param_.device())
+    g = g.to(sharded_param_.device(), sharded_param_.scalar_type());
   // Not a view (optimizers detach_() gradients): a 0-dim parameter's shard is [1], a copy.
   if (g.sizes() != at::IntArrayRef(local_shape_)) g = g.reshape(local_shape_).clone();
   at::Tensor& grad = sharded_param_.mutable_grad();

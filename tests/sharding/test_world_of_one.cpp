@@ -13,6 +13,7 @@
 #include "fsdp/debug/buffer_pool.h"
 #include "fsdp/fsdp.h"
 #include "models/gpt.h"
+#include "op_counts.h"
 
 using fsdp::models::GPT;
 
@@ -111,44 +112,7 @@ TEST(WorldOfOne, MixedPrecisionStillCopies) {
 
 namespace {
 
-// The top-level ATen operators (not called by another operator) of every thread, by name, while
-// one lives.
-class TopLevelOps {
- public:
-  TopLevelOps() {
-    counts().clear();
-    handle_ = at::addGlobalCallback(
-        at::RecordFunctionCallback(&on_start, &on_end).needsInputs(false).scopes({at::RecordScope::FUNCTION}));
-  }
-  ~TopLevelOps() { at::removeCallback(handle_); }
-  std::map<std::string, int64_t> ops() const {
-    std::lock_guard<std::mutex> lock(mu());
-    return counts();
-  }
-
- private:
-  static std::mutex& mu() {
-    static std::mutex m;
-    return m;
-  }
-  static std::map<std::string, int64_t>& counts() {
-    static std::map<std::string, int64_t> c;
-    return c;
-  }
-  static int& depth() {
-    thread_local int d = 0;
-    return d;
-  }
-  static std::unique_ptr<at::ObserverContext> on_start(const at::RecordFunction& fn) {
-    if (depth()++ == 0) {
-      std::lock_guard<std::mutex> lock(mu());
-      ++counts()[fn.name() ? fn.name() : "?"];
-    }
-    return nullptr;
-  }
-  static void on_end(const at::RecordFunction&, at::ObserverContext*) { --depth(); }
-  at::CallbackHandle handle_;
-};
+using fsdp::testing::TopLevelOps;
 
 // A training step of plain LibTorch and of the same GPT through fully_shard (per block and the
 // root, `options`) in a world of one, from the same values on the same tokens, three steps each;

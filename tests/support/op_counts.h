@@ -360,4 +360,44 @@ class PhaseOpCounter {
   at::CallbackHandle handle_{};
 };
 
+// The top-level ATen operators (scope FUNCTION, not inside another operator) of every thread, by
+// name, counted while one lives.
+class TopLevelOps {
+ public:
+  TopLevelOps() {
+    std::lock_guard<std::mutex> lock(mu());
+    counts().clear();
+    handle_ = at::addGlobalCallback(
+        at::RecordFunctionCallback(&on_start, &on_end).needsInputs(false).scopes({at::RecordScope::FUNCTION}));
+  }
+  ~TopLevelOps() { at::removeCallback(handle_); }
+  std::map<std::string, int64_t> ops() const {
+    std::lock_guard<std::mutex> lock(mu());
+    return counts();
+  }
+
+ private:
+  static std::mutex& mu() {
+    static std::mutex m;
+    return m;
+  }
+  static std::map<std::string, int64_t>& counts() {
+    static std::map<std::string, int64_t> c;
+    return c;
+  }
+  static int& depth() {
+    thread_local int d = 0;
+    return d;
+  }
+  static std::unique_ptr<at::ObserverContext> on_start(const at::RecordFunction& fn) {
+    if (depth()++ == 0) {
+      std::lock_guard<std::mutex> lock(mu());
+      ++counts()[fn.name() ? fn.name() : "?"];
+    }
+    return nullptr;
+  }
+  static void on_end(const at::RecordFunction&, at::ObserverContext*) { --depth(); }
+  at::CallbackHandle handle_;
+};
+
 }  // namespace fsdp::testing

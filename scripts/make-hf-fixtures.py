@@ -15,13 +15,13 @@ tests/models/python/check_against_transformers.py imports FIXTURES and make() fr
 """
 import json
 import os
-import shutil
 import sys
 
 import torch
-import transformers
-from safetensors.torch import save_file
-from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig, Qwen2Config
+from transformers import LlamaConfig, MistralConfig, Qwen2Config
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "lib"))
+import hf_fixture_io  # noqa: E402  (scripts/lib: the folder writing shared with make-moe-fixtures.py)
 
 VOCAB = 256
 SEQ = 12
@@ -70,41 +70,32 @@ def to_4x_spelling(path):
         json.dump(config, f, indent=2, sort_keys=True)
 
 
-def make(out_dir, name, spec, seed):
-    torch.manual_seed(seed)
-    config = spec["cls"](**spec["args"])
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+def randomise(pname, p):
     # Every parameter random (norm weights and biases too, which transformers starts at 1 and 0),
     # so a name mixed up or a term left out changes the logits.
-    with torch.no_grad():
-        for pname, p in model.named_parameters():
-            if pname.endswith("norm.weight"):
-                p.copy_(1 + 0.2 * torch.randn_like(p))
-            else:
-                p.normal_(0.0, 0.2)
-    folder = os.path.join(out_dir, name)
-    shutil.rmtree(folder, ignore_errors=True)
-    kwargs = {"max_shard_size": spec["shard"]} if spec["shard"] else {}
-    model.to(spec["dtype"]).save_pretrained(folder, **kwargs)
+    if pname.endswith("norm.weight"):
+        p.copy_(1 + 0.2 * torch.randn_like(p))
+    else:
+        p.normal_(0.0, 0.2)
+
+
+def make(out_dir, name, spec, seed):
+    model = hf_fixture_io.random_model(spec, seed, randomise)
+    folder = hf_fixture_io.save_folder(model.to(spec["dtype"]), out_dir, name, spec["shard"])
     if spec["spelling"] == "4.x":
         to_4x_spelling(os.path.join(folder, "config.json"))
     # The reference: the folder as saved (bf16 weights included), read back in float32.
-    loaded = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
-    tokens = torch.randint(0, VOCAB, (2, SEQ), generator=torch.Generator().manual_seed(seed + 1))
+    loaded = hf_fixture_io.load_float32(folder)
+    tokens = hf_fixture_io.fixed_tokens(VOCAB, SEQ, seed + 1)
     with torch.no_grad():
         logits = loaded(tokens).logits.float().contiguous()
-    save_file({"tokens": tokens, "logits": logits}, os.path.join(folder, "reference.safetensors"),
-              metadata={"transformers": transformers.__version__, "torch": torch.__version__})
+    hf_fixture_io.save_reference({"tokens": tokens, "logits": logits}, os.path.join(folder, "reference.safetensors"))
     files = sorted(os.listdir(folder))
     print(f"{name}: {files}, max|logits| {logits.abs().max().item():.4f}")
 
 
 def main():
-    out_dir = sys.argv[1] if len(sys.argv) > 1 else os.path.join(os.path.dirname(__file__), "..", "tests", "models",
-                                                                 "fixtures")
-    os.makedirs(out_dir, exist_ok=True)
-    for i, (name, spec) in enumerate(FIXTURES.items()):
-        make(out_dir, name, spec, seed=1000 + 10 * i)
+    hf_fixture_io.make_all(FIXTURES, make, 1000, hf_fixture_io.out_dir_arg(__file__))
 
 
 if __name__ == "__main__":

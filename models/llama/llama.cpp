@@ -147,14 +147,22 @@ torch::Tensor LlamaDecoderLayerImpl::forward(const torch::Tensor& x, const torch
   return h + fsdp::call(mlp, fsdp::call(post_attention_layernorm, h));
 }
 
-LlamaModelImpl::LlamaModelImpl(const LlamaConfig& c) {
-  embed_tokens = register_module("embed_tokens", Embedding(c.vocab_size, c.hidden_size, c.device));
-  layers_list = register_module("layers", torch::nn::ModuleList());
-  for (int64_t i = 0; i < c.num_hidden_layers; ++i) {
-    layers.emplace_back(c);
-    layers_list->push_back(layers.back());
+LlamaModelImpl::LlamaModelImpl(const LlamaConfig& c)
+    : DecoderModelImpl(c, [&c](int64_t) { return LlamaDecoderLayer(c); }) {}
+
+void reset_decoder_parameters(torch::nn::Module& module, const LlamaConfig& c) {
+  for (const auto& item : module.named_parameters()) {
+    const std::string& name = item.key();
+    const at::Tensor& p = item.value();
+    const bool is_bias = name.size() >= 4 && name.compare(name.size() - 4, 4, "bias") == 0;
+    const bool is_norm = name.find("norm.") != std::string::npos;  // *_layernorm.weight, model.norm.weight
+    if (is_bias)
+      fsdp::init::constant_(p, 0.0);
+    else if (is_norm)
+      fsdp::init::constant_(p, 1.0);
+    else
+      fsdp::init::normal_(p, 0.0, c.initializer_range, fsdp::init::param_seed(c.init_seed, name));
   }
-  norm = register_module("norm", RMSNorm(c.hidden_size, c.rms_norm_eps, c.device));
 }
 
 LlamaImpl::LlamaImpl(const LlamaConfig& c) : config(c) {
@@ -168,39 +176,10 @@ LlamaImpl::LlamaImpl(const LlamaConfig& c) : config(c) {
 
 const torch::Tensor& LlamaImpl::head_weight() const { return lm_head ? lm_head->weight : model->embed_tokens->weight; }
 
-void LlamaImpl::reset_parameters() {
-  // By name, on whatever parameters() holds now: full tensors, or this rank's shards.
-  for (const auto& item : named_parameters()) {
-    const std::string& name = item.key();
-    const at::Tensor& p = item.value();
-    const bool is_bias = name.size() >= 4 && name.compare(name.size() - 4, 4, "bias") == 0;
-    const bool is_norm = name.find("norm.") != std::string::npos;  // *_layernorm.weight, model.norm.weight
-    if (is_bias)
-      fsdp::init::constant_(p, 0.0);
-    else if (is_norm)
-      fsdp::init::constant_(p, 1.0);
-    else
-      fsdp::init::normal_(p, 0.0, config.initializer_range, fsdp::init::param_seed(config.init_seed, name));
-  }
-}
+void LlamaImpl::reset_parameters() { reset_decoder_parameters(*this, config); }
 
-torch::Tensor LlamaImpl::encode(const torch::Tensor& idx) {
-  const int64_t T = idx.size(1);
-  if (T > config.max_position_embeddings)
-    throw std::invalid_argument("Llama: sequence length " + std::to_string(T) + " exceeds max_position_embeddings " +
-                                std::to_string(config.max_position_embeddings));
-  auto x = fsdp::call(model->embed_tokens, idx);
-  auto [cos, sin] = rope_cos_sin(inv_freq.to(idx.device()), T);
-  cos = cos.to(x.scalar_type());
-  sin = sin.to(x.scalar_type());
-  for (auto& layer : model->layers) x = fsdp::call(layer, x, cos, sin);
-  return fsdp::call(model->norm, x);
-}
+torch::Tensor LlamaImpl::encode(const torch::Tensor& idx) { return model->encode(idx, inv_freq, config, "Llama"); }
 
-torch::Tensor LlamaImpl::forward(const torch::Tensor& idx) {
-  auto h = encode(idx);
-  // Tied: the embedding's weight, unsharded for the root's forward (keep embed_tokens in the root group).
-  return lm_head ? fsdp::call(lm_head, h) : torch::linear(h, model->embed_tokens->weight);
-}
+torch::Tensor LlamaImpl::forward(const torch::Tensor& idx) { return model->head(encode(idx), lm_head); }
 
 }  // namespace fsdp::models

@@ -25,8 +25,11 @@
 // weight during the root's forward.
 #include <torch/torch.h>
 
+#include <stdexcept>
+#include <string>
 #include <vector>
 
+#include "fsdp/sharding/call.h"
 #include "models/gpt.h"
 #include "models/llama/llama_config.h"
 
@@ -77,15 +80,40 @@ struct LlamaDecoderLayerImpl : torch::nn::Module {
 };
 TORCH_MODULE(LlamaDecoderLayer);
 
-// transformers' LlamaModel: the "model." prefix of every name but lm_head.
-struct LlamaModelImpl : torch::nn::Module {
-  explicit LlamaModelImpl(const LlamaConfig& c);
+// The decoder stack of the Llama family and of the mixture-of-experts decoders (models/moe/moe.h),
+// parameterised by the decoder layer: transformers' LlamaModel / MixtralModel / Qwen3MoeModel (the
+// "model." prefix of every name but lm_head) and the steps from token ids to logits.
+template <typename Layer>
+struct DecoderModelImpl : torch::nn::Module {
+  // Registers embed_tokens, layers (layer i built by make_layer(i)) and norm, in that order.
+  template <typename MakeLayer>
+  DecoderModelImpl(const LlamaConfig& c, MakeLayer make_layer);
+  // idx [B, T] -> the final hidden states [B, T, hidden]: the embeddings, rotary cos/sin for
+  // positions 0..T-1 (from inv_freq, in the activations' dtype), each layer, then norm. `who` names
+  // the model in the refusal of a T over c.max_position_embeddings.
+  torch::Tensor encode(const torch::Tensor& idx, const torch::Tensor& inv_freq, const LlamaConfig& c,
+                       const std::string& who);
+  // Hidden states -> logits through lm_head, or with lm_head null (tied) through the embedding's
+  // weight, unsharded for the root's forward (keep embed_tokens in the root's group).
+  torch::Tensor head(const torch::Tensor& h, Linear& lm_head);
+
   Embedding embed_tokens{nullptr};
   torch::nn::ModuleList layers_list{nullptr};  // registered as "layers"
-  std::vector<LlamaDecoderLayer> layers;       // the same modules, typed
+  std::vector<Layer> layers;                   // the same modules, typed
   RMSNorm norm{nullptr};
 };
+
+// transformers' LlamaModel.
+struct LlamaModelImpl : DecoderModelImpl<LlamaDecoderLayer> {
+  explicit LlamaModelImpl(const LlamaConfig& c);
+};
 TORCH_MODULE(LlamaModel);
+
+// Weights as transformers initialises a decoder: N(0, initializer_range), zero biases (names
+// ending in "bias"), unit norms (names holding "norm."), drawn row by row from streams keyed by
+// (init_seed, name, row) (fsdp::init), on whatever module.named_parameters() holds now: full
+// tensors, or this rank's shards.
+void reset_decoder_parameters(torch::nn::Module& module, const LlamaConfig& c);
 
 struct LlamaImpl : torch::nn::Module {
   explicit LlamaImpl(const LlamaConfig& c);
@@ -108,5 +136,37 @@ struct LlamaImpl : torch::nn::Module {
   torch::Tensor inv_freq;   // rope_inv_freq(config), CPU float32
 };
 TORCH_MODULE(Llama);
+
+template <typename Layer>
+template <typename MakeLayer>
+DecoderModelImpl<Layer>::DecoderModelImpl(const LlamaConfig& c, MakeLayer make_layer) {
+  embed_tokens = register_module("embed_tokens", Embedding(c.vocab_size, c.hidden_size, c.device));
+  layers_list = register_module("layers", torch::nn::ModuleList());
+  for (int64_t i = 0; i < c.num_hidden_layers; ++i) {
+    layers.push_back(make_layer(i));
+    layers_list->push_back(layers.back());
+  }
+  norm = register_module("norm", RMSNorm(c.hidden_size, c.rms_norm_eps, c.device));
+}
+
+template <typename Layer>
+torch::Tensor DecoderModelImpl<Layer>::encode(const torch::Tensor& idx, const torch::Tensor& inv_freq,
+                                              const LlamaConfig& c, const std::string& who) {
+  const int64_t T = idx.size(1);
+  if (T > c.max_position_embeddings)
+    throw std::invalid_argument(who + ": sequence length " + std::to_string(T) + " exceeds max_position_embeddings " +
+                                std::to_string(c.max_position_embeddings));
+  auto x = fsdp::call(embed_tokens, idx);
+  auto [cos, sin] = rope_cos_sin(inv_freq.to(idx.device()), T);
+  cos = cos.to(x.scalar_type());
+  sin = sin.to(x.scalar_type());
+  for (auto& layer : layers) x = fsdp::call(layer, x, cos, sin);
+  return fsdp::call(norm, x);
+}
+
+template <typename Layer>
+torch::Tensor DecoderModelImpl<Layer>::head(const torch::Tensor& h, Linear& lm_head) {
+  return lm_head ? fsdp::call(lm_head, h) : torch::linear(h, embed_tokens->weight);
+}
 
 }  // namespace fsdp::models

@@ -138,16 +138,8 @@ torch::Tensor MoEDecoderLayerImpl::forward(const torch::Tensor& x, const torch::
   return h + (moe ? fsdp::call(moe, y) : fsdp::call(mlp, y));
 }
 
-MoEModelImpl::MoEModelImpl(const MoEConfig& c) {
-  const auto& b = c.base;
-  embed_tokens = register_module("embed_tokens", Embedding(b.vocab_size, b.hidden_size, b.device));
-  layers_list = register_module("layers", torch::nn::ModuleList());
-  for (int64_t i = 0; i < b.num_hidden_layers; ++i) {
-    layers.emplace_back(c, i);
-    layers_list->push_back(layers.back());
-  }
-  norm = register_module("norm", RMSNorm(b.hidden_size, b.rms_norm_eps, b.device));
-}
+MoEModelImpl::MoEModelImpl(const MoEConfig& c)
+    : DecoderModelImpl(c.base, [&c](int64_t i) { return MoEDecoderLayer(c, i); }) {}
 
 MoECausalLMImpl::MoECausalLMImpl(const MoEConfig& c) : config(c) {
   c.validate();
@@ -158,38 +150,13 @@ MoECausalLMImpl::MoECausalLMImpl(const MoEConfig& c) : config(c) {
   if (c.base.device.type() != torch::kMeta) reset_parameters();
 }
 
-void MoECausalLMImpl::reset_parameters() {
-  for (const auto& item : named_parameters()) {
-    const std::string& name = item.key();
-    const at::Tensor& p = item.value();
-    const bool is_bias = name.size() >= 4 && name.compare(name.size() - 4, 4, "bias") == 0;
-    if (is_bias)
-      fsdp::init::constant_(p, 0.0);
-    else if (name.find("norm.") != std::string::npos)
-      fsdp::init::constant_(p, 1.0);
-    else
-      fsdp::init::normal_(p, 0.0, config.base.initializer_range, fsdp::init::param_seed(config.base.init_seed, name));
-  }
-}
+void MoECausalLMImpl::reset_parameters() { reset_decoder_parameters(*this, config.base); }
 
 torch::Tensor MoECausalLMImpl::encode(const torch::Tensor& idx) {
-  const int64_t T = idx.size(1);
-  if (T > config.base.max_position_embeddings)
-    throw std::invalid_argument(config.base.architecture + ": sequence length " + std::to_string(T) +
-                                " exceeds max_position_embeddings " +
-                                std::to_string(config.base.max_position_embeddings));
-  auto x = fsdp::call(model->embed_tokens, idx);
-  auto [cos, sin] = rope_cos_sin(inv_freq.to(idx.device()), T);
-  cos = cos.to(x.scalar_type());
-  sin = sin.to(x.scalar_type());
-  for (auto& layer : model->layers) x = fsdp::call(layer, x, cos, sin);
-  return fsdp::call(model->norm, x);
+  return model->encode(idx, inv_freq, config.base, config.base.architecture);
 }
 
-torch::Tensor MoECausalLMImpl::forward(const torch::Tensor& idx) {
-  auto h = encode(idx);
-  return lm_head ? fsdp::call(lm_head, h) : torch::linear(h, model->embed_tokens->weight);
-}
+torch::Tensor MoECausalLMImpl::forward(const torch::Tensor& idx) { return model->head(encode(idx), lm_head); }
 
 torch::Tensor MoECausalLMImpl::aux_loss() const {
   std::vector<at::Tensor> logits;

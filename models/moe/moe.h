@@ -113,12 +113,9 @@ struct MoEDecoderLayerImpl : torch::nn::Module {
 };
 TORCH_MODULE(MoEDecoderLayer);
 
-struct MoEModelImpl : torch::nn::Module {
+// transformers' MixtralModel / Qwen3MoeModel: the Llama family's decoder stack (llama.h) on these layers.
+struct MoEModelImpl : DecoderModelImpl<MoEDecoderLayer> {
   explicit MoEModelImpl(const MoEConfig& c);
-  Embedding embed_tokens{nullptr};
-  torch::nn::ModuleList layers_list{nullptr};  // registered as "layers"
-  std::vector<MoEDecoderLayer> layers;
-  RMSNorm norm{nullptr};
 };
 TORCH_MODULE(MoEModel);
 

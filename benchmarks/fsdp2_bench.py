@@ -8,6 +8,9 @@
     python3 benchmarks/fsdp2_bench.py llama --role single|fsdp2 --result FILE [--nproc 2] [--layers 12]
         [--hidden 768] [--heads 12] [--kv-heads 4] [--ffn 2048] [--vocab 32000] [--seq 256]
         [--batch 2 (per rank)] [--steps 4] [--warmup 1] [--threads T] [--wrap layers|split]
+    python3 benchmarks/fsdp2_bench.py moe --role single|fsdp2 --result FILE [--nproc 2] [--layers 9]
+        [--hidden 1024] [--heads 16] [--kv-heads 8] [--vocab 32000] [--experts 16] [--top-k 2]
+        [--moe-ffn 2048] [--seq 256] [--batch 1] [--steps 3] [--warmup 1] [--threads T] [--experts-impl I]
 
 cpu (for scripts/fsdp2-cpu-compare.sh): bench's GPT (benchmarks/bench.cpp) on CPU, Gloo. --role
 single: one process, the per-rank share of the batch (batch / nproc), no process group (the limit,
@@ -46,7 +49,17 @@ cross-entropy, backward, AdamW(lr 1e-3) step, loss.item(). Appends one line to -
 "median_step_s S first_loss L params P world N forward_s F backward_s B optimizer_s O" (the last
 three: medians of the step's parts, zero_grad in forward_s).
 
-cpu and llama start this script again with `--role rank` once per rank (RANK set per process).
+moe (for scripts/moe-fsdp2-compare.sh): transformers' MixtralForCausalLM on CPU, Gloo: the other
+side of llama_scale_bench --role train --model moe. The same shape (--moe-ffn: each expert's
+width; rope_theta 10000 and rms_norm_eps 1e-5 as ours, untied, no sliding window, sdpa), fully_shard
+on every decoder layer then the root (--role fsdp2), the loss transformers' with
+output_router_logits=True: the shifted cross-entropy plus router_aux_loss_coef (0.001) x aux_loss.
+The experts are transformers' packed ones (gate_up_proj [E, 2F, H], down_proj [E, H, F]) run by
+its default experts implementation unless --experts-impl names one (printed). llama's loop; rank 0
+prints each step, every rank prints "rank R: median_step_s S peak_rss_bytes B" and the result
+line gains "peak_rss_bytes B" (rank 0's VmHWM).
+
+cpu, llama and moe start this script again with `--role rank` once per rank (RANK set per process).
 """
 import argparse
 import os
@@ -348,6 +361,19 @@ def train_llama(a, rank, world, sharded):
             # Last in forward, first in backward: kept unsharded in between (torchtitan's choice).
             fully_shard([model.model.norm, model.lm_head], reshard_after_forward=False)
         fully_shard(model)
+
+    def loss_of(data):
+        logits = model(input_ids=data[:, :-1], use_cache=False).logits
+        return F.cross_entropy(logits.reshape(-1, a.vocab), data[:, 1:].reshape(-1))
+
+    train_loop(a, rank, world, model, loss_of, params)
+
+
+def train_loop(a, rank, world, model, loss_of, params, peak_rss=False):
+    """llama_scale_bench's loop: --batch sequences of --seq + 1 random tokens per rank and step
+    (generator 1234 + rank), then (timed) zero_grad, forward and loss (loss_of), backward, AdamW step,
+    loss.item(); rank 0 appends the result line (with peak_rss: also peak_rss_bytes, and every rank
+    prints its own)."""
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     gen = torch.Generator().manual_seed(1234 + rank)
     times, first_loss = [], None
@@ -356,8 +382,7 @@ def train_llama(a, rank, world, sharded):
         data = torch.randint(a.vocab, (a.batch, a.seq + 1), generator=gen)
         t0 = time.perf_counter()
         opt.zero_grad()
-        logits = model(input_ids=data[:, :-1], use_cache=False).logits
-        loss = F.cross_entropy(logits.reshape(-1, a.vocab), data[:, 1:].reshape(-1))
+        loss = loss_of(data)
         t1 = time.perf_counter()
         loss.backward()
         t2 = time.perf_counter()
@@ -370,10 +395,18 @@ def train_llama(a, rank, world, sharded):
             times.append(time.perf_counter() - t0)
             for key, t in zip(parts, (t1 - t0, t2 - t1, t3 - t2)):
                 parts[key].append(t)
+        if rank == 0 and peak_rss:
+            print(f"step {s}{' (warm-up)' if s < a.warmup else ''}: loss {value:.4f}, {t3 - t0:.2f} s", flush=True)
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # VmHWM, as ours
+    line = (f"median_step_s {statistics.median(times)} first_loss {first_loss} params {params} world {world} "
+            + " ".join(f"{k} {statistics.median(v)}" for k, v in parts.items()))
+    if peak_rss:
+        line += f" peak_rss_bytes {peak}"
+        print(f"rank {rank}: median_step_s {statistics.median(times):.3f} peak_rss_bytes {peak} "
+              f"peak_rss_gib {peak / 2**30:.3f}", flush=True)
     if rank == 0:
         with open(a.result, "a") as out:
-            out.write(f"median_step_s {statistics.median(times)} first_loss {first_loss} params {params} world {world} "
-                      + " ".join(f"{k} {statistics.median(v)}" for k, v in parts.items()) + "\n")
+            out.write(line + "\n")
 
 
 LLAMA_NAMES = [("nproc", 2), ("layers", 12), ("hidden", 768), ("heads", 12), ("kv_heads", 4), ("ffn", 2048),
@@ -410,12 +443,89 @@ def main_llama(a):
     return 0
 
 
+# ---- moe: transformers' MixtralForCausalLM on CPU ------------------------------------------------
+
+
+def train_moe(a, rank, world, sharded):
+    from transformers import MixtralConfig, MixtralForCausalLM
+    torch.set_num_threads(a.threads)
+    torch.manual_seed(0)
+    config = MixtralConfig(vocab_size=a.vocab, hidden_size=a.hidden, intermediate_size=a.moe_ffn,
+                           num_hidden_layers=a.layers, num_attention_heads=a.heads, num_key_value_heads=a.kv_heads,
+                           max_position_embeddings=max(a.seq, 2048), rms_norm_eps=1e-5, tie_word_embeddings=False,
+                           num_local_experts=a.experts, num_experts_per_tok=a.top_k, output_router_logits=True,
+                           router_aux_loss_coef=0.001, sliding_window=None, use_cache=False,
+                           rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
+    config._attn_implementation = "sdpa"
+    kwargs = {"experts_implementation": a.experts_impl} if a.experts_impl else {}
+    model = MixtralForCausalLM._from_config(config, **kwargs).float()
+    params = sum(p.numel() for p in model.parameters())
+    if rank == 0:
+        print(f"fsdp2_bench moe: Mixtral {a.layers} layers, hidden {a.hidden}, {a.experts} experts top {a.top_k} of "
+              f"width {a.moe_ffn}: {params / 1e6:.1f}M params; experts implementation "
+              f"{model.config._experts_implementation}; torch {torch.__version__}; "
+              f"{'FSDP2 %d ranks' % world if sharded else 'one process'}", flush=True)
+    if sharded:
+        from torch.distributed.fsdp import fully_shard
+        for layer in model.model.layers:
+            fully_shard(layer)
+        fully_shard(model)
+
+    def loss_of(data):
+        # The shifted cross-entropy plus router_aux_loss_coef x the load-balancing loss, as ours and as
+        # transformers adds it with labels and output_router_logits=True.
+        out = model(input_ids=data[:, :-1], use_cache=False, output_router_logits=True)
+        lm = F.cross_entropy(out.logits.reshape(-1, a.vocab), data[:, 1:].reshape(-1))
+        return lm + config.router_aux_loss_coef * out.aux_loss
+
+    train_loop(a, rank, world, model, loss_of, params, peak_rss=True)
+
+
+MOE_NAMES = [("nproc", 2), ("layers", 9), ("hidden", 1024), ("heads", 16), ("kv_heads", 8), ("vocab", 32000),
+             ("experts", 16), ("top_k", 2), ("moe_ffn", 2048), ("seq", 256), ("batch", 1), ("steps", 3),
+             ("warmup", 1), ("threads", 0)]
+
+
+def add_moe_args(ap):
+    for name, default in MOE_NAMES:
+        ap.add_argument("--" + name.replace("_", "-"), dest=name, type=int, default=default)
+    ap.add_argument("--role", choices=["single", "fsdp2", "rank"], required=True)
+    ap.add_argument("--experts-impl", dest="experts_impl", default="",
+                    help="transformers' experts_implementation (eager, grouped_mm, ...; default: its own choice)")
+    ap.add_argument("--result", required=True)
+    ap.add_argument("--store", default="")
+
+
+def main_moe(a):
+    if a.threads <= 0:
+        a.threads = max(1, (os.cpu_count() or 1) // a.nproc)
+    if a.role == "single":
+        train_moe(a, 0, 1, sharded=False)
+        return 0
+    if a.role == "rank":
+        rank = int(os.environ["RANK"])
+        dist.init_process_group("gloo", store=dist.FileStore(a.store, a.nproc), rank=rank, world_size=a.nproc)
+        train_moe(a, rank, a.nproc, sharded=True)
+        dist.destroy_process_group()
+        return 0
+    with tempfile.TemporaryDirectory(prefix="moe-fsdp2-bench-") as tmp:
+        args = [sys.executable, os.path.abspath(__file__), "moe", "--role", "rank", "--store", os.path.join(tmp, "store"),
+                "--result", a.result]
+        if a.experts_impl:
+            args += ["--experts-impl", a.experts_impl]
+        for name, _ in MOE_NAMES:
+            args += ["--" + name.replace("_", "-"), str(getattr(a, name))]
+        run_ranks(args, a.nproc, a.threads, "fsdp2_bench moe")
+    return 0
+
+
 def main():
     ap = argparse.ArgumentParser(prog="fsdp2_bench.py", description="PyTorch's FSDP2 on our benchmarks' models.")
-    sub = ap.add_subparsers(dest="bench", required=True, metavar="cpu|gpu|llama")
+    sub = ap.add_subparsers(dest="bench", required=True, metavar="cpu|gpu|llama|moe")
     for name, add, run, what in [("cpu", add_cpu_args, main_cpu, "bench's GPT on CPU (FSDP2, DDP)"),
                                  ("gpu", add_gpu_args, main_gpu, "gpu_bench's GPT on one GPU"),
-                                 ("llama", add_llama_args, main_llama, "transformers' Llama on CPU")]:
+                                 ("llama", add_llama_args, main_llama, "transformers' Llama on CPU"),
+                                 ("moe", add_moe_args, main_moe, "transformers' Mixtral on CPU")]:
         p = sub.add_parser(name, help=what)
         add(p)
         p.set_defaults(run=run)

@@ -32,6 +32,21 @@
 // medians) to --result; every rank prints its peak RSS and the parts, and with FSDP_PHASE_TIMERS=1
 // its table of FSDP's phases over the measured steps.
 //
+// --model moe (--role train; docs/benchmarks.md, "Mixture of experts at scale"): a Mixtral
+// (models/moe, MoEConfig) of the shape options with --experts experts of width --moe-ffn, top
+// --top-k, random init, built on the meta device, fully_shard per decoder layer then the root;
+// --ep N (dividing the world): expert parallelism over the "ep" dimension of a {dp, ep} mesh, each
+// rank's experts fully_shard over mesh["dp"] with their gradients divided by the world size
+// (tests/models/test_moe_ep.cpp's layout). The loss is the model's (cross-entropy plus
+// router_aux_loss_coef x the load-balancing loss). Besides the step it prints the parameters in all
+// and per token, and per rank the time inside the all-to-alls of fsdp::ep's dispatch and combine
+// (forward and backward; the ranges "fsdp::ep_collective (all_to_all)" timed by a RecordFunction
+// callback; the counts exchange of each dispatch is outside them), its share of the step and the
+// bytes the ep group's all-to-alls sent (its Comm's stats); --result gains "a2a_s S a2a_bytes B".
+//
+//   fsdprun --nproc-per-node 2 -- llama_scale_bench --role train --model moe --layers 9 --hidden 1024 \
+//       --heads 16 --kv-heads 8 --vocab 32000 --experts 16 --top-k 2 --moe-ffn 2048 --ep 2 --seq 256 --batch 1
+//
 // Memory (--role train; all off by default, so that step times compare with earlier runs):
 //   --memory              each rank prints its memory timeline: for every step and phase (forward,
 //                         backward, trim, optimizer) the exact peak RSS of that phase (the kernel's
@@ -54,13 +69,16 @@
 
 #include <atomic>
 #include <cmath>
+#include <cstring>
 #include <fstream>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <thread>
 
 #include "bench_support.h"
 #include "models/llama/hf.h"
+#include "models/moe/moe.h"
 
 namespace {
 
@@ -77,6 +95,9 @@ struct Options {
   bool memory = false, trim_after_backward = false;
   std::string timeline, wrap = "layers";
   fsdp_bench::MallocPolicy malloc = fsdp_bench::MallocPolicy::Default;
+  // --model moe: a Mixtral of the shape options with these experts (file comment).
+  std::string model = "llama";
+  int64_t experts = 16, top_k = 2, moe_ffn = 2048, ep = 1;
 };
 
 Options parse(int argc, char** argv) {
@@ -88,7 +109,8 @@ Options parse(int argc, char** argv) {
       "         [--seq 256 --batch 2 (per rank) --steps 4 --warmup 1] [--result FILE]\n"
       "         [--memory] [--timeline FILE] [--malloc default|tuned|speed|warm] [--trim-after-backward] [--wrap "
       "layers|split]\n"
-      "       (sharded roles under fsdprun; --role load needs --hf)");
+      "         [--model llama|moe [--experts 16 --top-k 2 --moe-ffn 2048 --ep 1]]\n"
+      "       (sharded roles under fsdprun; --role load needs --hf; --model moe: --role train, shape options)");
   args.option("--role", &o.role).option("--hf", &o.hf).option("--result", &o.result).option("--lr", &o.lr);
   args.option("--layers", &o.layers).option("--hidden", &o.hidden).option("--heads", &o.heads);
   args.option("--kv-heads", &o.kv_heads).option("--ffn", &o.ffn).option("--vocab", &o.vocab);
@@ -97,7 +119,14 @@ Options parse(int argc, char** argv) {
   args.flag("--memory", &o.memory).flag("--trim-after-backward", &o.trim_after_backward);
   args.option("--timeline", &o.timeline).option("--wrap", &o.wrap);
   fsdp_bench::add_malloc_option(args, &o.malloc);
+  args.option("--model", &o.model).option("--experts", &o.experts).option("--top-k", &o.top_k);
+  args.option("--moe-ffn", &o.moe_ffn).option("--ep", &o.ep);
   args.parse(argc, argv);
+  if (o.model != "llama" && o.model != "moe") args.fail("--model takes llama or moe, got '" + o.model + "'");
+  if (o.model == "moe" && (o.role != "train" || !o.hf.empty() || o.ac || o.wrap != "layers"))
+    args.fail("--model moe takes --role train with the shape options (no --hf, --ac or --wrap split)");
+  if (o.experts < 1 || o.top_k < 1 || o.top_k > o.experts || o.moe_ffn < 1 || o.ep < 1 || (o.plain && o.ep > 1))
+    args.fail("--experts, --moe-ffn, --ep >= 1, --top-k in 1..experts; --ep > 1 needs FSDP (drop --plain)");
   if (!o.timeline.empty()) o.memory = true;
   if (o.wrap != "layers" && o.wrap != "split") args.fail("--wrap takes layers or split, got '" + o.wrap + "'");
   if (o.role == "load" && (o.memory || o.trim_after_backward || o.wrap != "layers"))
@@ -418,31 +447,72 @@ void set_up_train_process(const Options& o) {
   }
 }
 
+// Time inside expert parallelism's row all-to-alls (fsdp::ep's dispatch and combine, forward and
+// backward: the ranges "fsdp::ep_collective (all_to_all)" its exchanges open), on every thread, from
+// a RecordFunction callback on USER_SCOPE; it does not count the counts exchange (E int64 a
+// dispatch) that precedes the rows.
+class AllToAllTimer {
+ public:
+  AllToAllTimer() {
+    handle_ = at::addGlobalCallback(
+        at::RecordFunctionCallback(&on_start, &on_end).needsInputs(false).scopes({at::RecordScope::USER_SCOPE}));
+  }
+  ~AllToAllTimer() { at::removeCallback(handle_); }
+  AllToAllTimer(const AllToAllTimer&) = delete;
+  AllToAllTimer& operator=(const AllToAllTimer&) = delete;
+  static double seconds() { return double(ns_.load()) / 1e9; }
+
+ private:
+  struct Start : at::ObserverContext {
+    std::chrono::steady_clock::time_point t;
+  };
+  static std::unique_ptr<at::ObserverContext> on_start(const at::RecordFunction& fn) {
+    if (std::strcmp(fn.name(), "fsdp::ep_collective (all_to_all)") != 0) return nullptr;
+    auto start = std::make_unique<Start>();
+    start->t = std::chrono::steady_clock::now();
+    return start;
+  }
+  static void on_end(const at::RecordFunction&, at::ObserverContext* ctx) {
+    if (ctx == nullptr) return;
+    const auto d = std::chrono::steady_clock::now() - static_cast<Start*>(ctx)->t;
+    ns_ += std::chrono::duration_cast<std::chrono::nanoseconds>(d).count();
+  }
+  static inline std::atomic<int64_t> ns_{0};
+  at::CallbackHandle handle_;
+};
+
 // What the measured steps took on this rank: the step and its parts (forward + loss, backward,
-// optimizer step; the rest: zero_grad, the trim, loss.item()), and the losses.
+// optimizer step; the rest: zero_grad, the trim, loss.item()), the losses, and (--model moe with
+// --ep > 1) the time inside the all-to-alls and the ep group's all-to-all bytes per step.
 struct TrainTimes {
-  std::vector<double> times, forward_s, backward_s, optimizer_s;
+  std::vector<double> times, forward_s, backward_s, optimizer_s, a2a_s, a2a_bytes;
   double first_loss = NAN, last_loss = NAN;
 };
 
+// One step's forward and loss: {loss, logits} (the logits are dropped after backward).
+using ForwardLoss =
+    std::function<std::pair<at::Tensor, at::Tensor>(const at::Tensor& input, const at::Tensor& targets)>;
+
 // --warmup + --steps steps on `next()`'s batches (or the first one, --fixed-batch), each part timed
-// and its memory phase marked; rank 0 prints each step's loss, time and peak RSS.
-TrainTimes train_loop(const Options& o, Llama& model, torch::optim::AdamW& opt, MemoryTimeline& mem, int rank,
-                      const std::function<at::Tensor()>& next) {
-  auto state = [&] { return fsdp_bench::state_bytes(*model, opt); };
+// and its memory phase marked; rank 0 prints each step's loss, time and peak RSS. `ep`: the expert
+// parallel group whose all-to-all bytes are counted (null: none).
+TrainTimes train_loop(const Options& o, torch::nn::Module& model, const ForwardLoss& forward_loss,
+                      torch::optim::AdamW& opt, MemoryTimeline& mem, int rank, const std::function<at::Tensor()>& next,
+                      fsdp::comm::Comm* ep = nullptr) {
+  auto state = [&] { return fsdp_bench::state_bytes(model, opt); };
   const at::Tensor fixed = next();
   TrainTimes t;
   for (int64_t s = 0; s < o.warmup + o.steps; ++s) {
     const at::Tensor data = o.fixed_batch ? fixed : next();
     if (s == o.warmup) fsdp::reset_phase_timers();  // FSDP_PHASE_TIMERS=1: the measured steps only
+    const double a2a_before = AllToAllTimer::seconds();
+    const auto bytes_before = ep ? ep->stats().snapshot()[fsdp::comm::OpKind::AllToAll].bytes_sent : 0;
     fsdp_bench::Stopwatch step;
     opt.zero_grad();
-    auto input = data.narrow(1, 0, o.seq);
     const int k = static_cast<int>(s);
     mem.begin(k, kForward);
     fsdp_bench::Stopwatch forward;
-    auto logits = o.plain ? model->forward(input) : fsdp::call(model, input);
-    auto loss = fsdp::models::gpt_loss(logits, data.narrow(1, 1, o.seq));
+    auto [loss, logits] = forward_loss(data.narrow(1, 0, o.seq), data.narrow(1, 1, o.seq));
     const double forward_wall = forward.wall();
     mem.end(state());
     mem.begin(k, kBackward);
@@ -465,6 +535,9 @@ TrainTimes train_loop(const Options& o, Llama& model, torch::optim::AdamW& opt, 
       t.forward_s.push_back(forward_wall);
       t.backward_s.push_back(backward_wall);
       t.optimizer_s.push_back(optimizer_wall);
+      t.a2a_s.push_back(AllToAllTimer::seconds() - a2a_before);
+      t.a2a_bytes.push_back(ep ? double(ep->stats().snapshot()[fsdp::comm::OpKind::AllToAll].bytes_sent - bytes_before)
+                               : 0.0);
     }
     if (rank == 0) {
       std::printf("step %lld%s: loss %.4f, %.2f s, peak RSS %.2f GiB\n", (long long)s, s < o.warmup ? " (warm-up)" : "",
@@ -486,6 +559,10 @@ void report_train(const Options& o, const TrainTimes& t, MemoryTimeline& mem, fs
                   fsdp_bench::median(t.times), t.first_loss, t.last_loss, gib(hwm));
       std::printf("rank %d: median forward + loss %.3f s, backward %.3f s, optimizer step %.3f s\n", r,
                   fsdp_bench::median(t.forward_s), fsdp_bench::median(t.backward_s), fsdp_bench::median(t.optimizer_s));
+      if (o.model == "moe")
+        std::printf("rank %d: median all-to-all %.3f s per step (%.1f%% of the step), %.3f MB sent per step\n", r,
+                    fsdp_bench::median(t.a2a_s), 100.0 * fsdp_bench::median(t.a2a_s) / fsdp_bench::median(t.times),
+                    fsdp_bench::median(t.a2a_bytes) / 1e6);
       if (!o.plain && fsdp::phase_timers_enabled())
         std::printf("rank %d: FSDP's phases over the measured steps:\n%s", r,
                     fsdp::phase_times().table(static_cast<int>(o.steps)).c_str());
@@ -496,13 +573,19 @@ void report_train(const Options& o, const TrainTimes& t, MemoryTimeline& mem, fs
   }
   if (place.rank != 0 || o.result.empty()) return;
   std::ofstream out(o.result, std::ios::app);
-  char line[384];
+  char line[512];
   std::snprintf(line, sizeof(line),
                 "median_step_s %.6f first_loss %.6f last_loss %.6f params %lld world %d peak_rss_bytes %.0f "
-                "forward_s %.6f backward_s %.6f optimizer_s %.6f\n",
+                "forward_s %.6f backward_s %.6f optimizer_s %.6f",
                 fsdp_bench::median(t.times), t.first_loss, t.last_loss, (long long)params, place.world, hwm,
                 fsdp_bench::median(t.forward_s), fsdp_bench::median(t.backward_s), fsdp_bench::median(t.optimizer_s));
   out << line;
+  if (o.model == "moe") {
+    std::snprintf(line, sizeof(line), " a2a_s %.6f a2a_bytes %.0f", fsdp_bench::median(t.a2a_s),
+                  fsdp_bench::median(t.a2a_bytes));
+    out << line;
+  }
+  out << "\n";
 }
 
 int run_train(const Options& o) {
@@ -534,8 +617,114 @@ int run_train(const Options& o) {
         o.ac ? ", activation checkpointing every layer" : "", o.lr.c_str(),
         o.fixed_batch ? "the same" : "a fresh random", setup_s, fsdp_bench::malloc_policy_name(o.malloc),
         o.wrap.c_str(), o.trim_after_backward ? ", pool trimmed after backward" : "");
-  const TrainTimes t = train_loop(o, model, opt, mem, place.rank, next);
+  const ForwardLoss forward_loss = [&](const at::Tensor& input, const at::Tensor& targets) {
+    auto logits = o.plain ? model->forward(input) : fsdp::call(model, input);
+    return std::make_pair(fsdp::models::gpt_loss(logits, targets), logits);
+  };
+  const TrainTimes t = train_loop(o, *model, forward_loss, opt, mem, place.rank, next);
   report_train(o, t, mem, place, params);
+  if (!o.plain) fsdp::dist::destroy_distributed();
+  return 0;
+}
+
+// ---- --model moe: a Mixtral of the shape options ------------------------------------------------
+
+fsdp::models::MoEConfig moe_config_of(const Options& o) {
+  fsdp::models::MoEConfig c;
+  c.base = config_of(o);
+  c.base.architecture = "MixtralForCausalLM";
+  c.base.intermediate_size = o.moe_ffn;  // Mixtral states its experts' width there
+  c.num_experts = o.experts;
+  c.num_experts_per_tok = o.top_k;
+  c.moe_intermediate_size = o.moe_ffn;
+  c.output_router_logits = true;
+  c.validate();
+  return c;
+}
+
+// Parameters in all, and those one token uses (its top k experts of every layer; the rest whole).
+std::pair<int64_t, int64_t> moe_counts(const fsdp::models::MoEConfig& c) {
+  const auto& b = c.base;
+  const int64_t h = b.hidden_size, hd = b.resolved_head_dim();
+  const int64_t attn = h * b.num_attention_heads * hd * 2 + h * b.num_key_value_heads * hd * 2;
+  const int64_t expert = 3 * h * c.moe_intermediate_size;
+  const int64_t shared =
+      b.vocab_size * h * (b.tie_word_embeddings ? 1 : 2) + h + b.num_hidden_layers * (attn + 2 * h + c.num_experts * h);
+  return {shared + b.num_hidden_layers * c.num_experts * expert,
+          shared + b.num_hidden_layers * c.num_experts_per_tok * expert};
+}
+
+std::string describe(const fsdp::models::MoEConfig& c) {
+  const auto [total, active] = moe_counts(c);
+  char buf[320];
+  std::snprintf(buf, sizeof(buf),
+                "Mixtral %lld layers, hidden %lld, %lld heads / %lld KV heads, %lld experts top %lld of width %lld, "
+                "vocab %lld: %.3fB params, %.3fB active per token",
+                (long long)c.base.num_hidden_layers, (long long)c.base.hidden_size,
+                (long long)c.base.num_attention_heads, (long long)c.base.num_key_value_heads, (long long)c.num_experts,
+                (long long)c.num_experts_per_tok, (long long)c.moe_intermediate_size, (long long)c.base.vocab_size,
+                double(total) / 1e9, double(active) / 1e9);
+  return buf;
+}
+
+// On the meta device, fully_shard per decoder layer then the root (unless plain); with --ep > 1 the
+// experts over mesh["dp"] first, their gradients divided by the world (tests/models/test_moe_ep.cpp's
+// layout), then allocated and initialised (fsdp::init).
+fsdp::models::MoECausalLM build_moe(fsdp::models::MoEConfig c, const Options& o,
+                                    const std::optional<fsdp::DeviceMesh>& mesh) {
+  if (mesh && o.ep > 1) c.set_expert_parallel(*mesh);
+  c.base.device = torch::kMeta;
+  fsdp::models::MoECausalLM model(c);
+  if (mesh) {
+    for (auto& layer : model->layers()) {
+      if (o.ep > 1 && layer->moe)
+        for (auto& expert : layer->moe->experts->local)
+          fsdp::fully_shard(expert, {.mesh = (*mesh)["dp"]})
+              .set_gradient_divide_factor(static_cast<double>(mesh->size()));
+      fsdp::fully_shard(layer);
+    }
+    fsdp::fully_shard(model);
+  }
+  fsdp::to_empty(*model, torch::kCPU);
+  model->reset_parameters();
+  return model;
+}
+
+int run_train_moe(const Options& o) {
+  set_up_train_process(o);
+  const auto place = fsdp_bench::join_world(!o.plain);
+  if (!o.plain && place.world % o.ep != 0)
+    throw std::invalid_argument("--ep " + std::to_string(o.ep) + " does not divide the world size " +
+                                std::to_string(place.world));
+  AllToAllTimer a2a;
+  MemoryTimeline mem(o.memory, o.timeline, place.rank);
+  mem.begin(-1, kSetup);
+  const fsdp::models::MoEConfig config = moe_config_of(o);
+  std::optional<fsdp::DeviceMesh> mesh;
+  if (!o.plain) mesh = fsdp::init_device_mesh({place.world / o.ep, o.ep}, {"dp", "ep"});
+  fsdp_bench::Stopwatch setup;
+  auto model = build_moe(config, o, mesh);
+  const double setup_s = setup.wall();
+  torch::optim::AdamW opt(model->parameters(), torch::optim::AdamWOptions(std::stod(o.lr)));
+  mem.end(fsdp_bench::state_bytes(*model, opt));
+  auto gen = fsdp_bench::token_stream(place.rank);
+  auto next = [&] { return at::randint(config.base.vocab_size, {o.batch, o.seq + 1}, gen, at::kLong); };
+  if (place.rank == 0)
+    std::printf(
+        "llama_scale_bench train: %s; %s; seq %lld, batch %lld per rank, fp32, AdamW lr %s; %s batch; setup %.1f s; "
+        "malloc %s\n",
+        describe(config).c_str(),
+        o.plain ? "one process"
+                : ("FSDP " + std::to_string(place.world) + " ranks, EP " + std::to_string(o.ep)).c_str(),
+        (long long)o.seq, (long long)o.batch, o.lr.c_str(), o.fixed_batch ? "the same" : "a fresh random", setup_s,
+        fsdp_bench::malloc_policy_name(o.malloc));
+  const ForwardLoss forward_loss = [&](const at::Tensor& input, const at::Tensor& targets) {
+    auto logits = o.plain ? model->forward(input) : fsdp::call(model, input);
+    return std::make_pair(model->loss(logits, targets), logits);
+  };
+  fsdp::comm::Comm* ep = mesh && o.ep > 1 ? mesh->comm("ep").get() : nullptr;
+  const TrainTimes t = train_loop(o, *model, forward_loss, opt, mem, place.rank, next, ep);
+  report_train(o, t, mem, place, moe_counts(config).first);
   if (!o.plain) fsdp::dist::destroy_distributed();
   return 0;
 }
@@ -543,6 +732,8 @@ int run_train(const Options& o) {
 }  // namespace
 
 int main(int argc, char** argv) {
-  return fsdp_bench::run_main(argc, argv, parse,
-                              [](const Options& o) { return o.role == "load" ? run_load(o) : run_train(o); });
+  return fsdp_bench::run_main(argc, argv, parse, [](const Options& o) {
+    if (o.model == "moe") return run_train_moe(o);
+    return o.role == "load" ? run_load(o) : run_train(o);
+  });
 }

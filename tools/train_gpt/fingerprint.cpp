@@ -65,6 +65,7 @@ std::vector<std::pair<std::string, std::string>> rank_agreed_options(const Optio
       {"--parallel", o.parallel},
       {"--shard-size", i(o.shard_size)},
       {"--tp-size", i(o.tp_size)},
+      {"--ep-size", i(o.ep_size)},
       {"--mixed-precision", o.mixed_precision},
       {"--cpu-offload", o.cpu_offload ? "true" : "false"},
       {"--device", o.device},

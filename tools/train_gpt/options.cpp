@@ -193,6 +193,12 @@ void add_parallel_options(CLI::App& app, Options& o) {
                  "(--model llama: torchtitan's plan, sequence parallel and loss_parallel; must divide the heads, "
                  "KV heads, FFN width, vocabulary and --seq-len)")
       ->check(bounded(1, kMaxHeads, true));
+  app.add_option("--ep-size", o.ep_size,
+                 "Expert parallel (--model moe): each rank holds --experts / E of every MoE layer's experts and "
+                 "tokens travel to their experts' ranks by all-to-all (mesh {dp = world / E, ep = E}; each expert "
+                 "fully_shard over dp, the rest over all ranks; every rank still trains its own slice of the "
+                 "batch); must divide the world size and the experts; --parallel fsdp, --tp-size 1 (docs/moe.md)")
+      ->check(bounded(1, 4096, true));
   app.add_option("--device", o.device,
                  "cpu | cuda | auto (cuda when LibTorch has CUDA and a GPU is visible); one GPU per rank by LOCAL_RANK")
       ->check(CLI::IsMember({"cpu", "cuda", "auto"}));
@@ -337,6 +343,20 @@ void validate(const Options& o) {
     if (o.dim % o.tp_size != 0 && o.init_from.empty())
       fail("--tp-size " + std::to_string(o.tp_size) + " does not divide --dim " + std::to_string(o.dim));
   }
+  if (o.ep_size > 1) {
+    const std::string ep = "--ep-size " + std::to_string(o.ep_size);
+    if (o.parallel != "fsdp")
+      fail(ep +
+           " needs --parallel fsdp (experts sharded over the data-parallel ranks of their expert group), not "
+           "--parallel " +
+           o.parallel);
+    if (o.tp_size > 1)
+      fail(ep + " with --tp-size " + std::to_string(o.tp_size) +
+           ": expert and tensor parallelism do not compose yet; drop one");
+    if (o.init_from.empty() && o.experts % o.ep_size != 0)
+      fail(ep + " does not divide --experts " + std::to_string(o.experts) +
+           " (each rank holds experts / ep of every layer); choose an ep size that divides the experts");
+  }
   if (!o.init_from.empty() && !o.sizing_given.empty()) {
     std::string given;
     for (const auto& name : o.sizing_given) given += (given.empty() ? "" : ", ") + name;
@@ -364,6 +384,10 @@ int64_t Options::checkpoint_every_kth_block() const {
 }
 
 void validate_for_world(const Options& o, int world_size) {
+  if (world_size % o.ep_size != 0) {
+    throw std::invalid_argument("--ep-size " + std::to_string(o.ep_size) + " does not divide the world size " +
+                                std::to_string(world_size) + "; start a multiple of it (fsdprun --nproc-per-node)");
+  }
   if (world_size % o.tp_size != 0) {
     throw std::invalid_argument("--tp-size " + std::to_string(o.tp_size) + " does not divide the world size " +
                                 std::to_string(world_size) + "; start a multiple of it (fsdprun --nproc-per-node)");

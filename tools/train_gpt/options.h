@@ -57,6 +57,7 @@ struct Options {
   std::string parallel = "fsdp";         // fsdp | hsdp | replicate | none
   int64_t shard_size = 0;                // HSDP: ranks per shard group (0: the ranks per node)
   int64_t tp_size = 1;                   // tensor parallel ranks per dp group (mesh {"dp", "tp"}; README)
+  int64_t ep_size = 1;                   // expert parallel ranks (mesh {"dp", "ep"}; --model moe; docs/moe.md)
   std::string device = "auto";           // cpu | cuda | auto (cuda when a GPU is visible)
   bool share_gpu = false;                // more ranks than GPUs: share them (Gloo on CUDA tensors)
   std::string mixed_precision = "fp32";  // fp32 | bf16

@@ -12,6 +12,13 @@ namespace train_gpt {
 
 namespace {
 
+// "1.25 MB"
+std::string megabytes(uint64_t bytes) {
+  char buf[32];
+  std::snprintf(buf, sizeof buf, "%.2f MB", static_cast<double>(bytes) / 1e6);
+  return buf;
+}
+
 double now_s() { return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count(); }
 
 }  // namespace
@@ -43,10 +50,13 @@ void Reporter::banner(const BannerInfo& info) {
   const double share = 100.0 * static_cast<double>(info.local_params) / static_cast<double>(info.n_params);
   std::printf("train_gpt: %s, seq %lld: %.2fM parameters (%.0f%% on this rank)\n", info.model.c_str(),
               static_cast<long long>(o.seq_len), static_cast<double>(info.n_params) / 1e6, share);
-  std::printf("train_gpt: --parallel %s, %d rank%s x %d thread%s, %s, batch %lld x %lld tokens (grad-accum %lld)\n",
-              o.parallel.c_str(), info.world, info.world > 1 ? "s" : "", info.threads, info.threads > 1 ? "s" : "",
-              o.mixed_precision.c_str(), static_cast<long long>(o.batch_size), static_cast<long long>(o.seq_len),
-              static_cast<long long>(o.grad_accum));
+  const std::string ep = o.ep_size > 1 ? " (dp " + std::to_string(info.world / o.ep_size) + " x ep " +
+                                             std::to_string(o.ep_size) + ": expert parallel)"
+                                       : "";
+  std::printf("train_gpt: --parallel %s, %d rank%s%s x %d thread%s, %s, batch %lld x %lld tokens (grad-accum %lld)\n",
+              o.parallel.c_str(), info.world, info.world > 1 ? "s" : "", ep.c_str(), info.threads,
+              info.threads > 1 ? "s" : "", o.mixed_precision.c_str(), static_cast<long long>(o.batch_size),
+              static_cast<long long>(o.seq_len), static_cast<long long>(o.grad_accum));
   std::printf("train_gpt: data %s\n", info.data.c_str());
   if (!info.offload.empty()) std::printf("train_gpt: %s\n", info.offload.c_str());
   const bool resumed = o.resume || info.resumed_dir;
@@ -92,6 +102,7 @@ void Reporter::step(const StepReport& s) {
     line["expert_load_min"] = s.expert_load->first;
     line["expert_load_max"] = s.expert_load->second;
   }
+  if (s.all_to_all_bytes) line["all_to_all_bytes"] = *s.all_to_all_bytes;
   line["tokens_seen"] = s.step * tokens_per_step_;
   if (s.data_position) {
     line["data_epoch"] = s.data_position->epoch;
@@ -107,10 +118,11 @@ void Reporter::step(const StepReport& s) {
     if (i) memory.push_back('/');
     memory.append(std::to_string(s.rss_bytes[i] / 1000000));
   }
-  char router[96] = "";  // "  aux 1.0312  load 40-88" (--model moe)
+  char router[128] = "";  // "  aux 1.0312  load 40-88" (--model moe), "  a2a 1.25 MB" (--ep-size)
   if (s.aux_loss && s.expert_load)
-    std::snprintf(router, sizeof router, "  aux %.4f  load %lld-%lld", *s.aux_loss,
-                  static_cast<long long>(s.expert_load->first), static_cast<long long>(s.expert_load->second));
+    std::snprintf(router, sizeof router, "  aux %.4f  load %lld-%lld%s", *s.aux_loss,
+                  static_cast<long long>(s.expert_load->first), static_cast<long long>(s.expert_load->second),
+                  s.all_to_all_bytes ? ("  a2a " + megabytes(*s.all_to_all_bytes)).c_str() : "");
   std::printf("step %5lld/%lld  loss %.4f%s%s  lr %.2e  %6.0f tok/s  %.3f s/step  ETA %s  mem %s MB\n",
               static_cast<long long>(s.step), static_cast<long long>(o_.steps), s.loss,
               s.val_loss ? ("  val " + std::to_string(*s.val_loss).substr(0, 6)).c_str() : "", router, s.lr, tps,

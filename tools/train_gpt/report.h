@@ -51,6 +51,9 @@ struct StepReport {
   // over the layers and the ranks: its minimum and maximum over the experts.
   std::optional<double> aux_loss;
   std::optional<std::pair<int64_t, int64_t>> expert_load;
+  // --ep-size > 1: the bytes the ranks sent in all-to-alls this step (dispatch and combine, forward
+  // and backward, and the tokens-per-expert counts), summed over the ranks.
+  std::optional<uint64_t> all_to_all_bytes;
 };
 
 class Reporter {

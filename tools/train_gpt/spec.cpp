@@ -78,6 +78,18 @@ void TrainModel::export_hf(const Options& o) {
                               " has no Hugging Face architecture (use one of: " + hf_models() + ")");
 }
 
+void TrainModel::apply_ep(const fsdp::DeviceMesh& mesh) {
+  throw std::invalid_argument("--ep-size " + std::to_string(mesh.size("ep")) +
+                              ": this model has no experts (expert parallelism is for --model moe or --init-from a "
+                              "mixture-of-experts folder)");
+}
+
+std::map<std::string, std::vector<int64_t>> TrainModel::parameter_shapes() const {
+  std::map<std::string, std::vector<int64_t>> shapes;
+  for (const auto& p : module()->named_parameters()) shapes[p.key()] = p.value().sizes().vec();
+  return shapes;
+}
+
 const std::vector<ModelSpec>& model_specs() {
   static const std::vector<ModelSpec> specs = {gpt_spec(), llama_spec(), moe_spec()};  // one line per architecture
   return specs;

@@ -10,6 +10,7 @@
 //   model->validate(o);                           // its own checks of the options
 //   model->read_init_from(o);                     // --init-from DIR: its config sizes o (before the data)
 //   model->configure(o);                          // after the data: the configuration of this run
+//   model->apply_ep(ep_mesh);                     // --ep-size > 1: the {"dp", "ep"} mesh
 //   model->build_meta();                          // on the meta device: no memory
 //   model->apply_tp(tp_mesh);                     // --tp-size > 1
 //   model->apply_ac(k);                           // --activation-checkpointing: every k-th block
@@ -84,8 +85,20 @@ class TrainModel {
   virtual ModelIdentity recorded_identity(const std::string& json, const std::string& source) const = 0;
 
   // ---- build and parallelise (in this order; every step on the meta device)
+  // Expert parallelism over `mesh` ({"dp", "ep"}: --ep-size > 1), before build_meta: this rank
+  // builds only its ep rank's experts, and apply_fsdp shards each over mesh["dp"]. The default
+  // refuses (an architecture without experts; main() refuses it earlier through ModelSpec::experts).
+  virtual void apply_ep(const fsdp::DeviceMesh& mesh);
   virtual void build_meta() = 0;
   virtual std::shared_ptr<torch::nn::Module> module() const = 0;
+  // Every parameter of the whole model, "<fqn>" -> shape (after build_meta): the checkpoint's
+  // "model." keys and the banner's count. The default: module()'s; under expert parallelism every
+  // expert, also those other ranks hold.
+  virtual std::map<std::string, std::vector<int64_t>> parameter_shapes() const;
+  // The parameters that only some ranks hold (an ep group's experts): the trainer's gradient norm
+  // sums them over the world (fsdp::clip_grad_norm_ sums a part over its shard group only). Empty:
+  // every parameter is the world's (the default).
+  virtual std::vector<at::Tensor> expert_parameters() const { return {}; }
   // Tensor parallel over `tp` (the "tp" dimension of {"dp", "tp"}).
   virtual void apply_tp(const fsdp::DeviceMesh& tp) = 0;
   // Activation checkpointing of every k-th block (k >= 1; 1: every block).
@@ -134,6 +147,8 @@ struct ModelSpec {
   // may share one (config.json), told apart by hf_architectures.
   std::string record_entry;
   std::function<std::unique_ptr<TrainModel>()> make;
+  // It has experts: --ep-size applies (TrainModel::apply_ep); false: --ep-size > 1 is refused.
+  bool experts = false;
   // fsdp-ckpt export-hf: a checkpoint of this architecture as a Hugging Face folder `out` (not
   // collective); returns the files written. Null: the architecture has no Hugging Face form.
   std::function<std::vector<std::string>(const std::string& checkpoint, const std::string& out,

@@ -5,6 +5,10 @@
 // load-balancing loss of each forward (each micro-batch on each rank, as transformers computes
 // it per forward). Each step reports the auxiliary loss and the expert load (step_stats()).
 // fully_shard per decoder layer (the experts are ordinary parameters of their layer), then the root.
+// --ep-size E: expert parallelism on the {"dp", "ep"} mesh (torchtitan's layout, as
+// tests/models/test_moe_ep.cpp's load_ep_fsdp): each rank builds its ep rank's experts only (their
+// global names kept), each expert fully_shard over mesh["dp"] (the ranks holding the same experts)
+// with its gradient divided by the world size, the layers and the root over all ranks.
 #include <iomanip>
 #include <sstream>
 #include <stdexcept>
@@ -148,21 +152,49 @@ class MoETrainModel : public TrainModel {
   void configure(const Options& o) override {
     grad_accum_ = o.grad_accum;
     if (!config_) config_ = moe_from_options(o);
+    if (config_->num_experts % o.ep_size != 0)
+      throw std::invalid_argument(
+          "--ep-size " + moe_i2s(o.ep_size) + " does not divide " +
+          (o.init_from.empty() ? "--experts " : o.init_from + "/config.json's num_experts ") +
+          moe_i2s(config_->num_experts) +
+          " (each rank holds experts / ep of every layer); choose an ep size that divides them");
   }
   std::string describe(const Options& o) const override {
-    return describe_moe(*config_) + (o.init_from.empty() ? " from scratch" : " from " + o.init_from);
+    return describe_moe(*config_) + (o.init_from.empty() ? " from scratch" : " from " + o.init_from) +
+           (o.ep_size > 1 ? ", expert parallel over " + moe_i2s(o.ep_size) + " ranks (" +
+                                moe_i2s(config_->num_experts / o.ep_size) + " experts each)"
+                          : "");
   }
   ModelIdentity identity(const Options&) const override { return moe_identity(*config_); }
   ModelIdentity recorded_identity(const std::string& json, const std::string& source) const override {
     return moe_identity(MoEConfig::from_json(json, source + " (recorded config.json)"));
   }
 
+  void apply_ep(const fsdp::DeviceMesh& mesh) override { ep_mesh_ = mesh; }
   void build_meta() override {
     MoEConfig config = *config_;
     config.base.device = torch::kMeta;
+    if (ep_mesh_) config.set_expert_parallel(*ep_mesh_);  // this rank's experts, global names
     moe_ = MoECausalLM(config);
   }
   std::shared_ptr<torch::nn::Module> module() const override { return moe_.ptr(); }
+  // Under expert parallelism: the whole model's (every expert), from a meta model holding them all.
+  std::map<std::string, std::vector<int64_t>> parameter_shapes() const override {
+    if (!ep_mesh_) return TrainModel::parameter_shapes();
+    MoEConfig config = *config_;
+    config.base.device = torch::kMeta;
+    std::map<std::string, std::vector<int64_t>> shapes;
+    for (const auto& p : MoECausalLM(config)->named_parameters()) shapes[p.key()] = p.value().sizes().vec();
+    return shapes;
+  }
+  std::vector<at::Tensor> expert_parameters() const override {
+    std::vector<at::Tensor> out;
+    if (!ep_mesh_) return out;
+    for (const auto& layer : moe_->model->layers)
+      if (layer->moe)
+        for (const auto& p : layer->moe->experts->parameters()) out.push_back(p);
+    return out;
+  }
   void apply_tp(const fsdp::DeviceMesh&) override {
     throw std::invalid_argument("--model moe has no tensor-parallel plan: use --tp-size 1");
   }
@@ -172,7 +204,18 @@ class MoETrainModel : public TrainModel {
   }
   std::vector<fsdp::FSDPModule> apply_fsdp(const fsdp::FullyShardOptions& options) override {
     std::vector<fsdp::FSDPModule> units;
-    for (auto& layer : moe_->layers()) units.push_back(fsdp::fully_shard(layer, options));
+    fsdp::FullyShardOptions expert_options = options;
+    if (ep_mesh_) expert_options.mesh = (*ep_mesh_)["dp"];
+    for (auto& layer : moe_->layers()) {
+      // Under EP each expert is a unit of its own over "dp", its gradient (already the sum over the
+      // ep group's tokens) summed over dp and divided by the world size: the mean over all ranks.
+      if (ep_mesh_ && layer->moe)
+        for (auto& expert : layer->moe->experts->local) {
+          units.push_back(fsdp::fully_shard(expert, expert_options));
+          units.back().set_gradient_divide_factor(static_cast<double>(ep_mesh_->size()));
+        }
+      units.push_back(fsdp::fully_shard(layer, options));
+    }
     units.push_back(fsdp::fully_shard(moe_, options));
     return units;
   }
@@ -229,6 +272,7 @@ class MoETrainModel : public TrainModel {
   }
 
   std::optional<MoEConfig> config_;
+  std::optional<fsdp::DeviceMesh> ep_mesh_;  // --ep-size > 1
   MoECausalLM moe_{nullptr};
   int64_t grad_accum_ = 1;
   mutable at::Tensor figures_;
@@ -244,6 +288,7 @@ ModelSpec moe_spec() {
       "scratch (a Mixtral: --experts, --top-k, --kv-heads, --ffn-dim) or --init-from a folder; --export-hf";
   spec.hf_architectures = {"MixtralForCausalLM", "Qwen3MoeForCausalLM"};
   spec.record_entry = fsdp::models::kHFConfigEntry;  // config.json, shared with llama
+  spec.experts = true;
   spec.make = [] { return std::unique_ptr<TrainModel>(new MoETrainModel()); };
   spec.export_checkpoint = [](const std::string& checkpoint, const std::string& out, const HFExportOptions& o) {
     fsdp::models::HFSaveOptions save;

@@ -12,7 +12,9 @@ StepTimer::StepTimer()
 StepCost StepTimer::finish() const {
   StepCost cost;
   cost.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start_).count();
-  cost.comm_bytes = (fsdp::comm::process_comm_stats().snapshot() - comm_start_).total_bytes();
+  const fsdp::comm::CommStatsSnapshot sent = fsdp::comm::process_comm_stats().snapshot() - comm_start_;
+  cost.comm_bytes = sent.total_bytes();
+  cost.all_to_all_bytes = sent[fsdp::comm::OpKind::AllToAll].bytes_sent;
   return cost;
 }
 

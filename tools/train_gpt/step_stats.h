@@ -17,7 +17,8 @@ namespace train_gpt {
 
 struct StepCost {
   double seconds = 0;
-  uint64_t comm_bytes = 0;  // bytes this rank sent (ring convention of comm_stats.h)
+  uint64_t comm_bytes = 0;        // bytes this rank sent (ring convention of comm_stats.h)
+  uint64_t all_to_all_bytes = 0;  // of which in all-to-alls (expert parallelism's dispatch and combine)
 };
 
 // Started on construction; finish() reads the elapsed time and the bytes sent since.

@@ -31,6 +31,7 @@
 #include <map>
 #include <memory>
 #include <optional>
+#include <set>
 #include <string>
 #include <vector>
 
@@ -70,6 +71,8 @@ struct Run {
   std::optional<fsdp::DeviceMesh> mesh;     // hsdp: replicate x shard; fsdp/replicate: all ranks;
                                             // --tp-size: the "dp" dim of {"dp", "tp"}
   std::optional<fsdp::DeviceMesh> tp_mesh;  // --tp-size > 1: the "tp" dim (tensor parallel)
+  std::optional<fsdp::DeviceMesh> ep_mesh;  // --ep-size > 1: {"dp", "ep"} (expert parallel; the
+                                            //   dense rest is FSDP over all ranks, mesh unset)
   int dp_rank = 0;                          // which slice of the global batch this rank trains:
   int dp_size = 1;                          //   the tp ranks of one dp group share it
   torch::Device device = torch::kCPU;       // --device: this rank's GPU, or the CPU
@@ -162,6 +165,12 @@ Run init_distributed(const Options& o) {
     run.dp_size = static_cast<int>(run.world / o.tp_size);
     run.mesh = mesh["dp"];  // size 1 when TP spans the world: fully_shard still applies its policies
   }
+  if (o.ep_size > 1) {
+    // Expert groups of --ep-size consecutive ranks, each holding every expert once; the ranks
+    // holding the same experts form the "dp" dimension. Every rank still trains its own slice of
+    // the batch (the ep ranks are data-parallel ranks too, as in torchtitan).
+    run.ep_mesh = fsdp::init_device_mesh({run.world / o.ep_size, o.ep_size}, {"dp", "ep"});
+  }
   if (std::getenv("OMP_NUM_THREADS") == nullptr) {
     fsdp::dist::set_num_threads(fsdp::dist::default_omp_threads(fsdp::dist::local_world_size()));
   }
@@ -202,10 +211,13 @@ Model build_model(const Run& run, std::unique_ptr<TrainModel> net,
                   const std::function<void(const Shapes&)>& before_allocating) {
   Model m;
   m.net = std::move(net);
+  if (run.ep_mesh) m.net->apply_ep(*run.ep_mesh);  // this rank's experts only
   m.net->build_meta();
-  for (const auto& p : m.module()->named_parameters()) {
-    m.full_shapes["model." + p.key()] = p.value().sizes().vec();
-    m.n_params += p.value().numel();
+  for (const auto& [name, shape] : m.net->parameter_shapes()) {  // every expert, also other ranks'
+    m.full_shapes["model." + name] = shape;
+    int64_t numel = 1;
+    for (const int64_t d : shape) numel *= d;
+    m.n_params += numel;
   }
   before_allocating(m.full_shapes);
   parallelize(run, m);
@@ -233,6 +245,34 @@ struct StepResult {
   double grad_norm = 0;   // global, before clipping
 };
 
+// --ep-size: the global gradient norm, clipped. fsdp::clip_grad_norm_ sums a parameter's part over
+// its shard group, and an expert's group (its "dp" ranks) is one of several, each holding other
+// experts: the experts' squares are summed over the world here (each row of each expert is on
+// one rank), the rest's norm is fsdp::clip_grad_norm_'s (not clipping: max_norm infinite).
+double clip_expert_parallel(const Run& run, Model& m, double max_norm) {
+  std::set<const void*> expert;
+  for (const auto& p : m.net->expert_parameters()) expert.insert(p.unsafeGetTensorImpl());
+  std::vector<at::Tensor> dense, expert_grads, grads;
+  for (const auto& p : m.parameters()) {
+    const bool is_expert = expert.count(p.unsafeGetTensorImpl()) > 0;
+    if (!is_expert) dense.push_back(p);
+    if (!p.grad().defined()) continue;
+    grads.push_back(p.grad());
+    if (is_expert && p.grad().numel() > 0) expert_grads.push_back(p.grad());
+  }
+  const double dense_norm = fsdp::clip_grad_norm_(dense, std::numeric_limits<double>::infinity());
+  at::Tensor squares = at::zeros({1}, at::TensorOptions().dtype(at::kDouble).device(run.device));
+  if (!expert_grads.empty()) squares += at::stack(at::_foreach_norm(expert_grads, 2)).to(at::kDouble).pow(2).sum();
+  all_reduce_sum(run, squares);
+  const double norm = std::sqrt(dense_norm * dense_norm + squares.item<double>());
+  const double coef = max_norm / (norm + 1e-6);  // as torch::nn::utils::clip_grad_norm_
+  if (coef < 1 && !grads.empty()) {
+    torch::NoGradGuard no_grad;
+    at::_foreach_mul_(grads, coef);
+  }
+  return norm;
+}
+
 StepResult train_step(const Run& run, Model& m, torch::optim::Optimizer& opt, const TokenSource& data, int64_t step,
                       double lr) {
   const Options& o = run.opt;
@@ -258,8 +298,9 @@ StepResult train_step(const Run& run, Model& m, torch::optim::Optimizer& opt, co
   const double max_norm = o.clip > 0 ? o.clip : std::numeric_limits<double>::infinity();
   // Sharded (FSDP, with or without TP): the norm over every rank's shards. Replicated or one
   // process: the gradients are whole (and, replicated, already averaged, so equal on every rank).
-  r.grad_norm = run.sharded() ? fsdp::clip_grad_norm_(m.parameters(), max_norm)
-                              : torch::nn::utils::clip_grad_norm_(m.parameters(), max_norm);
+  r.grad_norm = run.ep_mesh     ? clip_expert_parallel(run, m, max_norm)
+                : run.sharded() ? fsdp::clip_grad_norm_(m.parameters(), max_norm)
+                                : torch::nn::utils::clip_grad_norm_(m.parameters(), max_norm);
   const fsdp::profiler::Range optimizer_range("fsdp::optimizer_step");
   opt.step();
   return r;
@@ -327,8 +368,13 @@ void throw_if_other_optimizer(const std::string& dir, const Options& o, const fs
 int64_t checkpoint_load(const Run& run, Model& m, torch::optim::Optimizer& opt, const std::string& dir,
                         const TokenSource& data) {
   TrainerScalars scalars;
+  // --ep-size: this rank's model holds its experts only, and the checkpoint every expert; the
+  // other ranks' are not this rank's to load (check_checkpoint_shapes checked every key and shape
+  // against the whole model before anything was allocated).
+  fsdp::checkpoint::LoadOptions load_options;
+  load_options.strict = !run.ep_mesh;
   try {
-    fsdp::checkpoint::load(dir, fsdp::checkpoint::State{m.module(), &opt, {{"trainer", &scalars}}, {}});
+    fsdp::checkpoint::load(dir, fsdp::checkpoint::State{m.module(), &opt, {{"trainer", &scalars}}, {}}, load_options);
   } catch (const fsdp::checkpoint::CheckpointError& e) {
     throw_if_other_optimizer(dir, run.opt, e);
     throw;
@@ -619,8 +665,17 @@ bool loop_once(const Run& run, Model& m, torch::optim::Optimizer& opt, const Tok
   const int64_t step = ++s.step;
 
   auto [loss, stop] = agree_loss_and_stop(run, r.local_loss);
-  at::Tensor router = m.net->step_stats();  // --model moe: [aux, tokens per expert] (spec.h)
+  at::Tensor router = m.net->step_stats();   // --model moe: [aux, tokens per expert] (spec.h)
+  std::optional<uint64_t> all_to_all_bytes;  // --ep-size: summed over the ranks, with the router's figures
+  if (run.ep_mesh) {
+    at::Tensor sent = at::full({1}, static_cast<double>(cost.all_to_all_bytes), at::kDouble);
+    router = router.defined() ? at::cat({router, sent}) : sent;
+  }
   if (router.defined()) all_reduce_sum(run, router);
+  if (run.ep_mesh) {
+    all_to_all_bytes = static_cast<uint64_t>(std::llround(router[-1].item<double>()));
+    router = router.size(0) > 1 ? router.narrow(0, 0, router.size(0) - 1) : at::Tensor();
+  }
   const RankMemory memory_now = gather_memory(run.alone() ? nullptr : run.comm.get(), run.device);
   const std::optional<double> val = evaluate_if_due(run, m, data, step, stop);
   if (run.rank == 0) {
@@ -639,7 +694,8 @@ bool loop_once(const Run& run, Model& m, torch::optim::Optimizer& opt, const Tok
                     val,
                     data.tokens() ? std::optional(data.position(step)) : std::nullopt,
                     std::nullopt,
-                    std::nullopt};
+                    std::nullopt,
+                    all_to_all_bytes};
     if (router.defined()) {
       const at::Tensor load = router.narrow(0, 1, router.size(0) - 1);
       line.aux_loss = router[0].item<double>() / run.world;
@@ -730,6 +786,10 @@ int main(int argc, char** argv) {
     // spec.h's registry: --model's architecture, or --init-from's (its config.json's architectures).
     const ModelSpec& spec = options->init_from.empty() ? model_spec(options->model) : spec_for_init_from(*options);
     options->model = spec.name;
+    if (options->ep_size > 1 && !spec.experts)
+      throw std::invalid_argument("--ep-size " + std::to_string(options->ep_size) + ": --model " + spec.name +
+                                  " has no experts (expert parallelism is for --model moe or --init-from a "
+                                  "mixture-of-experts folder)");
     std::unique_ptr<TrainModel> model = spec.make();
     model->validate(*options);
     // --init-from: the sizes and the vocabulary from its config, before the data is checked against it.

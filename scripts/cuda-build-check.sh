@@ -2,7 +2,8 @@
 # Compiles and links the whole project against the CUDA LibTorch of Python's `torch` package
 # (the GPU machines' torch: 2.11 built for CUDA 13), on a machine without a GPU: what would break
 # on the GPU machine breaks here first. Nothing needs a GPU; the GPU tests are then run once to
-# check that they are registered and skip with their reason.
+# check that they are registered and skip with their reason, and gpu_bench runs every row on the
+# CPU (--dry-run-on-cpu).
 #
 #   scripts/cuda-build-check.sh            # install torch if missing, configure, build, GPU tests (skip)
 #   scripts/cuda-build-check.sh --test     # ... and the whole ctest suite on the CPU against it
@@ -26,7 +27,7 @@ RUN_SUITE=0
 for arg in "$@"; do
   case "$arg" in
     --test) RUN_SUITE=1 ;;
-    -h|--help) sed -n '2,19p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+    -h|--help) sed -n '2,21p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
     *) echo "cuda-build-check: unknown argument '$arg' (use --test, or nothing)" >&2; exit 2 ;;
   esac
 done
@@ -104,8 +105,11 @@ run "$BUILD/bin/fsdp_build_info"
   exit 1
 }
 
-step="GPU tests (no GPU here: each must skip with its reason)"
+step="GPU tests (no GPU here: each must skip with its reason; test_gpu_two_ranks' CPU control runs)"
 run ctest --test-dir "$BUILD" -L gpu --output-on-failure
+step="gpu_bench's rows on the CPU (--dry-run-on-cpu: the GPT, the tiny Llama, the offload rows)"
+OMP_NUM_THREADS=1 run "$BUILD/bin/gpu_bench" --dry-run-on-cpu --layers 1 --dim 32 --heads 2 --seq 16 --batch 2 \
+  --steps 2 --warmup 1 --rounds 1
 if [ "$RUN_SUITE" = 1 ]; then
   step="the whole suite on the CPU against torch $TORCH_VERSION"
   run ctest --test-dir "$BUILD" --output-on-failure -j1

@@ -5,7 +5,8 @@
 #   DIR/gpu-check.sh --run DIR OUTDIR [--no-bench] # the GPU machine (Python's torch 2.11 for
 #                                                  # CUDA 13; no network needed)
 #
-# --prepare builds fsdp_build_info, the GPU tests (test_gpu), gpu_bench and train_gpt against the CUDA LibTorch
+# --prepare builds fsdp_build_info, the GPU tests (test_gpu, test_gpu_two_ranks), gpu_bench and train_gpt against
+# the CUDA LibTorch
 # of the pip torch package the GPU machine has (the venv of scripts/cuda-build-check.sh,
 # FSDP_TORCH_CUDA_DIR, default /var/cache/fsdp/torch-cuda; installed there if missing), target by
 # target, niced and under the shared build lock (/tmp/fsdp-build.lock), then puts in DIR: the
@@ -18,23 +19,32 @@
 # --run: checks nvidia-smi (one line "no GPU" where there is none), that the machine's torch and
 # CUDA are the ones the binaries were built for (refused at once, naming both, when not),
 # LD_LIBRARY_PATH from the torch package, that fsdp_build_info says cuda=yes nccl=yes (a build
-# without them fails), then runs the GPU tests (the ones a crash or hang did not reach run again,
-# up to 3 times), the benchmarks and,
-# where train_gpt is bundled, a traced step of it summarised by trace_summary.py --ops: the copies
-# and kernel launches inside each FSDP phase ([Note: one copy kernel per unit]) (--no-bench: tests
-# only). OUTDIR gets at most 3 files: summary.txt (rewritten after every step, so a run stopped
-# part-way leaves one), run.log (every step's output, concatenated) and test_gpu.xml. The steps'
-# limits keep the run under 7 minutes (a passing one: about 2).
+# without them fails), then runs two ranks on the GPU through Gloo (test_gpu_two_ranks), the GPU
+# tests (the ones a crash or hang did not reach run again, up to 3 times), gpu_bench's rows (GPT;
+# Llama 1.1B with MFU, activation checkpointing off and on; CPU offload, fused AdamW against
+# LibTorch's), PyTorch's FSDP2 on the GPT and, where train_gpt is bundled, a traced step of it
+# summarised by trace_summary.py --ops: the copies and kernel launches inside each FSDP phase
+# ([Note: one copy kernel per unit]) (--no-bench: tests only). OUTDIR gets at most 3 files:
+# summary.txt (every row and the two-rank test's result first; rewritten after every step, so a
+# run stopped part-way leaves one), run.log (every step's output, concatenated) and test_gpu.xml.
+# The whole run has 6 minutes (FSDP_GPU_CHECK_BUDGET_S, default 345 s from the start): each step
+# runs under its own limit or what is left of the budget, whichever is less, and a step with under
+# 10 s left is not run (the summary says which).
 #
 # Settings (environment): FSDP_PYTHON (the GPU machine's Python, default python3),
 # FSDP_GPU_CONTINUE_WITHOUT_GPU=1 (a dry run on a CPU machine goes on past "no GPU": versions,
 # libraries, build info, and the GPU tests, which skip), FSDP_CUDA_BUILD_DIR (--prepare's build
 # folder, default build-cuda), FSDP_GPU_TARGETS (what --prepare builds and bundles, default
-# "fsdp_build_info test_gpu gpu_bench train_gpt").
+# "fsdp_build_info test_gpu test_gpu_two_ranks gpu_bench train_gpt"), FSDP_GPU_CHECK_BUDGET_S
+# (--run's whole budget in seconds, default 345).
 set -uo pipefail
 SELF="$(cd "$(dirname "$0")" && pwd)/$(basename "$0")"
 LIMIT_MIB=60
-read -r -a TARGETS <<<"${FSDP_GPU_TARGETS:-fsdp_build_info test_gpu gpu_bench train_gpt}"
+read -r -a TARGETS <<<"${FSDP_GPU_TARGETS:-fsdp_build_info test_gpu test_gpu_two_ranks gpu_bench train_gpt}"
+BUDGET_S="${FSDP_GPU_CHECK_BUDGET_S:-345}"
+# gpu_bench's rows, in the summary's first lines ("not run" where a step did not print them).
+ROWS=(plain fsdp fsdp_keep fsdp_timers llama_plain llama_fsdp llama_plain_ac llama_fsdp_ac llama_offload_fused
+  llama_offload_libtorch)
 
 usage() { awk 'NR > 1 && /^#/ {sub(/^# ?/, ""); print; next} NR > 1 {exit}' "$SELF"; }  # the header above
 die() { printf 'gpu-check: %s\n' "$*" >&2; exit 1; }
@@ -150,17 +160,37 @@ prepare() {
 
 # ---- --run ---------------------------------------------------------------------------------
 OUT=""
+BENCH=1
+TWO_RANKS=""
+NOT_RUN=0
 STEP_NO=0
 FAILED=()
 SUMMARY=()
 NOTES=()
 t0=$SECONDS
 
+# The rows first: every gpu_bench row (or "not run"), its target lines, the two-rank test's result.
+summary_rows() {
+  local log="$OUT/run.log" r
+  echo "rows:"
+  if [ "$BENCH" = 1 ] && [ "${GPU_LINE:-none}" != none ]; then
+    for r in "${ROWS[@]}"; do
+      grep -m1 -E "^row $r " "$log" 2>/dev/null || echo "row $r not run"
+    done
+    grep -E '^(target|offload fused vs) ' "$log" 2>/dev/null
+    grep -m1 -E '^mfu basis: ' "$log" 2>/dev/null
+  else
+    echo "(no benchmark rows: $([ "$BENCH" = 1 ] && echo "no GPU" || echo "--no-bench"))"
+  fi
+  echo "two ranks on one GPU through Gloo (test_gpu_two_ranks, vs one process within 1e-5): ${TWO_RANKS:-not run}"
+}
+
 write_summary() {
   {
-    echo "gpu-check summary ($(date -u '+%Y-%m-%d %H:%M UTC'), $((SECONDS - t0)) s in all)"
-    echo "built: $(tr '\n' ' ' <"$DIR/stamp.txt" 2>/dev/null)"
+    echo "gpu-check summary ($(date -u '+%Y-%m-%d %H:%M UTC'), $((SECONDS - t0)) s in all, budget $BUDGET_S s)"
     echo "machine: ${GPU_LINE:-?} | $(nproc) cores | torch ${TORCH_VERSION:-?} (CUDA ${TORCH_CUDA:-?})"
+    summary_rows
+    echo "built: $(tr '\n' ' ' <"$DIR/stamp.txt" 2>/dev/null)"
     ((${#NOTES[@]})) && printf 'note: %s\n' "${NOTES[@]}"
     echo
     echo "#  step                               ok?  time"
@@ -170,30 +200,42 @@ write_summary() {
         echo
         echo "GPU tests:"
         # One line per test (those with their time), then the totals.
-        grep -E '^\[ +(OK|FAILED|SKIPPED) +\] .*\([0-9]+ ms\)$|^\[  PASSED  \]|^\[  FAILED  \] [0-9]+ test' "$OUT/run.log" | head -40
+        grep -E '^\[ +(OK|FAILED|SKIPPED) +\] .*\([0-9]+ ms\)$|^\[  PASSED  \]|^\[  FAILED  \] [0-9]+ test' "$OUT/run.log" | head -50
       fi
-      if grep -qE '^(row|config|target) ' "$OUT/run.log"; then
+      if grep -qE '^(config |bound |llama layers=|offload llama )' "$OUT/run.log"; then
         echo
-        echo "GPU benchmark:"
-        grep -E '^(row|config|target|bound) ' "$OUT/run.log" | head -16
+        echo "GPU benchmark (the other lines):"
+        grep -E '^(config |bound |llama layers=|offload llama )' "$OUT/run.log" | awk '!seen[$0]++' | head -8
       fi
     fi
     echo
     if ((${#FAILED[@]})); then
       echo "FAILED:"
       printf '  %s\n' "${FAILED[@]}"
+    elif ((NOT_RUN)); then
+      echo "all steps that ran passed; $NOT_RUN not run (the budget was spent)"
     else
       echo "all steps so far passed"
     fi
   } >"$OUT/summary.txt"
 }
 
-# step NAME LIMIT_S -- command...: runs it under `timeout`, its output appended to run.log (and on
-# screen), records the outcome, rewrites the summary. Returns the command's status.
+# step NAME LIMIT_S -- command...: runs it under `timeout` (LIMIT_S, or what is left of the run's
+# budget when less), its output appended to run.log (and on screen), records the outcome, rewrites
+# the summary. Returns the command's status; 125 where under 10 s of the budget were left (not run).
 step() {
   local name="$1" limit="$2"
   shift 3
   STEP_NO=$((STEP_NO + 1))
+  local left=$((BUDGET_S - (SECONDS - t0)))
+  if ((left < 10)); then
+    SUMMARY+=("$(printf '%-2d %-34s %-4s %4ds' "$STEP_NO" "$name" SKIP 0)")
+    NOTES+=("step $STEP_NO ($name) not run: the run's $BUDGET_S s were spent")
+    NOT_RUN=$((NOT_RUN + 1))
+    write_summary
+    return 125
+  fi
+  ((limit > left)) && limit=$left
   printf '\n== step %d: %s (limit %d s)\n+ %s\n' "$STEP_NO" "$name" "$limit" "$*" | tee -a "$OUT/run.log"
   local s=$SECONDS rc
   timeout -k 5 "$limit" "$@" 2>&1 | tee -a "$OUT/run.log"
@@ -221,8 +263,8 @@ stop() {
 run_check() {
   DIR="$1"
   OUT="$2"
-  local bench=1
-  [ "${3:-}" = --no-bench ] && bench=0
+  BENCH=1
+  [ "${3:-}" = --no-bench ] && BENCH=0
   mkdir -p "$OUT" || die "cannot create $OUT"
   OUT="$(cd "$OUT" && pwd)"
   rm -f "$OUT/summary.txt" "$OUT/run.log" "$OUT/test_gpu.xml"
@@ -276,10 +318,23 @@ run_check() {
   step "build info (cuda=yes nccl=yes)" 10 -- "$DIR/bin/fsdp_build_info" || stop "fsdp_build_info did not run"
   grep -q 'cuda=yes nccl=yes' "$OUT/run.log" || stop "fsdp_build_info does not say cuda=yes nccl=yes: this build has no CUDA/NCCL path"
 
-  # 5. The GPU tests, then the benchmarks. A test that crashes or hangs the binary ends that
+  # 5. Two ranks on the GPU through Gloo (its result goes to the summary's first lines), the GPU
+  # tests, then the benchmarks. A test that crashes or hangs the binary ends that
   # invocation: the tests after it run again in a new one (up to 3 reruns, 170 s in all), so one
   # crash hides nothing else. The crashed test is named in the summary; test_main prints its stack.
-  local remaining crashed finished from left rc pass=0 budget=170 t_tests=$SECONDS
+  if [ -x "$DIR/bin/test_gpu_two_ranks" ]; then
+    local two_from=$(($(wc -c <"$OUT/run.log") + 1)) two_rc
+    step "two ranks on one GPU (Gloo)" 60 -- "$DIR/bin/test_gpu_two_ranks"
+    two_rc=$?
+    TWO_RANKS="$(tail -c +"$two_from" "$OUT/run.log" | awk -v rc="$two_rc" '
+      /^\[ +OK +\] GpuTwoRanks\..* ms\)$/ {ok++} /^\[ +SKIPPED +\] GpuTwoRanks\..* ms\)$/ {skip++}
+      /^\[ +FAILED +\] GpuTwoRanks\..* ms\)$/ {bad++}
+      END {
+        v = (rc == 0 && bad == 0) ? "passed" : (rc == 125 ? "not run (no time left)" : (rc == 124 ? "TIMED OUT" : "FAILED (exit " rc ")"))
+        printf "%s: %d ok, %d failed, %d skipped", v, ok, bad, skip }')"
+    write_summary
+  fi
+  local remaining crashed finished from left rc pass=0 budget=130 t_tests=$SECONDS
   remaining="$("$DIR/bin/test_gpu" --gtest_list_tests 2>/dev/null |
     awk '/^[^ ]/ {suite=$1} /^  [^ ]/ {print suite $1}')"
   while [ -n "$remaining" ]; do
@@ -287,15 +342,16 @@ run_check() {
     left=$((budget - (SECONDS - t_tests)))
     ((left >= 20)) || { NOTES+=("no time left to run: $(echo "$remaining" | paste -sd' ' -)"); break; }
     if ((pass == 0)); then
-      step "GPU tests" $((left < 140 ? left : 140)) -- "$DIR/bin/test_gpu" "--gtest_output=xml:$OUT/test_gpu.xml" \
+      step "GPU tests" $((left < 110 ? left : 110)) -- "$DIR/bin/test_gpu" "--gtest_output=xml:$OUT/test_gpu.xml" \
         "--gtest_filter=$(echo "$remaining" | paste -sd: -)"
     else
       step "GPU tests (rerun $pass, after a crash)" "$left" -- "$DIR/bin/test_gpu" \
         "--gtest_filter=$(echo "$remaining" | paste -sd: -)"
     fi
     rc=$?
-    # 0: all passed; 1: gtest's own failures (reported). Otherwise it crashed or hung.
-    { [ "$rc" -eq 0 ] || [ "$rc" -eq 1 ]; } && break
+    # 0: all passed; 1: gtest's own failures (reported); 125: not run (no time left). Otherwise it
+    # crashed or hung.
+    { [ "$rc" -eq 0 ] || [ "$rc" -eq 1 ] || [ "$rc" -eq 125 ]; } && break
     pass=$((pass + 1))
     crashed="$(tail -c +"$from" "$OUT/run.log" | awk '/^\[ RUN      \] / {t=$4} /^\[ +(OK|FAILED|SKIPPED) +\] / {if ($NF ~ /\)$/) t=""} END {print t}')"
     [ -n "$crashed" ] && NOTES+=("$crashed ended the test binary (exit $rc: a crash or the limit)")
@@ -304,11 +360,14 @@ run_check() {
     ((pass <= 3)) || { NOTES+=("gave up after 3 reruns: $(echo "$remaining" | paste -sd' ' -)"); break; }
     write_summary
   done
-  if [ "$bench" = 1 ] && [ "$GPU_LINE" != none ]; then
-    step "GPU benchmark (LibTorch, fully_shard)" 50 -- "$DIR/bin/gpu_bench" --steps 10 --warmup 3 --rounds 1
+  if [ "$BENCH" = 1 ] && [ "$GPU_LINE" != none ]; then
+    # The rows by group, each in a process of its own (a group that fails leaves the others').
+    step "gpu_bench: GPT rows" 45 -- "$DIR/bin/gpu_bench" --rows gpt --steps 10 --warmup 3 --rounds 1
+    step "gpu_bench: Llama 1.1B rows (MFU)" 100 -- "$DIR/bin/gpu_bench" --rows llama --steps 6 --warmup 2 --rounds 1
+    step "gpu_bench: CPU offload rows" 60 -- "$DIR/bin/gpu_bench" --rows offload --steps 3 --warmup 1 --rounds 1
     step "GPU benchmark (PyTorch FSDP2)" 35 -- "$py" "$DIR/fsdp2_bench.py" gpu --steps 10 --warmup 3
   fi
-  if [ "$bench" = 1 ] && [ "$GPU_LINE" != none ] && [ -x "$DIR/bin/train_gpt" ]; then
+  if [ "$BENCH" = 1 ] && [ "$GPU_LINE" != none ] && [ -x "$DIR/bin/train_gpt" ]; then
     # One traced step of gpu_bench's model: what each FSDP phase issues ([Note: one copy kernel per unit]).
     local prof
     prof="$(mktemp -d)"

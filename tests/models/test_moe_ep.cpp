@@ -14,85 +14,23 @@
 // the other rank and came back (test_moe_hf: without EP it refuses to run at all).
 #include <gtest/gtest.h>
 
-#include "fsdp/checkpoint/safetensors.h"
 #include "fsdp/fsdp.h"
 #include "models/moe/hf_moe.h"
+#include "moe_fixture.h"
 #include "multiprocess.h"
 #include "test_helpers.h"
 
 using namespace fsdp::testing;
-namespace st = fsdp::safetensors;
+using namespace fsdp::testing::moe_fixture;
 using fsdp::models::MoECausalLM;
 using fsdp::models::MoEConfig;
 
 namespace {
 
-const std::vector<std::string> kFixtures = {"mixtral_tied", "mixtral_untied_sharded", "qwen3_moe_untied",
-                                            "qwen3_moe_sparse_step"};
-
-std::string fixture(const std::string& name) { return std::string(FSDP_HF_FIXTURES) + "/" + name; }
-
-struct Reference {
-  at::Tensor tokens, logits;
-  double loss, aux_loss;
-};
-Reference reference(const std::string& dir) {
-  st::Reader r(dir + "/reference.safetensors");
-  return {r.read("tokens"), r.read("logits"), r.read("loss").item<double>(), r.read("aux_loss").item<double>()};
-}
-
-double rel_diff(const at::Tensor& ours, const at::Tensor& theirs) {
-  return (ours - theirs).abs().max().item<double>() / theirs.abs().max().item<double>();
-}
-
-at::Tensor shifted_loss(MoECausalLM& model, const at::Tensor& logits, const at::Tensor& tokens) {
-  const int64_t T = tokens.size(1);
-  return model->loss(logits.narrow(1, 0, T - 1), tokens.narrow(1, 1, T - 1));
-}
-
-struct Diffs {
-  double logits, loss, aux;
-};
-Diffs compare(MoECausalLM& model, const Reference& ref) {
-  torch::NoGradGuard no_grad;
-  const auto logits = fsdp::call(model, ref.tokens);
-  const double loss = shifted_loss(model, logits, ref.tokens).item<double>();
-  const double aux = model->aux_loss().item<double>();
-  return {rel_diff(logits, ref.logits), std::abs(loss - ref.loss) / std::abs(ref.loss),
-          std::abs(aux - ref.aux_loss) / std::abs(ref.aux_loss)};
-}
-
 std::string expert_key(const std::string& name, int64_t layer, int64_t e) {
   const bool mixtral = name.rfind("mixtral", 0) == 0;
   return "model.layers." + std::to_string(layer) + (mixtral ? ".block_sparse_moe" : ".mlp") + ".experts." +
          std::to_string(e) + (mixtral ? ".w1.weight" : ".gate_proj.weight");
-}
-
-MoECausalLM load_unsharded(const std::string& dir) {
-  MoECausalLM model(fsdp::models::read_moe_config(dir));
-  fsdp::models::load_moe_weights(*model, dir);
-  return model;
-}
-
-// The torchtitan layout on a {dp, ep} mesh: each expert a unit over mesh["dp"] (the ranks holding
-// the same experts), its gradient summed there and divided by the world size (each expert's
-// gradient already sums the ep group's tokens); layers and root over all ranks.
-MoECausalLM load_ep_fsdp(const std::string& dir, const fsdp::DeviceMesh& mesh) {
-  auto c = fsdp::models::read_moe_config(dir);
-  c.set_expert_parallel(mesh);
-  c.base.device = torch::kMeta;
-  MoECausalLM model(c);
-  for (auto& layer : model->layers()) {
-    if (layer->moe) {
-      for (auto& expert : layer->moe->experts->local)
-        fsdp::fully_shard(expert, {.mesh = mesh["dp"]}).set_gradient_divide_factor(static_cast<double>(mesh.size()));
-    }
-    fsdp::fully_shard(layer);
-  }
-  fsdp::fully_shard(model);
-  fsdp::to_empty(*model, torch::kCPU);
-  fsdp::models::load_moe_weights(*model, dir);
-  return model;
 }
 
 }  // namespace

@@ -22,11 +22,13 @@
 #include "fsdp/checkpoint/safetensors.h"
 #include "fsdp/fsdp.h"
 #include "models/moe/hf_moe.h"
+#include "moe_fixture.h"
 #include "multiprocess.h"
 #include "subprocess.h"
 #include "test_helpers.h"
 
 using namespace fsdp::testing;
+using namespace fsdp::testing::moe_fixture;
 namespace fs = std::filesystem;
 namespace st = fsdp::safetensors;
 using fsdp::models::HFError;
@@ -34,30 +36,6 @@ using fsdp::models::MoECausalLM;
 using fsdp::models::MoEConfig;
 
 namespace {
-
-const std::vector<std::string> kFixtures = {"mixtral_tied", "mixtral_untied_sharded", "qwen3_moe_untied",
-                                            "qwen3_moe_sparse_step"};
-
-std::string fixture(const std::string& name) { return std::string(FSDP_HF_FIXTURES) + "/" + name; }
-
-struct Reference {
-  at::Tensor tokens, logits;
-  double loss, aux_loss;
-};
-Reference reference(const std::string& dir) {
-  st::Reader r(dir + "/reference.safetensors");
-  return {r.read("tokens"), r.read("logits"), r.read("loss").item<double>(), r.read("aux_loss").item<double>()};
-}
-
-double rel_diff(const at::Tensor& ours, const at::Tensor& theirs) {
-  return (ours - theirs).abs().max().item<double>() / theirs.abs().max().item<double>();
-}
-
-MoECausalLM load_unsharded(const std::string& dir) {
-  MoECausalLM model(fsdp::models::read_moe_config(dir));
-  fsdp::models::load_moe_weights(*model, dir);
-  return model;
-}
 
 // models/moe/hf_moe.h's recipe: meta build, a unit per decoder layer then the root.
 MoECausalLM load_sharded(const std::string& dir) {
@@ -69,24 +47,6 @@ MoECausalLM load_sharded(const std::string& dir) {
   fsdp::to_empty(*model, torch::kCPU);
   fsdp::models::load_moe_weights(*model, dir);
   return model;
-}
-
-// transformers' loss with labels = tokens: logits and labels shifted by one.
-at::Tensor shifted_loss(MoECausalLM& model, const at::Tensor& logits, const at::Tensor& tokens) {
-  const int64_t T = tokens.size(1);
-  return model->loss(logits.narrow(1, 0, T - 1), tokens.narrow(1, 1, T - 1));
-}
-
-struct Diffs {
-  double logits, loss, aux;
-};
-Diffs compare(MoECausalLM& model, const Reference& ref) {
-  torch::NoGradGuard no_grad;
-  const auto logits = fsdp::call(model, ref.tokens);
-  const double loss = shifted_loss(model, logits, ref.tokens).item<double>();
-  const double aux = model->aux_loss().item<double>();
-  return {rel_diff(logits, ref.logits), std::abs(loss - ref.loss) / std::abs(ref.loss),
-          std::abs(aux - ref.aux_loss) / std::abs(ref.aux_loss)};
 }
 
 }  // namespace

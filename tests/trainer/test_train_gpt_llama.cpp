@@ -259,7 +259,7 @@ TEST(TrainGptLlama, BadInputsAreOneLineExitTwo) {
       {four_steps_from(dir, m, {"--model", "gpt"}), "drop --model gpt"},
       {tiny(m, {"--export-hf", tmp.path + "/out"}), "the GPT has no Hugging Face architecture"},
       {tiny(m, {"--model", "llama", "--kv-heads", "3"}), "--kv-heads 3 does not divide --heads 2"},
-      {tiny(m, {"--kv-heads", "1"}), "--kv-heads sizes --model llama only"},
+      {tiny(m, {"--kv-heads", "1"}), "--kv-heads sizes --model llama or moe only: add --model llama or --model moe"},
   };
   for (const auto& c : cases) {
     SCOPED_TRACE(c.needle);

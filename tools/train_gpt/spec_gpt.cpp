@@ -46,7 +46,8 @@ class GptModel : public TrainModel {
   void validate(const Options& o) const override {
     auto fail = [](const std::string& msg) { throw std::invalid_argument(msg); };
     for (const auto& name : o.sizing_given)
-      if (name == "--kv-heads" || name == "--ffn-dim") fail(name + " sizes --model llama only: add --model llama");
+      if (name == "--kv-heads" || name == "--ffn-dim")
+        fail(name + " sizes --model llama or moe only: add --model llama or --model moe");
     if (!o.export_hf.empty())
       fail(
           "--export-hf writes a Hugging Face Llama-family folder; the GPT has no Hugging Face architecture (use "

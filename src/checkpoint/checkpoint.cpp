@@ -218,7 +218,49 @@ struct SavePlan {
   std::vector<LocalItem> items;     // only what this rank writes; `local` contiguous on CPU
 };
 
-SavePlan make_plan(const std::string& dir, const State& state, bool copy) {
+// Keys that not every rank holds (expert parallelism: each ep group holds its own experts): the
+// writer rules pick one writer per box by global rank 0, which may hold no such key, leaving it
+// unwritten. One small all-gather tells whether every rank holds the same keys (the usual case:
+// nothing more); if not, the ranks exchange their key lists and each item's rule is applied with
+// the lowest global rank holding its key in rank 0's place (DCP's dedup picks one writer alike).
+void settle_writers(std::vector<LocalItem>& items, comm::Comm& group) {
+  if (group.size() == 1) return;
+  std::vector<std::string> keys;
+  for (const auto& item : items) keys.push_back(item.key);
+  std::sort(keys.begin(), keys.end());
+  std::string joined;
+  for (const auto& key : keys) joined += key + '\n';
+  const at::Tensor mine = at::tensor(
+      {static_cast<int64_t>(joined.size()), static_cast<int64_t>(safetensors::crc32(joined.data(), joined.size()))},
+      at::kLong);
+  at::Tensor sizes = at::empty({group.size() * 2}, at::kLong);
+  group.all_gather_into_tensor(sizes, mine);
+  const auto* s = sizes.data_ptr<int64_t>();
+  bool same = true;
+  int64_t longest = 0;
+  for (int r = 0; r < group.size(); ++r) {
+    same = same && s[2 * r] == s[0] && s[2 * r + 1] == s[1];
+    longest = std::max(longest, s[2 * r]);
+  }
+  if (same) return;
+  at::Tensor text = at::zeros({std::max<int64_t>(longest, 1)}, at::kByte);
+  std::memcpy(text.data_ptr(), joined.data(), joined.size());
+  at::Tensor all = at::empty({group.size() * text.numel()}, at::kByte);
+  group.all_gather_into_tensor(all, text);
+  std::map<std::string, int> first;  // key -> the lowest rank holding it
+  for (int r = 0; r < group.size(); ++r) {
+    const char* begin = reinterpret_cast<const char*>(all.data_ptr<uint8_t>()) + r * text.numel();
+    const std::string list(begin, static_cast<size_t>(s[2 * r]));
+    for (size_t at = 0, end; at < list.size(); at = end + 1) {
+      end = list.find('\n', at);
+      first.emplace(list.substr(at, end - at), r);  // ranks in ascending order: the first stays
+    }
+  }
+  for (auto& item : items)
+    if (item.writer_if_first) item.writer = item.writer_if_first(first.at(item.key));
+}
+
+SavePlan make_plan(const std::string& dir, const State& state, bool copy, comm::Comm& group) {
   const SaveFaults options = save_faults();
   if (!state.model && state.tensors.empty())
     throw CheckpointError(
@@ -237,6 +279,7 @@ SavePlan make_plan(const std::string& dir, const State& state, bool copy) {
   }
   auto extras = detail::extra_save_items(state.extras, rank);
   all.insert(all.end(), std::make_move_iterator(extras.begin()), std::make_move_iterator(extras.end()));
+  settle_writers(all, group);
 
   SavePlan plan{dir, options, {}, {}};
   for (const auto& [name, stateful] : state.extras)
@@ -629,13 +672,13 @@ SaveFaults save_faults() {
 void save(const std::string& dir, const State& state) {
   wait_for_previous_save();
   auto group = checkpoint_comm();
-  write_and_commit(make_plan(dir, state, /*copy=*/false), *group);
+  write_and_commit(make_plan(dir, state, /*copy=*/false, *group), *group);
 }
 
 AsyncSave async_save(const std::string& dir, const State& state) {
   wait_for_previous_save();
   auto group = checkpoint_comm();
-  auto plan = std::make_shared<SavePlan>(make_plan(dir, state, /*copy=*/true));
+  auto plan = std::make_shared<SavePlan>(make_plan(dir, state, /*copy=*/true, *group));
   auto promise = std::make_shared<std::promise<void>>();
   std::shared_future<void> done = promise->get_future().share();
   auto& slot = in_flight();

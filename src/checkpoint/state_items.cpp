@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <mutex>
+#include <set>
 
 #include "box.h"
 #include "fsdp/dist/runtime.h"
@@ -74,21 +75,21 @@ void add_tensor_parallel(ParamBox& box, const tp::TPPlacement& tp, int64_t first
   }
 }
 
-// Whether global rank 0 is one of the mesh's ranks. Cached per mesh (its rank tensor, kept alive
-// so that its address is not reused), since every parameter of a save asks.
-bool holds_rank0(const DeviceMesh& mesh) {
+// Whether global rank `rank` is one of the mesh's ranks. The ranks are cached per mesh (its rank
+// tensor, kept alive so that its address is not reused), since every parameter of a save asks.
+bool holds_rank(const DeviceMesh& mesh, int rank) {
   static std::mutex mu;
-  static std::map<const void*, std::pair<at::Tensor, bool>> cache;
+  static std::map<const void*, std::pair<at::Tensor, std::set<int64_t>>> cache;
   const at::Tensor& ranks = mesh.mesh();
   std::lock_guard<std::mutex> lock(mu);
   auto it = cache.find(ranks.unsafeGetTensorImpl());
-  if (it != cache.end()) return it->second.second;
-  const at::Tensor flat = ranks.flatten();
-  bool found = false;
-  for (int64_t i = 0; i < flat.numel() && !found; ++i) found = flat[i].item<int64_t>() == 0;
-  if (cache.size() > 4096) cache.clear();
-  cache.emplace(ranks.unsafeGetTensorImpl(), std::make_pair(ranks, found));
-  return found;
+  if (it == cache.end()) {
+    const at::Tensor flat = ranks.flatten().to(at::kLong).contiguous();
+    std::set<int64_t> members(flat.data_ptr<int64_t>(), flat.data_ptr<int64_t>() + flat.numel());
+    if (cache.size() > 4096) cache.clear();
+    it = cache.emplace(ranks.unsafeGetTensorImpl(), std::make_pair(ranks, std::move(members))).first;
+  }
+  return it->second.second.count(rank) > 0;
 }
 
 }  // namespace
@@ -103,8 +104,13 @@ std::optional<ParamBox> param_box(const at::Tensor& param) {
     if (!box.offsets.empty()) box.offsets[dim] = info->dim0_offset;
     // Replicas of a shard (HSDP) hold the same rows: the first one writes them. A parameter that
     // tensor parallelism leaves whole (e.g. a row-wise linear's bias) is sharded by every tp
-    // rank's FSDP group alike: only the group holding global rank 0 writes it.
-    box.writer = info->local_rows > 0 && info->replica_rank == 0 && (info->tp || holds_rank0(info->mesh));
+    // rank's FSDP group alike: only the group holding global rank 0 writes it (the lowest rank
+    // holding the key, when not every rank does: an expert's group under expert parallelism).
+    const bool holds_rows = info->local_rows > 0 && info->replica_rank == 0, tp = info->tp.has_value();
+    box.writer_if_first = [holds_rows, tp, mesh = info->mesh](int first) {
+      return holds_rows && (tp || holds_rank(mesh, first));
+    };
+    box.writer = box.writer_if_first(0);
     // The shard dimension is the mesh's last; rank r holds rows [r * padded_rows, ...).
     box.gather.push_back(GatherStep{info->shard_dim, info->mesh.comm(info->mesh.ndim() - 1), info->padded_rows,
                                     info->global_shape.empty() ? 1 : info->global_shape[dim]});
@@ -121,7 +127,10 @@ std::optional<ParamBox> param_box(const at::Tensor& param) {
     ParamBox box;
     box.global_shape = tp->global_shape;  // set again by add_tensor_parallel
     box.offsets.assign(tp->global_shape.size(), 0);
-    box.writer = tp->size > 0 && holds_rank0(tp->mesh);
+    box.writer_if_first = [holds = tp->size > 0, mesh = tp->mesh](int first) {
+      return holds && holds_rank(mesh, first);
+    };
+    box.writer = box.writer_if_first(0);
     add_tensor_parallel(box, *tp, 0, tp->local_len());
     return box;
   }
@@ -139,6 +148,7 @@ LocalItem like_param(std::string key, const at::Tensor& param, const at::Tensor&
     item.global_shape = std::move(box->global_shape);
     item.offsets = std::move(box->offsets);
     item.writer = box->writer;
+    item.writer_if_first = std::move(box->writer_if_first);
     item.gather = std::move(box->gather);
     for (auto& part : box->parts)
       item.pieces.push_back(Piece{item.local.narrow(0, part.local_begin, part.rows), std::move(part.offsets)});
@@ -146,6 +156,7 @@ LocalItem like_param(std::string key, const at::Tensor& param, const at::Tensor&
     item.global_shape = local.sizes().vec();
     item.offsets.assign(item.global_shape.size(), 0);
     item.writer = global_rank == 0;
+    item.writer_if_first = [global_rank](int first) { return global_rank == first; };
   }
   return item;
 }
@@ -157,6 +168,7 @@ LocalItem whole(std::string key, const at::Tensor& t, int global_rank) {
   item.global_shape = t.sizes().vec();
   item.offsets.assign(item.global_shape.size(), 0);
   item.writer = global_rank == 0;
+  item.writer_if_first = [global_rank](int first) { return global_rank == first; };
   return item;
 }
 

@@ -43,6 +43,10 @@ struct LocalItem {
   std::vector<int64_t> offsets;  // local's box: its first index in every dimension (sizes:
                                  // local.sizes()); empty for a 0-d tensor
   bool writer = false;           // this rank writes `local` into its file
+  // The writer rule with `first` the lowest global rank holding this key: `writer` is its answer
+  // for 0 (every rank holds the key). A key held by some ranks only (an expert under expert
+  // parallelism) is settled at save with the lowest holder in rank 0's place. Null: `writer` stands.
+  std::function<bool(int first)> writer_if_first;
   // How to gather the whole tensor (state dicts, export), applied in order: sharded parameters
   // and their optimizer state (param_box). Empty and no box_group: `local` is whole.
   std::vector<GatherStep> gather;
@@ -78,6 +82,7 @@ struct ParamBox {
   std::vector<int64_t> global_shape;
   std::vector<int64_t> offsets;
   bool writer = false;
+  std::function<bool(int first)> writer_if_first;  // LocalItem's: `writer` with first = 0
   std::vector<GatherStep> gather;
   struct Part {
     int64_t local_begin = 0;  // rows [local_begin, local_begin + rows) of the local tensor (dim 0)

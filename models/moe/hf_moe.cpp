@@ -4,6 +4,8 @@
 #include <fstream>
 #include <sstream>
 
+#include "fsdp/checkpoint/state_dict.h"
+#include "fsdp/sharding/fully_shard.h"
 #include "models/llama/hf_folder.h"
 
 namespace fsdp::models {
@@ -69,6 +71,72 @@ int64_t expert_of(const std::string& key) {
   return e;
 }
 
+// Copies into `dst` (a parameter: a shard or whole) its rows of `full`, the whole tensor.
+void copy_rows(const at::Tensor& dst, const at::Tensor& full) {
+  at::NoGradGuard no_grad;
+  if (auto info = fsdp::shard_info(dst)) {
+    if (info->local_rows > 0) dst.copy_(full.narrow(info->shard_dim, info->dim0_offset, info->local_rows));
+  } else {
+    dst.copy_(full);
+  }
+}
+
+// `dst` (the whole model's, sharded over the world) from `src`, the same parameter of the expert-
+// parallel model: the same rows of a parameter sharded alike, or its rows of a whole one.
+void copy_dense(const std::string& name, const at::Tensor& dst, const at::Tensor& src) {
+  const auto a = fsdp::shard_info(dst), b = fsdp::shard_info(src);
+  if (!b) return copy_rows(dst, src);
+  if (!a || a->shard_dim != b->shard_dim || a->dim0_offset != b->dim0_offset || a->local_rows != b->local_rows)
+    throw HFError("save_moe_hf: '" + name +
+                  "' of the expert-parallel model is sharded otherwise than fully_shard over the world shards it; "
+                  "shard the dense layers and the root over all ranks (the default mesh), as train_gpt does");
+  at::NoGradGuard no_grad;
+  dst.copy_(src);
+}
+
+// The experts of sparse layer `moe` (the expert-parallel model's) into `whole`'s (every expert, each
+// rank its rows): local expert l of every ep rank at a time, gathered whole over its shard group
+// (where fully_shard split it) and broadcast over the ep group, so that a rank holds at most
+// ep x one expert beyond its shards.
+void copy_experts(SparseMoeBlockImpl& moe, SparseMoeBlockImpl& whole, comm::Comm& ep) {
+  auto& local = moe.experts->local;
+  const int64_t count = static_cast<int64_t>(local.size());
+  for (int64_t l = 0; l < count; ++l) {
+    const fsdp::checkpoint::StateDict full =
+        fsdp::checkpoint::get_model_state_dict(*local[static_cast<size_t>(l)], {.full_state_dict = true});
+    for (int r = 0; r < ep.size(); ++r) {
+      MoEExpertImpl& target = *whole.experts->local[static_cast<size_t>(r * count + l)];
+      for (const auto& [name, value] : full) {
+        at::Tensor t = ep.rank() == r ? value.contiguous() : at::empty_like(value, at::MemoryFormat::Contiguous);
+        ep.broadcast(t, r);
+        copy_rows(target.named_parameters()[name], t);
+      }
+    }
+  }
+}
+
+// An expert-parallel model as the whole model (every expert) sharded over the world, for its
+// export: dense parameters copied from their shards, experts gathered from their ranks.
+MoECausalLM gather_experts(MoECausalLMImpl& model) {
+  MoEConfig c = model.config;
+  const std::shared_ptr<comm::Comm> ep = c.ep;
+  c.ep = nullptr;
+  c.local_experts_first = 0;
+  c.local_experts_count = 0;
+  c.base.device = torch::kMeta;
+  MoECausalLM whole(c);
+  for (auto& layer : whole->layers()) fsdp::fully_shard(layer);
+  fsdp::fully_shard(whole);
+  const auto params = model.parameters();
+  fsdp::to_empty(*whole, params.empty() ? torch::Device(torch::kCPU) : params.front().device());
+  auto live = model.named_parameters();
+  for (const auto& p : whole->named_parameters())
+    if (expert_of(p.key()) < 0) copy_dense(p.key(), p.value(), live[p.key()]);
+  for (size_t i = 0; i < model.layers().size(); ++i)
+    if (model.layers()[i]->moe) copy_experts(*model.layers()[i]->moe, *whole->layers()[i]->moe, *ep);
+  return whole;
+}
+
 }  // namespace
 
 bool is_moe_folder(const std::string& dir) {
@@ -103,11 +171,16 @@ void load_moe_weights(MoECausalLMImpl& model, const std::string& dir, const HFLo
 
 std::vector<std::string> save_moe_hf(MoECausalLMImpl& model, const std::string& dir, const HFSaveOptions& options) {
   const MoEConfig& c = model.config;
+  const std::string dtype = options.dtype == at::kBFloat16 ? "bfloat16" : "float32";
+  if (c.local_count() != c.num_experts && c.expert_parallel()) {
+    MoECausalLM whole = gather_experts(model);
+    return save_hf_module(*whole, c.to_json(dtype), dir, options);
+  }
   if (c.local_count() != c.num_experts)
     throw HFError("save_moe_hf: this process holds experts [" + std::to_string(c.local_experts_first) + ", " +
                   std::to_string(c.local_experts_first + c.local_count()) + ") of " + std::to_string(c.num_experts) +
-                  "; an export needs every expert: gather them first (expert parallelism's export)");
-  const std::string dtype = options.dtype == at::kBFloat16 ? "bfloat16" : "float32";
+                  "; an export needs every expert: build it under expert parallelism (set_expert_parallel), whose "
+                  "export gathers them, or with all of them");
   return save_hf_module(model, c.to_json(dtype), dir, options);
 }
 

@@ -35,8 +35,12 @@ MoEConfig read_moe_config(const std::string& dir);
 // the experts this process does not hold (MoEConfig::local_experts_*) are neither read nor missed.
 void load_moe_weights(MoECausalLMImpl& model, const std::string& dir, const HFLoadOptions& options = {});
 
-// save_hf for a MoE model (collective; the same destination rules, files and errors). The model
-// must hold every expert (an expert-parallel export gathers them first).
+// save_hf for a MoE model (collective; the same destination rules, files and errors): the Hub
+// layout, every expert. Under expert parallelism (MoEConfig::set_expert_parallel, dense layers and
+// root sharded over all ranks or whole, experts as the ranks hold them) the whole model is made
+// sharded over the world, each expert gathered from its ranks one at a time, and exported: the
+// same files as the model without expert parallelism. A model holding a range of the experts
+// outside expert parallelism is refused (HFError).
 std::vector<std::string> save_moe_hf(MoECausalLMImpl& model, const std::string& dir, const HFSaveOptions& options = {});
 
 // fsdp-ckpt export-hf for a checkpoint of a MoE run (one that recorded its config.json,

@@ -5,6 +5,11 @@
 // and metrics line carries the auxiliary loss and the expert load, a MoE from scratch trains,
 // --export-hf and fsdp-ckpt export-hf write the trained weights (re-read by load_moe_weights), a
 // resume refuses another model, and MoE options with another model exit 2 in one line.
+// Expert parallelism (--ep-size): EP 2 x dp 2 at 4 ranks trains as FSDP 4 and one process (losses,
+// auxiliary loss, load; gradients clipped), its all-to-all bytes per step equal the formula of
+// fsdp::ep::all_to_all_bytes, a checkpoint it writes holds every expert once (boxes from the ranks
+// holding it) and resumes at FSDP 3 and in one process with the uninterrupted losses, --export-hf
+// and fsdp-ckpt export-hf of an EP run write every expert, and bad --ep-size values exit 2.
 #include <torch/torch.h>
 
 #include "fsdp/checkpoint/checkpoint.h"
@@ -146,6 +151,170 @@ TEST(TrainGptMoE, BadOptionsExitTwo) {
     const auto r = alone(args);
     EXPECT_EQ(r.exit_code, 2) << r.output;
     EXPECT_NE(r.output.find(text), std::string::npos) << r.output;
+    EXPECT_FALSE(trained(r.output)) << r.output;
+  }
+}
+
+// ---- expert parallelism -------------------------------------------------------------------------
+
+namespace {
+
+// A Mixtral from scratch of 4 experts, 2 layers of hidden 32, global batch `batch` x 16 tokens;
+// --clip 0.05 so that the gradient norm (about 0.6) is clipped every step.
+std::vector<std::string> moe_tiny(const std::string& metrics, const std::vector<std::string>& extra) {
+  auto a = tiny(metrics, {"--model", "moe", "--heads", "4", "--experts", "4", "--top-k", "2", "--ffn-dim", "32",
+                          "--clip", "0.05", "--steps", "3"});
+  return apply(a, extra);
+}
+
+void expect_same_router(const std::vector<RouterLine>& a, const std::vector<RouterLine>& b) {
+  ASSERT_EQ(a.size(), b.size());
+  for (size_t i = 0; i < a.size(); ++i) {
+    EXPECT_NEAR(a[i].loss, b[i].loss, 1e-5 * std::abs(b[i].loss)) << "step " << i + 1;
+    EXPECT_NEAR(a[i].aux, b[i].aux, 1e-5 * std::abs(b[i].aux)) << "step " << i + 1;
+    EXPECT_EQ(a[i].load_min, b[i].load_min) << "step " << i + 1;
+    EXPECT_EQ(a[i].load_max, b[i].load_max) << "step " << i + 1;
+  }
+}
+
+std::vector<double> metric(const std::string& path, const std::string& name) {
+  std::vector<double> out;
+  for (const auto& j : read_metrics(path))
+    if (!j.value("summary", false) && j.contains(name)) out.push_back(j[name].get<double>());
+  return out;
+}
+
+}  // namespace
+
+// EP 2 x dp 2 (4 ranks) equals FSDP 4 and one process with --grad-accum 4 (the same micro-batches:
+// the auxiliary loss is per forward): losses, auxiliary losses and gradient norms within 1e-5,
+// the same expert load. And EP 2 x dp 1 from the Mixtral fixture equals one process --grad-accum 2.
+TEST(TrainGptMoE, ExpertParallelTrainsAsFSDPAndOneProcess) {
+  TempDir tmp;
+  const std::string ep = tmp.path + "/ep.jsonl", fsdp = tmp.path + "/fsdp.jsonl", one = tmp.path + "/one.jsonl";
+  const auto a = ranks(4, moe_tiny(ep, {"--ep-size", "2"}));
+  ASSERT_TRUE(a.ok()) << a.output;
+  EXPECT_NE(a.output.find("4 ranks (dp 2 x ep 2: expert parallel)"), std::string::npos) << a.output;
+  EXPECT_NE(a.output.find("expert parallel over 2 ranks (2 experts each)"), std::string::npos) << a.output;
+  EXPECT_NE(a.output.find("  a2a "), std::string::npos) << a.output;
+  const auto b = ranks(4, moe_tiny(fsdp, {}));
+  ASSERT_TRUE(b.ok()) << b.output;
+  const auto c = alone(moe_tiny(one, {"--grad-accum", "4"}));
+  ASSERT_TRUE(c.ok()) << c.output;
+  expect_same_router(router_lines(ep), router_lines(fsdp));
+  expect_same_router(router_lines(ep), router_lines(one));
+  const auto norms = metric(ep, "grad_norm"), norms_one = metric(one, "grad_norm");
+  expect_close(norms, norms_one, 1e-5);
+  EXPECT_GT(norms.at(0), 0.05) << "the gradients were not clipped";
+  EXPECT_TRUE(metric(fsdp, "all_to_all_bytes").empty());
+
+  const std::string dir = fixture("mixtral_tied"), m1 = tmp.path + "/f1.jsonl", m2 = tmp.path + "/f2.jsonl";
+  const auto d = ranks(2, from_folder(dir, m1, {"--ep-size", "2"}, 3));
+  ASSERT_TRUE(d.ok()) << d.output;
+  const auto e = alone(from_folder(dir, m2, {"--grad-accum", "2"}, 3));
+  ASSERT_TRUE(e.ok()) << e.output;
+  expect_same_router(router_lines(m1), router_lines(m2));
+}
+
+// With --top-k equal to --experts every token goes to every expert, so the routing is known: each
+// rank sends T x (E - E/ep) rows of its T tokens and receives as many, per sparse layer and
+// micro-batch. fsdp::ep::all_to_all_bytes' formula per rank: counts (ep - 1) x (E / ep) x 8, forward =
+// backward = (sent + received) x hidden x 4 bytes; the metrics' all_to_all_bytes sums the ranks.
+TEST(TrainGptMoE, AllToAllBytesPerStepEqualTheRoutingFormula) {
+  TempDir tmp;
+  const std::string m = tmp.path + "/m.jsonl";
+  const int64_t world = 4, ep = 2, E = 4, hidden = 32, layers = 2, accum = 2, batch = 8, seq = 16;
+  const auto r = ranks(static_cast<int>(world), moe_tiny(m, {"--ep-size", "2", "--top-k", "4", "--grad-accum", "2"}));
+  ASSERT_TRUE(r.ok()) << r.output;
+  const int64_t tokens = batch / world / accum * seq;  // per rank and micro-batch
+  const int64_t sent = tokens * (E - E / ep), received = sent;
+  const int64_t per_layer = (ep - 1) * (E / ep) * 8 + 2 * (sent + received) * hidden * 4;
+  const double want = static_cast<double>(per_layer * layers * accum * world);
+  const auto bytes = metric(m, "all_to_all_bytes");
+  ASSERT_EQ(bytes.size(), 3u);
+  for (double b : bytes) EXPECT_EQ(b, want);
+  std::printf("all-to-all bytes per step: %.0f (formula %.0f)\n", bytes[0], want);
+}
+
+// A checkpoint of EP 2 x dp 2 holds every expert under its global name, its rows written by the
+// two ranks holding it, and its optimizer state; it resumes at FSDP 3, in one process and at EP 2
+// x dp 1 with the uninterrupted run's losses (1e-5; the same micro-batches of one sequence each).
+// --export-hf of the EP run and fsdp-ckpt export-hf of its checkpoint write every expert: read back
+// by load_moe_weights they are the checkpoint's tensors, and give its logits.
+TEST(TrainGptMoE, ExpertParallelCheckpointResumesAndExportsAtAnyLayout) {
+  TempDir tmp;
+  const std::string ck = tmp.path + "/ck", out = tmp.path + "/hf", u = tmp.path + "/u.jsonl";
+  auto run = [&](const std::vector<std::string>& extra, const std::string& metrics) {
+    return moe_tiny(metrics, apply({"--batch-size", "12", "--steps", "4"}, extra));
+  };
+  const auto a = ranks(4, run({"--ep-size", "2", "--grad-accum", "3", "--checkpoint-dir", ck, "--checkpoint-every", "2",
+                               "--export-hf", out},
+                              u));
+  ASSERT_TRUE(a.ok()) << a.output;
+  const std::string step2 = ck + "/step_000002", step4 = ck + "/step_000004";
+  const auto saved = fsdp::checkpoint::describe(step2);
+  for (int layer = 0; layer < 2; ++layer)
+    for (int e = 0; e < 4; ++e) {
+      const std::string key =
+          "model.layers." + std::to_string(layer) + ".block_sparse_moe.experts." + std::to_string(e) + ".w2.weight";
+      EXPECT_TRUE(saved.count("model." + key)) << key;
+      EXPECT_TRUE(saved.count("optim." + key + ".exp_avg")) << key;
+      EXPECT_TRUE(saved.count("optim." + key + ".step")) << key;
+    }
+  const auto want = losses(u);
+  ASSERT_EQ(want.size(), 4u);
+  const std::vector<double> tail(want.begin() + 2, want.end());
+  const std::vector<std::pair<int, std::vector<std::string>>> resumes = {
+      {3, {"--grad-accum", "4"}}, {1, {"--grad-accum", "12"}}, {2, {"--ep-size", "2", "--grad-accum", "6"}}};
+  for (const auto& [n, extra] : resumes) {
+    SCOPED_TRACE(std::to_string(n) + " ranks");
+    const std::string m = tmp.path + "/r" + std::to_string(n) + ".jsonl";
+    auto args =
+        run(apply(extra, {"--resume-from", step2, "--checkpoint-dir", tmp.path + "/ck" + std::to_string(n)}), m);
+    const auto r = n == 1 ? alone(args) : ranks(n, args);
+    ASSERT_TRUE(r.ok()) << r.output;
+    expect_close(losses(m), tail, 1e-5);
+  }
+
+  const std::string out2 = tmp.path + "/hf2";
+  const auto e = run_process(spec_of({kFsdpCkpt, "export-hf", step4, out2}, 60s));
+  ASSERT_TRUE(e.ok()) << e.output;
+  MoECausalLM checkpointed(fsdp::models::read_moe_config(out));
+  fsdp::checkpoint::LoadOptions lo;
+  lo.load_optimizer = false;
+  fsdp::checkpoint::load(step4, fsdp::checkpoint::State{checkpointed.ptr(), nullptr, {}, {}}, lo);
+  MoECausalLM reloaded = load_folder(out), reloaded2 = load_folder(out2);
+  const auto got = reloaded->named_parameters(), got2 = reloaded2->named_parameters();
+  ASSERT_EQ(got.size(), checkpointed->named_parameters().size());
+  for (const auto& p : checkpointed->named_parameters()) {
+    EXPECT_TRUE(got[p.key()].equal(p.value())) << p.key();
+    EXPECT_TRUE(got2[p.key()].equal(p.value())) << p.key();
+  }
+  torch::NoGradGuard no_grad;
+  const at::Tensor tokens = at::randint(0, 256, {2, 16}, at::kLong);
+  EXPECT_TRUE(checkpointed->forward(tokens).equal(reloaded->forward(tokens)));
+}
+
+// Bad --ep-size values exit 2 in one line before any work (under fsdprun: every worker).
+TEST(TrainGptMoE, BadExpertParallelOptionsExitTwo) {
+  TempDir tmp;
+  const std::string m = tmp.path + "/m.jsonl";
+  const std::vector<std::tuple<int, std::vector<std::string>, std::string>> cases = {
+      {1, moe_tiny(m, {"--ep-size", "3"}), "--ep-size 3 does not divide --experts 4"},
+      {1, moe_tiny(m, {"--ep-size", "2", "--tp-size", "2"}), "--ep-size 2 with --tp-size 2"},
+      {1, moe_tiny(m, {"--ep-size", "2"}), "--ep-size 2 needs --parallel fsdp"},
+      {2, moe_tiny(m, {"--ep-size", "2", "--parallel", "hsdp"}), "--ep-size 2 needs --parallel fsdp"},
+      {3, moe_tiny(m, {"--ep-size", "2", "--batch-size", "6"}), "--ep-size 2 does not divide the world size 3"},
+      {2, tiny(m, {"--ep-size", "2"}), "--ep-size 2: --model gpt has no experts"},
+      {2, tiny(m, {"--ep-size", "2", "--model", "llama"}), "--ep-size 2: --model llama has no experts"},
+      {2, from_folder(fixture("mixtral_tied"), m, {"--ep-size", "8"}), "config.json's num_experts 4"},
+  };
+  for (const auto& [n, args, text] : cases) {
+    const auto r = n == 1 ? alone(args) : ranks(n, args);
+    // fsdprun exits 1 when a worker failed, naming the worker's status.
+    EXPECT_EQ(r.exit_code, n == 1 ? 2 : 1) << r.output;
+    if (n > 1) EXPECT_NE(r.output.find("exit code 2"), std::string::npos) << r.output;
+    EXPECT_NE(r.output.find(text), std::string::npos) << text << "\n" << r.output;
     EXPECT_FALSE(trained(r.output)) << r.output;
   }
 }

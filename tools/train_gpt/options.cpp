@@ -330,6 +330,20 @@ void validate(const Options& o) {
     fail("--reshard-after-forward " + o.reshard_after_forward + " needs fully_shard: --parallel " + o.parallel +
          " keeps whole parameters on every rank (drop the option, or use --parallel fsdp or hsdp)");
   }
+  if (o.ep_size > 1) {
+    const std::string ep = "--ep-size " + std::to_string(o.ep_size);
+    if (o.tp_size > 1)
+      fail(ep + " with --tp-size " + std::to_string(o.tp_size) +
+           ": expert and tensor parallelism do not compose yet; drop one");
+    if (o.init_from.empty() && o.experts % o.ep_size != 0)
+      fail(ep + " does not divide --experts " + std::to_string(o.experts) +
+           " (each rank holds experts / ep of every layer); choose an ep size that divides the experts");
+    if (o.parallel != "fsdp")
+      fail(ep +
+           " needs --parallel fsdp (experts sharded over the data-parallel ranks of their expert group), not "
+           "--parallel " +
+           o.parallel);
+  }
   if (o.tp_size > 1) {
     if (o.parallel == "none")
       fail("--tp-size " + std::to_string(o.tp_size) +
@@ -342,20 +356,6 @@ void validate(const Options& o) {
            " (each tp rank takes whole heads); choose a tp size that divides the head count");
     if (o.dim % o.tp_size != 0 && o.init_from.empty())
       fail("--tp-size " + std::to_string(o.tp_size) + " does not divide --dim " + std::to_string(o.dim));
-  }
-  if (o.ep_size > 1) {
-    const std::string ep = "--ep-size " + std::to_string(o.ep_size);
-    if (o.parallel != "fsdp")
-      fail(ep +
-           " needs --parallel fsdp (experts sharded over the data-parallel ranks of their expert group), not "
-           "--parallel " +
-           o.parallel);
-    if (o.tp_size > 1)
-      fail(ep + " with --tp-size " + std::to_string(o.tp_size) +
-           ": expert and tensor parallelism do not compose yet; drop one");
-    if (o.init_from.empty() && o.experts % o.ep_size != 0)
-      fail(ep + " does not divide --experts " + std::to_string(o.experts) +
-           " (each rank holds experts / ep of every layer); choose an ep size that divides the experts");
   }
   if (!o.init_from.empty() && !o.sizing_given.empty()) {
     std::string given;

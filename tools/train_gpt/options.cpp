@@ -194,10 +194,11 @@ void add_parallel_options(CLI::App& app, Options& o) {
                  "KV heads, FFN width, vocabulary and --seq-len)")
       ->check(bounded(1, kMaxHeads, true));
   app.add_option("--ep-size", o.ep_size,
-                 "Expert parallel (--model moe): each rank holds --experts / E of every MoE layer's experts and "
-                 "tokens travel to their experts' ranks by all-to-all (mesh {dp = world / E, ep = E}; each expert "
-                 "fully_shard over dp, the rest over all ranks; every rank still trains its own slice of the "
-                 "batch); must divide the world size and the experts; --parallel fsdp, --tp-size 1 (docs/moe.md)")
+                 "Expert parallel over N ranks (--model moe, or --init-from a MoE folder): each rank holds 1/N of "
+                 "every MoE layer's experts and tokens travel to their experts' ranks by all-to-all (mesh {dp = "
+                 "world / N, ep = N}; each expert fully_shard over dp, the rest over all ranks; every rank still "
+                 "trains its own slice of the batch); N must divide the world size and the experts; --parallel "
+                 "fsdp, --tp-size 1 (docs/moe.md)")
       ->check(bounded(1, 4096, true));
   app.add_option("--device", o.device,
                  "cpu | cuda | auto (cuda when LibTorch has CUDA and a GPU is visible); one GPU per rank by LOCAL_RANK")

@@ -8,7 +8,7 @@
     python3 benchmarks/fsdp2_bench.py llama --role single|fsdp2 --result FILE [--nproc 2] [--layers 12]
         [--hidden 768] [--heads 12] [--kv-heads 4] [--ffn 2048] [--vocab 32000] [--seq 256]
         [--batch 2 (per rank)] [--steps 4] [--warmup 1] [--threads T] [--wrap layers|split]
-    python3 benchmarks/fsdp2_bench.py moe --role single|fsdp2 --result FILE [--nproc 2] [--layers 9]
+    python3 benchmarks/fsdp2_bench.py moe --role single|fsdp2 --result FILE [--nproc 2] [--layers 8]
         [--hidden 1024] [--heads 16] [--kv-heads 8] [--vocab 32000] [--experts 16] [--top-k 2]
         [--moe-ffn 2048] [--seq 256] [--batch 1] [--steps 3] [--warmup 1] [--threads T] [--experts-impl I]
 
@@ -481,7 +481,7 @@ def train_moe(a, rank, world, sharded):
     train_loop(a, rank, world, model, loss_of, params, peak_rss=True)
 
 
-MOE_NAMES = [("nproc", 2), ("layers", 9), ("hidden", 1024), ("heads", 16), ("kv_heads", 8), ("vocab", 32000),
+MOE_NAMES = [("nproc", 2), ("layers", 8), ("hidden", 1024), ("heads", 16), ("kv_heads", 8), ("vocab", 32000),
              ("experts", 16), ("top_k", 2), ("moe_ffn", 2048), ("seq", 256), ("batch", 1), ("steps", 3),
              ("warmup", 1), ("threads", 0)]
 

@@ -44,7 +44,7 @@
 // callback; the counts exchange of each dispatch is outside them), its share of the step and the
 // bytes the ep group's all-to-alls sent (its Comm's stats); --result gains "a2a_s S a2a_bytes B".
 //
-//   fsdprun --nproc-per-node 2 -- llama_scale_bench --role train --model moe --layers 9 --hidden 1024 \
+//   fsdprun --nproc-per-node 2 -- llama_scale_bench --role train --model moe --layers 8 --hidden 1024 \
 //       --heads 16 --kv-heads 8 --vocab 32000 --experts 16 --top-k 2 --moe-ffn 2048 --ep 2 --seq 256 --batch 1
 //
 // Memory (--role train; all off by default, so that step times compare with earlier runs):

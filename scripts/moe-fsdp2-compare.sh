@@ -3,13 +3,13 @@
 # and under expert parallelism next to PyTorch's FSDP2 on transformers' MixtralForCausalLM (sid's
 # python3-torch and python3-transformers: the same LibTorch), same shape, per-rank batch, fp32 and
 # threads, inside the sid chroot that scripts/libtorch2-check.sh makes. By hand, never in CI (a
-# step of the default ~1B model is many seconds and a run holds ~8 GiB per rank).
+# step of the default 0.9B model is seconds to tens of seconds and a run holds 9-10.5 GiB a rank).
 #
 #   scripts/moe-fsdp2-compare.sh [--rounds 1] [--steps 3] [--warmup 1] [--nproc 2]
-#       [--shape "9 1024 16 8 32000"] [--experts 16] [--top-k 2] [--moe-ffn 2048] [--seq 256]
+#       [--shape "8 1024 16 8 32000"] [--experts 16] [--top-k 2] [--moe-ffn 2048] [--seq 256]
 #       [--batch 1] [--experts-impl I]
 #
-# --shape: layers, hidden, heads, KV heads, vocabulary (default: ~1.0B parameters in all, ~0.21B
+# --shape: layers, hidden, heads, KV heads, vocabulary (default: 0.896B parameters in all, 0.192B
 # per token with the default experts). Each round runs, one at a time: ours FSDP (fsdprun +
 # llama_scale_bench --role train --model moe --ep 1), ours EP (--ep NPROC: the experts split over
 # the ranks, the rest FSDP), theirs FSDP2 (benchmarks/fsdp2_bench.py moe; --experts-impl: its
@@ -27,7 +27,7 @@ set -euo pipefail
 REPO="$(cd "$(dirname "$0")/.." && pwd)"
 CHROOT="${FSDP_SID_CHROOT:-/var/cache/fsdp/chroot-sid}"
 CHROOT="${CHROOT%/}"
-ROUNDS=1 STEPS=3 WARMUP=1 NPROC=2 SHAPE="9 1024 16 8 32000" EXPERTS=16 TOPK=2 MOEFFN=2048 SEQ=256 BATCH=1 IMPL=""
+ROUNDS=1 STEPS=3 WARMUP=1 NPROC=2 SHAPE="8 1024 16 8 32000" EXPERTS=16 TOPK=2 MOEFFN=2048 SEQ=256 BATCH=1 IMPL=""
 while (($#)); do
   case "$1" in
     --rounds) ROUNDS="$2"; shift 2 ;;

@@ -198,9 +198,21 @@ class MoETrainModel : public TrainModel {
   void apply_tp(const fsdp::DeviceMesh&) override {
     throw std::invalid_argument("--model moe has no tensor-parallel plan: use --tp-size 1");
   }
+  // Every k-th decoder layer's attention, experts and dense MLP, not the whole layer: the router
+  // stays outside the checkpointed functions, so its logits keep their graph for the auxiliary
+  // loss (a reentrant recompute of the whole layer would leave the first forward's router logits
+  // without one, and the router without the auxiliary loss's gradient), and under expert
+  // parallelism the recompute runs the local experts only, no all-to-all again.
   void apply_ac(int k) override {
-    fsdp::activation::apply_activation_checkpointing(*moe_,
-                                                     fsdp::activation::every_kth<fsdp::models::MoEDecoderLayerImpl>(k));
+    const std::string prefix = "model.layers.";
+    fsdp::activation::apply_activation_checkpointing(*moe_, [k, prefix](const std::string& name, torch::nn::Module& m) {
+      const bool heavy = dynamic_cast<fsdp::models::LlamaAttentionImpl*>(&m) ||
+                         dynamic_cast<fsdp::models::MoEExpertImpl*>(&m) ||
+                         dynamic_cast<fsdp::models::LlamaMLPImpl*>(&m);
+      if (!heavy || name.rfind(prefix, 0) != 0) return false;
+      const int64_t layer = std::stoll(name.substr(prefix.size()));
+      return (layer + 1) % k == 0;
+    });
   }
   std::vector<fsdp::FSDPModule> apply_fsdp(const fsdp::FullyShardOptions& options) override {
     std::vector<fsdp::FSDPModule> units;

@@ -47,24 +47,10 @@ read -r LAYERS HIDDEN HEADS KV FFN VOCAB <<<"$SHAPE"
 [ -n "$VOCAB" ] || die "--shape takes six numbers: layers hidden heads kv-heads intermediate vocab"
 [ "$WRAP" = layers ] || [ "$WRAP" = split ] || die "--wrap takes layers or split, got '$WRAP'"
 
-# shellcheck source-path=SCRIPTDIR source=../scripts/lib/chroot.sh
-. "$REPO/scripts/lib/chroot.sh"
-chroot_lock llama-fsdp2-compare
-OUT=/tmp/llama-fsdp2-compare
-trap 'chroot_unmount_all; rm -rf "$CHROOT$OUT"' EXIT
-chroot_unmount_all
-chroot_mount "$REPO" /src
-in_chroot() { chroot_run USE_LIBUV=0 -- "$@"; }
-in_chroot python3 -c 'import transformers, torch.distributed.fsdp' 2>/dev/null ||
-  die "the chroot lacks python3-transformers or python3-torch (scripts/libtorch2-check.sh installs them)"
-BUILD="${FSDP_COMPARE_BUILD:-/build-torch2}"
-# libtorch2-check.sh configures this folder without benchmarks: turn them on (it turns them off again).
-in_chroot cmake -S /src -B "$BUILD" -G Ninja -DCMAKE_BUILD_TYPE=Release -DFSDP_BUILD_BENCHMARKS=ON >/dev/null
-(flock 8 && in_chroot cmake --build "$BUILD" --target llama_scale_bench fsdprun -- -j2 | tail -n 1) 8>/tmp/fsdp-build.lock
-
-CORES=$(nproc) THREADS=$(($(nproc) / NPROC))
-((THREADS >= 1)) || THREADS=1
-in_chroot rm -rf "$OUT" && in_chroot mkdir -p "$OUT"
+# shellcheck source-path=SCRIPTDIR source=../scripts/lib/compare_chroot.sh
+. "$REPO/scripts/lib/compare_chroot.sh"
+compare_chroot_setup llama-fsdp2-compare
+CORES=$(nproc)
 common=(--layers "$LAYERS" --hidden "$HIDDEN" --heads "$HEADS" --kv-heads "$KV" --ffn "$FFN" --vocab "$VOCAB"
         --seq "$SEQ" --batch "$BATCH" --steps "$STEPS" --warmup "$WARMUP")
 printf 'llama-fsdp2-compare: torch %s, transformers %s; %s rounds x %s steps after %s warm-up; %s ranks x %s threads (%s cores); wrap %s; load average at start: %s\n' \

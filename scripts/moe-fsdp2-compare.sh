@@ -51,24 +51,10 @@ die() { printf 'moe-fsdp2-compare: %s\n' "$*" >&2; exit 1; }
 read -r LAYERS HIDDEN HEADS KV VOCAB <<<"$SHAPE"
 [ -n "$VOCAB" ] || die "--shape takes five numbers: layers hidden heads kv-heads vocab"
 
-# shellcheck source-path=SCRIPTDIR source=../scripts/lib/chroot.sh
-. "$REPO/scripts/lib/chroot.sh"
-chroot_lock moe-fsdp2-compare
-OUT=/tmp/moe-fsdp2-compare
-trap 'chroot_unmount_all; rm -rf "$CHROOT$OUT"' EXIT
-chroot_unmount_all
-chroot_mount "$REPO" /src
-in_chroot() { chroot_run USE_LIBUV=0 -- "$@"; }
-in_chroot python3 -c 'import transformers, torch.distributed.fsdp' 2>/dev/null ||
-  die "the chroot lacks python3-transformers or python3-torch (scripts/libtorch2-check.sh installs them)"
-BUILD="${FSDP_COMPARE_BUILD:-/build-torch2}"
-# libtorch2-check.sh configures this folder without benchmarks: turn them on (it turns them off again).
-in_chroot cmake -S /src -B "$BUILD" -G Ninja -DCMAKE_BUILD_TYPE=Release -DFSDP_BUILD_BENCHMARKS=ON >/dev/null
-(flock 8 && in_chroot cmake --build "$BUILD" --target llama_scale_bench fsdprun -- -j2 | tail -n 1) 8>/tmp/fsdp-build.lock
-
-CORES=$(nproc) THREADS=$(($(nproc) / NPROC))
-((THREADS >= 1)) || THREADS=1
-in_chroot rm -rf "$OUT" && in_chroot mkdir -p "$OUT"
+# shellcheck source-path=SCRIPTDIR source=../scripts/lib/compare_chroot.sh
+. "$REPO/scripts/lib/compare_chroot.sh"
+compare_chroot_setup moe-fsdp2-compare
+CORES=$(nproc)
 common=(--layers "$LAYERS" --hidden "$HIDDEN" --heads "$HEADS" --kv-heads "$KV" --vocab "$VOCAB" --experts "$EXPERTS"
         --top-k "$TOPK" --moe-ffn "$MOEFFN" --seq "$SEQ" --batch "$BATCH" --steps "$STEPS" --warmup "$WARMUP")
 impl=()

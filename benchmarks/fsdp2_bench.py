@@ -422,25 +422,32 @@ def add_llama_args(ap):
     ap.add_argument("--store", default="")
 
 
-def main_llama(a):
+def run_roles(a, bench, names, train, extra_args):
+    """The roles of the shape benchmarks (llama, moe): `single` trains in this process, `rank` is one
+    rank of a gloo group (launched by `fsdp2`), `fsdp2` launches a.nproc ranks of this script with
+    the shape options `names` and `extra_args`."""
     if a.threads <= 0:
         a.threads = max(1, (os.cpu_count() or 1) // a.nproc)
     if a.role == "single":
-        train_llama(a, 0, 1, sharded=False)
+        train(a, 0, 1, sharded=False)
         return 0
     if a.role == "rank":
         rank = int(os.environ["RANK"])
         dist.init_process_group("gloo", store=dist.FileStore(a.store, a.nproc), rank=rank, world_size=a.nproc)
-        train_llama(a, rank, a.nproc, sharded=True)
+        train(a, rank, a.nproc, sharded=True)
         dist.destroy_process_group()
         return 0
-    with tempfile.TemporaryDirectory(prefix="llama-fsdp2-bench-") as tmp:
-        args = [sys.executable, os.path.abspath(__file__), "llama", "--role", "rank", "--store", os.path.join(tmp, "store"),
-                "--result", a.result, "--wrap", a.wrap]
-        for name, _ in LLAMA_NAMES:
+    with tempfile.TemporaryDirectory(prefix=bench + "-fsdp2-bench-") as tmp:
+        args = [sys.executable, os.path.abspath(__file__), bench, "--role", "rank", "--store", os.path.join(tmp, "store"),
+                "--result", a.result] + extra_args
+        for name, _ in names:
             args += ["--" + name.replace("_", "-"), str(getattr(a, name))]
-        run_ranks(args, a.nproc, a.threads, "fsdp2_bench llama")
+        run_ranks(args, a.nproc, a.threads, "fsdp2_bench " + bench)
     return 0
+
+
+def main_llama(a):
+    return run_roles(a, "llama", LLAMA_NAMES, train_llama, ["--wrap", a.wrap])
 
 
 # ---- moe: transformers' MixtralForCausalLM on CPU ------------------------------------------------
@@ -497,26 +504,7 @@ def add_moe_args(ap):
 
 
 def main_moe(a):
-    if a.threads <= 0:
-        a.threads = max(1, (os.cpu_count() or 1) // a.nproc)
-    if a.role == "single":
-        train_moe(a, 0, 1, sharded=False)
-        return 0
-    if a.role == "rank":
-        rank = int(os.environ["RANK"])
-        dist.init_process_group("gloo", store=dist.FileStore(a.store, a.nproc), rank=rank, world_size=a.nproc)
-        train_moe(a, rank, a.nproc, sharded=True)
-        dist.destroy_process_group()
-        return 0
-    with tempfile.TemporaryDirectory(prefix="moe-fsdp2-bench-") as tmp:
-        args = [sys.executable, os.path.abspath(__file__), "moe", "--role", "rank", "--store", os.path.join(tmp, "store"),
-                "--result", a.result]
-        if a.experts_impl:
-            args += ["--experts-impl", a.experts_impl]
-        for name, _ in MOE_NAMES:
-            args += ["--" + name.replace("_", "-"), str(getattr(a, name))]
-        run_ranks(args, a.nproc, a.threads, "fsdp2_bench moe")
-    return 0
+    return run_roles(a, "moe", MOE_NAMES, train_moe, ["--experts-impl", a.experts_impl] if a.experts_impl else [])
 
 
 def main():

@@ -43,6 +43,7 @@
 #include "fsdp/debug/flight_recorder.h"
 #include "fsdp/fsdp.h"
 #include "fused_copy_checks.h"
+#include "gpu_skip.h"
 #include "models/gpt.h"
 #include "multiprocess.h"
 #include "op_counts.h"
@@ -62,17 +63,7 @@ using fsdp::testing::RanksOptions;
 
 namespace {
 
-// Why a GPU test cannot run here; empty when it can.
-std::string gpu_skip_reason(bool needs_nccl) {
-#ifndef FSDP_HAS_CUDA
-  return "this LibTorch (" + std::string(TORCH_VERSION) +
-         ") is a CPU build: rebuild against a CUDA LibTorch (scripts/cuda-build-check.sh)";
-#else
-  if (!torch::cuda::is_available()) return "no GPU visible (torch::cuda::is_available() is false)";
-  if (needs_nccl && !fsdp::comm::nccl_available()) return "this LibTorch has no NCCL backend";
-  return "";
-#endif
-}
+using fsdp_gpu_test::gpu_skip_reason;
 
 #define SKIP_WITHOUT_GPU(needs_nccl)                      \
   do {                                                    \

@@ -14,6 +14,7 @@
 
 #include "fsdp/comm/backend.h"
 #include "fsdp/fsdp.h"
+#include "gpu_skip.h"
 #include "models/gpt.h"
 #include "multiprocess.h"
 
@@ -22,20 +23,10 @@ using fsdp::models::GPTConfig;
 
 namespace {
 
-std::string skip_reason() {
-#ifndef FSDP_HAS_CUDA
-  return "this LibTorch (" + std::string(TORCH_VERSION) +
-         ") is a CPU build: rebuild against a CUDA LibTorch (scripts/cuda-build-check.sh)";
-#else
-  if (!torch::cuda::is_available()) return "no GPU visible (torch::cuda::is_available() is false)";
-  return "";
-#endif
-}
-
-#define SKIP_WITHOUT_A_GPU()                 \
-  do {                                       \
-    const std::string why_ = skip_reason();  \
-    if (!why_.empty()) GTEST_SKIP() << why_; \
+#define SKIP_WITHOUT_A_GPU()                                   \
+  do {                                                         \
+    const std::string why_ = fsdp_gpu_test::gpu_skip_reason(); \
+    if (!why_.empty()) GTEST_SKIP() << why_;                   \
   } while (0)
 
 torch::Device gpu() { return torch::Device(torch::kCUDA, 0); }

@@ -30,6 +30,7 @@
 #include <vector>
 
 #include "fsdp/fsdp.h"
+#include "gpu_skip.h"
 #include "models/gpt.h"
 #include "models/llama/llama.h"
 #include "multiprocess.h"
@@ -43,16 +44,6 @@ namespace {
 constexpr int64_t kGlobalBatch = 4, kSeq = 12;
 constexpr int kSteps = 6;
 constexpr double kTol = 1e-5;
-
-std::string gpu_skip_reason() {
-#ifndef FSDP_HAS_CUDA
-  return "this LibTorch (" + std::string(TORCH_VERSION) +
-         ") is a CPU build: rebuild against a CUDA LibTorch (scripts/cuda-build-check.sh)";
-#else
-  if (!torch::cuda::is_available()) return "no GPU visible (torch::cuda::is_available() is false)";
-  return "";
-#endif
-}
 
 // Uneven on purpose: 67 vocabulary rows and the KV projections' 12 rows over 2 ranks, 3 units.
 LlamaConfig small_llama() {
@@ -206,12 +197,12 @@ FSDP_RANK_WORKER(two_ranks_prefetch) { two_rank_worker(/*reshard_after_forward=*
 FSDP_RANK_WORKER(two_ranks_keep) { two_rank_worker(/*reshard_after_forward=*/false, /*ahead=*/0); }
 
 TEST(GpuTwoRanks, PrefetchingTwoAheadMatchesOneProcess) {
-  if (const auto why = gpu_skip_reason(); !why.empty()) GTEST_SKIP() << why;
+  if (const auto why = fsdp_gpu_test::gpu_skip_reason(); !why.empty()) GTEST_SKIP() << why;
   EXPECT_RANKS_PASS(2, "two_ranks_prefetch", two_ranks(/*on_cpu=*/false));
 }
 
 TEST(GpuTwoRanks, KeepAfterForwardWithRaceModeMatches) {
-  if (const auto why = gpu_skip_reason(); !why.empty()) GTEST_SKIP() << why;
+  if (const auto why = fsdp_gpu_test::gpu_skip_reason(); !why.empty()) GTEST_SKIP() << why;
   auto o = two_ranks(/*on_cpu=*/false);
   o.env["FSDP_STREAM_RACE_US"] = "200";
   EXPECT_RANKS_PASS(2, "two_ranks_keep", o);
